@@ -1,0 +1,38 @@
+# Two commands do everything (see README.md):
+#   make demo   set up a virtual environment and run the main job
+#   make test   set up a virtual environment and run the whole test suite
+# Each target creates .venv on first use; torch is pinned to the CPU build 2.13.0
+# *before* the package is installed so that no multi-GB CUDA build is pulled.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+TORCH  := torch==2.13.0
+
+.PHONY: demo test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.core-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e '.[dev,torch,train]'
+	touch $@ $(VENV)/.core-installed
+
+demo: $(VENV)/.core-installed
+	$(BIN)/python -m sage_optax.memory_report
+
+test: $(VENV)/.dev-installed
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n 2 --durations=10
+
+lint: $(VENV)/.dev-installed
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,59 @@
+"""sage_optax: SAGE, Unit-Norm SinkGD, APOLLO and the paper's hybrids as Optax transformations.
+
+Quick start::
+
+    import optax, sage_optax
+    tx = sage_optax.make_optimizer("sage-hybrid")        # paper defaults, lr 2e-3
+    print(sage_optax.routing_table("sage-hybrid", params))
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+
+The transforms follow Optax: ``scale_by_*`` transformations hold the rule, the aliases
+(:func:`sage`, :func:`sinkgd`, :func:`apollo`) chain decoupled weight decay and the
+learning rate.  Reference: "SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM
+Optimization" (Lee & Kim); SPEC.md fixes every convention.
+"""
+
+from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
+from sage_optax.axes import LeafAxes
+from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
+from sage_optax.llama_shapes import llama_param_shapes
+from sage_optax.memory import state_bytes, state_bytes_by_leaf
+from sage_optax.routing import ParamRouting, Route, RoutingError, label_params
+from sage_optax.sage import DAMPERS, ScaleBySageState, sage, sage_damper, scale_by_sage
+from sage_optax.sinkhorn import NORMALIZATIONS, scale_by_sinkhorn, sinkgd, sinkhorn_normalize
+from sage_optax.unit_norm import scale_by_unit_norm, unit_norm_descent
+from sage_optim.presets import CONFIG_NAMES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CONFIG_NAMES",
+    "DAMPERS",
+    "NORMALIZATIONS",
+    "LeafAxes",
+    "ParamRouting",
+    "Route",
+    "RoutingError",
+    "RoutingTable",
+    "ScaleByApolloState",
+    "ScaleBySageState",
+    "apollo",
+    "label_params",
+    "llama_param_shapes",
+    "make_optimizer",
+    "routing_table",
+    "sage",
+    "sage_damper",
+    "sage_hybrid",
+    "scale_by_apollo",
+    "scale_by_sage",
+    "scale_by_sinkhorn",
+    "scale_by_unit_norm",
+    "sinkgd",
+    "sinkhorn_normalize",
+    "state_bytes",
+    "state_bytes_by_leaf",
+    "unit_norm_descent",
+]

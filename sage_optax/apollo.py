@@ -1,0 +1,487 @@
+"""APOLLO: SGD-like memory, AdamW-level performance (Zhu et al. 2024), as SPEC.md uses it.
+
+For a dense matrix with gradient ``G`` at step ``t`` (from 1), per batch index of stacked
+layers (SPEC.md section 4, "APOLLO, as the apollo configuration uses it")::
+
+    P   = projection(path, k, n, r)         k = (t − 1) // T, entries N(0, 1/r), not stored
+    R   = G ×_c P                           compress axis c (the smaller one) to rank r
+    M_t = b1 M_{t−1} + (1 − b1) R ;  V_t = b2 V_{t−1} + (1 − b2) R²
+    R̃   = M_t / (√V_t + ε)                 (no bias correction inside R̃)
+    s   = ‖R̃‖_F / (‖R‖_F + 1e-8)            "tensor": one factor per matrix
+          ‖R̃_j‖ / (‖R_j‖ + 1e-8)            "channel": one per index j of the other axis
+    U   = G · s · √scale
+    U  ← U · γ ρ / ‖U‖_F   if ρ > 0 and ‖U‖_F > γ ρ ;  ρ ← ‖U‖_F    (norm-growth limiter)
+    u_t = U · √(1 − b2^t) / (1 − b1^t)
+
+and :func:`apollo` takes ``θ ← (θ − η_t u_t)(1 − η_t w)``: the decay is applied *after* the
+step, as in APOLLO's code.  The compressed axis ``c`` is the fan-in axis when the fan-out
+size is at least the fan-in size, otherwise the fan-out axis, so ``R``, ``M`` and ``V``
+have ``r`` entries along ``c``: for APOLLO-Mini (rank 1, ``tensor``) the state of an
+``(in, out)`` kernel is ``O(max(in, out))``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sage_optax import axes as axes_lib
+from sage_optax import validation
+
+SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
+"""Gradient scaling granularity: one factor per matrix, or one per uncompressed channel."""
+
+Projection = Callable[[str, jax.Array, int, int], jax.Array]
+"""``projection(path, refresh_index, n, rank) -> P`` with ``P.shape == (n, rank)``."""
+
+_NORM_FLOOR = 1e-8  # the 1e-8 added to ‖R‖ in the scaling factor (SPEC.md)
+
+
+def gaussian_projection(seed: int = 0) -> Projection:
+    r"""The default APOLLO projection: ``P`` with i.i.d. entries :math:`N(0, 1/r)`.
+
+    ``P = jax.random.normal(key, (n, rank), float32) / sqrt(rank)`` with
+    ``key = fold_in(fold_in(key(seed), crc32(path)), refresh_index)``.  Keying on the leaf's
+    *path* (not its index among the leaves) keeps ``P`` identical when the leaf is trained
+    inside ``optax.partition``/``optax.masked``, where other leaves become masked, and on
+    the refresh index, so ``P`` changes every ``update_proj_gap`` steps without being
+    stored.  The entries are float32 normals whatever the parameter dtype (callers cast up),
+    so float32 and float64 runs see the same ``P``.
+
+    Args:
+      seed: base seed of the generator.
+
+    Returns:
+      A :data:`Projection` callable; ``refresh_index`` may be a traced integer.
+    """
+
+    def projection(path: str, refresh_index: jax.Array, n: int, rank: int) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), np.uint32(zlib.crc32(path.encode())))
+        key = jax.random.fold_in(key, refresh_index)
+        return jax.random.normal(key, (n, rank), jnp.float32) / math.sqrt(rank)
+
+    return projection
+
+
+class ScaleByApolloState(NamedTuple):
+    """State of :func:`scale_by_apollo`.
+
+    Attributes:
+      count: number of steps taken so far (``int32``).
+      mu: first moment ``M`` of the projected gradient ``R``, per leaf in the leaf's own
+        layout with the compressed axis shrunk to ``rank`` (float32 or wider).
+      nu: second moment ``V`` of ``R``, shaped like ``mu``.
+      norm: ``‖U‖_F`` of the previous step after limiting, per leaf with the shape of its
+        batch axes (a scalar for a plain matrix; float32 or wider); ``0`` means "not
+        recorded yet".
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    nu: optax.Updates
+    norm: optax.Updates
+
+
+class _LeafPlan(NamedTuple):
+    compressed: int  # axis of the leaf projected to rank r
+    matrix_axes: tuple[int, int]  # (fan_in, fan_out), sorted
+    moment_shape: tuple[int, ...]
+    norm_shape: tuple[int, ...]
+
+
+def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan | None:
+    """Resolve a leaf's axes; ``None`` for a leaf that passes through (spec ``None``)."""
+    if spec is None:
+        return None
+    if not isinstance(spec, axes_lib.LeafAxes):
+        raise TypeError(f"parameter {path!r}: dims must be LeafAxes or None, got {spec!r}")
+    if len(shape) < 2 or not spec.is_matrix:
+        raise ValueError(
+            f"APOLLO needs a matrix, but parameter {path!r} has shape {tuple(shape)}"
+            + ("" if len(shape) < 2 else " and vector axes")
+            + "; route 1-D/0-D parameters to another rule (e.g. make_optimizer(...) or "
+            "optax.partition)"
+        )
+    r = spec.resolve(tuple(shape), path)
+    assert r.fan_in is not None and r.fan_out is not None
+    fi, fo = r.fan_in, r.fan_out
+    compressed = fi if shape[fo] >= shape[fi] else fo
+    moment_shape = tuple(rank if a == compressed else n for a, n in enumerate(shape))
+    norm_shape = tuple(n for a, n in enumerate(shape) if a not in (fi, fo))
+    return _LeafPlan(compressed, (min(fi, fo), max(fi, fo)), moment_shape, norm_shape)
+
+
+def _wide(dtype: Any) -> Any:
+    """Arithmetic dtype: float32, or wider if the input is wider (float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _one_minus_pow(b: Any, t: jax.Array, dtype: Any) -> jax.Array:
+    """``1 − b^t`` without cancellation: ``−expm1(t·log1p(−(1 − b)))``.
+
+    ``1 − b`` is formed before any cast (in Python double when ``b`` is a number), so the
+    float32 bias correction of early steps is accurate to rounding instead of losing
+    about four digits to ``1 − 0.999^t``.
+    """
+    return -jnp.expm1(t * jnp.log1p(-jnp.asarray(1 - b, dtype)))
+
+
+def _project(g: jax.Array, p: jax.Array, axis: int) -> jax.Array:
+    """Contract ``g``'s ``axis`` with ``p`` ``(n, r)``, keeping ``g``'s layout (``r`` there)."""
+    moved = jnp.moveaxis(g, axis, -1)
+    out = jnp.matmul(moved, p, precision=jax.lax.Precision.HIGHEST)
+    return jnp.moveaxis(out, -1, axis)
+
+
+def _norm(x: jax.Array, axis: Any) -> jax.Array:
+    return jnp.sqrt(jnp.sum(jnp.square(x), axis=axis, keepdims=True))
+
+
+def _scaling_factor(r: jax.Array, r_tilde: jax.Array, axis: Any) -> jax.Array:
+    """APOLLO's ``s = ‖R̃‖/(‖R‖ + 1e-8)``, norms over ``axis`` (kept, to broadcast onto G)."""
+    return _norm(r_tilde, axis) / (_norm(r, axis) + _NORM_FLOOR)
+
+
+def scale_by_apollo(
+    rank: int = 1,
+    scale_type: str = "tensor",
+    scale: float = 128.0,
+    update_proj_gap: int = 200,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    limiter_gamma: float = 1.01,
+    seed: int = 0,
+    *,
+    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+    projection: Projection | None = None,
+) -> optax.GradientTransformation:
+    r"""Rescale each gradient matrix by APOLLO's projected AdamW ratio (Zhu et al. 2024).
+
+    The update of a matrix leaf with gradient :math:`G` at step :math:`t` is
+
+    .. math::
+
+        u_t = \frac{\sqrt{1-\beta_2^t}}{1-\beta_1^t}\, \mathrm{lim}\big(G\, s_t \sqrt{c}\big),
+        \qquad s_t = \frac{\|\tilde R_t\|}{\|R_t\| + 10^{-8}},\quad
+        \tilde R_t = \frac{M_t}{\sqrt{V_t}+\epsilon},
+
+    where :math:`R_t = G \times_{\text{axis}} P_k` is the gradient with its smaller axis
+    (fan-in if fan-out ≥ fan-in, else fan-out) compressed to ``rank`` by a random
+    projection :math:`P_k`, :math:`M_t, V_t` are AdamW moments of :math:`R_t`, :math:`c`
+    is ``scale``, and :math:`\mathrm{lim}` is the norm-growth limiter (SPEC.md section 4):
+    with :math:`\rho` the recorded norm of the previous step,
+    :math:`U \leftarrow U\,\gamma\rho/\|U\|_F` if :math:`\rho > 0` and
+    :math:`\|U\|_F > \gamma\rho`, then :math:`\rho \leftarrow \|U\|_F`.
+
+    *Deviation from a literal reading:* the limiter acts only once a non-zero norm has been
+    recorded.  When :math:`\rho = 0` (the first step, or every step so far had ``U = 0``)
+    it only records, so an all-zero first gradient does not freeze the matrix forever
+    (literally, ``‖U‖ ≤ γ·0`` would hold every later update at zero).
+
+    Stacked leaves (batch axes, e.g. ``(L, in, out)``) are handled per batch index: one
+    scale, one limiter norm (``norm`` has the batch shape) and separate moments per layer.
+    All layers of one leaf share the projection ``P`` (one per leaf path and refresh).
+
+    The projection ``P_k`` with ``k = (t-1) // update_proj_gap`` is regenerated from
+    ``(seed, path, k)`` every step and never stored; moments are not reset at a refresh.
+    Pass ``projection`` to supply it yourself, e.g. to feed the PyTorch twin and this
+    transform the same matrices: it is called as ``projection(path, k, n, rank)`` with the
+    dotted leaf path (``"layers.0.mlp.kernel"``), a traced ``int32`` refresh index ``k``
+    (use it only in traceable code such as ``jax.random.fold_in``), the size ``n`` of the
+    compressed axis and ``rank``, and must return an ``(n, rank)`` array.
+
+    Args:
+      rank: rank ``r`` of the projection (APOLLO-Mini: 1).  Structural.
+      scale_type: ``"tensor"`` (one factor per matrix, APOLLO-Mini) or ``"channel"`` (one
+        per index of the uncompressed axis, norms over the rank axis).  Structural.
+      scale: the factor ``c`` under the square root (APOLLO-Mini: 128).
+      update_proj_gap: refresh period ``T`` of the projection, in steps.  Structural.
+      b1: β1 of the moment ``M``.
+      b2: β2 of the moment ``V``.
+      eps: ε of :math:`\tilde R`.
+      limiter_gamma: growth bound γ of the limiter (``float("inf")`` disables it).
+      seed: seed of the default projection.  Structural.
+      dims: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
+        ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
+        through unchanged, without state) or a callable of the params.
+      projection: optional :data:`Projection` replacing :func:`gaussian_projection`.
+
+    With ``optax.inject_hyperparams`` the numeric hyperparameters (``scale``, ``b1``,
+    ``b2``, ``eps``, ``limiter_gamma``) may be arrays; ``rank``, ``scale_type``,
+    ``update_proj_gap`` and ``seed`` fix shapes and code paths and must be passed through
+    ``static_args``.  Arithmetic is in float32, or the parameter dtype if wider; moments
+    and norms are kept in that dtype; the update has the gradient's dtype.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state :class:`ScaleByApolloState`.  A leaf
+      that is not a matrix raises a ``ValueError`` naming its path and shape ("APOLLO
+      needs a matrix").
+    """
+    validation.check_positive_int("rank", rank)
+    validation.check_choice("scale_type", scale_type, SCALE_TYPES)
+    validation.check_range("scale", scale, 0.0, float("inf"), low_inclusive=False)
+    validation.check_positive_int("update_proj_gap", update_proj_gap)
+    validation.check_range("b1", b1, 0.0, 1.0)
+    validation.check_range("b2", b2, 0.0, 1.0)
+    validation.check_range("eps", eps, 0.0, float("inf"))
+    validation.check_range("limiter_gamma", limiter_gamma, 1.0, float("inf"), high_inclusive=True)
+    project_fn = projection if projection is not None else gaussian_projection(seed)
+
+    def get_projection(path: str, k: jax.Array, n: int, dtype: Any) -> jax.Array:
+        p = jnp.asarray(project_fn(path, k, n, rank))
+        if tuple(p.shape) != (n, rank):
+            raise ValueError(
+                f"parameter {path!r}: the projection returned shape {tuple(p.shape)}, "
+                f"expected {(n, rank)} (size of the compressed axis, rank)"
+            )
+        return p.astype(dtype)
+
+    def init_fn(params: optax.Params) -> ScaleByApolloState:
+        specs = axes_lib.resolve_spec(dims, params)
+        treedef, leaves = axes_lib.flatten_with_spec(params, specs)
+        mu, nu, norm = [], [], []
+        for path, spec, p in leaves:
+            plan = None if axes_lib.is_masked(p) else _plan(path, spec, p.shape, rank)
+            if plan is None:
+                masked = p if axes_lib.is_masked(p) else optax.MaskedNode()
+                mu.append(masked)
+                nu.append(masked)
+                norm.append(masked)
+                continue
+            wide = _wide(p.dtype)
+            mu.append(jnp.zeros(plan.moment_shape, wide))
+            nu.append(jnp.zeros(plan.moment_shape, wide))
+            norm.append(jnp.zeros(plan.norm_shape, wide))
+        unflat = jax.tree_util.tree_unflatten
+        return ScaleByApolloState(
+            count=jnp.zeros([], jnp.int32),
+            mu=unflat(treedef, mu),
+            nu=unflat(treedef, nu),
+            norm=unflat(treedef, norm),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: ScaleByApolloState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, ScaleByApolloState]:
+        del params
+        specs = axes_lib.resolve_spec(dims, updates)
+        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
+        mus = axes_lib.flatten_like(treedef, state.mu, "the APOLLO first-moment state")
+        nus = axes_lib.flatten_like(treedef, state.nu, "the APOLLO second-moment state")
+        norms = axes_lib.flatten_like(treedef, state.norm, "the APOLLO limiter state")
+        count = optax.safe_increment(state.count)
+        refresh = (count - 1) // update_proj_gap
+        new_u, new_mu, new_nu, new_norm = [], [], [], []
+        for (path, spec, g), m, v, prev in zip(leaves, mus, nus, norms, strict=True):
+            plan = None if axes_lib.is_masked(g) else _plan(path, spec, g.shape, rank)
+            if plan is None:
+                new_u.append(g)
+                new_mu.append(m)
+                new_nu.append(v)
+                new_norm.append(prev)
+                continue
+            if tuple(m.shape) != plan.moment_shape or tuple(prev.shape) != plan.norm_shape:
+                raise ValueError(
+                    f"parameter {path!r}: the gradient has shape {tuple(g.shape)}, which "
+                    f"needs APOLLO moments of shape {plan.moment_shape}, but the optimizer "
+                    f"state has {tuple(m.shape)} (was it initialised for other params?)"
+                )
+            wide = jnp.promote_types(_wide(g.dtype), m.dtype)
+            g32 = g.astype(wide)
+            p = get_projection(path, refresh, g.shape[plan.compressed], wide)
+            r = _project(g32, p, plan.compressed)
+            m_t = b1 * m.astype(wide) + (1 - b1) * r
+            v_t = b2 * v.astype(wide) + (1 - b2) * jnp.square(r)
+            r_tilde = m_t / (jnp.sqrt(v_t) + eps)
+            # "tensor": over both matrix axes (one factor per batch index); "channel": over
+            # the rank axis (one factor per index of the uncompressed axis).
+            s_axes = plan.matrix_axes if scale_type == "tensor" else plan.compressed
+            s = _scaling_factor(r, r_tilde, s_axes)
+            u = g32 * (s * jnp.sqrt(jnp.asarray(scale, wide)))
+            # Norm-growth limiter, per batch index; it only records until a norm > 0 exists.
+            norm_u = _norm(u, plan.matrix_axes)
+            prev_k = jnp.expand_dims(prev.astype(wide), plan.matrix_axes)
+            bound = limiter_gamma * prev_k
+            limit = (prev_k > 0) & (norm_u > bound)
+            factor = jnp.where(limit, bound / jnp.where(limit, norm_u, 1), 1)
+            u = u * factor
+            t = count.astype(wide)
+            correction = jnp.sqrt(_one_minus_pow(b2, t, wide)) / _one_minus_pow(b1, t, wide)
+            new_u.append((u * correction).astype(g.dtype))
+            new_mu.append(m_t.astype(m.dtype))
+            new_nu.append(v_t.astype(v.dtype))
+            new_norm.append(jnp.squeeze(norm_u * factor, plan.matrix_axes).astype(prev.dtype))
+        unflat = jax.tree_util.tree_unflatten
+        return unflat(treedef, new_u), ScaleByApolloState(
+            count=count,
+            mu=unflat(treedef, new_mu),
+            nu=unflat(treedef, new_nu),
+            norm=unflat(treedef, new_norm),
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class AddDecayedWeightsAfterStepState(NamedTuple):
+    """State of :func:`add_decayed_weights_after_step`: the step count for the schedule."""
+
+    count: jax.Array
+
+
+def add_decayed_weights_after_step(
+    weight_decay: Any,
+    learning_rate: optax.ScalarOrSchedule,
+    mask: Any | None = None,
+) -> optax.GradientTransformation:
+    r"""Apply the learning rate, then decoupled weight decay to the *stepped* parameters.
+
+    APOLLO's code decays after the step: :math:`\theta_{t} = (\theta_{t-1} - \eta_t u_t)
+    (1 - \eta_t w)`.  This transform therefore replaces ``add_decayed_weights`` *and*
+    ``scale_by_learning_rate``: it returns
+
+    .. math:: \Delta_t = -\eta_t u_t - \eta_t w\,(\theta_{t-1} - \eta_t u_t)
+
+    for decayed leaves and :math:`-\eta_t u_t` for the others, so that
+    ``optax.apply_updates`` gives the formula above.  :math:`\eta_t` is
+    ``learning_rate(count)`` for a schedule (count from 0, as
+    ``optax.scale_by_learning_rate``) or the constant itself.
+
+    Args:
+      weight_decay: the decay ``w`` (multiplied by the learning rate).
+      learning_rate: a float, a scalar array or an optax schedule.
+      mask: which leaves get weight decay: a pytree of bools with the params' structure
+        (or a prefix of it) or a callable of the params, as ``optax.add_decayed_weights``.
+        All leaves are stepped by the learning rate regardless.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state
+      :class:`AddDecayedWeightsAfterStepState`; its update needs ``params``.
+    """
+    validation.check_learning_rate(learning_rate)
+    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+
+    def init_fn(params: optax.Params) -> AddDecayedWeightsAfterStepState:
+        del params
+        return AddDecayedWeightsAfterStepState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: AddDecayedWeightsAfterStepState,
+        params: optax.Params | None = None,
+    ) -> tuple[optax.Updates, AddDecayedWeightsAfterStepState]:
+        if params is None:
+            raise ValueError(
+                "add_decayed_weights_after_step (the decay of apollo) needs the params: "
+                "call update(updates, state, params)"
+            )
+        eta = learning_rate(state.count) if callable(learning_rate) else learning_rate
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(
+            updates, is_leaf=axes_lib.is_masked
+        )
+        names = [axes_lib.path_str(path) for path, _ in with_path]
+        flat_p = axes_lib.flatten_like(treedef, params, "the params")
+        if mask is None:
+            flat_m = [True] * len(flat_p)
+        else:
+            mask_tree = mask(params) if callable(mask) else mask
+            # Broadcast a prefix mask over the subtrees it covers.
+            full = jax.tree.map(
+                lambda m, sub: jax.tree.map(lambda _: m, sub, is_leaf=axes_lib.is_masked),
+                mask_tree,
+                params,
+                is_leaf=axes_lib.is_masked,
+            )
+            flat_m = axes_lib.flatten_like(treedef, full, "the weight-decay mask")
+        axes_lib.check_same_shapes(
+            names, flat_p, [u for _, u in with_path], "the update", "the params"
+        )
+        out = []
+        for (_, u), p, m in zip(with_path, flat_p, flat_m, strict=True):
+            if axes_lib.is_masked(u):
+                out.append(u)
+                continue
+            wide = jnp.promote_types(_wide(u.dtype), p.dtype)
+            lr = jnp.asarray(eta, wide)
+            step = -lr * u.astype(wide)
+            if m:
+                step = step - lr * weight_decay * (p.astype(wide) + step)
+            out.append(step.astype(u.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out), AddDecayedWeightsAfterStepState(
+            count=optax.safe_increment(state.count)
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def apollo(
+    learning_rate: optax.ScalarOrSchedule,
+    rank: int = 1,
+    scale_type: str = "tensor",
+    scale: float = 128.0,
+    update_proj_gap: int = 200,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+    limiter_gamma: float = 1.01,
+    seed: int = 0,
+    *,
+    mask: Any | None = None,
+    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+    projection: Projection | None = None,
+) -> optax.GradientTransformation:
+    r"""The APOLLO optimizer (Zhu et al. 2024) with decay after the step, as its code does.
+
+    Per step: :math:`\theta \leftarrow (\theta - \eta_t u_t)(1 - \eta_t w)` with
+    :math:`u_t` the update of :func:`scale_by_apollo` (bias correction
+    :math:`\sqrt{1-\beta_2^t}/(1-\beta_1^t)` included), i.e.
+    ``chain(scale_by_apollo(...), add_decayed_weights_after_step(w, η, mask))``.
+    The defaults are APOLLO-Mini as the paper's baseline ran it (SPEC.md section 4): rank 1,
+    ``tensor`` scaling, scale 128, refresh every 200 steps.  Every leaf must be a matrix;
+    route embeddings and 1-D parameters to AdamW (``make_optimizer`` / ``optax.partition``).
+
+    Args:
+      learning_rate: a float or an optax schedule (the paper's setup: 1e-4).
+      rank: projection rank ``r`` (static under ``inject_hyperparams``).
+      scale_type: ``"tensor"`` or ``"channel"`` (static).
+      scale: gradient scale factor ``c`` (the update is multiplied by ``√c``).
+      update_proj_gap: refresh period of the projection (static).
+      b1: β1 of the projected first moment.
+      b2: β2 of the projected second moment.
+      eps: ε of the projected AdamW ratio.
+      weight_decay: decoupled decay ``w``, applied after the step.
+      limiter_gamma: norm-growth bound γ.
+      seed: seed of the default projection (static).
+      mask: which leaves get weight decay (pytree of bools or callable).
+      dims: per-leaf axes, see :func:`scale_by_apollo`.
+      projection: optional injected projection, see :func:`scale_by_apollo`.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    validation.check_learning_rate(learning_rate)
+    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    return optax.chain(
+        scale_by_apollo(
+            rank,
+            scale_type,
+            scale,
+            update_proj_gap,
+            b1,
+            b2,
+            eps,
+            limiter_gamma,
+            seed,
+            dims=dims,
+            projection=projection,
+        ),
+        add_decayed_weights_after_step(weight_decay, learning_rate, mask),
+    )

@@ -1,0 +1,272 @@
+"""The paper's eight optimizer configurations as Optax transformations (SPEC.md section 4).
+
+:func:`make_optimizer` builds any of them from the shared table in
+:mod:`sage_optim.presets`: the router (:func:`~sage_optax.label_params`) labels every leaf
+``embedding``/``dense``/``vector`` and ``optax.partition`` sends each kind to its rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+
+from sage_optax import memory, routing, validation
+from sage_optax.apollo import apollo
+from sage_optax.sage import sage
+from sage_optax.sinkhorn import sinkgd
+from sage_optax.unit_norm import unit_norm_descent
+from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Preset, Rule, get_preset
+from sage_optim.table import format_bytes, format_table
+
+_ROUTER_KEYS = ("route_overrides", "vocab_size")
+
+
+def build_rule(
+    rule: Rule,
+    learning_rate: optax.ScalarOrSchedule,
+    axes: Any,
+    mask: Any | None = None,
+) -> optax.GradientTransformation:
+    """The Optax transformation of one rule with its hyperparameters.
+
+    Args:
+      rule: which update rule and its hyperparameters.
+      learning_rate: float or schedule.
+      axes: per-leaf :class:`~sage_optax.LeafAxes` (pytree or callable of the params).
+      mask: weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
+    """
+    hp = rule.hyperparams
+    if rule.name == "adamw":
+        return optax.adamw(
+            learning_rate, hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"],
+            mask=mask,
+        )
+    if rule.name == "lion":
+        return optax.lion(
+            learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask
+        )
+    if rule.name == "sage":
+        return sage(learning_rate, **hp, mask=mask, vocab_axis=axes)
+    if rule.name == "sinkgd":
+        return sinkgd(learning_rate, **hp, mask=mask, dims=axes)
+    if rule.name == "apollo":
+        return apollo(learning_rate, **hp, mask=mask, dims=axes)
+    if rule.name == "unit_norm":
+        return unit_norm_descent(learning_rate, **hp, mask=mask, dims=axes)
+    raise ValueError(f"unknown rule {rule.name!r}; valid rules: {sorted(RULE_DEFAULTS)}")
+
+
+def _resolve_preset(name: str, overrides: dict[str, Any]) -> Preset:
+    """Apply rule swaps and hyperparameter overrides (consumed from ``overrides``)."""
+    preset = get_preset(name)
+    for kind in KINDS:
+        if kind in overrides:
+            value = overrides.pop(kind)
+            rule = value if isinstance(value, Rule) else Rule(value)
+            preset = preset.with_rule(kind, rule)
+    # "{kind}_{hp}=v" sets a hyperparameter of one kind's rule only.
+    for key in [k for k in overrides if k.split("_", 1)[0] in KINDS]:
+        kind, hp = key.split("_", 1)
+        rule = preset.rule(kind)
+        if hp not in RULE_DEFAULTS[rule.name]:
+            raise ValueError(
+                f"{key}: the {kind} rule of {name!r} is {rule.name!r}, which has no "
+                f"hyperparameter {hp!r}; it takes {sorted(RULE_DEFAULTS[rule.name])}"
+            )
+        preset = preset.with_rule(kind, rule.with_overrides(**{hp: overrides.pop(key)}))
+    # A plain hyperparameter goes to every rule of the configuration that takes it.
+    for hp in [k for k in overrides if k not in _ROUTER_KEYS + ("mask", "skip_nonfinite")]:
+        value = overrides.pop(hp)
+        kinds = [k for k in KINDS if hp in RULE_DEFAULTS[preset.rule(k).name]]
+        if not kinds:
+            rules = sorted({preset.rule(k).name for k in KINDS})
+            takes = sorted({h for r in rules for h in RULE_DEFAULTS[r]})
+            raise ValueError(
+                f"unknown override {hp!r} for {name!r} (rules {rules}); valid: {takes}, "
+                f"'<kind>_<hyperparameter>' with kind in {KINDS}, {KINDS} to swap a rule, "
+                f"{list(_ROUTER_KEYS)}, 'mask', 'skip_nonfinite'"
+            )
+        for kind in kinds:
+            preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**{hp: value}))
+    return preset
+
+
+def make_optimizer(
+    name: str,
+    learning_rate: optax.ScalarOrSchedule | None = None,
+    **overrides: Any,
+) -> optax.GradientTransformation:
+    """Build one of the paper's eight configurations by name.
+
+    Args:
+      name: one of ``adamw``, ``lion``, ``apollo``, ``sinkgd-pure``, ``sinkgd-hybrid``,
+        ``lion-hybrid``, ``sage-pure``, ``sage-hybrid`` (:data:`sage_optim.CONFIG_NAMES`).
+      learning_rate: float or optax schedule; defaults to the configuration's paper value
+        (2e-3 SAGE-based and Lion-Hybrid, 1e-4 AdamW/Lion/APOLLO, 2e-2 SinkGD-based).
+      **overrides: any of
+
+        * ``embedding=``/``dense=``/``vector=``: a rule name (``"adamw"``, ``"lion"``,
+          ``"sage"``, ``"sinkgd"``, ``"apollo"``, ``"unit_norm"``) or a
+          :class:`sage_optim.Rule` to swap, e.g. ``vector="adamw"`` for the paper's
+          SAGE-Hybrid variant with AdamW on 1-D parameters;
+        * ``<kind>_<hp>=``: one hyperparameter of one kind's rule, e.g. ``dense_alpha=5.0``;
+        * ``<hp>=``: a hyperparameter for every rule that has it, e.g. ``b1=0.891`` or
+          ``weight_decay=0.0``;
+        * ``route_overrides={glob: kind or Route}`` and ``vocab_size=`` for the router;
+        * ``mask=``: weight-decay mask (pytree of bools or callable);
+        * ``skip_nonfinite=N``: wrap in ``optax.apply_if_finite`` so a step with a NaN/Inf
+          gradient is skipped (params and state untouched), failing after N in a row.
+
+    Returns:
+      An ``optax.GradientTransformation`` (an ``optax.partition`` over the kinds).
+
+    Raises:
+      ValueError: unknown name (the message lists the valid ones), unknown override,
+        negative learning rate.
+    """
+    overrides = dict(overrides)
+    preset = _resolve_preset(name, overrides)
+    lr = preset.learning_rate if learning_rate is None else learning_rate
+    validation.check_learning_rate(lr)
+    route_overrides = overrides.pop("route_overrides", None)
+    vocab_size = overrides.pop("vocab_size", None)
+    mask = overrides.pop("mask", None)
+    skip_nonfinite = overrides.pop("skip_nonfinite", 0)
+    assert not overrides, overrides  # every key was consumed by _resolve_preset
+
+    def routing_of(params: Any) -> routing.ParamRouting:
+        return routing.label_params(params, route_overrides, vocab_size=vocab_size)
+
+    def axes_fn(params: Any) -> Any:
+        return routing_of(params).axes
+
+    def labels_fn(params: Any) -> Any:
+        return routing_of(params).labels
+
+    tx = optax.partition(
+        {kind: build_rule(preset.rule(kind), lr, axes_fn, mask) for kind in KINDS},
+        labels_fn,
+    )
+    if skip_nonfinite:
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=int(skip_nonfinite))
+    return tx
+
+
+def sage_hybrid(
+    learning_rate: optax.ScalarOrSchedule = 2e-3,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    alpha: float = 10.0,
+    num_iters: int = 5,
+    *,
+    vector_rule: str = "sage",
+    route_overrides: Mapping[str, Any] | None = None,
+    vocab_size: int | None = None,
+    mask: Any | None = None,
+) -> optax.GradientTransformation:
+    """SAGE-Hybrid, the paper's method: SAGE on embeddings and vectors, Unit-Norm SinkGD on dense.
+
+    An ``optax.partition`` over the router's labels (Table ``tab:hybrid_structure``):
+    ``embedding`` → :func:`~sage_optax.sage` (``O(Vd) + O(d)`` state), ``dense`` →
+    :func:`~sage_optax.sinkgd` with ``normalization="unit"`` (stateless), ``vector`` →
+    SAGE (or ``vector_rule="adamw"``, the variant the paper found equivalent).
+
+    Works with ``optax.inject_hyperparams(sage_hybrid)(learning_rate=schedule)``; pass
+    a callable ``mask`` through ``static_args``.
+
+    Args:
+      learning_rate: float or schedule (paper: 2e-3, cosine with 10% warmup).
+      b1: SAGE β1.
+      b2: SAGE β2.
+      eps: ε of SAGE's dampers and of the Sinkhorn norms.
+      weight_decay: decoupled decay for every parameter.
+      alpha: SinkGD update scale α.
+      num_iters: Sinkhorn iterations.
+      vector_rule: ``"sage"`` or ``"adamw"`` for 1-D/0-D parameters.
+      route_overrides: router overrides, see :func:`~sage_optax.label_params`.
+      vocab_size: helps the router find the vocab axis of oddly named heads.
+      mask: weight-decay mask.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    validation.check_choice("vector_rule", vector_rule, ("sage", "adamw"))
+    return make_optimizer(
+        "sage-hybrid",
+        learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        weight_decay=weight_decay,
+        dense_alpha=alpha,
+        dense_num_iters=num_iters,
+        vector=vector_rule,
+        route_overrides=route_overrides,
+        vocab_size=vocab_size,
+        mask=mask,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingTable:
+    """Printable routing of a model's parameters under one configuration.
+
+    ``rows`` are ``(path, shape, kind, transform, state bytes)``; ``shared_bytes`` counts
+    state that belongs to no single parameter (step counts).
+    """
+
+    config: str
+    rows: tuple[tuple[str, tuple[int, ...], str, str, int], ...]
+    shared_bytes: int
+
+    HEADERS = ("path", "shape", "kind", "transform", "state bytes")
+
+    @property
+    def total_bytes(self) -> int:
+        """Total optimizer-state bytes (per-parameter rows plus shared)."""
+        return sum(r[4] for r in self.rows) + self.shared_bytes
+
+    def __str__(self) -> str:
+        body = [(p, "x".join(map(str, s)) or "()", k, t, b) for p, s, k, t, b in self.rows]
+        body.append(("(shared: step counts)", "", "", "", self.shared_bytes))
+        footer = f"{self.config}: optimizer state {format_bytes(self.total_bytes)}"
+        return format_table(self.HEADERS, body) + "\n" + footer
+
+
+def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
+    """Route ``params`` as configuration ``tx_name`` would and count each leaf's state bytes.
+
+    Nothing is allocated: the state comes from ``jax.eval_shape(tx.init, params)``.
+
+    Args:
+      tx_name: a configuration name (see :func:`make_optimizer`).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      **overrides: as for :func:`make_optimizer` (rule swaps, router overrides...).
+
+    Returns:
+      A :class:`RoutingTable`; ``print`` it.
+    """
+    resolved = _resolve_preset(tx_name, dict(overrides))
+    tx = make_optimizer(tx_name, **overrides)
+    route = routing.label_params(
+        params, overrides.get("route_overrides"), vocab_size=overrides.get("vocab_size")
+    )
+    state = jax.eval_shape(tx.init, params)
+    per_leaf, shared = memory.state_bytes_by_leaf(state, params)
+    labels = dict(routing.iter_leaves(route.labels))
+    rows = []
+    for path, leaf in routing.iter_leaves(params):
+        kind = labels[path]
+        rows.append(
+            (path, tuple(leaf.shape), kind, resolved.rule(kind).describe(), per_leaf[path])
+        )
+    return RoutingTable(tx_name, tuple(rows), shared)
+
+
+__all__ = ["CONFIG_NAMES", "RoutingTable", "make_optimizer", "routing_table", "sage_hybrid"]

@@ -1,0 +1,259 @@
+"""SAGE: Sign-Adaptive GradiEnt (paper Algorithm 1 and Appendix "Instantaneous Stability").
+
+For each parameter with gradient ``g`` at step ``t`` (from 1)::
+
+    s_t = mean_{vocab axis} |g|            (matrices; |g| element-wise for vectors)  Eq. (1)
+    S_t = b2 * S_{t-1} + (1 - b2) * s_t ;   Ŝ_t = S_t / (1 - b2^t)
+    σ = sqrt(mean(Ŝ_t²)) ;  γ = sqrt(mean(s_t²))
+    H_t = min(σ / (Ŝ_t + eps), γ / (s_t + eps), 1)   broadcast over the vocab axis
+    C_t = sign(b1 * M_{t-1} + (1 - b1) * g)
+    u_t = C_t ⊙ H_t                         (θ ← θ - η_t u_t after decay, in :func:`sage`)
+    M_t = b2 * M_{t-1} + (1 - b2) * g
+
+States: ``M`` (parameter shape, like Lion) and ``S`` (the reduced shape: ``O(d)`` for an
+embedding ``(V, d)``), plus a step count.  ``‖H_t‖∞ ≤ 1``, so the update is never larger
+than Lion's; with ``damper="none"`` it *is* Lion's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sage_optax import axes as axes_lib
+from sage_optax import validation
+
+DAMPERS: tuple[str, ...] = ("both", "ema", "instant", "none")
+"""Damper variants: the paper's default ``both`` (EMA and instantaneous), ``ema`` (Algorithm 1
+alone), ``instant`` (the Appendix circuit breaker alone), ``none`` (H = 1, exactly Lion)."""
+
+
+class ScaleBySageState(NamedTuple):
+    """State of :func:`scale_by_sage`.
+
+    Attributes:
+      count: number of steps taken so far (``int32``).
+      mu: Lion-style momentum ``M``, with the parameters' structure and shapes.
+      s: EMA ``S`` of the mean absolute gradient, in the reduced shape of each leaf, in
+        float32 or wider.
+    """
+
+    count: jax.Array
+    mu: optax.Updates
+    s: optax.Updates
+
+
+class _LeafPlan(NamedTuple):
+    reduce_axis: int | None  # the vocab (fan-out) axis, None for element-wise s_t
+    rms_axes: tuple[int, ...]  # axes of s_t that σ and γ average over
+
+
+def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
+    ndim = len(shape)
+    if isinstance(spec, axes_lib.LeafAxes):
+        r = spec.resolve(shape, path)
+        if not r.is_matrix:
+            return _LeafPlan(None, r.feature_axes)
+        rms = tuple(a - (a > r.fan_out) for a in r.feature_axes if a != r.fan_out)
+        return _LeafPlan(r.fan_out, rms)
+    if spec is None or ndim < 2:
+        return _LeafPlan(None, tuple(range(ndim)))
+    if not -ndim <= spec < ndim:
+        raise ValueError(
+            f"vocab_axis={spec} is out of range for parameter {path!r} of shape {tuple(shape)}"
+        )
+    axis = spec % ndim
+    if axis < ndim - 2:
+        raise ValueError(
+            f"vocab_axis={spec} of parameter {path!r} with shape {tuple(shape)} is a leading "
+            "(stacked-layer) axis; pass a LeafAxes with explicit batch axes instead"
+        )
+    other = ndim - 2 if axis == ndim - 1 else ndim - 1
+    return _LeafPlan(axis, (other - (other > axis),))
+
+
+def _wide(dtype: Any) -> Any:
+    """Arithmetic dtype: float32, or wider if the input is wider (float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _mean_abs(g: jax.Array, plan: _LeafPlan) -> jax.Array:
+    a = jnp.abs(g.astype(_wide(g.dtype)))
+    return a if plan.reduce_axis is None else jnp.mean(a, axis=plan.reduce_axis)
+
+
+def sage_damper(
+    s: jax.Array,
+    s_hat: jax.Array,
+    rms_axes: tuple[int, ...],
+    eps: Any,
+    damper: str = "both",
+) -> jax.Array:
+    """The adaptive scale ``H_t`` of SAGE in the reduced shape of ``s`` (Algorithm 1).
+
+    Args:
+      s: instantaneous mean absolute gradient ``s_t``.
+      s_hat: bias-corrected EMA ``Ŝ_t``.
+      rms_axes: axes of ``s`` that the RMS values σ and γ average over (not batch axes).
+      eps: the ε of the paper.
+      damper: one of :data:`DAMPERS`.
+
+    Returns:
+      ``H_t = min(σ/(Ŝ_t+ε), γ/(s_t+ε), 1)`` (terms dropped per ``damper``).
+    """
+    h = jnp.ones_like(s)
+    if damper in ("both", "ema"):
+        sigma = jnp.sqrt(jnp.mean(jnp.square(s_hat), axis=rms_axes, keepdims=True))
+        h = jnp.minimum(h, sigma / (s_hat + eps))
+    if damper in ("both", "instant"):
+        gamma = jnp.sqrt(jnp.mean(jnp.square(s), axis=rms_axes, keepdims=True))
+        h = jnp.minimum(h, gamma / (s + eps))
+    return h
+
+
+def scale_by_sage(
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    *,
+    vocab_axis: axes_lib.AxesSpec = -2,
+    mu_dtype: Any | None = None,
+    damper: str = "both",
+) -> optax.GradientTransformation:
+    r"""Rescale updates by the SAGE rule: ``sign(momentum) ⊙ H_t`` (Algorithm 1).
+
+    The returned update is :math:`C_t \odot H_t` with :math:`\|H_t\|_\infty \le 1`; chain it
+    with weight decay and the learning rate (or use :func:`sage`).
+
+    Args:
+      b1: interpolation between momentum and gradient for the sign direction (β1).
+        The authors' public PyTorch code updates ``M`` before forming the sign, which is
+        this rule with ``b1 = 0.9 * 0.99 = 0.891``.
+      b2: decay of the momentum ``M`` and of the scale EMA ``S`` (β2).
+      eps: ε added to the denominators of both dampers.
+      vocab_axis: the axis ``s_t`` averages over (the vocab axis of an embedding). An
+        ``int`` (default ``-2``: an ``nnx.Embed`` table ``(V, d)``; leading axes of a
+        stacked leaf are batch axes), ``None`` (element-wise ``s_t = |g|`` everywhere), a
+        :class:`~sage_optax.LeafAxes` (reduce over its ``fan_out`` axis; vector leaves are
+        element-wise), a pytree of these, or a callable mapping params to one (such as
+        ``lambda p: sage_optax.label_params(p).axes``).  1-D and 0-D leaves are always
+        element-wise.
+      mu_dtype: dtype of ``M`` (defaults to the parameter dtype), as in ``optax.lion``.
+      damper: which dampers enter ``H_t``; see :data:`DAMPERS`.
+
+    Returns:
+      An ``optax.GradientTransformation`` with state :class:`ScaleBySageState`.
+    """
+    validation.check_range("b1", b1, 0.0, 1.0, high_inclusive=True)
+    validation.check_range("b2", b2, 0.0, 1.0)
+    validation.check_range("eps", eps, 0.0, float("inf"))
+    validation.check_choice("damper", damper, DAMPERS)
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
+
+    def init_fn(params: optax.Params) -> ScaleBySageState:
+        specs = axes_lib.resolve_spec(vocab_axis, params)
+        treedef, leaves = axes_lib.flatten_with_spec(params, specs)
+        mu, s = [], []
+        for path, spec, p in leaves:
+            if axes_lib.is_masked(p):
+                mu.append(p)
+                s.append(p)
+                continue
+            plan = _plan(path, spec, p.shape)
+            mu.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
+            # Built from the reduction of the parameter itself so that its dtype and
+            # sharding are exactly those of what update_fn returns.
+            s.append(jnp.zeros_like(_mean_abs(p, plan)))
+        return ScaleBySageState(
+            count=jnp.zeros([], jnp.int32),
+            mu=jax.tree_util.tree_unflatten(treedef, mu),
+            s=jax.tree_util.tree_unflatten(treedef, s),
+        )
+
+    def update_fn(
+        updates: optax.Updates, state: ScaleBySageState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, ScaleBySageState]:
+        del params
+        specs = axes_lib.resolve_spec(vocab_axis, updates)
+        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
+        mus = axes_lib.flatten_like(treedef, state.mu, "the SAGE momentum state")
+        ss = axes_lib.flatten_like(treedef, state.s, "the SAGE scale state")
+        names = [path for path, _, _ in leaves]
+        axes_lib.check_same_shapes(
+            names, mus, [g for _, _, g in leaves], "the gradient", "the optimizer state"
+        )
+        count = optax.safe_increment(state.count)
+        new_u, new_mu, new_s = [], [], []
+        for (path, spec, g), m, s_prev in zip(leaves, mus, ss, strict=True):
+            if axes_lib.is_masked(g):
+                new_u.append(g)
+                new_mu.append(m)
+                new_s.append(s_prev)
+                continue
+            plan = _plan(path, spec, g.shape)
+            wide = _wide(g.dtype)
+            g32, m32 = g.astype(wide), m.astype(wide)
+            s_t = _mean_abs(g, plan)
+            s_ema = (b2 * s_prev.astype(wide) + (1 - b2) * s_t).astype(s_prev.dtype)
+            bias = 1 - jnp.asarray(b2, wide) ** count.astype(wide)
+            h = sage_damper(s_t, s_ema.astype(wide) / bias, plan.rms_axes, eps, damper)
+            if plan.reduce_axis is not None:
+                h = jnp.expand_dims(h, plan.reduce_axis)
+            direction = jnp.sign((1.0 - b1) * g32 + b1 * m32)
+            new_u.append((direction * h).astype(g.dtype))
+            new_mu.append(((1 - b2) * g32 + b2 * m32).astype(m.dtype))
+            new_s.append(s_ema)
+        unflat = jax.tree_util.tree_unflatten
+        return unflat(treedef, new_u), ScaleBySageState(
+            count=count, mu=unflat(treedef, new_mu), s=unflat(treedef, new_s)
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def sage(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    *,
+    mask: Any | None = None,
+    vocab_axis: axes_lib.AxesSpec = -2,
+    mu_dtype: Any | None = None,
+    damper: str = "both",
+) -> optax.GradientTransformation:
+    r"""The SAGE optimizer (paper Algorithm 1) with decoupled weight decay.
+
+    Per step: :math:`\theta \leftarrow \theta (1 - \eta_t w) - \eta_t\, C_t \odot H_t`
+    (SPEC.md section 2), i.e. ``chain(scale_by_sage, add_decayed_weights(w, mask),
+    scale_by_learning_rate(η))``.
+
+    Args:
+      learning_rate: a float or an optax schedule (the paper uses 2e-3 with cosine decay
+        and 10% warmup).
+      b1: β1 of the sign direction (``0.891`` reproduces the authors' code; see
+        :func:`scale_by_sage`).
+      b2: β2 of the momentum and scale EMA.
+      eps: ε of the dampers.
+      weight_decay: decoupled decay ``w`` (multiplied by the learning rate).
+      mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
+      vocab_axis: see :func:`scale_by_sage`.  Without routing every matrix is treated as an
+        embedding table ``(V, d)``; use :func:`sage_optax.make_optimizer` (``sage-pure``) to
+        reduce dense kernels over their fan-out axis.
+      mu_dtype: dtype of the momentum state.
+      damper: see :data:`DAMPERS`.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    validation.check_learning_rate(learning_rate)
+    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    return optax.chain(
+        scale_by_sage(b1, b2, eps, vocab_axis=vocab_axis, mu_dtype=mu_dtype, damper=damper),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )

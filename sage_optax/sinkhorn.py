@@ -1,0 +1,184 @@
+"""SinkGD: Sinkhorn-normalised gradient descent (Scetbon et al. 2025; SAGE paper, Unit-Norm).
+
+For a gradient matrix ``G`` (per batch index of stacked layers), repeat ``num_iters`` times
+(SPEC.md section 3)::
+
+    X ← X / (‖X‖₂ along the fan-in axis + eps) · t_in     (each output unit's vector)
+    X ← X / (‖X‖₂ along the fan-out axis + eps) · t_out
+
+with ``t_in = t_out = 1`` for ``normalization="unit"`` (the SAGE paper's Unit-Norm SinkGD)
+and ``t_in = sqrt(fan-in size)``, ``t_out = sqrt(fan-out size)`` for ``"sqrt"`` (Scetbon et
+al.'s SR-Sinkhorn).  The update of :func:`sinkgd` is ``θ ← θ(1 − ηw) − η·α·X``.
+
+Implementation: ``X`` is kept as ``diag(c) · G · diag(r)`` with two scale vectors; each
+half-iteration is one reduction of ``G²`` weighted by the other vector's square, and ``X``
+is formed once at the end.  This is exactly the matrix rewrite above (the norm of a scaled
+column is the scale times the weighted norm) but reads ``G`` once per half-iteration and
+writes it once per step instead of once per half-iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sage_optax import axes as axes_lib
+from sage_optax import validation
+
+NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
+"""Sinkhorn target norms: ``unit`` (SAGE paper) or ``sqrt`` (Scetbon et al.)."""
+
+
+def sinkhorn_normalize(
+    g: jax.Array,
+    axes: axes_lib.ResolvedAxes,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+) -> jax.Array:
+    """Sinkhorn-normalise one matrix leaf along its named axes (see module docstring).
+
+    Args:
+      g: the gradient leaf.
+      axes: its resolved axes (a matrix: ``fan_in`` and ``fan_out`` set; the rest batch).
+      num_iters: number of (fan-in, fan-out) iteration pairs ``L``.
+      eps: ε added to every norm.
+      normalization: ``"unit"`` or ``"sqrt"``.
+
+    Returns:
+      ``X`` with the shape and dtype of ``g``.
+    """
+    wide = jnp.promote_types(g.dtype, jnp.float32)
+    g = g.astype(wide) if g.dtype != wide else g
+    fi, fo = axes.fan_in, axes.fan_out
+    if normalization == "unit":
+        t_in = t_out = jnp.asarray(1.0, wide)
+    else:
+        t_in = jnp.sqrt(jnp.asarray(g.shape[fi], wide))
+        t_out = jnp.sqrt(jnp.asarray(g.shape[fo], wide))
+    g2 = jnp.square(g)
+    c = jnp.ones_like(jnp.sum(g2, axis=fo, keepdims=True))  # scales along the fan-in axis
+    r = jnp.ones_like(jnp.sum(g2, axis=fi, keepdims=True))  # one scale per output unit
+
+    def rescale(scale: jax.Array, norm: jax.Array, target: jax.Array) -> jax.Array:
+        new = scale * target / (scale * norm + eps)
+        # An all-zero slice stays zero whatever its scale; keep the scale finite there.
+        return jnp.where(norm > 0, new, scale)
+
+    def body(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        c, r = carry
+        r = rescale(r, jnp.sqrt(jnp.sum(g2 * jnp.square(c), axis=fi, keepdims=True)), t_in)
+        c = rescale(c, jnp.sqrt(jnp.sum(g2 * jnp.square(r), axis=fo, keepdims=True)), t_out)
+        return c, r
+
+    c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
+    return c * g * r
+
+
+def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
+    if spec is None:
+        return None
+    if not isinstance(spec, axes_lib.LeafAxes):
+        raise TypeError(f"parameter {path!r}: dims must be LeafAxes or None, got {spec!r}")
+    if x.ndim < 2 or not spec.is_matrix:
+        raise ValueError(
+            f"SinkGD needs a matrix, but parameter {path!r} has shape {tuple(x.shape)}"
+            + ("" if x.ndim < 2 else " and vector axes")
+            + "; route 1-D/0-D parameters to another rule (e.g. make_optimizer(...) or "
+            "optax.partition)"
+        )
+    return spec.resolve(tuple(x.shape), path)
+
+
+def scale_by_sinkhorn(
+    num_iters: int = 5,
+    eps: float = 1e-8,
+    normalization: str = "unit",
+    *,
+    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+) -> optax.GradientTransformation:
+    """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
+
+    Args:
+      num_iters: number ``L`` of (fan-in, fan-out) iteration pairs (paper: 5).
+      eps: ε added to every norm.
+      normalization: ``"unit"`` (Unit-Norm SinkGD) or ``"sqrt"`` (SR-Sinkhorn).
+      dims: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
+        ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
+        through unchanged) or a callable of the params.
+
+    Returns:
+      An ``optax.GradientTransformation`` with empty state.  A leaf with fewer than two
+      dimensions raises a ``ValueError`` naming its path and shape.
+    """
+    validation.check_choice("normalization", normalization, NORMALIZATIONS)
+    validation.check_positive_int("num_iters", num_iters)
+    validation.check_range("eps", eps, 0.0, float("inf"))
+
+    def init_fn(params: optax.Params) -> optax.EmptyState:
+        specs = axes_lib.resolve_spec(dims, params)
+        _, leaves = axes_lib.flatten_with_spec(params, specs)
+        for path, spec, p in leaves:  # fail at init, before any step is taken
+            if not axes_lib.is_masked(p):
+                _check_matrix(path, spec, p)
+        return optax.EmptyState()
+
+    def update_fn(
+        updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, optax.EmptyState]:
+        del params
+        specs = axes_lib.resolve_spec(dims, updates)
+        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
+        out = []
+        for path, spec, g in leaves:
+            resolved = None if axes_lib.is_masked(g) else _check_matrix(path, spec, g)
+            if resolved is None:
+                out.append(g)
+                continue
+            x = sinkhorn_normalize(g, resolved, num_iters, eps, normalization)
+            out.append(x.astype(g.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def sinkgd(
+    learning_rate: optax.ScalarOrSchedule,
+    alpha: float = 10.0,
+    num_iters: int = 5,
+    weight_decay: float = 0.01,
+    normalization: str = "unit",
+    *,
+    eps: float = 1e-8,
+    mask: Any | None = None,
+    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+) -> optax.GradientTransformation:
+    r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
+
+    ``chain(scale_by_sinkhorn, scale(alpha), add_decayed_weights(w, mask),
+    scale_by_learning_rate(η))``: the decay uses ``η``, not ``η·α`` (SPEC.md section 3).
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      alpha: update scale α (paper: 10 for ``unit``; Scetbon et al.: 0.05 for ``sqrt``).
+      num_iters: Sinkhorn iterations ``L``.
+      weight_decay: decoupled decay ``w``.
+      normalization: ``"unit"`` or ``"sqrt"``.
+      eps: ε added to every norm.
+      mask: which leaves get weight decay (pytree of bools or callable).
+      dims: per-leaf axes, see :func:`scale_by_sinkhorn`.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    validation.check_learning_rate(learning_rate)
+    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    return optax.chain(
+        scale_by_sinkhorn(num_iters, eps, normalization, dims=dims),
+        optax.scale(alpha),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )

@@ -1,0 +1,78 @@
+"""The stateless normalised step ``g / (‖g‖₂ + ε)`` that ``sinkgd-pure`` uses on vectors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sage_optax import axes as axes_lib
+from sage_optax import validation
+
+
+def scale_by_unit_norm(
+    eps: float = 1e-8, *, dims: axes_lib.AxesSpec = None
+) -> optax.GradientTransformation:
+    r"""Divide each leaf by its own L2 norm: :math:`u = g / (\|g\|_2 + \epsilon)` (stateless).
+
+    Args:
+      eps: ε added to the norm.
+      dims: per-leaf axes; only the batch axes are used (a stacked leaf is normalised per
+        batch index).  ``None`` normalises every leaf as a whole.
+
+    Returns:
+      An ``optax.GradientTransformation`` with empty state.
+    """
+    validation.check_range("eps", eps, 0.0, float("inf"))
+
+    def update_fn(
+        updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
+    ) -> tuple[optax.Updates, optax.EmptyState]:
+        del params
+        specs = axes_lib.resolve_spec(dims, updates)
+        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
+        out = []
+        for path, spec, g in leaves:
+            if axes_lib.is_masked(g):
+                out.append(g)
+                continue
+            if isinstance(spec, axes_lib.LeafAxes):
+                reduce_axes = spec.resolve(tuple(g.shape), path).feature_axes
+            else:
+                reduce_axes = tuple(range(g.ndim))
+            wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
+            norm = jnp.sqrt(jnp.sum(jnp.square(wide), axis=reduce_axes, keepdims=True))
+            out.append((wide / (norm + eps)).astype(g.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+
+
+def unit_norm_descent(
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: float = 0.01,
+    *,
+    eps: float = 1e-8,
+    mask: Any | None = None,
+    dims: axes_lib.AxesSpec = None,
+) -> optax.GradientTransformation:
+    r"""Normalised descent with decay: :math:`\theta(1-\eta w) - \eta\, g/(\|g\|+\epsilon)`.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      weight_decay: decoupled decay ``w``.
+      eps: ε added to the norm.
+      mask: which leaves get weight decay.
+      dims: per-leaf axes (batch axes only), see :func:`scale_by_unit_norm`.
+
+    Returns:
+      An ``optax.GradientTransformation``.
+    """
+    validation.check_learning_rate(learning_rate)
+    return optax.chain(
+        scale_by_unit_norm(eps, dims=dims),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )

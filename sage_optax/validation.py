@@ -1,0 +1,66 @@
+"""Checks of user input that turn silent wrong answers into errors naming the culprit."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+
+def is_static_number(x: Any) -> bool:
+    """Whether ``x`` is a concrete Python/NumPy real number (not a tracer or array)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:
+    """Reject a negative or non-numeric learning rate; schedules (callables) pass."""
+    if callable(learning_rate):
+        return
+    if is_static_number(learning_rate):
+        if learning_rate < 0:
+            raise ValueError(
+                f"{name} must be >= 0, got {learning_rate}; a negative learning rate would "
+                "ascend the loss (optimizers here subtract the update)"
+            )
+        return
+    if hasattr(learning_rate, "shape") and hasattr(learning_rate, "dtype"):
+        return  # an array (e.g. injected by optax.inject_hyperparams)
+    raise TypeError(
+        f"{name} must be a number, a scalar array or a schedule (callable), got "
+        f"{type(learning_rate).__name__}"
+    )
+
+
+def check_range(
+    name: str,
+    value: Any,
+    low: float,
+    high: float,
+    *,
+    low_inclusive: bool = True,
+    high_inclusive: bool = False,
+) -> None:
+    """Check a concrete hyperparameter lies in a range; traced values are not checked."""
+    if not is_static_number(value):
+        return
+    lo_ok = value >= low if low_inclusive else value > low
+    hi_ok = value <= high if high_inclusive else value < high
+    if not (lo_ok and hi_ok):
+        lb = "[" if low_inclusive else "("
+        hb = "]" if high_inclusive else ")"
+        raise ValueError(f"{name} must be in {lb}{low}, {high}{hb}, got {value}")
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Check a string option is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def check_positive_int(name: str, value: Any) -> None:
+    """Check a count (rank, iterations, interval) is a positive integer when concrete."""
+    if isinstance(value, bool) or (is_static_number(value) and (int(value) != value or value < 1)):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+LearningRate = float | Callable[[Any], Any]

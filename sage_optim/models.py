@@ -1,0 +1,85 @@
+"""LLaMA model shapes: the paper's Appendix "Model Configurations" and smaller ones.
+
+Only shapes live here (no framework code), so memory accounting, the Flax trainer and the
+PyTorch side all agree on what "270m" means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Shape of a LLaMA-architecture decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_position_embeddings: int = 8192
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    def param_count(self) -> int:
+        """Exact number of parameters (biases-free projections, as LLaMA)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * self.num_heads * hd * 2 + d * self.num_kv_heads * hd * 2
+        per_layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_embeddings else self.vocab_size * d
+        return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+    def embedding_fraction(self) -> float:
+        """Share of parameters in the vocabulary matrices (the paper's "Emb. Params")."""
+        vocab = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
+        return vocab / self.param_count()
+
+
+PAPER_MODELS: Mapping[str, LlamaConfig] = types.MappingProxyType(
+    {
+        "270m": LlamaConfig("270m", 128256, 1024, 2816, 13, 16, 2),
+        "0.6b": LlamaConfig("0.6b", 128256, 1536, 4224, 16, 24, 3),
+        "1.3b": LlamaConfig("1.3b", 128256, 2048, 5632, 24, 32, 4),
+    }
+)
+"""The paper's three configurations (Appendix table ``tab:model_configs``), tied embeddings."""
+
+MODELS: Mapping[str, LlamaConfig] = types.MappingProxyType(
+    {
+        "tiny": LlamaConfig("tiny", 512, 64, 176, 2, 4, 2, max_position_embeddings=256),
+        "small": LlamaConfig("small", 4096, 256, 704, 4, 8, 4, max_position_embeddings=1024),
+        "60m": LlamaConfig("60m", 32000, 512, 1376, 8, 8, 8, max_position_embeddings=2048),
+        "130m": LlamaConfig("130m", 32000, 768, 2048, 12, 12, 12, max_position_embeddings=2048),
+        **PAPER_MODELS,
+    }
+)
+"""Every named configuration: ``tiny``/``small`` for tests and CPU runs, then larger ones."""
+
+
+def get_model_config(name: str) -> LlamaConfig:
+    """The model configuration called ``name``; an unknown name lists the valid ones."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown model configuration {name!r}; valid names: {', '.join(MODELS)}"
+        ) from None

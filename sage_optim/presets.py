@@ -1,0 +1,177 @@
+"""The paper's eight optimizer configurations (SPEC.md section 4), as data.
+
+This is the one table both frameworks build from.  A *configuration* assigns an update
+*rule* to each of the three parameter *kinds* produced by the router (SPEC.md section 5):
+
+* ``embedding``: token embeddings and (untied) output heads, the vocabulary matrices;
+* ``dense``: every other matrix (attention and MLP projections);
+* ``vector``: 1-D and 0-D parameters (norm scales, biases).
+
+Every rule has default hyperparameters (:data:`RULE_DEFAULTS`); a configuration may
+override some of them for one kind (``sinkgd-hybrid`` runs SinkGD with the ``sqrt``
+normalisation and ``alpha=0.05``).  The paper keeps ``b1=0.9, b2=0.99, weight_decay=0.01``
+for all optimizers (Section "Experimental Setup"), which is why AdamW's ``b2`` is 0.99 here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+KINDS: tuple[str, ...] = ("embedding", "dense", "vector")
+"""The three parameter kinds, in the order tables print them."""
+
+RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
+    {
+        # Decoupled-decay Adam, as optax.adamw / torch.optim.AdamW.
+        "adamw": types.MappingProxyType(
+            {"b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01}
+        ),
+        # Lion (Chen et al. 2023), hard sign.
+        "lion": types.MappingProxyType({"b1": 0.9, "b2": 0.99, "weight_decay": 0.01}),
+        # SAGE, Algorithm 1 + instantaneous damper (SPEC.md section 2).
+        "sage": types.MappingProxyType(
+            {"b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01, "damper": "both"}
+        ),
+        # SinkGD (SPEC.md section 3); "unit" is the SAGE paper's Unit-Norm SinkGD.
+        "sinkgd": types.MappingProxyType(
+            {
+                "alpha": 10.0,
+                "num_iters": 5,
+                "eps": 1e-8,
+                "weight_decay": 0.01,
+                "normalization": "unit",
+            }
+        ),
+        # APOLLO-Mini as the paper's baseline ran it (SPEC.md section 4, APOLLO).
+        "apollo": types.MappingProxyType(
+            {
+                "rank": 1,
+                "scale_type": "tensor",
+                "scale": 128.0,
+                "update_proj_gap": 200,
+                "b1": 0.9,
+                "b2": 0.999,
+                "eps": 1e-6,
+                "weight_decay": 0.01,
+                "limiter_gamma": 1.01,
+                "seed": 0,
+                # A callable (path, refresh_index, n, rank) -> P to inject the projection
+                # (how the PyTorch twin and the tests feed both frameworks the same P).
+                "projection": None,
+            }
+        ),
+        # The stateless step of sinkgd-pure on 1-D parameters: g / (||g||_2 + eps).
+        "unit_norm": types.MappingProxyType({"eps": 1e-8, "weight_decay": 0.01}),
+    }
+)
+"""Default hyperparameters of every rule (the learning rate is set per configuration)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """An update rule and the hyperparameters a configuration sets for it."""
+
+    name: str
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.name not in RULE_DEFAULTS:
+            raise ValueError(
+                f"unknown rule {self.name!r}; valid rules: {', '.join(sorted(RULE_DEFAULTS))}"
+            )
+        unknown = set(self.overrides) - set(RULE_DEFAULTS[self.name])
+        if unknown:
+            raise ValueError(
+                f"rule {self.name!r} has no hyperparameter(s) {sorted(unknown)}; "
+                f"it takes {sorted(RULE_DEFAULTS[self.name])}"
+            )
+        object.__setattr__(self, "overrides", types.MappingProxyType(dict(self.overrides)))
+
+    @property
+    def hyperparams(self) -> dict[str, Any]:
+        """The full hyperparameter dict: the rule's defaults updated by the overrides."""
+        return {**RULE_DEFAULTS[self.name], **self.overrides}
+
+    def with_overrides(self, **overrides: Any) -> Rule:
+        """A copy of this rule with more hyperparameters overridden."""
+        return Rule(self.name, {**self.overrides, **overrides})
+
+    def describe(self) -> str:
+        """A short human-readable name, e.g. ``sinkgd(sqrt, alpha=0.05)``."""
+        if self.name == "sinkgd":
+            hp = self.hyperparams
+            return f"sinkgd({hp['normalization']}, alpha={hp['alpha']:g})"
+        return self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One of the paper's optimizer configurations: a rule per parameter kind."""
+
+    name: str
+    learning_rate: float
+    embedding: Rule
+    dense: Rule
+    vector: Rule
+    description: str = ""
+
+    def rule(self, kind: str) -> Rule:
+        """The rule used for parameters of ``kind`` (one of :data:`KINDS`)."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown parameter kind {kind!r}; valid kinds: {KINDS}")
+        return getattr(self, kind)
+
+    def with_rule(self, kind: str, rule: Rule) -> Preset:
+        """A copy with ``kind`` routed to ``rule`` instead."""
+        self.rule(kind)
+        return dataclasses.replace(self, **{kind: rule})
+
+
+_SINKGD_SQRT = Rule("sinkgd", {"normalization": "sqrt", "alpha": 0.05})
+_SINKGD_UNIT = Rule("sinkgd", {"normalization": "unit", "alpha": 10.0})
+
+PRESETS: Mapping[str, Preset] = types.MappingProxyType(
+    {
+        p.name: p
+        for p in (
+            Preset("adamw", 1e-4, Rule("adamw"), Rule("adamw"), Rule("adamw"),
+                   "AdamW on every parameter (the 2-state baseline)."),
+            Preset("lion", 1e-4, Rule("lion"), Rule("lion"), Rule("lion"),
+                   "Lion on every parameter (1 state)."),
+            Preset("apollo", 1e-4, Rule("adamw"), Rule("apollo"), Rule("adamw"),
+                   "APOLLO-Mini on attention and MLP matrices, AdamW on the rest."),
+            Preset("sinkgd-pure", 2e-2, _SINKGD_SQRT, _SINKGD_SQRT, Rule("unit_norm"),
+                   "Stateless: SinkGD on every matrix, g/||g|| on vectors (ablation)."),
+            Preset("sinkgd-hybrid", 2e-2, Rule("adamw"), _SINKGD_SQRT, Rule("adamw"),
+                   "Scetbon et al.'s hybrid: SinkGD on dense matrices, AdamW on the rest."),
+            Preset("lion-hybrid", 2e-3, Rule("lion"), _SINKGD_UNIT, Rule("adamw"),
+                   "Lion on embeddings, Unit-Norm SinkGD on dense, AdamW on vectors."),
+            Preset("sage-pure", 2e-3, Rule("sage"), Rule("sage"), Rule("sage"),
+                   "SAGE on every parameter (dense matrices reduce over fan-out)."),
+            Preset("sage-hybrid", 2e-3, Rule("sage"), _SINKGD_UNIT, Rule("sage"),
+                   "The paper's method: SAGE on embeddings and vectors, SinkGD (unit) on dense."),
+        )
+    }
+)
+"""The eight configurations of SPEC.md section 4, keyed by name.
+
+Default learning rates follow the paper's setup: 2e-3 for SAGE-based configurations and for
+Lion-Hybrid ("the same learning rates used for SAGE"), 1e-4 for AdamW, Lion and APOLLO, and
+Scetbon et al.'s global 2e-2 for the SinkGD-based ones (with ``alpha=0.05`` on matrices).
+"""
+
+CONFIG_NAMES: tuple[str, ...] = tuple(PRESETS)
+"""All configuration names, in the paper's table order."""
+
+
+def get_preset(name: str) -> Preset:
+    """The configuration called ``name``; an unknown name lists the valid ones."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown optimizer configuration {name!r}; valid names: {', '.join(CONFIG_NAMES)}"
+        ) from None

@@ -1,0 +1,44 @@
+"""Plain-text tables, shared by both frameworks so their printouts have one form."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Render ``rows`` under ``headers`` as an aligned text table.
+
+    Numbers are right-aligned, everything else left-aligned; cells are converted with
+    ``str``.  The result has no trailing newline.
+    """
+    cells = [[str(c) for c in row] for row in rows]
+    for row in cells:
+        if len(row) != len(headers):
+            raise ValueError(f"row {row} has {len(row)} cells, expected {len(headers)}")
+    widths = [len(h) for h in headers]
+    for row in cells:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+    numeric = [
+        all(isinstance(row[i], int | float) for row in rows) and bool(rows)
+        for i in range(len(headers))
+    ]
+
+    def line(values: Sequence[str]) -> str:
+        out = []
+        for v, w, num in zip(values, widths, numeric, strict=True):
+            out.append(v.rjust(w) if num else v.ljust(w))
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(list(headers)), sep, *(line(r) for r in cells)])
+
+
+def format_bytes(n: int) -> str:
+    """Human-readable byte count (``12.0 KiB``, ``1.53 GiB``)."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
