@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import optax
 
+from sage_optax import axes as axes_lib
 from sage_optax import memory, routing, validation
 from sage_optax.apollo import apollo
 from sage_optax.sage import sage
@@ -153,7 +154,40 @@ def make_optimizer(
     )
     if skip_nonfinite:
         tx = optax.apply_if_finite(tx, max_consecutive_errors=int(skip_nonfinite))
-    return tx
+    return with_tree_checks(tx)
+
+
+def with_tree_checks(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Wrap ``tx`` so gradients that do not match the params fail with a readable error.
+
+    The check runs at trace time only (structure and shapes are static), adds no state and
+    no runtime cost: the wrapped transformation's state is ``tx``'s own.
+    """
+    inner = optax.with_extra_args_support(tx)
+
+    def update_fn(
+        updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra: Any
+    ) -> tuple[optax.Updates, Any]:
+        if params is not None:
+            check_matching_trees(updates, params)
+        return inner.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def check_matching_trees(updates: Any, params: Any) -> None:
+    """Raise a ``ValueError`` naming the first path where ``updates`` and ``params`` differ."""
+    u_def = jax.tree.structure(updates, is_leaf=axes_lib.is_masked)
+    p_def = jax.tree.structure(params, is_leaf=axes_lib.is_masked)
+    if u_def != p_def:
+        raise ValueError(
+            axes_lib.tree_mismatch_message(p_def, updates, "the gradients", "the params")
+        )
+    u_leaves = [x for _, x in routing.iter_leaves(updates)]
+    p_named = routing.iter_leaves(params)
+    axes_lib.check_same_shapes(
+        [n for n, _ in p_named], [x for _, x in p_named], u_leaves, "the gradient", "the param"
+    )
 
 
 def sage_hybrid(

@@ -50,23 +50,32 @@ class ApolloRefRecordWhenZero(ApolloRef):
 def shared_projection(seen_paths=None):
     """A path-independent projection fed to both sides (float64 under x64)."""
 
-    def projection(path, refresh_index, n, rank):
-        if seen_paths is not None:
-            seen_paths.add(path)
+    def gaussian(refresh_index, n, rank):
         key = jax.random.fold_in(jax.random.key(1234), refresh_index)
         return jax.random.normal(key, (n, rank), jnp.float64) / math.sqrt(rank)
 
+    def projection(path, refresh_index, n, rank):
+        if seen_paths is not None:
+            seen_paths.add(path)
+        return gaussian(refresh_index, n, rank)
+
     def ref_projection(refresh_index, n, rank):
-        return np.asarray(projection("ref", jnp.asarray(refresh_index, jnp.int32), n, rank))
+        return np.asarray(gaussian(jnp.asarray(refresh_index, jnp.int32), n, rank))
 
     return projection, ref_projection
 
 
 def run_parity(flax_shape, scale_type, rank, grads_fn, steps=60, gap=7, weight_decay=0.1):
     """Run apollo on a Flax kernel and the reference on its transpose; return max |Δθ|."""
-    # float64 schedule values: with Python floats optax computes it in float32 (int32 count).
-    f64 = jnp.float64
-    schedule = optax.warmup_cosine_decay_schedule(f64(0.0), f64(2e-2), 10, steps, f64(1e-3))
+    # Fed an int32 count, optax's linear warmup divides in float32, and jit and eager
+    # round that differently (~1e-9 here), so hand it a float64 count: the schedule is
+    # then float64 throughout and the transform (jitted) and the reference (eager) get
+    # the same learning rates.
+    warmup_cosine = optax.warmup_cosine_decay_schedule(0.0, 2e-2, 10, steps, 1e-3)
+
+    def schedule(count):
+        return warmup_cosine(jnp.asarray(count, jnp.float64))
+
     seen = set()
     projection, ref_projection = shared_projection(seen)
     opt = apollo(
@@ -144,10 +153,11 @@ def test_zero_first_gradient_does_not_freeze(x64, scale_type):
     opt = scale_by_apollo(2, scale_type)
     params = {"w": jnp.zeros((6, 9))}
     state = opt.init(params)
-    u1, state = opt.update({"w": jnp.zeros((6, 9))}, state)
+    update = jax.jit(opt.update)
+    u1, state = update({"w": jnp.zeros((6, 9))}, state)
     np.testing.assert_array_equal(np.asarray(u1["w"]), 0.0)
     assert float(state.norm["w"]) == 0.0
-    u2, state = opt.update({"w": jnp.ones((6, 9))}, state)
+    u2, state = update({"w": jnp.ones((6, 9))}, state)
     assert float(jnp.linalg.norm(u2["w"])) > 1.0
     assert float(state.norm["w"]) > 0.0
 
@@ -187,11 +197,12 @@ def test_masked_inside_partition_matches_unmasked():
     s_part = part.init({"bias": bias, "w": w})
     s_alone = alone.init({"w": w})
     s_other = other_seed.init({"w": w})
+    part_update, alone_update = jax.jit(part.update), jax.jit(alone.update)
     for _ in range(5):
         gw = jnp.asarray(rng.normal(size=(6, 10)), jnp.float32)
         gb = jnp.asarray(rng.normal(size=(10,)), jnp.float32)
-        u_part, s_part = part.update({"bias": gb, "w": gw}, s_part)
-        u_alone, s_alone = alone.update({"w": gw}, s_alone)
+        u_part, s_part = part_update({"bias": gb, "w": gw}, s_part)
+        u_alone, s_alone = alone_update({"w": gw}, s_alone)
         u_other, s_other = other_seed.update({"w": gw}, s_other)
         np.testing.assert_array_equal(np.asarray(u_part["w"]), np.asarray(u_alone["w"]))
         np.testing.assert_array_equal(np.asarray(u_part["bias"]), np.asarray(gb))
@@ -209,13 +220,14 @@ def test_stacked_equals_separate_layers(x64, layer_shape, scale_type):
     s_stacked = stacked.init({"w": jnp.zeros((n_layers, *layer_shape))})
     assert s_stacked.norm["w"].shape == (n_layers,)
     s_layers = [single.init({"w": jnp.zeros(layer_shape)}) for _ in range(n_layers)]
+    stacked_update, single_update = jax.jit(stacked.update), jax.jit(single.update)
     for t in range(6):
         g = rng.normal(size=(n_layers, *layer_shape))
         if t == 3:
             g[1] *= 10.0  # only layer 1 jumps: per-layer limiter norms must differ
-        u_stacked, s_stacked = stacked.update({"w": jnp.asarray(g)}, s_stacked)
+        u_stacked, s_stacked = stacked_update({"w": jnp.asarray(g)}, s_stacked)
         for i in range(n_layers):
-            u_i, s_layers[i] = single.update({"w": jnp.asarray(g[i])}, s_layers[i])
+            u_i, s_layers[i] = single_update({"w": jnp.asarray(g[i])}, s_layers[i])
             np.testing.assert_allclose(
                 np.asarray(u_stacked["w"][i]), np.asarray(u_i["w"]), rtol=0, atol=1e-12
             )
@@ -288,11 +300,11 @@ def test_inject_hyperparams_matches_plain():
     )(**kwargs, **hyper)
     s_plain, s_inj = plain.init(params), injected.init(params)
     p_plain, p_inj = params, params
-    step_inj = jax.jit(injected.update)
+    step_inj, step_plain = jax.jit(injected.update), jax.jit(plain.update)
     rng = np.random.default_rng(5)
     for _ in range(5):
         g = {"w": jnp.asarray(rng.normal(size=(6, 9)), jnp.float32)}
-        u, s_plain = plain.update(g, s_plain, p_plain)
+        u, s_plain = step_plain(g, s_plain, p_plain)
         p_plain = optax.apply_updates(p_plain, u)
         u, s_inj = step_inj(g, s_inj, p_inj)
         p_inj = optax.apply_updates(p_inj, u)
@@ -337,14 +349,18 @@ def test_bad_hyperparameters_are_rejected():
 def test_norm_growth_limiter_bounds_growth():
     rng = np.random.default_rng(6)
     base = jnp.asarray(rng.normal(size=(8, 12)), jnp.float32)
-    scales = [1.0] * 4 + [10.0] * 6 + [1.0] * 3
+    # Gradients near ε: R̃ = M/(√V + ε) then follows the gradient's size, so the 10x jump
+    # of the gradient norm at step 5 shows in ‖U‖ (at O(1) gradients APOLLO's tensor scale
+    # largely cancels it).
+    scales = [1e-7] * 4 + [1e-6] * 6 + [1e-7] * 3
 
     def norms(gamma):
         opt = scale_by_apollo(1, limiter_gamma=gamma)
         state = opt.init({"w": base})
+        update = jax.jit(opt.update)
         out = []
         for t, c in enumerate(scales, start=1):
-            u, state = opt.update({"w": base * c}, state)
+            u, state = update({"w": base * c}, state)
             correction = math.sqrt(1 - 0.999**t) / (1 - 0.9**t)
             u_norm = float(jnp.linalg.norm(u["w"])) / correction
             np.testing.assert_allclose(u_norm, float(state.norm["w"]), rtol=1e-5)
@@ -356,7 +372,7 @@ def test_norm_growth_limiter_bounds_growth():
         assert limited[t] <= GAMMA * limited[t - 1] * (1 + 1e-6), (t, limited)
     assert limited[4] == pytest.approx(GAMMA * limited[3], rel=1e-6)  # it acted at the jump
     free = norms(float("inf"))
-    assert free[4] > 5 * free[3]  # without the limiter the 10x jump shows
+    assert free[4] > 2 * free[3]  # without the limiter the jump shows
 
 
 def test_decay_after_step_with_mask_and_schedule():

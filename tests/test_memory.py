@@ -1,0 +1,115 @@
+"""The paper's Appendix memory table, recomputed from jax.eval_shape (SPEC.md section 6)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+import sage_optax
+from sage_optax.memory_report import format_memory_table, main, memory_rows
+from sage_optax import Route
+from sage_optim import PAPER_MODELS
+from sage_optim.models import get_model_config
+from sage_optim.paper import PAPER_MEMORY_GIB
+
+GIB = 2**30
+
+# The paper prints its figures as literals with 2 or 3 decimals; its "Total" column is not
+# self-consistent in the last digit (e.g. 270M Lion: 3.067 printed, while its own weights +
+# grads + state = 3 x 1.0226 GiB = 3.068), so totals are compared to one unit of the last
+# printed digit.  The optimizer-state column must match exactly at printed precision.
+PAPER_TEXT = {
+    ("1.3b", "sage-pure"): ("4.92", "14.75"),
+    ("1.3b", "adamw"): ("9.833", "19.67"),
+    ("1.3b", "apollo"): ("3.648", "13.48"),
+    ("1.3b", "lion"): ("4.916", "14.75"),
+    ("1.3b", "sinkgd-hybrid"): ("1.958", "11.79"),
+    ("1.3b", "lion-hybrid"): ("0.979", "10.81"),
+    ("1.3b", "sage-hybrid"): ("0.979", "10.81"),
+}
+
+
+def decimals(model, config, column):
+    text = PAPER_TEXT.get((model, config))
+    if text is None:
+        return 3
+    return len(text[column].split(".")[1])
+
+
+CASES = [(m, c) for m in PAPER_MODELS for c in PAPER_MEMORY_GIB[m] if c != "apollo"]
+
+
+@pytest.mark.parametrize("model,config", CASES)
+def test_optimizer_state_matches_paper_at_printed_precision(model, config):
+    row = {r.config: r for r in memory_rows(model, (config,))}[config]
+    paper_opt, paper_total = PAPER_MEMORY_GIB[model][config]
+    nd = decimals(model, config, 0)
+    assert round(row.state_gib, nd) == pytest.approx(paper_opt, abs=1e-12), (row.state_gib, nd)
+    nt = decimals(model, config, 1)
+    assert abs(round(row.total_gib, nt) - paper_total) <= 10.0**-nt + 1e-12
+
+
+def test_state_bytes_are_exact_integers_for_sage_hybrid_270m():
+    """SAGE-Hybrid on 270M: M of the (V, d) embedding + S of d + M and S of 27 norms."""
+    cfg = get_model_config("270m")
+    row = memory_rows("270m", ("sage-hybrid",))[0]
+    d = cfg.hidden_size
+    vectors = (2 * cfg.num_layers + 1) * d
+    expected = 4 * (cfg.vocab_size * d + d) + 4 * 2 * vectors + 2 * 4  # + 2 SAGE step counts
+    assert row.state_bytes == expected
+
+
+# APOLLO: the paper's row cannot be reproduced with APOLLO on every attention and MLP matrix
+# (SPEC.md section 4).  Pin our numbers ...
+OUR_APOLLO_GIB = {"270m": 0.980, "0.6b": 1.470, "1.3b": 1.962}
+
+
+@pytest.mark.parametrize("model", list(PAPER_MODELS))
+def test_apollo_pinned(model):
+    row = memory_rows(model, ("apollo",))[0]
+    assert round(row.state_gib, 3) == OUR_APOLLO_GIB[model]
+    assert row.state_gib < PAPER_MEMORY_GIB[model]["apollo"][0]
+
+
+# ... and show where the paper's came from: with the attention matrices left on AdamW (the
+# name filter of the paper's run missed them) the paper's figures come back exactly.
+@pytest.mark.parametrize("model", list(PAPER_MODELS))
+def test_apollo_paper_row_is_attention_on_adamw(model):
+    params = sage_optax.llama_param_shapes(get_model_config(model))
+    # the 'embedding' kind runs AdamW in the apollo configuration
+    attn_on_adamw = {"layers.*.attn.*": Route("embedding", sage_optax.LeafAxes(-2, -1))}
+    tx = sage_optax.make_optimizer("apollo", route_overrides=attn_on_adamw)
+    gib = sage_optax.state_bytes(jax.eval_shape(tx.init, params)) / GIB
+    assert round(gib, 3) == PAPER_MEMORY_GIB[model]["apollo"][0]
+
+
+def test_eval_shape_counts_equal_allocated_counts():
+    """Counting from eval_shape is exact: it equals the bytes of a real state (tiny model)."""
+    params = jax.tree.map(
+        lambda s: jax.numpy.zeros(s.shape, s.dtype),
+        sage_optax.llama_param_shapes(get_model_config("tiny")),
+    )
+    for name in ("sage-hybrid", "adamw", "apollo"):
+        init = sage_optax.make_optimizer(name).init
+        assert sage_optax.state_bytes(init(params)) == sage_optax.state_bytes(
+            jax.eval_shape(init, params)
+        )
+
+
+def test_param_counts_match_paper_embedding_share():
+    for model, share in (("270m", 0.48), ("0.6b", 0.33), ("1.3b", 0.20)):
+        assert round(get_model_config(model).embedding_fraction(), 2) == share
+    # AdamW state is exactly twice the float32 weights
+    cfg = get_model_config("270m")
+    assert memory_rows("270m", ("adamw",))[0].state_bytes == 2 * 4 * cfg.param_count() + 3 * 4
+
+
+def test_memory_report_prints_every_row(capsys):
+    main(["--models", "270m"])
+    out = capsys.readouterr().out
+    for config in PAPER_MEMORY_GIB["270m"]:
+        assert config in out
+    assert "0.489" in out and "2.045" in out
+    assert math.isfinite(len(format_memory_table(("tiny",))))
