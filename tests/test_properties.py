@@ -28,7 +28,8 @@ def run_sage(tx, grads, params):
 
 
 @settings(max_examples=40, deadline=None)
-@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=2, max_side=9), elements=finite),
+@given(hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=2, max_side=9),
+                  elements=finite),
        hnp.arrays(np.float32, (5,), elements=finite))
 def test_h_is_bounded_by_one(g, v):
     """||H||_inf <= 1, hence |update| <= 1 element-wise, for any gradient (Lemma 2)."""
@@ -123,7 +124,10 @@ def test_sage_is_odd():
         np.testing.assert_array_equal(np.asarray(ua), -np.asarray(ub))
 
 
-def sinkhorn(g, normalization="unit", num_iters=5, axes=LeafAxes(-2, -1)):
+FLAX_KERNEL = LeafAxes(-2, -1)
+
+
+def sinkhorn(g, normalization="unit", num_iters=5, axes=FLAX_KERNEL):
     tx = sage_optax.scale_by_sinkhorn(num_iters, normalization=normalization, dims=axes)
     return np.asarray(tx.update(jnp.asarray(g), tx.init(jnp.asarray(g)))[0])
 
