@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,10 +19,11 @@ from sage_optax.apollo import apollo
 from sage_optax.sage import sage
 from sage_optax.sinkhorn import sinkgd
 from sage_optax.unit_norm import unit_norm_descent
-from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Preset, Rule, get_preset
-from sage_optim.table import format_bytes, format_table
+from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve_preset
+from sage_optim.table import RoutingTable
 
-_ROUTER_KEYS = ("route_overrides", "vocab_size")
+OPTION_KEYS: tuple[str, ...] = ("route_overrides", "vocab_size", "mask", "skip_nonfinite")
+"""Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
 def build_rule(
@@ -61,41 +61,6 @@ def build_rule(
     raise ValueError(f"unknown rule {rule.name!r}; valid rules: {sorted(RULE_DEFAULTS)}")
 
 
-def _resolve_preset(name: str, overrides: dict[str, Any]) -> Preset:
-    """Apply rule swaps and hyperparameter overrides (consumed from ``overrides``)."""
-    preset = get_preset(name)
-    for kind in KINDS:
-        if kind in overrides:
-            value = overrides.pop(kind)
-            rule = value if isinstance(value, Rule) else Rule(value)
-            preset = preset.with_rule(kind, rule)
-    # "{kind}_{hp}=v" sets a hyperparameter of one kind's rule only.
-    for key in [k for k in overrides if k.split("_", 1)[0] in KINDS]:
-        kind, hp = key.split("_", 1)
-        rule = preset.rule(kind)
-        if hp not in RULE_DEFAULTS[rule.name]:
-            raise ValueError(
-                f"{key}: the {kind} rule of {name!r} is {rule.name!r}, which has no "
-                f"hyperparameter {hp!r}; it takes {sorted(RULE_DEFAULTS[rule.name])}"
-            )
-        preset = preset.with_rule(kind, rule.with_overrides(**{hp: overrides.pop(key)}))
-    # A plain hyperparameter goes to every rule of the configuration that takes it.
-    for hp in [k for k in overrides if k not in _ROUTER_KEYS + ("mask", "skip_nonfinite")]:
-        value = overrides.pop(hp)
-        kinds = [k for k in KINDS if hp in RULE_DEFAULTS[preset.rule(k).name]]
-        if not kinds:
-            rules = sorted({preset.rule(k).name for k in KINDS})
-            takes = sorted({h for r in rules for h in RULE_DEFAULTS[r]})
-            raise ValueError(
-                f"unknown override {hp!r} for {name!r} (rules {rules}); valid: {takes}, "
-                f"'<kind>_<hyperparameter>' with kind in {KINDS}, {KINDS} to swap a rule, "
-                f"{list(_ROUTER_KEYS)}, 'mask', 'skip_nonfinite'"
-            )
-        for kind in kinds:
-            preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**{hp: value}))
-    return preset
-
-
 def make_optimizer(
     name: str,
     learning_rate: optax.ScalarOrSchedule | None = None,
@@ -130,14 +95,14 @@ def make_optimizer(
         negative learning rate.
     """
     overrides = dict(overrides)
-    preset = _resolve_preset(name, overrides)
+    preset = resolve_preset(name, overrides, OPTION_KEYS)
     lr = preset.learning_rate if learning_rate is None else learning_rate
     validation.check_learning_rate(lr)
     route_overrides = overrides.pop("route_overrides", None)
     vocab_size = overrides.pop("vocab_size", None)
     mask = overrides.pop("mask", None)
     skip_nonfinite = overrides.pop("skip_nonfinite", 0)
-    assert not overrides, overrides  # every key was consumed by _resolve_preset
+    assert not overrides, overrides  # every key was consumed by resolve_preset
 
     def routing_of(params: Any) -> routing.ParamRouting:
         return routing.label_params(params, route_overrides, vocab_size=vocab_size)
@@ -247,32 +212,6 @@ def sage_hybrid(
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class RoutingTable:
-    """Printable routing of a model's parameters under one configuration.
-
-    ``rows`` are ``(path, shape, kind, transform, state bytes)``; ``shared_bytes`` counts
-    state that belongs to no single parameter (step counts).
-    """
-
-    config: str
-    rows: tuple[tuple[str, tuple[int, ...], str, str, int], ...]
-    shared_bytes: int
-
-    HEADERS = ("path", "shape", "kind", "transform", "state bytes")
-
-    @property
-    def total_bytes(self) -> int:
-        """Total optimizer-state bytes (per-parameter rows plus shared)."""
-        return sum(r[4] for r in self.rows) + self.shared_bytes
-
-    def __str__(self) -> str:
-        body = [(p, "x".join(map(str, s)) or "()", k, t, b) for p, s, k, t, b in self.rows]
-        body.append(("(shared: step counts)", "", "", "", self.shared_bytes))
-        footer = f"{self.config}: optimizer state {format_bytes(self.total_bytes)}"
-        return format_table(self.HEADERS, body) + "\n" + footer
-
-
 def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
     """Route ``params`` as configuration ``tx_name`` would and count each leaf's state bytes.
 
@@ -286,7 +225,7 @@ def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
     Returns:
       A :class:`RoutingTable`; ``print`` it.
     """
-    resolved = _resolve_preset(tx_name, dict(overrides))
+    resolved = resolve_preset(tx_name, dict(overrides), OPTION_KEYS)
     tx = make_optimizer(tx_name, **overrides)
     route = routing.label_params(
         params, overrides.get("route_overrides"), vocab_size=overrides.get("vocab_size")

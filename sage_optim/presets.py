@@ -175,3 +175,51 @@ def get_preset(name: str) -> Preset:
         raise ValueError(
             f"unknown optimizer configuration {name!r}; valid names: {', '.join(CONFIG_NAMES)}"
         ) from None
+
+
+def resolve_preset(
+    name: str, overrides: dict[str, Any], option_keys: tuple[str, ...] = ()
+) -> Preset:
+    """Apply a user's overrides to configuration ``name``; both frameworks call this.
+
+    Consumes from ``overrides`` (in place) every key it understands, leaving only the
+    framework's own ``option_keys``:
+
+    * ``embedding=``/``dense=``/``vector=``: a rule name or :class:`Rule` to swap in;
+    * ``<kind>_<hp>=``: one hyperparameter of one kind's rule (``dense_alpha=5.0``);
+    * ``<hp>=``: a hyperparameter for every rule of the configuration that has it
+      (``b1=0.891``, ``weight_decay=0.0``).
+
+    Raises:
+      ValueError: unknown configuration, rule or hyperparameter; the message lists what
+        is valid.
+    """
+    preset = get_preset(name)
+    for kind in KINDS:
+        if kind in overrides:
+            value = overrides.pop(kind)
+            rule = value if isinstance(value, Rule) else Rule(value)
+            preset = preset.with_rule(kind, rule)
+    for key in [k for k in overrides if k.split("_", 1)[0] in KINDS]:
+        kind, hp = key.split("_", 1)
+        rule = preset.rule(kind)
+        if hp not in RULE_DEFAULTS[rule.name]:
+            raise ValueError(
+                f"{key}: the {kind} rule of {name!r} is {rule.name!r}, which has no "
+                f"hyperparameter {hp!r}; it takes {sorted(RULE_DEFAULTS[rule.name])}"
+            )
+        preset = preset.with_rule(kind, rule.with_overrides(**{hp: overrides.pop(key)}))
+    for hp in [k for k in overrides if k not in option_keys]:
+        value = overrides.pop(hp)
+        kinds = [k for k in KINDS if hp in RULE_DEFAULTS[preset.rule(k).name]]
+        if not kinds:
+            rules = sorted({preset.rule(k).name for k in KINDS})
+            takes = sorted({h for r in rules for h in RULE_DEFAULTS[r]})
+            raise ValueError(
+                f"unknown override {hp!r} for {name!r} (rules {rules}); valid: {takes}, "
+                f"'<kind>_<hyperparameter>' with kind in {KINDS}, {KINDS} to swap a rule, "
+                f"and the options {list(option_keys)}"
+            )
+        for kind in kinds:
+            preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**{hp: value}))
+    return preset

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -42,3 +43,30 @@ def format_bytes(n: int) -> str:
             return f"{int(size)} B" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingTable:
+    """Printable routing of a model's parameters under one configuration.
+
+    Both frameworks return this (``sage_optax.routing_table``, ``sage_torch.routing_table``),
+    so their printouts have one form.  ``rows`` are ``(path, shape, kind, transform, state
+    bytes)``; ``shared_bytes`` counts state that belongs to no single parameter (step counts).
+    """
+
+    config: str
+    rows: tuple[tuple[str, tuple[int, ...], str, str, int], ...]
+    shared_bytes: int
+
+    HEADERS: ClassVar[tuple[str, ...]] = ("path", "shape", "kind", "transform", "state bytes")
+
+    @property
+    def total_bytes(self) -> int:
+        """Total optimizer-state bytes (per-parameter rows plus shared)."""
+        return sum(r[4] for r in self.rows) + self.shared_bytes
+
+    def __str__(self) -> str:
+        body = [(p, "x".join(map(str, s)) or "()", k, t, b) for p, s, k, t, b in self.rows]
+        body.append(("(shared: step counts)", "", "", "", self.shared_bytes))
+        footer = f"{self.config}: optimizer state {format_bytes(self.total_bytes)}"
+        return format_table(self.HEADERS, body) + "\n" + footer
