@@ -1,4 +1,4 @@
-"""APOLLO: SGD-like memory, AdamW-level performance (Zhu et al. 2024), as SPEC.md uses it.
+"""APOLLO: SGD-like memory, AdamW-level performance (Zhu et al. 2024, arXiv:2412.05270).
 
 For a dense matrix with gradient ``G`` at step ``t`` (from 1), per batch index of stacked
 layers (SPEC.md section 4, "APOLLO, as the apollo configuration uses it")::
@@ -217,8 +217,10 @@ def scale_by_apollo(
     With ``optax.inject_hyperparams`` the numeric hyperparameters (``scale``, ``b1``,
     ``b2``, ``eps``, ``limiter_gamma``) may be arrays; ``rank``, ``scale_type``,
     ``update_proj_gap`` and ``seed`` fix shapes and code paths and must be passed through
-    ``static_args``.  Arithmetic is in float32, or the parameter dtype if wider; moments
-    and norms are kept in that dtype; the update has the gradient's dtype.
+    ``static_args``, and so must ``projection`` (``inject_hyperparams`` would take any
+    callable for a schedule and call it with the step count).  Arithmetic is in float32,
+    or the parameter dtype if wider; moments and norms are kept in that dtype; the update
+    has the gradient's dtype.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`ScaleByApolloState`.  A leaf
@@ -256,10 +258,18 @@ def scale_by_apollo(
                 nu.append(masked)
                 norm.append(masked)
                 continue
+            # Built by the very operations update_fn applies to the gradient (projection,
+            # norm over the matrix axes), so that dtypes and shardings of the state match
+            # what update_fn returns (explicit-sharding meshes make sharding part of the type).
             wide = _wide(p.dtype)
-            mu.append(jnp.zeros(plan.moment_shape, wide))
-            nu.append(jnp.zeros(plan.moment_shape, wide))
-            norm.append(jnp.zeros(plan.norm_shape, wide))
+            p_wide = p.astype(wide)
+            zero_proj = jnp.zeros((p.shape[plan.compressed], rank), wide)
+            r0 = jnp.zeros_like(_project(p_wide, zero_proj, plan.compressed))
+            mu.append(r0)
+            nu.append(jnp.zeros_like(r0))
+            norm.append(
+                jnp.zeros_like(jnp.squeeze(_norm(p_wide, plan.matrix_axes), plan.matrix_axes))
+            )
         unflat = jax.tree_util.tree_unflatten
         return ScaleByApolloState(
             count=jnp.zeros([], jnp.int32),
@@ -463,6 +473,11 @@ def apollo(
       mask: which leaves get weight decay (pytree of bools or callable).
       dims: per-leaf axes, see :func:`scale_by_apollo`.
       projection: optional injected projection, see :func:`scale_by_apollo`.
+
+    Under ``optax.inject_hyperparams`` list ``rank``, ``scale_type``, ``update_proj_gap``,
+    ``seed`` and any callable ``projection``, ``mask`` or ``dims`` in ``static_args``;
+    ``learning_rate``, ``scale``, ``b1``, ``b2``, ``eps``, ``weight_decay`` and
+    ``limiter_gamma`` may be injected.
 
     Returns:
       An ``optax.GradientTransformation``.

@@ -1,27 +1,22 @@
 """Tests of sage_optax.apollo against the float64 NumPy oracle ApolloRef (SPEC.md section 4)."""
 
 import math
-import pathlib
-import sys
 
-if str(pathlib.Path(__file__).resolve().parents[1]) not in sys.path:  # not installed
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference_np import ApolloRef
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import pytest  # noqa: E402
-from reference_np import ApolloRef  # noqa: E402
-
-from sage_optax.apollo import (  # noqa: E402
+from sage_optax.apollo import (
     ScaleByApolloState,
     add_decayed_weights_after_step,
     apollo,
     gaussian_projection,
     scale_by_apollo,
 )
-from sage_optax.axes import LeafAxes  # noqa: E402
+from sage_optax.axes import LeafAxes
 
 GAMMA = 1.01
 MAX_GAP = {"float64_vs_ApolloRef": 0.0}  # reported by test_report_max_gap
@@ -47,22 +42,34 @@ class ApolloRefRecordWhenZero(ApolloRef):
         return super().step(theta, g, lr)
 
 
-def shared_projection(seen_paths=None):
-    """A path-independent projection fed to both sides (float64 under x64)."""
+def table_projection(seen_paths=None, seed=1234, refreshes=16):
+    """A path-independent projection fed to both sides: N(0, 1/r) tables drawn by NumPy.
 
-    def gaussian(refresh_index, n, rank):
-        key = jax.random.fold_in(jax.random.key(1234), refresh_index)
-        return jax.random.normal(key, (n, rank), jnp.float64) / math.sqrt(rank)
+    Indexing a constant table with the traced refresh index is cheap to compile (unlike
+    jax.random), and both sides read the very same float64 numbers.
+    """
+    tables = {}
+
+    def table(n, rank):
+        if (n, rank) not in tables:
+            rng = np.random.default_rng([seed, n, rank])
+            tables[n, rank] = rng.normal(0.0, math.sqrt(1.0 / rank), (refreshes, n, rank))
+        return tables[n, rank]
 
     def projection(path, refresh_index, n, rank):
         if seen_paths is not None:
             seen_paths.add(path)
-        return gaussian(refresh_index, n, rank)
+        return jnp.asarray(table(n, rank), jnp.asarray(0.0).dtype)[refresh_index]
 
     def ref_projection(refresh_index, n, rank):
-        return np.asarray(gaussian(jnp.asarray(refresh_index, jnp.int32), n, rank))
+        assert refresh_index < refreshes
+        return table(n, rank)[refresh_index]
 
     return projection, ref_projection
+
+
+def cheap_projection():
+    return table_projection()[0]
 
 
 def run_parity(flax_shape, scale_type, rank, grads_fn, steps=60, gap=7, weight_decay=0.1):
@@ -77,7 +84,7 @@ def run_parity(flax_shape, scale_type, rank, grads_fn, steps=60, gap=7, weight_d
         return warmup_cosine(jnp.asarray(count, jnp.float64))
 
     seen = set()
-    projection, ref_projection = shared_projection(seen)
+    projection, ref_projection = table_projection(seen)
     opt = apollo(
         schedule,
         rank=rank,
@@ -140,17 +147,24 @@ def test_float64_matches_reference(x64, flax_shape, scale_type, rank):
     assert limited > 0, "the norm-growth limiter never acted: the comparison misses it"
 
 
-@pytest.mark.parametrize("scale_type", ["tensor", "channel"])
-def test_zero_first_gradient_does_not_freeze(x64, scale_type):
+def test_float64_square_matrix_compresses_fan_in(x64):
+    # fan-out size == fan-in size: the fan-in axis (axis 0 of a Flax kernel) is compressed.
+    assert scale_by_apollo(2).init({"w": jnp.zeros((6, 6))}).mu["w"].shape == (2, 6)
+    target = np.random.default_rng(8).normal(size=(6, 6))
+    run_parity((6, 6), "channel", 2, noisy_quadratic(target), steps=20)
+
+
+def test_zero_first_gradient_does_not_freeze(x64):
     target = np.random.default_rng(3).normal(size=(6, 9))
     quad = noisy_quadratic(target)
 
     def grads(t, theta, rng):
         return np.zeros_like(theta) if t == 0 else quad(t, theta, rng)
 
-    run_parity((6, 9), scale_type, 2, grads, steps=12, gap=5, weight_decay=0.0)
+    for scale_type in ("tensor", "channel"):  # against ApolloRefRecordWhenZero
+        run_parity((6, 9), scale_type, 2, grads, steps=12, gap=5, weight_decay=0.0)
     # Not frozen: after the zero step the matrix moves under the gradient.
-    opt = scale_by_apollo(2, scale_type)
+    opt = scale_by_apollo(2, projection=cheap_projection())
     params = {"w": jnp.zeros((6, 9))}
     state = opt.init(params)
     update = jax.jit(opt.update)
@@ -165,75 +179,89 @@ def test_zero_first_gradient_does_not_freeze(x64, scale_type):
 def test_default_projection_is_stable():
     proj = gaussian_projection(0)
     k3 = jnp.asarray(3, jnp.int32)
-    p = np.asarray(proj("layers.0.kernel", k3, 16, 2))
-    assert p.shape == (16, 2)
+    n, rank = 2000, 2  # one shape throughout: eager calls compile once
+    p = np.asarray(proj("layers.0.kernel", k3, n, rank))
+    assert p.shape == (n, rank)
     np.testing.assert_array_equal(
-        p, np.asarray(gaussian_projection(0)("layers.0.kernel", k3, 16, 2))
+        p, np.asarray(gaussian_projection(0)("layers.0.kernel", k3, n, rank))
     )
     # Under jit XLA may fuse the 1/sqrt(r) scaling differently: equal up to float32 rounding.
-    jitted = jax.jit(proj, static_argnums=(0, 2, 3))("layers.0.kernel", k3, 16, 2)
+    jitted = jax.jit(proj, static_argnums=(0, 2, 3))("layers.0.kernel", k3, n, rank)
     np.testing.assert_allclose(np.asarray(jitted), p, rtol=3e-7, atol=0)
     for other in (
-        proj("layers.0.kernel", jnp.asarray(4, jnp.int32), 16, 2),
-        proj("layers.1.kernel", k3, 16, 2),
-        gaussian_projection(1)("layers.0.kernel", k3, 16, 2),
+        proj("layers.0.kernel", jnp.asarray(4, jnp.int32), n, rank),  # next refresh
+        proj("layers.1.kernel", k3, n, rank),  # another leaf
+        gaussian_projection(1)("layers.0.kernel", k3, n, rank),  # another seed
     ):
-        assert np.max(np.abs(p - np.asarray(other))) > 0.1
-    big = np.asarray(proj("w", k3, 4000, 4))
-    assert abs(big.var() - 0.25) < 0.025  # entries N(0, 1/r)
-    assert abs(big.mean()) < 0.02
+        assert np.max(np.abs(p - np.asarray(other))) > 0.5
+    assert abs(p.var() - 1 / rank) < 0.05  # entries N(0, 1/r)
+    assert abs(p.mean()) < 0.05
 
 
 def test_masked_inside_partition_matches_unmasked():
+    # Inside optax.partition "w" is leaf 1 of {"bias", "w"}; alone it is leaf 0. P is keyed
+    # on the path, so the updates agree (keyed on the leaf index, they would not).
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(6, 10)), jnp.float32)
     bias = jnp.asarray(rng.normal(size=(10,)), jnp.float32)
     part = optax.partition(
-        {"apollo": scale_by_apollo(2, update_proj_gap=2), "other": optax.identity()},
+        {"apollo": apollo(1e-2, rank=2, update_proj_gap=2), "other": optax.identity()},
         {"bias": "other", "w": "apollo"},
     )
-    alone = scale_by_apollo(2, update_proj_gap=2)
-    other_seed = scale_by_apollo(2, update_proj_gap=2, seed=1)
+    alone = apollo(1e-2, rank=2, update_proj_gap=2)
     s_part = part.init({"bias": bias, "w": w})
     s_alone = alone.init({"w": w})
-    s_other = other_seed.init({"w": w})
     part_update, alone_update = jax.jit(part.update), jax.jit(alone.update)
     for _ in range(5):
         gw = jnp.asarray(rng.normal(size=(6, 10)), jnp.float32)
         gb = jnp.asarray(rng.normal(size=(10,)), jnp.float32)
-        u_part, s_part = part_update({"bias": gb, "w": gw}, s_part)
-        u_alone, s_alone = alone_update({"w": gw}, s_alone)
-        u_other, s_other = other_seed.update({"w": gw}, s_other)
-        np.testing.assert_array_equal(np.asarray(u_part["w"]), np.asarray(u_alone["w"]))
+        u_part, s_part = part_update({"bias": gb, "w": gw}, s_part, {"bias": bias, "w": w})
+        u_alone, s_alone = alone_update({"w": gw}, s_alone, {"w": w})
+        # Same P, same arithmetic; rtol only absorbs a possible different XLA fusion of
+        # the two programs (another P changes the update at the 1e-2 level).
+        np.testing.assert_allclose(
+            np.asarray(u_part["w"]), np.asarray(u_alone["w"]), rtol=1e-6, atol=0
+        )
         np.testing.assert_array_equal(np.asarray(u_part["bias"]), np.asarray(gb))
-    # The projection matters (channel-free tensor scale still depends on P via R):
-    assert np.max(np.abs(np.asarray(u_alone["w"]) - np.asarray(u_other["w"]))) > 1e-3
 
 
-@pytest.mark.parametrize("layer_shape", [(6, 10), (10, 6)])
-@pytest.mark.parametrize("scale_type", ["tensor", "channel"])
-def test_stacked_equals_separate_layers(x64, layer_shape, scale_type):
+def test_stacked_equals_separate_layers(x64):
+    # Three stacked leaves: (L, in, out) with fan-out >= fan-in and with fan-out < fan-in,
+    # and (in, L, out) with the layer axis in the middle (explicit LeafAxes).
     n_layers = 3
     rng = np.random.default_rng(1)
-    stacked = scale_by_apollo(2, scale_type, update_proj_gap=2)
-    single = scale_by_apollo(2, scale_type, update_proj_gap=2)
-    s_stacked = stacked.init({"w": jnp.zeros((n_layers, *layer_shape))})
-    assert s_stacked.norm["w"].shape == (n_layers,)
-    s_layers = [single.init({"w": jnp.zeros(layer_shape)}) for _ in range(n_layers)]
+    dims = {"a": LeafAxes(), "b": LeafAxes(), "c": LeafAxes(fan_in=0, fan_out=2)}
+    shapes = {"a": (n_layers, 6, 10), "b": (n_layers, 10, 6), "c": (6, n_layers, 10)}
+    layer_axis = {"a": 0, "b": 0, "c": 1}
+    stacked = scale_by_apollo(2, update_proj_gap=2, dims=dims, projection=cheap_projection())
+    single = scale_by_apollo(2, update_proj_gap=2, projection=cheap_projection())
+    s_stacked = stacked.init({k: jnp.zeros(v) for k, v in shapes.items()})
+    assert {k: v.shape for k, v in s_stacked.norm.items()} == {k: (n_layers,) for k in shapes}
+    assert s_stacked.mu["c"].shape == (2, n_layers, 10)
+
+    def layer(k, x, i):
+        return np.take(x, i, axis=layer_axis[k])
+
+    s_layers = [
+        single.init({k: jnp.asarray(layer(k, np.zeros(v), i)) for k, v in shapes.items()})
+        for i in range(n_layers)
+    ]
     stacked_update, single_update = jax.jit(stacked.update), jax.jit(single.update)
     for t in range(6):
-        g = rng.normal(size=(n_layers, *layer_shape))
+        g = {k: rng.normal(size=v) for k, v in shapes.items()}
         if t == 3:
-            g[1] *= 10.0  # only layer 1 jumps: per-layer limiter norms must differ
-        u_stacked, s_stacked = stacked_update({"w": jnp.asarray(g)}, s_stacked)
+            g["a"][1] *= 10.0  # only layer 1 jumps: per-layer limiter norms must differ
+        u_stacked, s_stacked = stacked_update(jax.tree.map(jnp.asarray, g), s_stacked)
         for i in range(n_layers):
-            u_i, s_layers[i] = single_update({"w": jnp.asarray(g[i])}, s_layers[i])
-            np.testing.assert_allclose(
-                np.asarray(u_stacked["w"][i]), np.asarray(u_i["w"]), rtol=0, atol=1e-12
-            )
-            np.testing.assert_allclose(
-                float(s_stacked.norm["w"][i]), float(s_layers[i].norm["w"]), rtol=1e-13
-            )
+            g_i = {k: jnp.asarray(layer(k, x, i)) for k, x in g.items()}
+            u_i, s_layers[i] = single_update(g_i, s_layers[i])
+            for k in shapes:
+                np.testing.assert_allclose(
+                    layer(k, np.asarray(u_stacked[k]), i), np.asarray(u_i[k]), rtol=0, atol=1e-12
+                )
+                np.testing.assert_allclose(
+                    float(s_stacked.norm[k][i]), float(s_layers[i].norm[k]), rtol=1e-13
+                )
 
 
 def test_float32_jit_does_not_recompile():
@@ -241,7 +269,12 @@ def test_float32_jit_does_not_recompile():
         "w": jnp.ones((8, 12), jnp.float32),
         "stack": jnp.ones((2, 12, 4), jnp.float32),
     }
-    opt = apollo(optax.linear_schedule(1e-3, 1e-4, 10), rank=2, update_proj_gap=2)
+    opt = apollo(
+        optax.linear_schedule(1e-3, 1e-4, 10),
+        rank=2,
+        update_proj_gap=2,
+        projection=cheap_projection(),
+    )
     state = opt.init(params)
     traces = []
 
@@ -264,7 +297,7 @@ def test_float32_jit_does_not_recompile():
 
 def test_bfloat16_state_dtypes_are_stable():
     params = {"w": jnp.ones((8, 12), jnp.bfloat16), "stack": jnp.ones((2, 4, 6), jnp.bfloat16)}
-    opt = apollo(1e-3, scale_type="channel", rank=2)
+    opt = apollo(1e-3, scale_type="channel", rank=2, projection=cheap_projection())
     state = opt.init(params)
     spec0 = jax.tree.map(lambda x: (x.shape, x.dtype), state)
     apollo_state = state[0]
@@ -284,7 +317,9 @@ def test_bfloat16_state_dtypes_are_stable():
 
 def test_inject_hyperparams_matches_plain():
     params = {"w": jnp.asarray(np.random.default_rng(4).normal(size=(6, 9)), jnp.float32)}
-    kwargs = dict(rank=2, scale_type="channel", update_proj_gap=2, seed=5)
+    kwargs = dict(
+        rank=2, scale_type="channel", update_proj_gap=2, seed=5, projection=cheap_projection()
+    )
     hyper = dict(
         learning_rate=1e-2,
         b1=0.8,
@@ -296,7 +331,7 @@ def test_inject_hyperparams_matches_plain():
     )
     plain = apollo(**kwargs, **hyper)
     injected = optax.inject_hyperparams(
-        apollo, static_args=("rank", "scale_type", "update_proj_gap", "seed")
+        apollo, static_args=("rank", "scale_type", "update_proj_gap", "seed", "projection")
     )(**kwargs, **hyper)
     s_plain, s_inj = plain.init(params), injected.init(params)
     p_plain, p_inj = params, params
@@ -355,7 +390,7 @@ def test_norm_growth_limiter_bounds_growth():
     scales = [1e-7] * 4 + [1e-6] * 6 + [1e-7] * 3
 
     def norms(gamma):
-        opt = scale_by_apollo(1, limiter_gamma=gamma)
+        opt = scale_by_apollo(1, limiter_gamma=gamma, projection=cheap_projection())
         state = opt.init({"w": base})
         update = jax.jit(opt.update)
         out = []
