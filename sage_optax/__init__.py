@@ -16,7 +16,7 @@ Optimization" (Lee & Kim); SPEC.md fixes every convention.
 """
 
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
-from sage_optax.axes import LeafAxes
+from sage_optax.axes import EMBEDDING_TABLE, LeafAxes
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
 from sage_optax.llama_shapes import llama_param_shapes
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CONFIG_NAMES",
     "DAMPERS",
+    "EMBEDDING_TABLE",
     "NORMALIZATIONS",
     "LeafAxes",
     "ParamRouting",

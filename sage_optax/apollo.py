@@ -271,6 +271,9 @@ def scale_by_apollo(
                 jnp.zeros_like(jnp.squeeze(_norm(p_wide, plan.matrix_axes), plan.matrix_axes))
             )
         unflat = jax.tree_util.tree_unflatten
+        # Reduced shapes: built without nnx.Variable boxes, whose sharding metadata is the
+        # parameter's (nnx.Optimizer would apply it to these smaller arrays).
+        treedef = jax.tree.structure(axes_lib.unbox(params), is_leaf=axes_lib.is_masked)
         return ScaleByApolloState(
             count=jnp.zeros([], jnp.int32),
             mu=unflat(treedef, mu),

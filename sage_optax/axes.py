@@ -116,6 +116,9 @@ class ResolvedAxes:
         return tuple(a for a in range(len(self.shape)) if a not in self.batch)
 
 
+EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)
+"""Axes of an embedding table ``(V, d)`` (``nnx.Embed``, ``nn.Embedding``): vocab is fan-out."""
+
 AxesSpec: TypeAlias = "LeafAxes | None | Any | Callable[[Any], Any]"
 """One :class:`LeafAxes`, a pytree of them (``None`` skips a leaf), or a callable of params."""
 
@@ -125,8 +128,33 @@ def is_masked(x: Any) -> bool:
     return x is None or isinstance(x, optax.MaskedNode)
 
 
+def is_box(x: Any) -> bool:
+    """Whether ``x`` is a metadata box around one array (a ``flax.nnx.Variable``)."""
+    return hasattr(x, "get_value") and hasattr(x, "get_metadata")
+
+
+def unbox(tree: Any) -> Any:
+    """``tree`` with every ``nnx.Variable``-like box replaced by the array it holds.
+
+    State whose shape differs from its parameter's (SAGE's ``S``, APOLLO's moments) is
+    built on the unboxed tree: ``nnx.Optimizer`` copies a box's metadata (its sharding
+    annotation) onto the state leaf built in it, which is wrong for a reduced shape.
+    """
+    return jax.tree.map(
+        lambda x: x.get_value() if is_box(x) else x,
+        tree,
+        is_leaf=lambda x: is_box(x) or is_masked(x),
+    )
+
+
 def path_str(path: Path) -> str:
-    """A dotted, human-readable form of a pytree key path (``layers.0.attn.q.kernel``)."""
+    """A dotted, human-readable form of a pytree key path (``layers.0.attn.q.kernel``).
+
+    The trailing ``.value`` of an ``nnx.Variable`` leaf is dropped, so boxed and unboxed
+    trees give the same names.
+    """
+    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
     parts = []
     for k in path:
         if isinstance(k, jax.tree_util.DictKey):
@@ -151,6 +179,12 @@ def resolve_spec(spec: Any, tree: Any, leaf_type: type = LeafAxes) -> Any:
     """
     if callable(spec) and not isinstance(spec, leaf_type):
         spec = spec(tree)
+    if hasattr(spec, "dtype") and hasattr(spec, "shape"):
+        raise TypeError(
+            f"an axis spec must be an int, None, LeafAxes, a pytree of them or a callable, got "
+            f"an array ({spec!r}); under optax.inject_hyperparams pass axis arguments in "
+            "static_args so they are not turned into arrays"
+        )
     if spec is None or isinstance(spec, leaf_type | int):
         return jax.tree.map(lambda _: spec, tree, is_leaf=is_masked)
     return spec
@@ -184,7 +218,14 @@ def flatten_like(treedef: Any, tree: Any, what: str, reference: str = "the updat
     try:
         return treedef.flatten_up_to(tree)
     except (ValueError, TypeError):
-        raise ValueError(tree_mismatch_message(treedef, tree, what, reference)) from None
+        pass
+    # The same leaves, boxed on one side only (nnx.Variable vs plain arrays), also match.
+    ref = jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
+    ref_paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(ref)[0]]
+    got = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)[0]
+    if [path_str(p) for p, _ in got] == ref_paths:
+        return [x for _, x in got]
+    raise ValueError(tree_mismatch_message(treedef, tree, what, reference))
 
 
 def tree_mismatch_message(treedef: Any, tree: Any, what: str, reference: str) -> str:

@@ -61,8 +61,6 @@ class ParamRouting(NamedTuple):
 
 def leaf_name_path(path: tuple[Any, ...]) -> str:
     """Dotted path of a leaf without the trailing ``.value`` of ``nnx.Variable`` leaves."""
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        path = path[:-1]
     return axes_lib.path_str(path)
 
 

@@ -53,6 +53,8 @@ class _LeafPlan(NamedTuple):
 
 def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
     ndim = len(shape)
+    if ndim < 2:  # Eq. (1): vectors and scalars are element-wise whatever the spec
+        return _LeafPlan(None, tuple(range(ndim)))
     if isinstance(spec, axes_lib.LeafAxes):
         r = spec.resolve(shape, path)
         if not r.is_matrix:
@@ -119,7 +121,7 @@ def scale_by_sage(
     b2: float = 0.99,
     eps: float = 1e-8,
     *,
-    vocab_axis: axes_lib.AxesSpec = -2,
+    vocab_axis: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
     mu_dtype: Any | None = None,
     damper: str = "both",
 ) -> optax.GradientTransformation:
@@ -134,13 +136,14 @@ def scale_by_sage(
         this rule with ``b1 = 0.9 * 0.99 = 0.891``.
       b2: decay of the momentum ``M`` and of the scale EMA ``S`` (β2).
       eps: ε added to the denominators of both dampers.
-      vocab_axis: the axis ``s_t`` averages over (the vocab axis of an embedding). An
-        ``int`` (default ``-2``: an ``nnx.Embed`` table ``(V, d)``; leading axes of a
-        stacked leaf are batch axes), ``None`` (element-wise ``s_t = |g|`` everywhere), a
-        :class:`~sage_optax.LeafAxes` (reduce over its ``fan_out`` axis; vector leaves are
-        element-wise), a pytree of these, or a callable mapping params to one (such as
-        ``lambda p: sage_optax.label_params(p).axes``).  1-D and 0-D leaves are always
-        element-wise.
+      vocab_axis: the axis ``s_t`` averages over (the vocab axis of an embedding): a
+        :class:`~sage_optax.LeafAxes` (reduce over its ``fan_out`` axis; the default
+        ``EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)`` is an ``nnx.Embed`` table
+        ``(V, d)``, leading axes of a stacked leaf being batch axes), an ``int`` axis,
+        ``None`` (element-wise ``s_t = |g|`` everywhere), a pytree of these, or a callable
+        mapping params to one (such as ``lambda p: sage_optax.label_params(p).axes``).
+        1-D and 0-D leaves are always element-wise.  Under ``optax.inject_hyperparams`` an
+        ``int`` would become an array: pass it in ``static_args`` (the default needs not).
       mu_dtype: dtype of ``M`` (defaults to the parameter dtype), as in ``optax.lion``.
       damper: which dampers enter ``H_t``; see :data:`DAMPERS`.
 
@@ -167,10 +170,11 @@ def scale_by_sage(
             # Built from the reduction of the parameter itself so that its dtype and
             # sharding are exactly those of what update_fn returns.
             s.append(jnp.zeros_like(_mean_abs(p, plan)))
+        unboxed = jax.tree.structure(axes_lib.unbox(params), is_leaf=axes_lib.is_masked)
         return ScaleBySageState(
             count=jnp.zeros([], jnp.int32),
             mu=jax.tree_util.tree_unflatten(treedef, mu),
-            s=jax.tree_util.tree_unflatten(treedef, s),
+            s=jax.tree_util.tree_unflatten(unboxed, s),  # reduced shape: no param metadata
         )
 
     def update_fn(
@@ -222,7 +226,7 @@ def sage(
     weight_decay: float = 0.01,
     *,
     mask: Any | None = None,
-    vocab_axis: axes_lib.AxesSpec = -2,
+    vocab_axis: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
     mu_dtype: Any | None = None,
     damper: str = "both",
 ) -> optax.GradientTransformation:

@@ -1,7 +1,32 @@
-"""sage_torch: the PyTorch twin of :mod:`sage_optax` (SAGE, SinkGD, Lion, APOLLO).
+"""sage_torch: the PyTorch twin of :mod:`sage_optax`, making the very same updates.
 
-Not implemented yet: it is the subject of the PyTorch issue.  The configuration table and
-defaults it will use already live in :mod:`sage_optim`, shared with :mod:`sage_optax`.
+``torch.optim.Optimizer`` classes :class:`SAGE`, :class:`SinkGD`, :class:`Lion` and
+:class:`APOLLO`; :func:`make_optimizer` builds any of the paper's eight configurations for
+an ``nn.Module`` as one :class:`RuleOptimizer` whose param groups carry their rule, from the
+table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`).
 """
 
-__all__: list[str] = []
+from sage_optim.presets import CONFIG_NAMES
+from sage_torch.configs import make_optimizer, param_groups, routing_table
+from sage_torch.optim import APOLLO, SAGE, Lion, RuleOptimizer, SinkGD
+from sage_torch.routing import RoutingError, route_parameters
+from sage_torch.rules import gaussian_projection, sage_damper, sinkhorn_normalize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "APOLLO",
+    "CONFIG_NAMES",
+    "SAGE",
+    "Lion",
+    "RoutingError",
+    "RuleOptimizer",
+    "SinkGD",
+    "gaussian_projection",
+    "make_optimizer",
+    "param_groups",
+    "route_parameters",
+    "routing_table",
+    "sage_damper",
+    "sinkhorn_normalize",
+]

@@ -8,8 +8,8 @@ import jax
 import pytest
 
 import sage_optax
-from sage_optax.memory_report import format_memory_table, main, memory_rows
 from sage_optax import Route
+from sage_optax.memory_report import format_memory_table, main, memory_rows
 from sage_optim import PAPER_MODELS
 from sage_optim.models import get_model_config
 from sage_optim.paper import PAPER_MEMORY_GIB

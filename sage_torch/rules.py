@@ -1,0 +1,414 @@
+"""Update rules of :mod:`sage_torch`, one class per rule, shared by every optimizer class.
+
+Each rule works on the parameters of one param group: it creates a parameter's state
+lazily (:meth:`Rule.init_state`), validates the group's hyperparameters (raising a
+``ValueError`` that names them) and applies one step, either tensor by tensor or with the
+``torch._foreach_*`` kernels (``foreach=True``), which fuse the element-wise parts across
+parameters.  The math is that of :mod:`sage_optax` (SPEC.md sections 2-4), written in the
+same order of floating-point operations where it matters, so both frameworks agree to
+rounding: every update is ``θ ← θ − η·(u + w·θ)`` with the rule's direction ``u``, except
+APOLLO, which decays after the step as its authors' code does.
+
+Layout: PyTorch matrices are ``(out, in)``, so the default axes are ``fan_in_dim=-1`` and
+``fan_out_dim=-2``; ``nn.Embedding.weight`` ``(V, d)`` and a head ``nn.Linear(d, V).weight``
+``(V, d)`` therefore have the vocab axis as fan-out axis, as in :mod:`sage_optax`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim.presets import RULE_DEFAULTS
+
+Projection = Callable[[str, int, int, int], Tensor]
+"""``projection(name, refresh_index, n, rank) -> P`` of shape ``(n, rank)`` (APOLLO)."""
+
+DAMPERS: tuple[str, ...] = ("both", "ema", "instant", "none")
+NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
+SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype: float32, or float64 for float64 tensors."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check(name: str, ok: bool, value: Any, what: str) -> None:
+    if not ok:
+        raise ValueError(f"Invalid {name}: {value!r} (must be {what})")
+
+
+def _check_common(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        _check("learning rate", lr.numel() == 1, lr, "a scalar")
+        lr = float(lr)
+    _check("learning rate (lr)", lr >= 0.0, group["lr"], ">= 0")
+    _check("weight_decay", group["weight_decay"] >= 0.0, group["weight_decay"], ">= 0")
+
+
+def _check_betas(betas: Sequence[float], b2_open: bool = True) -> None:
+    _check("betas", len(betas) == 2, betas, "a pair (b1, b2)")
+    b1, b2 = betas
+    _check("beta parameter at index 0 (b1)", 0.0 <= b1 <= 1.0, b1, "in [0, 1]")
+    _check("beta parameter at index 1 (b2)", 0.0 <= b2 < 1.0, b2, "in [0, 1)")
+
+
+def _matrix_dims(p: Tensor, group: dict[str, Any], rule: str, name: str) -> tuple[int, int]:
+    """The (fan_in, fan_out) dims of a matrix parameter, checked; errors name the size."""
+    if p.dim() < 2:
+        raise ValueError(
+            f"{rule} needs a matrix, but parameter {name or '<unnamed>'} has size "
+            f"{tuple(p.shape)}; route 1-D/0-D parameters to another rule "
+            "(sage_torch.make_optimizer does this)"
+        )
+    fi, fo = group["fan_in_dim"] % p.dim(), group["fan_out_dim"] % p.dim()
+    if fi == fo:
+        raise ValueError(f"fan_in_dim and fan_out_dim are the same dim ({fi}) for {name}")
+    return fi, fo
+
+
+def _decayed_step(params: list[Tensor], updates: list[Tensor], lr: float, wd: float,
+                  foreach: bool) -> None:
+    """θ ← θ − η·(u + w·θ), the Optax chain ``add_decayed_weights`` → ``scale(−η)``."""
+    if foreach:
+        if wd != 0.0:
+            torch._foreach_add_(updates, params, alpha=wd)
+        torch._foreach_add_(params, updates, alpha=-lr)
+        return
+    for p, u in zip(params, updates, strict=True):
+        if wd != 0.0:
+            u = u.add(p, alpha=wd)
+        p.add_(u, alpha=-lr)
+
+
+class Rule:
+    """Base class of an update rule: its state, its checks and its step."""
+
+    name: str = ""
+
+    def validate(self, group: dict[str, Any]) -> None:
+        """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""
+        _check_common(group)
+
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
+        """The state of a parameter before its first step (tensors only, no 'step')."""
+        return {}
+
+    def step(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
+             names: list[str], group: dict[str, Any], foreach: bool) -> None:
+        """Apply one step to ``params`` in place."""
+        raise NotImplementedError
+
+
+class SageRule(Rule):
+    """SAGE (Algorithm 1 + instantaneous damper): ``u = sign(b1·M + (1−b1)·g) ⊙ H``."""
+
+    name = "sage"
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        _check_betas(group["betas"])
+        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+        _check("damper", group["damper"] in DAMPERS, group["damper"], f"one of {DAMPERS}")
+
+    def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> int | None:
+        return group["fan_out_dim"] % p.dim() if p.dim() >= 2 else None
+
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:  # noqa: D102
+        mu_dtype = group.get("mu_dtype") or p.dtype
+        dim = self._reduce_dim(p, group)
+        wide = _wide(p.dtype)
+        # S is created from the reduction of the parameter itself, so that its layout (and,
+        # for a sharded DTensor parameter, its placement) is that of what step() computes.
+        reduced = p.detach().to(wide)
+        reduced = reduced if dim is None else reduced.mean(dim=dim)
+        return {
+            "exp_avg": torch.zeros_like(p, dtype=mu_dtype, memory_format=torch.preserve_format),
+            "scale_avg": torch.zeros_like(reduced),
+        }
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        eps, lr, wd = group["eps"], float(group["lr"]), group["weight_decay"]
+        damper = group["damper"]
+        updates, new_m = [], []
+        for p, g, st in zip(params, grads, states, strict=True):
+            step = float(st["step"])
+            wide = _wide(g.dtype)
+            g32, m32 = g.to(wide), st["exp_avg"].to(wide)
+            dim = self._reduce_dim(p, group)
+            s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
+            S = st["scale_avg"]
+            S.mul_(b2).add_(s.to(S.dtype), alpha=1 - b2)
+            s_hat = S.to(wide) / (1 - b2**step)
+            h = sage_damper(s, s_hat, eps, damper)
+            if dim is not None:
+                h = h.unsqueeze(dim)
+            direction = torch.sign(g32 * (1.0 - b1) + m32 * b1)
+            updates.append((direction * h).to(p.dtype))
+            new_m.append(g32 * (1 - b2) + m32 * b2)
+        if foreach:
+            torch._foreach_copy_([st["exp_avg"] for st in states], new_m)
+        else:
+            for st, m in zip(states, new_m, strict=True):
+                st["exp_avg"].copy_(m)
+        _decayed_step(params, updates, lr, wd, foreach)
+
+
+def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both") -> Tensor:
+    """SAGE's ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)`` with σ, γ the RMS of ``Ŝ`` and ``s``."""
+    h = torch.ones_like(s)
+    if damper in ("both", "ema"):
+        sigma = s_hat.square().mean().sqrt()
+        h = torch.minimum(h, sigma / (s_hat + eps))
+    if damper in ("both", "instant"):
+        gamma = s.square().mean().sqrt()
+        h = torch.minimum(h, gamma / (s + eps))
+    return h
+
+
+class LionRule(Rule):
+    """Lion (Chen et al. 2023): ``u = sign(b1·m + (1−b1)·g)``, then ``m ← b2·m + (1−b2)·g``."""
+
+    name = "lion"
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        _check_betas(group["betas"])
+
+    def init_state(self, p, group, name):  # noqa: D102
+        return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        ms = [st["exp_avg"] for st in states]
+        if foreach:
+            c = torch._foreach_mul(grads, 1.0 - b1)
+            torch._foreach_add_(c, torch._foreach_mul(ms, b1))
+            updates = torch._foreach_sign(c)
+            new_m = torch._foreach_mul(grads, 1 - b2)
+            torch._foreach_add_(new_m, torch._foreach_mul(ms, b2))
+            torch._foreach_copy_(ms, new_m)
+        else:
+            updates = []
+            for g, m in zip(grads, ms, strict=True):
+                updates.append(torch.sign(g * (1.0 - b1) + m * b1))
+                m.copy_(g * (1 - b2) + m * b2)
+        _decayed_step(params, updates, lr, wd, foreach)
+
+
+class AdamWRule(Rule):
+    """AdamW as ``optax.adamw`` (and ``torch.optim.AdamW``): bias-corrected ``m̂/(√v̂+ε)``."""
+
+    name = "adamw"
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        _check_betas(group["betas"])
+        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+
+    def init_state(self, p, group, name):  # noqa: D102
+        return {
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        eps, lr, wd = group["eps"], float(group["lr"]), group["weight_decay"]
+        ms = [st["exp_avg"] for st in states]
+        vs = [st["exp_avg_sq"] for st in states]
+        steps = [float(st["step"]) for st in states]
+        if foreach:
+            torch._foreach_lerp_(ms, grads, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, 1 - b2)
+            m_hat = torch._foreach_div(ms, [1 - b1**t for t in steps])
+            v_hat = torch._foreach_div(vs, [1 - b2**t for t in steps])
+            denom = torch._foreach_sqrt(v_hat)
+            torch._foreach_add_(denom, eps)
+            updates = torch._foreach_div(m_hat, denom)
+        else:
+            updates = []
+            for g, m, v, t in zip(grads, ms, vs, steps, strict=True):
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                updates.append((m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
+        _decayed_step(params, updates, lr, wd, foreach)
+
+
+class SinkGDRule(Rule):
+    """SinkGD: ``u = α·X`` with ``X`` the Sinkhorn normalisation of the gradient (stateless)."""
+
+    name = "sinkgd"
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        _check("num_iters", int(group["num_iters"]) == group["num_iters"]
+               and group["num_iters"] >= 1, group["num_iters"], "a positive integer")
+        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+        _check("normalization", group["normalization"] in NORMALIZATIONS,
+               group["normalization"], f"one of {NORMALIZATIONS}")
+
+    def init_state(self, p, group, name):  # noqa: D102
+        _matrix_dims(p, group, "SinkGD", name)
+        return {}
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        lr, wd, alpha = float(group["lr"]), group["weight_decay"], group["alpha"]
+        updates = []
+        for p, g, name in zip(params, grads, names, strict=True):
+            fi, fo = _matrix_dims(p, group, "SinkGD", name)
+            x = sinkhorn_normalize(g, fi, fo, group["num_iters"], group["eps"],
+                                   group["normalization"])
+            updates.append(x.to(p.dtype) * alpha)
+        _decayed_step(params, updates, lr, wd, foreach)
+
+
+def sinkhorn_normalize(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int = 5,
+                       eps: float = 1e-8, normalization: str = "unit") -> Tensor:
+    """Sinkhorn-normalise ``g``: fan-in norms then fan-out norms, ``num_iters`` times.
+
+    Kept as ``X = c ⊙ G ⊙ r`` with two scale vectors, as in :mod:`sage_optax.sinkhorn`:
+    each half-iteration is one reduction of ``G²`` weighted by the other vector.
+    """
+    wide = _wide(g.dtype)
+    g = g.to(wide)
+    if normalization == "unit":
+        t_in = t_out = 1.0
+    else:
+        t_in, t_out = math.sqrt(g.shape[fan_in_dim]), math.sqrt(g.shape[fan_out_dim])
+    g2 = g.square()
+    c = torch.ones_like(g2.sum(dim=fan_out_dim, keepdim=True))
+    r = torch.ones_like(g2.sum(dim=fan_in_dim, keepdim=True))
+    for _ in range(int(num_iters)):
+        q = (g2 * c.square()).sum(dim=fan_in_dim, keepdim=True).sqrt()
+        r = torch.where(q > 0, r * t_in / (r * q + eps), r)
+        q = (g2 * r.square()).sum(dim=fan_out_dim, keepdim=True).sqrt()
+        c = torch.where(q > 0, c * t_out / (c * q + eps), c)
+    return c * g * r
+
+
+class UnitNormRule(Rule):
+    """The stateless step of ``sinkgd-pure`` on vectors: ``u = g / (‖g‖₂ + ε)``."""
+
+    name = "unit_norm"
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        if foreach:
+            norms = torch._foreach_norm(grads)
+            torch._foreach_add_(norms, eps)
+            updates = torch._foreach_div(grads, norms)
+        else:
+            updates = [g / (torch.linalg.vector_norm(g) + eps) for g in grads]
+        _decayed_step(params, updates, lr, wd, foreach)
+
+
+def gaussian_projection(seed: int = 0) -> Projection:
+    """Default APOLLO projection: entries ``N(0, 1/r)``.
+
+    Drawn from a generator keyed on ``(seed, crc32(name), refresh_index)``, float32 on the
+    CPU, like :mod:`sage_optax`'s (the two frameworks' generators differ: inject one
+    projection into both for parity).
+    """
+
+    def projection(name: str, refresh_index: int, n: int, rank: int) -> Tensor:
+        key = (seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_033 + refresh_index
+        gen = torch.Generator().manual_seed(key % (2**63))
+        return torch.randn(n, rank, generator=gen, dtype=torch.float32) / math.sqrt(rank)
+
+    return projection
+
+
+def _one_minus_pow(b: float, t: float) -> float:
+    """``1 − b^t`` without cancellation (as :mod:`sage_optax.apollo`)."""
+    return -math.expm1(t * math.log1p(-(1 - b)))
+
+
+class ApolloRule(Rule):
+    """APOLLO (Zhu et al. 2024) as SPEC.md pins it; decay is applied after the step."""
+
+    name = "apollo"
+
+    def __init__(self, projection: Projection | None = None) -> None:
+        self.projection = projection
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        _check_betas(group["betas"])
+        _check("rank", int(group["rank"]) == group["rank"] and group["rank"] >= 1,
+               group["rank"], "a positive integer")
+        _check("update_proj_gap", group["update_proj_gap"] >= 1, group["update_proj_gap"],
+               "a positive integer")
+        _check("scale_type", group["scale_type"] in SCALE_TYPES, group["scale_type"],
+               f"one of {SCALE_TYPES}")
+        _check("scale", group["scale"] > 0, group["scale"], "> 0")
+        _check("limiter_gamma", group["limiter_gamma"] >= 1.0, group["limiter_gamma"], ">= 1")
+
+    def _plan(self, p: Tensor, group: dict[str, Any], name: str) -> tuple[int, int, int]:
+        fi, fo = _matrix_dims(p, group, "APOLLO", name)
+        compressed = fi if p.shape[fo] >= p.shape[fi] else fo
+        return fi, fo, compressed
+
+    def init_state(self, p, group, name):  # noqa: D102
+        fi, fo, comp = self._plan(p, group, name)
+        shape = list(p.shape)
+        shape[comp] = int(group["rank"])
+        batch = [n for d, n in enumerate(p.shape) if d not in (fi, fo)]
+        wide = _wide(p.dtype)
+        return {
+            "exp_avg": torch.zeros(shape, dtype=wide, device=p.device),
+            "exp_avg_sq": torch.zeros(shape, dtype=wide, device=p.device),
+            "limiter_norm": torch.zeros(batch, dtype=wide, device=p.device),
+        }
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        rank, gamma = int(group["rank"]), group["limiter_gamma"]
+        projection = self.projection or gaussian_projection(int(group["seed"]))
+        for p, g, st, name in zip(params, grads, states, names, strict=True):
+            fi, fo, comp = self._plan(p, group, name)
+            t = float(st["step"])
+            refresh = (int(t) - 1) // int(group["update_proj_gap"])
+            wide = _wide(g.dtype)
+            g32 = g.to(wide)
+            proj = projection(name, refresh, p.shape[comp], rank).to(device=g.device, dtype=wide)
+            r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp)
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m.copy_(m * b1 + r * (1 - b1))
+            v.copy_(v * b2 + r.square() * (1 - b2))
+            r_tilde = m / (v.sqrt() + eps)
+            dims = (fi, fo) if group["scale_type"] == "tensor" else (comp,)
+
+            def norm(x: Tensor, dims: tuple[int, ...] = dims) -> Tensor:
+                return x.square().sum(dim=dims, keepdim=True).sqrt()
+
+            s = norm(r_tilde) / (norm(r) + 1e-8)
+            u = g32 * (s * math.sqrt(group["scale"]))
+            norm_u = norm(u, (fi, fo))
+            prev = st["limiter_norm"].reshape(norm_u.shape).to(wide)
+            bound = gamma * prev
+            limit = (prev > 0) & (norm_u > bound)
+            factor = torch.where(limit, bound / torch.where(limit, norm_u, 1), 1)
+            u = u * factor
+            st["limiter_norm"].copy_((norm_u * factor).reshape(st["limiter_norm"].shape))
+            step_size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+            p.add_(u.to(p.dtype), alpha=-step_size)
+            if wd != 0.0:
+                p.mul_(1 - lr * wd)
+
+
+RULES: dict[str, type[Rule]] = {
+    r.name: r for r in (SageRule, LionRule, AdamWRule, SinkGDRule, UnitNormRule, ApolloRule)
+}
+assert set(RULES) == set(RULE_DEFAULTS), "every shared rule has a PyTorch implementation"
