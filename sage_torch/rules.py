@@ -154,11 +154,9 @@ class SageRule(Rule):
             direction = torch.sign(g32 * (1.0 - b1) + m32 * b1)
             updates.append((direction * h).to(p.dtype))
             new_m.append(g32 * (1 - b2) + m32 * b2)
-        if foreach:
-            torch._foreach_copy_([st["exp_avg"] for st in states], new_m)
-        else:
-            for st, m in zip(states, new_m, strict=True):
-                st["exp_avg"].copy_(m)
+        # One copy_ per tensor even with foreach: DTensor has no _foreach_copy_ strategy.
+        for st, m in zip(states, new_m, strict=True):
+            st["exp_avg"].copy_(m)
         _decayed_step(params, updates, lr, wd, foreach)
 
 
@@ -194,9 +192,9 @@ class LionRule(Rule):
             c = torch._foreach_mul(grads, 1.0 - b1)
             torch._foreach_add_(c, torch._foreach_mul(ms, b1))
             updates = torch._foreach_sign(c)
-            new_m = torch._foreach_mul(grads, 1 - b2)
-            torch._foreach_add_(new_m, torch._foreach_mul(ms, b2))
-            torch._foreach_copy_(ms, new_m)
+            # m ← b2·m + (1−b2)·g in place (no _foreach_copy_: DTensor has no strategy for it)
+            torch._foreach_mul_(ms, b2)
+            torch._foreach_add_(ms, torch._foreach_mul(grads, 1 - b2))
         else:
             updates = []
             for g, m in zip(grads, ms, strict=True):
@@ -305,8 +303,8 @@ class UnitNormRule(Rule):
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
         if foreach:
-            norms = torch._foreach_norm(grads)
-            torch._foreach_add_(norms, eps)
+            # out of place: a DTensor's norm is a pending (partial) reduction, not writable
+            norms = torch._foreach_add(torch._foreach_norm(grads), eps)
             updates = torch._foreach_div(grads, norms)
         else:
             updates = [g / (torch.linalg.vector_norm(g) + eps) for g in grads]
@@ -327,6 +325,21 @@ def gaussian_projection(seed: int = 0) -> Projection:
         return torch.randn(n, rank, generator=gen, dtype=torch.float32) / math.sqrt(rank)
 
     return projection
+
+
+def _replicated_like(x: Tensor, ref: Tensor) -> Tensor:
+    """``x`` (the same on every rank) as a replicated DTensor on ``ref``'s mesh, if any.
+
+    The one special case for distributed tensors in this module: APOLLO's projection comes
+    from a plain callable, and a DTensor gradient (FSDP2) cannot be multiplied by a plain
+    tensor.  Everything else works on DTensors as written.
+    """
+    mesh = getattr(ref, "device_mesh", None)
+    if mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
 def _one_minus_pow(b: float, t: float) -> float:
@@ -363,12 +376,16 @@ class ApolloRule(Rule):
         fi, fo, comp = self._plan(p, group, name)
         shape = list(p.shape)
         shape[comp] = int(group["rank"])
-        batch = [n for d, n in enumerate(p.shape) if d not in (fi, fo)]
         wide = _wide(p.dtype)
+        # Zeros shaped like the projected gradient (p with dim `comp` of size rank) and like
+        # the limiter's norm (one per batch index), made from reductions of p, as SAGE's S, so
+        # that a sharded DTensor parameter gets states with the placements step() computes.
+        moments = p.detach().sum(dim=comp, keepdim=True).expand(shape)
         return {
-            "exp_avg": torch.zeros(shape, dtype=wide, device=p.device),
-            "exp_avg_sq": torch.zeros(shape, dtype=wide, device=p.device),
-            "limiter_norm": torch.zeros(batch, dtype=wide, device=p.device),
+            "exp_avg": torch.zeros_like(moments, dtype=wide, memory_format=torch.contiguous_format),
+            "exp_avg_sq": torch.zeros_like(moments, dtype=wide,
+                                           memory_format=torch.contiguous_format),
+            "limiter_norm": torch.zeros_like(p.detach().sum(dim=(fi, fo)), dtype=wide),
         }
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
@@ -383,6 +400,7 @@ class ApolloRule(Rule):
             wide = _wide(g.dtype)
             g32 = g.to(wide)
             proj = projection(name, refresh, p.shape[comp], rank).to(device=g.device, dtype=wide)
+            proj = _replicated_like(proj, g)
             r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp)
             m, v = st["exp_avg"], st["exp_avg_sq"]
             m.copy_(m * b1 + r * (1 - b1))
