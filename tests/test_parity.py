@@ -56,4 +56,5 @@ def test_command_prints_table(capsys):
     out = capsys.readouterr().out
     assert "sage-hybrid (float64, gradients)" in out
     assert "beyond tol" in out and "OK" in out
-    assert len([line for line in out.splitlines() if line.strip().startswith(("4 ", "8 ", "12 "))]) == 3
+    rows = [line for line in out.splitlines() if line.strip().startswith(("4 ", "8 ", "12 "))]
+    assert len(rows) == 3
