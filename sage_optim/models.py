@@ -65,7 +65,7 @@ PAPER_MODELS: Mapping[str, LlamaConfig] = types.MappingProxyType(
 
 MODELS: Mapping[str, LlamaConfig] = types.MappingProxyType(
     {
-        "tiny": LlamaConfig("tiny", 512, 64, 176, 2, 4, 2, max_position_embeddings=256),
+        "tiny": LlamaConfig("tiny", 1024, 96, 256, 2, 4, 2, max_position_embeddings=256),
         "small": LlamaConfig("small", 4096, 256, 704, 4, 8, 4, max_position_embeddings=1024),
         "60m": LlamaConfig("60m", 32000, 512, 1376, 8, 8, 8, max_position_embeddings=2048),
         "130m": LlamaConfig("130m", 32000, 768, 2048, 12, 12, 12, max_position_embeddings=2048),

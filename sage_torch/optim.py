@@ -78,7 +78,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         names = group.get("param_names")
         if names:
             return list(names)
-        index = self.param_groups.index(group)
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
         return [f"param_groups[{index}].params[{i}]" for i in range(len(group["params"]))]
 
     @torch.no_grad()

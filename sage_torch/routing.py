@@ -3,8 +3,8 @@
 SPEC.md section 5 for PyTorch, first match wins:
 
 1. a user override whose glob pattern matches the parameter name (``"layers.*.mlp.*"``);
-2. a parameter that does not require grad is left out (frozen);
-3. a non-floating parameter cannot be placed: error;
+2. a non-floating parameter cannot be placed: error;
+3. a parameter that does not require grad is left out (frozen);
 4. the weight of an ``nn.Embedding`` — and so a head tied to it, which is the same
    ``Parameter`` and gets one state — is ``embedding``;
 5. 0-D and 1-D parameters (biases, norm weights) are ``vector``;
@@ -65,6 +65,11 @@ def route_parameters(
     vocab_sizes = {m.num_embeddings for m in embeddings}
     routes = []
     for name, p in model.named_parameters():  # de-duplicated: a tied head appears once
+        if not p.is_floating_point():
+            raise RoutingError(
+                f"cannot place parameter {name!r} of size {tuple(p.shape)}: dtype {p.dtype} is "
+                "not floating point, so no optimizer can train it; register it as a buffer"
+            )
         if not p.requires_grad:
             continue
         kind = _override(name, overrides)
@@ -81,11 +86,6 @@ def route_parameters(
 
 def _default_kind(name: str, p: torch.Tensor, modules: dict[str, nn.Module],
                   embedding_ids: set[int], vocab_sizes: set[int]) -> str:
-    if not p.is_floating_point():
-        raise RoutingError(
-            f"cannot place parameter {name!r} of size {tuple(p.shape)}: dtype {p.dtype} is "
-            "not floating point; freeze it (requires_grad=False)"
-        )
     if id(p) in embedding_ids:
         return "embedding"
     if p.dim() < 2:

@@ -192,9 +192,10 @@ class LionRule(Rule):
             c = torch._foreach_mul(grads, 1.0 - b1)
             torch._foreach_add_(c, torch._foreach_mul(ms, b1))
             updates = torch._foreach_sign(c)
-            # m ← b2·m + (1−b2)·g in place (no _foreach_copy_: DTensor has no strategy for it)
-            torch._foreach_mul_(ms, b2)
-            torch._foreach_add_(ms, torch._foreach_mul(grads, 1 - b2))
+            new_m = torch._foreach_mul(grads, 1 - b2)
+            torch._foreach_add_(new_m, torch._foreach_mul(ms, b2))
+            for m, n in zip(ms, new_m, strict=True):  # DTensor has no _foreach_copy_
+                m.copy_(n)
         else:
             updates = []
             for g, m in zip(grads, ms, strict=True):
@@ -300,6 +301,10 @@ class UnitNormRule(Rule):
 
     name = "unit_norm"
 
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
         if foreach:
@@ -366,6 +371,7 @@ class ApolloRule(Rule):
                f"one of {SCALE_TYPES}")
         _check("scale", group["scale"] > 0, group["scale"], "> 0")
         _check("limiter_gamma", group["limiter_gamma"] >= 1.0, group["limiter_gamma"], ">= 1")
+        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
 
     def _plan(self, p: Tensor, group: dict[str, Any], name: str) -> tuple[int, int, int]:
         fi, fo = _matrix_dims(p, group, "APOLLO", name)

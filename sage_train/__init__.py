@@ -1,0 +1,1 @@
+"""Flax LLaMA trainer for the sage-optim optimizers (data pipeline, model, training loop)."""

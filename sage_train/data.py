@@ -1,0 +1,595 @@
+"""Data pipeline of the LLaMA trainer: corpora, a local byte-level BPE, splits and batches.
+
+Everything here works offline; nothing is ever downloaded.
+
+Sources accepted by :func:`load_data`:
+
+* ``None`` or ``"stdlib"`` -- the embedded default: the Python standard library's own ``.py``
+  files (:func:`stdlib_corpus`), present on every machine with Python.
+* a text file or a folder of text files (:func:`read_text_source`).
+* a pre-tokenized token file prepared elsewhere: ``.u16`` / ``.u32`` (raw little-endian
+  uint16 / uint32), ``.bin`` (raw, dtype given by ``token_dtype``) or ``.npy`` (1-D uint16 /
+  uint32 array). These are memory-mapped, never read into memory.
+
+Text is tokenized with a byte-level BPE trained locally with the ``tokenizers`` package
+(:func:`train_tokenizer`). The tokenizer and the token arrays are cached under
+:func:`cache_dir`, keyed by a hash of the text content, the vocabulary size, the
+``tokenizers`` version and :data:`FORMAT_VERSION`, so only the first call trains anything.
+
+The split is fixed: the documents, in their deterministic order and each followed by
+``<|endoftext|>``, form one token stream; its first 80% (``n * 4 // 5`` tokens) is the train
+split and the rest the test split. The cut is at a token, not a document, boundary, so a
+single-file source still gets a test split. Pre-tokenized files are split the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+__all__ = [
+    "EOT",
+    "EOT_ID",
+    "FORMAT_VERSION",
+    "MIN_VOCAB_SIZE",
+    "STDLIB_MAX_BYTES",
+    "TokenData",
+    "batches",
+    "cache_dir",
+    "eval_batches",
+    "load_data",
+    "read_text_source",
+    "stdlib_corpus",
+    "train_tokenizer",
+]
+
+EOT = "<|endoftext|>"
+"""Special token appended after every document; always id :data:`EOT_ID`."""
+EOT_ID = 0
+"""Token id of :data:`EOT`."""
+MIN_VOCAB_SIZE = 257
+"""Smallest vocabulary for text sources: 256 byte tokens plus :data:`EOT`."""
+STDLIB_MAX_BYTES = 8_000_000
+"""Default size cap (UTF-8 bytes) of the embedded standard-library corpus."""
+FORMAT_VERSION = 1
+"""Part of the cache key; bump it whenever tokenization or the cache layout changes."""
+
+STDLIB_SKIP_DIRS = frozenset(
+    {
+        "site-packages",
+        "dist-packages",
+        "test",
+        "tests",
+        "idlelib",
+        "lib2to3",
+        "encodings",  # machine-generated codec tables, not representative code
+        "__pycache__",
+    }
+)
+"""Directory names skipped (at any depth) by :func:`stdlib_corpus`."""
+
+PRETOKENIZED_SUFFIXES = frozenset({".bin", ".u16", ".u32", ".npy"})
+"""File extensions that :func:`load_data` treats as pre-tokenized token files."""
+
+_TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+_SUFFIX_DTYPES = {".u16": np.dtype(np.uint16), ".u32": np.dtype(np.uint32)}
+# Never read when scanning a folder for text (binary by construction).
+_BINARY_SUFFIXES = frozenset(
+    {".bin", ".u16", ".u32", ".npy", ".npz", ".pyc", ".pyo", ".so", ".dll", ".dylib", ".o",
+     ".a", ".exe", ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".pdf", ".gz",
+     ".bz2", ".xz", ".zst", ".zip", ".tar", ".whl", ".pt", ".pth", ".ckpt", ".safetensors",
+     ".msgpack", ".parquet", ".arrow", ".pkl", ".pickle", ".mp3", ".wav", ".mp4"}
+)
+_PIECE_CHARS = 1 << 18  # long documents are cut (at newlines) into pieces for parallel BPE
+_ENCODE_BATCH = 256  # pieces per encode_batch call (bounds peak memory)
+_MIN_TOKENS = 10
+
+
+@dataclass(frozen=True, eq=False)
+class TokenData:
+    """A tokenized corpus with its fixed 8:2 train/test split.
+
+    Attributes:
+        train: 1-D integer token array (often an ``np.memmap``): first 80% of the stream.
+        test: 1-D integer token array (often an ``np.memmap``): the remaining 20%.
+        vocab_size: size of the model vocabulary; every token id is ``< vocab_size``.
+        tokenizer: the byte-level BPE for text sources, ``None`` for pre-tokenized files.
+        source: human-readable description of where the tokens came from.
+    """
+
+    train: np.ndarray
+    test: np.ndarray
+    vocab_size: int
+    tokenizer: Tokenizer | None = field(repr=False)
+    source: str
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenData(source={self.source!r}, vocab_size={self.vocab_size}, "
+            f"train={len(self.train)} tokens, test={len(self.test)} tokens, "
+            f"dtype={self.train.dtype}, tokenizer={'yes' if self.tokenizer else 'no'})"
+        )
+
+
+def cache_dir() -> Path:
+    """Directory of the tokenizer/token cache: ``$SAGE_CACHE_DIR`` or ``~/.cache/sage-optim``."""
+    env = os.environ.get("SAGE_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "sage-optim"
+
+
+def stdlib_corpus(max_bytes: int = STDLIB_MAX_BYTES) -> list[str]:
+    """Return the text of the Python standard library's own ``.py`` files.
+
+    Files are taken from ``sysconfig.get_paths()["stdlib"]`` in sorted order of their relative
+    POSIX path (so the result is deterministic), skipping the directories in
+    :data:`STDLIB_SKIP_DIRS` (``site-packages``, ``test``/``tests``, ``idlelib``,
+    ``lib2to3``, the generated ``encodings`` tables, ...), files that are not valid UTF-8
+    and blank files. Files are added until their total UTF-8 size reaches ``max_bytes``: the
+    file that would overflow is cut after its last complete line that fits, and ends the
+    corpus (so the corpus is at most ``max_bytes`` bytes).
+
+    The corpus varies slightly between Python versions (and builds), which is why the token
+    cache key of :func:`load_data` includes the Python version and a content hash.
+
+    Args:
+        max_bytes: size cap in bytes; must be positive.
+
+    Returns:
+        One string per file (each file is one document).
+    """
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"Python standard library not found at {root}")
+    rel_paths: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_SKIP_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                rel_paths.append((Path(dirpath) / name).relative_to(root).as_posix())
+    docs: list[str] = []
+    total = 0
+    for rel in sorted(rel_paths):
+        try:
+            data = (root / rel).read_bytes()
+            text = data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not text.strip():
+            continue
+        if total + len(data) > max_bytes:  # the last file is cut at a line boundary
+            cut = data.rfind(b"\n", 0, max_bytes - total)
+            if cut > 0 and data[: cut + 1].strip():
+                docs.append(data[: cut + 1].decode("utf-8"))
+            break
+        docs.append(text)
+        total += len(data)
+    if not docs:
+        raise ValueError(f"no standard-library file fits in max_bytes={max_bytes}")
+    return docs
+
+
+def _read_utf8(path: Path) -> str | None:
+    """Return the file's text if it is strict UTF-8 without NUL bytes, else ``None``."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if b"\x00" in data:
+        return None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def read_text_source(path: str | os.PathLike[str]) -> list[str]:
+    """Read a text file or a folder of text files as a list of documents.
+
+    A file must be UTF-8 text and becomes one document. A folder is scanned recursively in
+    sorted order of relative path; every regular file that decodes as strict UTF-8 and
+    contains no NUL byte becomes one document (so ``.txt .md .rst .py .json .jsonl .csv
+    .html ...`` and extension-less text files are all used, JSON lines as raw text). Names
+    starting with ``.``, ``__pycache__`` folders, blank files and well-known binary
+    extensions (``.npy .bin .pyc .png .gz .zip ...``) are skipped without being read.
+
+    Args:
+        path: a text file or a folder.
+
+    Returns:
+        The documents, in deterministic order.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: ``path`` holds no (non-blank) UTF-8 text.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"text source {str(p)!r} does not exist")
+    if p.is_file():
+        text = _read_utf8(p)
+        if text is None:
+            raise ValueError(f"text source {str(p)!r} is not UTF-8 text")
+        if not text.strip():
+            raise ValueError(f"text source {str(p)!r} is empty")
+        return [text]
+    files: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(p):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
+        for name in filenames:
+            f = Path(dirpath) / name
+            if name.startswith(".") or f.suffix.lower() in _BINARY_SUFFIXES or not f.is_file():
+                continue
+            files.append((f.relative_to(p).as_posix(), f))
+    docs = [t for _, f in sorted(files) if (t := _read_utf8(f)) is not None and t.strip()]
+    if not docs:
+        raise ValueError(f"text source folder {str(p)!r} holds no UTF-8 text files")
+    return docs
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """Cut a long text into pieces of about ``_PIECE_CHARS`` characters at newlines."""
+    start, n = 0, len(text)
+    while start < n:
+        end = start + _PIECE_CHARS
+        if end < n:
+            nl = text.rfind("\n", start, end)
+            if nl > start:
+                end = nl + 1
+        yield text[start:end]
+        start = end
+
+
+def _check_text_vocab(vocab_size: int) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int | np.integer):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
+            f"{MIN_VOCAB_SIZE} (256 byte tokens + {EOT})"
+        )
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE tokenizer on ``texts`` with exactly ``vocab_size`` tokens.
+
+    GPT-2 style: ``tokenizers``' ``ByteLevel`` pre-tokenizer (no prefix space), decoder and
+    post-processor, ``BpeTrainer`` seeded with the full 256-symbol byte-level alphabet (so any
+    text can be encoded and ``decode(encode(s)) == s``), ``min_frequency=2`` and the special
+    token :data:`EOT` at id 0. If the text is too small to learn ``vocab_size - 257`` merges,
+    the vocabulary is topped up with never-produced special tokens ``<|reserved_i|>`` so that
+    ``get_vocab_size() == vocab_size`` always. Training is deterministic for the same input.
+
+    Args:
+        texts: the training documents.
+        vocab_size: the exact vocabulary size, ``>= MIN_VOCAB_SIZE``.
+
+    Returns:
+        The trained tokenizer.
+    """
+    _check_text_vocab(vocab_size)
+    vocab_size = int(vocab_size)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator((p for t in texts for p in _pieces(t)), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+    if tok.get_vocab_size() != vocab_size or tok.token_to_id(EOT) != EOT_ID:
+        raise RuntimeError("byte-level BPE training produced an unexpected vocabulary")
+    return tok
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _encode_documents(tok: Tokenizer, docs: Sequence[str], dtype: np.dtype) -> np.ndarray:
+    """Encode documents into one stream, each document followed by :data:`EOT_ID`."""
+    pieces: list[str] = []
+    last: list[bool] = []  # piece is the last one of its document
+    for doc in docs:
+        ps = list(_pieces(doc))
+        pieces.extend(ps)
+        last.extend([False] * (len(ps) - 1) + [True])
+    eot = np.array([EOT_ID], dtype=dtype)
+    parts: list[np.ndarray] = []
+    for b in range(0, len(pieces), _ENCODE_BATCH):
+        encs = tok.encode_batch_fast(pieces[b : b + _ENCODE_BATCH], add_special_tokens=False)
+        for enc, is_last in zip(encs, last[b : b + _ENCODE_BATCH], strict=True):
+            parts.append(np.asarray(enc.ids, dtype=dtype))
+            if is_last:
+                parts.append(eot)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _split(tokens: np.ndarray, source: str) -> tuple[np.ndarray, np.ndarray]:
+    n = len(tokens)
+    if n < _MIN_TOKENS:
+        raise ValueError(f"{source}: only {n} tokens, need at least {_MIN_TOKENS}")
+    cut = n * 4 // 5
+    return tokens[:cut], tokens[cut:]
+
+
+def _content_hash(docs: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for d in docs:
+        b = d.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _load_cached(d: Path) -> tuple[Tokenizer, np.ndarray, np.ndarray] | None:
+    try:
+        tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+        train = np.load(d / "train.npy", mmap_mode="r")
+        test = np.load(d / "test.npy", mmap_mode="r")
+    except Exception:  # missing or corrupt entry: rebuild it
+        return None
+    return tok, train, test
+
+
+def _tokenize_cached(
+    docs: Sequence[str], vocab_size: int, source: str, key_extra: dict[str, str]
+) -> TokenData:
+    """Train/encode text (or load both from the cache) and split it 8:2."""
+    _check_text_vocab(vocab_size)
+    vocab_size = int(vocab_size)
+    key_fields = {
+        "format": FORMAT_VERSION,
+        "content": _content_hash(docs),
+        "vocab_size": vocab_size,
+        "tokenizers": tokenizers.__version__,
+        **key_extra,
+    }
+    key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
+    root = cache_dir() / "tokens"
+    entry = root / key
+    if (cached := _load_cached(entry)) is not None:
+        tok, train, test = cached
+        return TokenData(train, test, vocab_size, tok, source)
+
+    tok = train_tokenizer(docs, vocab_size)
+    tokens = _encode_documents(tok, docs, _token_dtype(vocab_size))
+    train, test = _split(tokens, source)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
+        try:
+            tok.save(str(tmp / "tokenizer.json"))
+            np.save(tmp / "train.npy", train)
+            np.save(tmp / "test.npy", test)
+            meta = {**key_fields, "source": source, "documents": len(docs),
+                    "train_tokens": len(train), "test_tokens": len(test)}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            try:
+                os.rename(tmp, entry)  # atomic; fails if a concurrent process won the race
+            except OSError:
+                if not entry.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        warnings.warn(f"could not write token cache under {root}: {e}", stacklevel=3)
+        return TokenData(train, test, vocab_size, tok, source)
+    if (cached := _load_cached(entry)) is not None:
+        tok, train, test = cached
+    return TokenData(train, test, vocab_size, tok, source)
+
+
+def _load_pretokenized(path: Path, vocab_size: int, token_dtype: str | None) -> TokenData:
+    """Memory-map a ``.bin``/``.u16``/``.u32``/``.npy`` token file and split it 8:2."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int | np.integer):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    want = None
+    if token_dtype is not None:
+        if str(token_dtype) not in _TOKEN_DTYPES:
+            raise ValueError(f"token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}")
+        want = _TOKEN_DTYPES[str(token_dtype)]
+    suffix = path.suffix.lower()
+    arr: np.ndarray
+    if suffix == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as e:
+            raise ValueError(f"cannot memory-map token file {str(path)!r}: {e}") from e
+        if arr.ndim != 1 or arr.dtype not in _TOKEN_DTYPES.values():
+            raise ValueError(
+                f"token file {str(path)!r} must hold a 1-D uint16/uint32 array, "
+                f"got {arr.ndim}-D {arr.dtype}"
+            )
+        if want is not None and arr.dtype != want:
+            raise ValueError(f"token file {str(path)!r} is {arr.dtype}, not {want}")
+    else:
+        dtype = _SUFFIX_DTYPES.get(suffix)
+        if dtype is not None and want is not None and dtype != want:
+            raise ValueError(f"token file {str(path)!r} is {dtype} by its extension, not {want}")
+        dtype = dtype or want
+        if dtype is None:
+            raise ValueError(
+                f"raw token file {str(path)!r} carries no dtype: pass token_dtype='uint16' or "
+                "'uint32' (nanoGPT-style .bin files are uint16) or rename it to .u16/.u32"
+            )
+        size = path.stat().st_size
+        if size == 0 or size % dtype.itemsize:
+            raise ValueError(
+                f"token file {str(path)!r} has {size} bytes, not a positive multiple of "
+                f"{dtype.itemsize} ({dtype})"
+            )
+        arr = np.memmap(path, dtype=dtype, mode="r")
+    if len(arr) and (top := int(arr.max())) >= vocab_size:
+        raise ValueError(
+            f"token file {str(path)!r} holds token id {top} >= vocab_size={vocab_size}"
+        )
+    train, test = _split(arr, f"token file {str(path)!r}")
+    return TokenData(train, test, int(vocab_size), None, str(path))
+
+
+def load_data(
+    source: str | os.PathLike[str] | None = None,
+    *,
+    vocab_size: int,
+    token_dtype: str | None = None,
+    max_bytes: int = STDLIB_MAX_BYTES,
+) -> TokenData:
+    """Load a corpus as tokens with the fixed 8:2 train/test split (see the module docstring).
+
+    Args:
+        source: ``None`` or ``"stdlib"`` for the embedded standard-library corpus (use
+            ``"./stdlib"`` for a path of that name); a ``.bin``/``.u16``/``.u32``/``.npy``
+            file of pre-tokenized ids (memory-mapped); any other file or folder is text
+            (:func:`read_text_source`).
+        vocab_size: model vocabulary size. For text it is the exact size of the BPE trained
+            on the *whole* text of the source (train and test; simpler, and the tokenizer
+            only sees merge statistics) and must be ``>= MIN_VOCAB_SIZE``. For token files
+            every id must be ``< vocab_size`` (checked exactly with a max over the file).
+        token_dtype: ``"uint16"`` or ``"uint32"``; required for ``.bin``, otherwise
+            optional and checked against the extension / ``.npy`` header.
+        max_bytes: size cap of the ``"stdlib"`` corpus (ignored for other sources).
+
+    Returns:
+        The :class:`TokenData`. Text sources are cached under :func:`cache_dir` (tokenizer
+        JSON + ``.npy`` token arrays, loaded memory-mapped), so later calls skip training.
+
+    Raises:
+        FileNotFoundError: the source path does not exist.
+        ValueError: bad vocabulary size, dtype, token ids or empty source.
+    """
+    if source is None or (isinstance(source, str) and source == "stdlib"):
+        if token_dtype is not None:
+            raise ValueError("token_dtype only applies to pre-tokenized token files")
+        _check_text_vocab(vocab_size)
+        docs = stdlib_corpus(max_bytes)
+        py = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}"
+        return _tokenize_cached(docs, vocab_size, f"stdlib ({py})", {"python": py})
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"data source {str(source)!r} does not exist (expected 'stdlib', a text file or "
+            "folder, or a .bin/.u16/.u32/.npy token file)"
+        )
+    if path.is_file() and path.suffix.lower() in PRETOKENIZED_SUFFIXES:
+        return _load_pretokenized(path, vocab_size, token_dtype)
+    if token_dtype is not None:
+        raise ValueError("token_dtype only applies to pre-tokenized token files")
+    _check_text_vocab(vocab_size)
+    return _tokenize_cached(read_text_source(path), vocab_size, str(path), {})
+
+
+def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:
+    if np.ndim(tokens) != 1:
+        raise ValueError(f"tokens must be a 1-D array, got shape {np.shape(tokens)}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+    if len(tokens) < seq_len + 1:
+        raise ValueError(
+            f"token array has {len(tokens)} tokens, shorter than seq_len + 1 = {seq_len + 1}"
+        )
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    win = np.asarray(tokens[starts[:, None] + np.arange(seq_len + 1)]).astype(np.int32)
+    return np.ascontiguousarray(win[:, :-1]), np.ascontiguousarray(win[:, 1:])
+
+
+def batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Infinite, deterministic, resumable stream of random training windows.
+
+    Batch ``k`` depends only on ``(seed, k)``: ``np.random.default_rng([seed, k])`` draws
+    ``batch_size`` offsets uniformly in ``[0, len(tokens) - seq_len)``. Hence resuming with
+    ``start_step=k`` yields exactly the batches an uninterrupted run saw from step ``k`` on.
+    Arguments are validated when this function is called, not at the first ``next``.
+
+    Args:
+        tokens: 1-D token array (e.g. ``TokenData.train``; may be a memmap).
+        batch_size: windows per batch.
+        seq_len: tokens per window.
+        seed: non-negative integer seed.
+        start_step: index of the first batch to yield.
+
+    Returns:
+        An iterator of ``(inputs, targets)``, both int32 of shape ``(batch_size, seq_len)``,
+        with ``targets[:, t] == inputs[:, t + 1]`` (targets are inputs shifted by one).
+    """
+    _check_windows(tokens, batch_size, seq_len)
+    if seed < 0 or start_step < 0:
+        raise ValueError(f"seed and start_step must be >= 0, got {seed}, {start_step}")
+    high = len(tokens) - seq_len
+
+    def gen() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        step = int(start_step)
+        while True:
+            starts = np.random.default_rng([int(seed), step]).integers(0, high, size=batch_size)
+            yield _windows(tokens, starts, seq_len)
+            step += 1
+
+    return gen()
+
+
+def eval_batches(
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Fixed, deterministic evaluation batches of non-overlapping windows (for perplexity).
+
+    The split is cut into ``(len(tokens) - 1) // seq_len`` windows with stride ``seq_len``
+    (the inputs never overlap, so each token is scored as a target at most once). If
+    ``max_batches`` full batches need fewer windows, the windows used are spread evenly over
+    the whole split. A trailing incomplete batch is dropped so every batch has the same shape.
+
+    Args:
+        tokens: 1-D token array (e.g. ``TokenData.test``).
+        batch_size: windows per batch.
+        seq_len: tokens per window.
+        max_batches: at most this many batches (``None``: all full batches).
+
+    Returns:
+        A list of ``(inputs, targets)``, int32 of shape ``(batch_size, seq_len)``.
+    """
+    _check_windows(tokens, batch_size, seq_len)
+    n_windows = (len(tokens) - 1) // seq_len
+    n_batches = n_windows // batch_size
+    if n_batches == 0:
+        raise ValueError(
+            f"token array has {len(tokens)} tokens: too few for one evaluation batch of "
+            f"{batch_size} x {seq_len + 1} tokens"
+        )
+    if max_batches is not None:
+        if max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+        n_batches = min(n_batches, max_batches)
+    n_used = n_batches * batch_size
+    starts = (np.arange(n_used, dtype=np.int64) * n_windows // n_used) * seq_len
+    inputs, targets = _windows(tokens, starts, seq_len)
+    return [
+        (inputs[i : i + batch_size], targets[i : i + batch_size])
+        for i in range(0, n_used, batch_size)
+    ]
+

@@ -1,0 +1,58 @@
+"""Data and fully-sharded-data parallelism over a ``jax.make_mesh`` of all local devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MODES: tuple[str, ...] = ("none", "dp", "fsdp")
+"""``none``: one device; ``dp``: batch split, state replicated; ``fsdp``: state split too."""
+
+AXIS = "data"
+
+
+def make_mesh(mode: str = "dp") -> Mesh:
+    """A 1-D mesh named ``data`` over every device (one device for ``none``).
+
+    On several hosts call ``jax.distributed.initialize()`` first (``sage-train
+    --distributed`` does); ``jax.devices()`` then spans all hosts.
+    """
+    if mode not in MODES:
+        raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
+    devices = jax.devices()[:1] if mode == "none" else jax.devices()
+    return Mesh(np.array(devices), (AXIS,))
+
+
+def leaf_spec(shape: tuple[int, ...], n: int, mode: str) -> P:
+    """FSDP: split the largest axis that ``n`` divides; replicate otherwise (and in DP)."""
+    if mode != "fsdp" or n == 1:
+        return P()
+    axes = sorted(range(len(shape)), key=lambda a: -shape[a])
+    for a in axes:
+        if shape[a] % n == 0 and shape[a] >= n:
+            spec = [None] * len(shape)
+            spec[a] = AXIS
+            return P(*spec)
+    return P()
+
+
+def state_shardings(state: Any, mesh: Mesh, mode: str) -> Any:
+    """A ``NamedSharding`` per leaf of ``state`` (same structure)."""
+    n = mesh.devices.size
+    return jax.tree.map(lambda x: NamedSharding(mesh, leaf_spec(tuple(x.shape), n, mode)), state)
+
+
+def shard_batch(batch: tuple[np.ndarray, np.ndarray], mesh: Mesh, mode: str) -> tuple[Any, Any]:
+    """Put a batch on the mesh, split along its first (batch) axis."""
+    n = mesh.devices.size
+    if batch[0].shape[0] % n:
+        raise ValueError(
+            f"batch size {batch[0].shape[0]} is not divisible by the {n} devices of the mesh; "
+            "pick a multiple, or --sharding none"
+        )
+    sharding = NamedSharding(mesh, P(AXIS) if n > 1 else P())
+    return tuple(jax.device_put(x, sharding) for x in batch)  # type: ignore[return-value]

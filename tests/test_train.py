@@ -1,0 +1,127 @@
+"""The trainer: resumes bit-identically, stops on NaN, shards, records H_t, runs from the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("orbax.checkpoint")
+
+import reference_np as ref  # noqa: E402
+
+import sage_optax  # noqa: E402
+from sage_train.cli import main  # noqa: E402
+from sage_train.diagnostics import DamperRecorder, embedding_damper  # noqa: E402
+from sage_train.train import TrainConfig, train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text corpus (a few standard-library modules) and a private token cache."""
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for name in ("argparse.py", "dataclasses.py", "textwrap.py", "json/decoder.py"):
+        (root / name.replace("/", "_")).write_text((stdlib / name).read_text())
+    return root
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "token-cache"))
+
+
+def config(corpus, run_dir, **kw):
+    base = TrainConfig(model="tiny", optimizer="sage-hybrid", batch_size=8, seq_len=32,
+                       steps=8, eval_every=4, eval_batches=2, log_every=1,
+                       data=str(corpus), run_dir=str(run_dir), checkpoint_every=4,
+                       record_h_every=2, progress=False)
+    return dataclasses.replace(base, **kw)
+
+
+def test_resume_is_bit_identical(corpus, tmp_path):
+    full = train(config(corpus, tmp_path / "full"), log=lambda s: None)
+    cfg = config(corpus, tmp_path / "split")
+    first = train(cfg, stop_after=5, log=lambda s: None)
+    assert first.steps_done == 5 and first.losses == full.losses[:5]
+    second = train(cfg, log=lambda s: None)
+    assert second.steps_done == 8
+    assert second.losses == full.losses[5:]  # exact float equality, step by step
+    metrics = (tmp_path / "split" / "metrics.jsonl").read_text()
+    lines = [json.loads(x) for x in metrics.splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 9))
+    assert {"loss", "lr", "tokens_per_s", "opt_state_bytes"} <= set(lines[-1])
+    assert "test_ppl" in lines[3] and np.isfinite(lines[-1]["test_ppl"])
+    h = np.load(tmp_path / "split" / "damper_h.npz")
+    assert list(h["steps"]) == [2, 4, 6, 8] and h["h"].shape == (4, 96)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
+    cfg = config(corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
+                 checkpoint_every=1, steps=6)
+    messages = []
+    result = train(cfg, log=messages.append)
+    assert result.stopped_reason is not None and "loss became" in result.stopped_reason
+    assert result.steps_done < 6
+    checkpoints = sorted(int(p.name) for p in (tmp_path / "nan" / "checkpoints").iterdir()
+                         if p.name.isdigit())
+    assert checkpoints and max(checkpoints) == result.steps_done
+    assert any("last good checkpoint" in m for m in messages)
+
+
+@pytest.mark.parametrize("optimizer", ["sage-hybrid", "adamw"])
+def test_sharded_runs_agree_with_single_device(corpus, tmp_path, optimizer):
+    assert jax.device_count() == 8
+    runs = {mode: train(config(corpus, tmp_path / mode, sharding=mode, steps=4,
+                               optimizer=optimizer), log=lambda s: None)
+            for mode in ("none", "dp", "fsdp")}
+    for mode in ("dp", "fsdp"):
+        np.testing.assert_allclose(runs[mode].losses, runs["none"].losses, rtol=2e-5)
+
+
+def test_embedding_damper_matches_reference():
+    """The H_t the trainer records is SAGE's own (checked against the float64 oracle)."""
+    rng = np.random.default_rng(0)
+    params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((20, 6)), jnp.float32)},
+              "norm": {"scale": jnp.ones(6)}}
+    tx = sage_optax.make_optimizer("sage-hybrid", 1e-3)
+    state = tx.init(params)
+    oracle = ref.SageRef((20, 6), vocab_axis=0, weight_decay=0.01)
+    theta = np.asarray(params["embed"]["embedding"], np.float64)
+    for _ in range(4):
+        g = {"embed": {"embedding": jnp.asarray(rng.standard_normal((20, 6)), jnp.float32)},
+             "norm": {"scale": jnp.asarray(rng.standard_normal(6), jnp.float32)}}
+        _, state = tx.update(g, state, params)
+        theta = oracle.step(theta, np.asarray(g["embed"]["embedding"]), 1e-3)
+        h = embedding_damper(state, g)
+        np.testing.assert_allclose(np.asarray(h), oracle.last_H, rtol=1e-5)
+
+
+def test_damper_recorder_is_bounded(tmp_path):
+    rec = DamperRecorder(tmp_path / "h.npz", every=1, max_records=8)
+    for step in range(1, 101):
+        rec.add(step, np.full(3, step, np.float32))
+    assert len(rec.rows) <= 8
+    steps = np.asarray(rec.steps)
+    assert steps[-1] >= 64 and np.all(np.diff(steps) == rec.every)  # spans the run uniformly
+    rec.save()
+    again = DamperRecorder(tmp_path / "h.npz", every=1, max_records=8)
+    assert again.steps == rec.steps and again.every == rec.every
+
+
+def test_cli_trains_and_saves_a_loss_curve(corpus, tmp_path, capsys):
+    code = main(["--model", "tiny", "--optimizer", "sage-hybrid", "--steps", "4",
+                 "--batch-size", "8", "--seq-len", "32", "--eval-every", "4",
+                 "--eval-batches", "2", "--data", str(corpus), "--run-dir", str(tmp_path),
+                 "--no-progress"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "test ppl" in out and "tokens/s" in out and "sage-hybrid" in out
+    assert (tmp_path / "tiny-loss.png").stat().st_size > 1000

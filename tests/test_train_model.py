@@ -1,0 +1,242 @@
+"""The Flax LLaMA of sage_train: layout, HF parity (both directions), causality, jit."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+from sage_optax import llama_param_shapes, routing_table  # noqa: E402
+from sage_optax.routing import iter_leaves  # noqa: E402
+from sage_optim.models import MODELS  # noqa: E402
+from sage_train import hf_convert  # noqa: E402
+from sage_train.model import Llama, abstract_params, loss_fn  # noqa: E402
+
+TINY = MODELS["tiny"]
+CONFIGS = {
+    "tied": TINY,
+    "untied": dataclasses.replace(TINY, tie_embeddings=False),
+}
+B, T = 2, 16
+
+# Logit tolerance for Flax vs torch in float32: both compute the same ops in a different
+# order (XLA einsums vs ATen SDPA), so they differ only by float32 rounding accumulated over
+# 2 layers.  The weights below are drawn so that activations are O(1), attention is far from
+# uniform and max |logit| is ~80 (tied) / ~4.5 (untied).  Measured max |diff| / max |logit|:
+# 2.6e-7..7e-7 over 3 seeds (HF eager vs SDPA attention differ by 2e-7..5e-7 themselves).
+# We allow 1e-5 of the logit scale, a >10x margin, while a wrong RoPE base, the interleaved
+# rotary convention or a wrong GQA head order moves logits by O(1e-1) of the scale.
+REL_TOL = 1e-5
+
+
+def _tokens(config, seed=0):
+    return jax.random.randint(jax.random.key(seed), (B, T), 0, config.vocab_size)
+
+
+def _names_shapes(tree):
+    return [(n, tuple(x.shape), jnp.dtype(x.dtype)) for n, x in iter_leaves(tree)]
+
+
+@pytest.mark.parametrize("tie", CONFIGS)
+def test_param_layout_matches_llama_param_shapes(tie):
+    config = CONFIGS[tie]
+    model = Llama(config, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    assert _names_shapes(params) == _names_shapes(llama_param_shapes(config))
+    assert _names_shapes(abstract_params(config)) == _names_shapes(llama_param_shapes(config))
+    assert sum(x.size for _, x in iter_leaves(params)) == config.param_count()
+    assert ("lm_head.kernel" in dict(iter_leaves(params))) is (tie == "untied")
+
+
+def test_abstract_params_allocates_nothing():
+    leaves = [x for _, x in iter_leaves(abstract_params(MODELS["270m"]))]
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(x.size for x in leaves) == MODELS["270m"].param_count()
+
+
+def test_init_statistics():
+    params = dict(iter_leaves(nnx.state(Llama(CONFIGS["untied"], rngs=nnx.Rngs(0)), nnx.Param)))
+    for name, x in params.items():
+        if name.endswith(".scale"):
+            np.testing.assert_array_equal(x, 1.0)
+        else:
+            assert abs(float(jnp.std(x)) - 0.02) < 0.002, name
+            assert abs(float(jnp.mean(x))) < 0.002, name
+
+
+@pytest.mark.parametrize("tie", CONFIGS)
+def test_sage_hybrid_routes_every_param(tie):
+    model = Llama(CONFIGS[tie], rngs=nnx.Rngs(0))
+    table = routing_table("sage-hybrid", nnx.state(model, nnx.Param))
+    kinds = {path: kind for path, _, kind, _, _ in table.rows}
+    assert len(kinds) == len(iter_leaves(llama_param_shapes(CONFIGS[tie])))
+    for path, kind in kinds.items():
+        if path in ("embed.embedding", "lm_head.kernel"):
+            want = "embedding"
+        elif path.endswith(".kernel"):
+            want = "dense"
+        else:
+            assert path.endswith(".scale")
+            want = "vector"
+        assert kind == want, path
+
+
+# --- Hugging Face parity ------------------------------------------------------------------
+
+
+def _hf_model(config, seed=0):
+    """A random HF LlamaForCausalLM whose activations are O(1) (HF's 0.02 init is too tame)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    hf = transformers.LlamaForCausalLM(hf_convert.to_hf_config(config)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 1.0)
+            else:  # (out, in) projection: unit-variance outputs for unit-variance inputs
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return hf
+
+
+def _hf_logits(hf, tokens):
+    torch = pytest.importorskip("torch")
+    with torch.no_grad():
+        out = hf(torch.from_numpy(np.array(tokens)).long()).logits
+    return out.float().numpy()
+
+
+def _assert_logits_close(ours, ref):
+    scale = float(np.abs(ref).max())
+    err = float(np.abs(np.asarray(ours) - ref).max())
+    assert err <= REL_TOL * scale, f"max |diff| {err:.3g} > {REL_TOL} * max |logit| {scale:.3g}"
+
+
+@pytest.mark.parametrize("tie", CONFIGS)
+def test_logits_match_transformers(tie):
+    config = CONFIGS[tie]
+    assert config.num_kv_heads < config.num_heads  # grouped-query attention is exercised
+    hf = _hf_model(config)
+    assert ("lm_head.weight" in hf.state_dict()) and (
+        hf.lm_head.weight is hf.model.embed_tokens.weight
+    ) is config.tie_embeddings
+    tokens = _tokens(config)
+    ref = _hf_logits(hf, tokens)
+    assert np.abs(ref).max() > 3  # the weights are not tame (see REL_TOL)
+
+    model = Llama(config, rngs=nnx.Rngs(1))
+    before = model(tokens)
+    hf_convert.from_hf_state_dict(model, hf.state_dict())
+    ours = model(tokens)
+    assert ours.dtype == jnp.float32 and ours.shape == (B, T, config.vocab_size)
+    assert np.abs(np.asarray(before) - ref).max() > 1.0  # loading actually changed the model
+    _assert_logits_close(ours, ref)
+
+
+@pytest.mark.parametrize("tie", CONFIGS)
+def test_export_roundtrip_through_transformers(tie):
+    transformers = pytest.importorskip("transformers")
+    config = CONFIGS[tie]
+    hf = _hf_model(config, seed=3)
+    model = Llama(config, rngs=nnx.Rngs(0))
+    hf_convert.from_hf_state_dict(model, hf.state_dict())
+    tokens = _tokens(config, seed=1)
+
+    exported = hf_convert.to_hf_state_dict(model)
+    assert list(exported) == list(hf.state_dict())
+    fresh = transformers.LlamaForCausalLM(hf_convert.to_hf_config(config)).eval()
+    fresh.load_state_dict(exported, strict=True)
+    for key, value in hf.state_dict().items():
+        np.testing.assert_array_equal(fresh.state_dict()[key].numpy(), value.numpy(), key)
+    _assert_logits_close(model(tokens), _hf_logits(fresh, tokens))
+
+
+def test_export_then_import_is_identity():
+    pytest.importorskip("torch")
+    config = CONFIGS["untied"]
+    model = Llama(config, rngs=nnx.Rngs(0))
+    exported = hf_convert.to_hf_state_dict(model)
+    assert exported["lm_head.weight"].shape == (config.vocab_size, config.hidden_size)
+    assert exported["model.layers.0.self_attn.k_proj.weight"].shape == (
+        config.num_kv_heads * config.head_dim,
+        config.hidden_size,
+    )
+    other = Llama(config, rngs=nnx.Rngs(1))
+    hf_convert.from_hf_state_dict(other, {k: v.numpy() for k, v in exported.items()})
+    for (n, a), (_, b) in zip(
+        iter_leaves(nnx.state(model, nnx.Param)),
+        iter_leaves(nnx.state(other, nnx.Param)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b, n)
+
+
+def test_import_errors_name_the_keys():
+    pytest.importorskip("torch")
+    tied, untied = CONFIGS["tied"], CONFIGS["untied"]
+    sd = hf_convert.to_hf_state_dict(Llama(untied, rngs=nnx.Rngs(0)))
+
+    # an untied checkpoint into a tied model: its lm_head differs from the embedding
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        hf_convert.from_hf_state_dict(Llama(tied, rngs=nnx.Rngs(0)), sd)
+    # a tied checkpoint without lm_head.weight into an untied model
+    no_head = {k: v for k, v in sd.items() if k != "lm_head.weight"}
+    with pytest.raises(ValueError, match=r"missing keys: \['lm_head.weight'\]"):
+        hf_convert.from_hf_state_dict(Llama(untied, rngs=nnx.Rngs(0)), no_head)
+    with pytest.raises(ValueError, match=r"unexpected keys: \['model.layers.9.mlp.up_proj.weight'"):
+        hf_convert.from_hf_state_dict(
+            Llama(untied, rngs=nnx.Rngs(0)),
+            {**sd, "model.layers.9.mlp.up_proj.weight": sd["model.layers.0.mlp.up_proj.weight"]},
+        )
+    bad = {
+        **sd,
+        "model.layers.1.self_attn.k_proj.weight": sd["model.layers.1.self_attn.q_proj.weight"],
+    }
+    with pytest.raises(ValueError, match=r"shape mismatch for 'model.layers.1.self_attn.k_proj"):
+        hf_convert.from_hf_state_dict(Llama(untied, rngs=nnx.Rngs(0)), bad)
+    # the model is left untouched by a failed load; extra HF buffers are ignored
+    model = Llama(untied, rngs=nnx.Rngs(5))
+    before = nnx.state(model, nnx.Param)["embed"]["embedding"][...]
+    with pytest.raises(ValueError):
+        hf_convert.from_hf_state_dict(model, bad)
+    np.testing.assert_array_equal(nnx.state(model, nnx.Param)["embed"]["embedding"][...], before)
+    hf_convert.from_hf_state_dict(model, {**sd, "model.rotary_emb.inv_freq": np.zeros(12)})
+
+
+# --- forward properties -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", CONFIGS)
+def test_causal(tie):
+    config = CONFIGS[tie]
+    model = Llama(config, rngs=nnx.Rngs(0))
+    tokens = _tokens(config)
+    t = 9
+    changed = tokens.at[:, t].set((tokens[:, t] + 1) % config.vocab_size)
+    a, b = model(tokens), model(changed)
+    np.testing.assert_allclose(a[:, :t], b[:, :t], atol=1e-6, rtol=0)
+    assert float(jnp.abs(a[:, t] - b[:, t]).max()) > 1e-3
+
+
+def test_jit_matches_eager_and_loss():
+    config = CONFIGS["untied"]
+    model = Llama(config, rngs=nnx.Rngs(0))
+    tokens = _tokens(config)
+    eager = model(tokens)
+    jitted = nnx.jit(lambda m, x: m(x))(model, tokens)
+    np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=1e-5)
+
+    stream = jax.random.randint(jax.random.key(1), (B, T + 1), 0, config.vocab_size)
+    inputs, targets = stream[:, :-1], stream[:, 1:]  # (B, T) like every other call: no recompile
+    loss = nnx.jit(loss_fn)(model, inputs, targets)
+    logp = jax.nn.log_softmax(model(inputs), axis=-1)
+    want = -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+    assert loss.dtype == jnp.float32 and loss.shape == ()
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    # at init (std 0.02) the model is close to uniform over the vocabulary
+    assert abs(float(loss) - np.log(config.vocab_size)) < 0.1
