@@ -9,6 +9,7 @@ checkpoints that resume bit-identically; a progress bar, JSONL metrics, SAGE's d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import pathlib
@@ -93,8 +94,13 @@ def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
     return model, nnx.Optimizer(model, make_tx(cfg), wrt=nnx.Param)
 
 
+@functools.lru_cache(maxsize=8)
 def make_steps(graphdef: Any, record_h: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The jitted train step (state donated) and eval step over the split state."""
+    """The jitted train step (state donated) and eval step over the split state.
+
+    Cached on the (hashable) graph definition, so runs of the same model and optimizer in
+    one process (a resumed run, a sweep) compile once.
+    """
 
     def train_step(state: Any, inputs: jax.Array, targets: jax.Array) -> Any:
         model, optimizer = nnx.merge(graphdef, state)

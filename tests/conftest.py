@@ -1,6 +1,17 @@
-"""Test setup: 8 virtual CPU devices for the sharding tests (must precede importing jax)."""
+"""Test setup: 8 virtual CPU devices for the sharding tests (must precede importing jax), and a
+persistent compilation cache for the session so identical programs (a resumed training run,
+the same optimizer step in several tests) are compiled once."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+_cache = os.environ.get("SAGE_TEST_JAX_CACHE") or os.path.join(
+    tempfile.gettempdir(), "sage-test-jax-cache"
+)
+jax.config.update("jax_compilation_cache_dir", _cache)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
