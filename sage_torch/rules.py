@@ -39,6 +39,11 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _bias_correction(b: float, step: Tensor, dtype: torch.dtype) -> Tensor:
+    """``1 − b^t`` as a tensor (no host sync: ``torch.compile`` traces it without a break)."""
+    return 1 - b ** step.to(dtype)
+
+
 def _check(name: str, ok: bool, value: Any, what: str) -> None:
     if not ok:
         raise ValueError(f"Invalid {name}: {value!r} (must be {what})")
@@ -140,14 +145,13 @@ class SageRule(Rule):
         damper = group["damper"]
         updates, new_m = [], []
         for p, g, st in zip(params, grads, states, strict=True):
-            step = float(st["step"])
             wide = _wide(g.dtype)
             g32, m32 = g.to(wide), st["exp_avg"].to(wide)
             dim = self._reduce_dim(p, group)
             s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
             S = st["scale_avg"]
             S.mul_(b2).add_(s.to(S.dtype), alpha=1 - b2)
-            s_hat = S.to(wide) / (1 - b2**step)
+            s_hat = S.to(wide) / _bias_correction(b2, st["step"], wide)
             h = sage_damper(s, s_hat, eps, damper)
             if dim is not None:
                 h = h.unsqueeze(dim)
@@ -225,22 +229,24 @@ class AdamWRule(Rule):
         eps, lr, wd = group["eps"], float(group["lr"]), group["weight_decay"]
         ms = [st["exp_avg"] for st in states]
         vs = [st["exp_avg_sq"] for st in states]
-        steps = [float(st["step"]) for st in states]
+        wides = [_wide(p.dtype) for p in params]
+        bias1 = [_bias_correction(b1, st["step"], w) for st, w in zip(states, wides, strict=True)]
+        bias2 = [_bias_correction(b2, st["step"], w) for st, w in zip(states, wides, strict=True)]
         if foreach:
             torch._foreach_lerp_(ms, grads, 1 - b1)
             torch._foreach_mul_(vs, b2)
             torch._foreach_addcmul_(vs, grads, grads, 1 - b2)
-            m_hat = torch._foreach_div(ms, [1 - b1**t for t in steps])
-            v_hat = torch._foreach_div(vs, [1 - b2**t for t in steps])
+            m_hat = torch._foreach_div(ms, bias1)
+            v_hat = torch._foreach_div(vs, bias2)
             denom = torch._foreach_sqrt(v_hat)
             torch._foreach_add_(denom, eps)
             updates = torch._foreach_div(m_hat, denom)
         else:
             updates = []
-            for g, m, v, t in zip(grads, ms, vs, steps, strict=True):
+            for g, m, v, c1, c2 in zip(grads, ms, vs, bias1, bias2, strict=True):
                 m.lerp_(g, 1 - b1)
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                updates.append((m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps))
+                updates.append((m / c1) / ((v / c2).sqrt() + eps))
         _decayed_step(params, updates, lr, wd, foreach)
 
 
