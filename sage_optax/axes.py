@@ -209,6 +209,16 @@ def flatten_with_spec(tree: Any, spec_tree: Any) -> tuple[Any, list[tuple[str, A
     return treedef, [(path_str(p), s, x) for (p, x), s in zip(with_path, specs, strict=True)]
 
 
+def map_leaves(fn: Callable[[str, Any, Any], Any], tree: Any, spec: Any) -> Any:
+    """``fn(path, spec, leaf)`` on every unmasked leaf of ``tree`` (masked ones pass through).
+
+    ``spec`` is a user spec (see :func:`resolve_spec`); the stateless transforms use this.
+    """
+    treedef, leaves = flatten_with_spec(tree, resolve_spec(spec, tree))
+    out = [x if is_masked(x) else fn(path, s, x) for path, s, x in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def flatten_like(treedef: Any, tree: Any, what: str, reference: str = "the updates") -> list[Any]:
     """Flatten ``tree`` (e.g. a state moment) with the structure of ``reference``.
 

@@ -119,28 +119,21 @@ def scale_by_sinkhorn(
     validation.check_range("eps", eps, 0.0, float("inf"))
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        specs = axes_lib.resolve_spec(dims, params)
-        _, leaves = axes_lib.flatten_with_spec(params, specs)
-        for path, spec, p in leaves:  # fail at init, before any step is taken
-            if not axes_lib.is_masked(p):
-                _check_matrix(path, spec, p)
+        axes_lib.map_leaves(_check_matrix, params, dims)  # fail at init, before any step
         return optax.EmptyState()
 
     def update_fn(
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-        specs = axes_lib.resolve_spec(dims, updates)
-        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
-        out = []
-        for path, spec, g in leaves:
-            resolved = None if axes_lib.is_masked(g) else _check_matrix(path, spec, g)
-            if resolved is None:
-                out.append(g)
-                continue
-            x = sinkhorn_normalize(g, resolved, num_iters, eps, normalization)
-            out.append(x.astype(g.dtype))
-        return jax.tree_util.tree_unflatten(treedef, out), state
+
+        def normalize(path: str, spec: Any, g: jax.Array) -> jax.Array:
+            resolved = _check_matrix(path, spec, g)
+            if resolved is None:  # a None spec: pass through
+                return g
+            return sinkhorn_normalize(g, resolved, num_iters, eps, normalization).astype(g.dtype)
+
+        return axes_lib.map_leaves(normalize, updates, dims), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -31,21 +31,17 @@ def scale_by_unit_norm(
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-        specs = axes_lib.resolve_spec(dims, updates)
-        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
-        out = []
-        for path, spec, g in leaves:
-            if axes_lib.is_masked(g):
-                out.append(g)
-                continue
+
+        def normalize(path: str, spec: Any, g: jax.Array) -> jax.Array:
             if isinstance(spec, axes_lib.LeafAxes):
                 reduce_axes = spec.resolve(tuple(g.shape), path).feature_axes
             else:
                 reduce_axes = tuple(range(g.ndim))
             wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))
             norm = jnp.sqrt(jnp.sum(jnp.square(wide), axis=reduce_axes, keepdims=True))
-            out.append((wide / (norm + eps)).astype(g.dtype))
-        return jax.tree_util.tree_unflatten(treedef, out), state
+            return (wide / (norm + eps)).astype(g.dtype)
+
+        return axes_lib.map_leaves(normalize, updates, dims), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 

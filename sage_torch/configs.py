@@ -85,16 +85,17 @@ def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable
     The state is created on the ``meta`` device, so nothing is allocated.  Same form as
     :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
     """
+    overrides = {k: v for k, v in overrides.items() if not k.endswith("projection")}
+    preset = resolve_preset(name, dict(overrides), OPTION_KEYS)
     groups = param_groups(model, name, **overrides)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})
     rows, shared = [], 0
-    for group, original in zip(opt.param_groups, groups, strict=True):
-        rule = opt._rules[group["rule"]]
-        described = Rule(group["rule"], {}).describe() if group["rule"] != "sinkgd" else \
-            f"sinkgd({group['normalization']}, alpha={group['alpha']:g})"
+    for group in opt.param_groups:
+        rule = opt.rule_of(group)
+        described = preset.rule(group["kind"]).describe()
         for p, pname in zip(group["params"], group["param_names"], strict=True):
             state = rule.init_state(p, group, pname)
-            rows.append((pname, tuple(p.shape), original["kind"], described, state_nbytes(state)))
+            rows.append((pname, tuple(p.shape), group["kind"], described, state_nbytes(state)))
             shared += 4  # the float32 step counter
     return RoutingTable(name, tuple(rows), shared)

@@ -74,6 +74,10 @@ class RuleOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def rule_of(self, group: dict[str, Any]) -> Rule:
+        """The update rule (state layout, checks, step) that runs ``group``."""
+        return self._rules[group["rule"]]
+
     def _names(self, group: dict[str, Any]) -> list[str]:
         names = group.get("param_names")
         if names:
@@ -89,7 +93,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            rule = self._rules[group["rule"]]
+            rule = self.rule_of(group)
             params, grads, states, names = [], [], [], []
             for p, name in zip(group["params"], self._names(group), strict=True):
                 if p.grad is None:

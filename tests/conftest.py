@@ -15,3 +15,19 @@ _cache = os.environ.get("SAGE_TEST_JAX_CACHE") or os.path.join(
 )
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """One intra-op thread for a PyTorch test module (restored after it).
+
+    The tensors are tiny: intra-op threads only add contention on the 2-core machines.
+    """
+    torch = pytest.importorskip("torch")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -38,12 +38,7 @@ pytestmark = pytest.mark.filterwarnings(  # raised while Dynamo traces transform
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def llama():

@@ -34,13 +34,7 @@ DAMPERS = ("both", "ema", "instant", "none")
 GAPS: dict[str, float] = {}  # worst |Δθ| per case, printed by test_report_gaps
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention (and minutes on a busy machine).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def lr_at(t: int, peak: float, steps: int = STEPS, warmup: int = 6, floor: float = 0.1) -> float:

@@ -22,12 +22,7 @@ from sage_torch import RoutingError, make_optimizer, param_groups, routing_table
 V, D, H = 32, 16, 48  # H != V: the router takes a Linear with out_features == V for a head
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 class Block(nn.Module):
