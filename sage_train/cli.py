@@ -11,6 +11,7 @@ from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
 from sage_train.sharding import MODES
+from sage_train.train import SCHEDULES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -21,6 +22,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="one or more configurations, trained one after the other")
     p.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default: the configuration's paper value)")
+    p.add_argument("--schedule", default="cosine", choices=SCHEDULES,
+                   help="after the linear warmup (default cosine, as the paper)")
     p.add_argument("--warmup-frac", type=float, default=0.1)
     p.add_argument("--final-lr-frac", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=300)
@@ -54,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.optimizer:
         cfg = TrainConfig(
-            model=args.model, optimizer=name, learning_rate=args.lr,
+            model=args.model, optimizer=name, learning_rate=args.lr, schedule=args.schedule,
             warmup_frac=args.warmup_frac, final_lr_frac=args.final_lr_frac,
             batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
             seed=args.seed, clip=args.clip, eval_every=args.eval_every,

@@ -38,6 +38,7 @@ class TrainConfig:
     model: str = "small"
     optimizer: str = "sage-hybrid"
     learning_rate: float | None = None  # None: the configuration's paper value
+    schedule: str = "cosine"  # "cosine", "linear" or "constant", after the warmup
     warmup_frac: float = 0.1
     final_lr_frac: float = 0.1
     batch_size: int = 16
@@ -70,15 +71,26 @@ class RunResult:
     stopped_reason: str | None = None
 
 
+SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+
+
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Cosine decay with linear warmup over ``warmup_frac`` of the steps (paper: 10%)."""
+    """Linear warmup over ``warmup_frac`` of the steps, then ``cfg.schedule`` down to
+    ``final_lr_frac`` of the peak (the paper: cosine with 10% warmup).
+    """
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
     peak = cfg.learning_rate if cfg.learning_rate is not None else get_preset(
         cfg.optimizer).learning_rate
     warmup = max(1, int(cfg.warmup_frac * cfg.steps))
-    return optax.warmup_cosine_decay_schedule(
-        0.0, peak, warmup_steps=warmup, decay_steps=max(cfg.steps, warmup + 1),
-        end_value=peak * cfg.final_lr_frac,
-    )
+    rest = max(cfg.steps - warmup, 1)
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.final_lr_frac)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(peak, peak * cfg.final_lr_frac, rest)
+    else:
+        after = optax.constant_schedule(peak)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
 def make_tx(cfg: TrainConfig) -> optax.GradientTransformation:

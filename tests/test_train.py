@@ -124,3 +124,18 @@ def test_cli_trains_and_saves_a_loss_curve(corpus, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "test ppl" in out and "tokens/s" in out and "sage-hybrid" in out
     assert (tmp_path / "tiny-loss.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("schedule,mid,end", [("cosine", 0.55, 0.1), ("linear", 0.55, 0.1),
+                                              ("constant", 1.0, 1.0)])
+def test_schedules(schedule, mid, end):
+    """Linear warmup over 10% of the steps, then the chosen decay to final_lr_frac."""
+    from sage_train.train import lr_schedule
+
+    f = lr_schedule(TrainConfig(steps=100, schedule=schedule, learning_rate=2.0))
+    assert float(f(0)) == 0.0 and float(f(5)) == pytest.approx(1.0)
+    assert float(f(10)) == pytest.approx(2.0)
+    assert float(f(55)) == pytest.approx(2.0 * mid, rel=1e-3)
+    assert float(f(100)) == pytest.approx(2.0 * end, rel=1e-5)
+    with pytest.raises(ValueError, match="schedule"):
+        lr_schedule(TrainConfig(schedule="step"))
