@@ -75,7 +75,9 @@ SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warmup over ``warmup_frac`` of the steps, then ``cfg.schedule`` down to
+    """The learning rate per step: linear warmup, then ``cfg.schedule``.
+
+    The warmup covers ``warmup_frac`` of the steps; cosine and linear then decay to
     ``final_lr_frac`` of the peak (the paper: cosine with 10% warmup).
     """
     if cfg.schedule not in SCHEDULES:
