@@ -1,0 +1,324 @@
+"""One jitted, donated optimizer update of every configuration vs ``optax.adamw``, in JAX.
+
+For the chosen LLaMA shape (``--model``, default the paper's ``270m``) the script
+materialises float32 parameters (``0.02 * normal``, one leaf at a time) and one fixed
+gradient tree of the same shapes, then, for every configuration of
+:data:`sage_optim.CONFIG_NAMES` and for the baseline
+``optax.adamw(1e-4, b1=0.9, b2=0.99, weight_decay=0.01)``, builds::
+
+    step = jax.jit(lambda p, s, g: (optax.apply_updates(p, u), s2)   # u, s2 = tx.update(g, s, p)
+                   , donate_argnums=(0, 1))
+
+compiles it ahead of time (``lower().compile()``), prints ``compiled.memory_analysis()`` and
+times it.  Timing: ``--warmup`` untimed calls, then ``--repeats`` rounds; in each round every
+configuration runs one step (round-robin, baseline included in every round), each call is
+``block_until_ready``-ed and the median per configuration is reported with its ratio to the
+baseline median over the same rounds.  If all configurations' parameters and states would
+not fit in memory together (``--schedule auto``, the estimate is printed), each
+configuration is instead interleaved pairwise with the baseline, which then stays alive for
+the whole run, and its ratio uses the baseline timings of its own rounds.
+
+Bytes moved per step (an analytic lower bound: each array touched the minimum number of
+times a fused implementation needs)::
+
+    bytes = 2·|P| + |G| + 2·|S| + Σ_{SinkGD leaves} (2·L + 1)·|G_leaf|
+
+``|P|``, ``|G|``: bytes of all parameters / gradients (params are read and written,
+gradients read once); ``|S|``: bytes of every optimizer-state leaf (each read and written
+once; from ``jax.eval_shape(tx.init, params)``); for every leaf the configuration routes to
+SinkGD (its ``num_iters`` = ``L``), the Sinkhorn loop makes ``2·L`` reductions that read
+``G`` once each plus one extra write of ``X`` (the final ``c·G·r``).  Extra passes of other
+rules (SAGE's vocabulary-axis damper reductions, APOLLO's random projections) are not
+counted, so their achieved bandwidth is understated.
+
+Memory bandwidth is measured in the same run: a jitted, donated (in-place, like the steps)
+``x * 1.0001 + 1`` over a ``--bw-mib`` (512 MiB) float32 array, median of ``--bw-repeats``
+calls, counting one read and one write (the same kernel into a fresh buffer is printed too).
+Each configuration's ``bytes / median time`` is reported as a fraction of it.
+
+Prints a markdown table and whether the issue's two targets hold for ``sage-hybrid``: its
+update no slower than AdamW's (ratio ≤ 1) and its compiled temporary memory no larger than
+the largest single parameter.
+
+    python benchmarks/jax_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid lion]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import math
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import sage_optax
+from sage_optim.models import get_model_config
+from sage_optim.presets import resolve_preset
+
+BASELINE = "optax.adamw (baseline)"
+GIB = 2.0**30
+MIB = 2.0**20
+
+
+def nbytes(tree: Any) -> int:
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _normal_leaf(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return jax.random.normal(key, shape, jnp.float32) * 0.02
+
+
+def materialise(shapes: Any, seed: int) -> Any:
+    """Random ``0.02 * normal`` float32 leaves, one at a time (peak = one leaf + the tree)."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for k, leaf in zip(keys, leaves, strict=True):
+        out.append(_normal_leaf(k, tuple(leaf.shape)).block_until_ready())
+    return jax.tree.unflatten(treedef, out)
+
+
+def measure_bandwidth(mib: int, repeats: int, donate: bool) -> float:
+    """GiB/s of a jitted ``x * 1.0001 + 1`` (one read + one write of ``mib`` MiB).
+
+    ``donate=True`` writes in place (the output reuses the donated input buffer, as the
+    optimizer steps do); ``False`` writes a fresh buffer each call, which on this machine
+    is dominated by page faults of the new allocation.
+    """
+    n = mib * 2**20 // 4
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda x: x * 1.0001 + 1, donate_argnums=(0,) if donate else ())
+    f = f.lower(x).compile()
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        y = f(x).block_until_ready()
+        dt = time.perf_counter() - t0
+        if donate:
+            x = y
+        del y
+        if i >= 2:
+            times.append(dt)
+    del x
+    gc.collect()
+    return 2 * n * 4 / statistics.median(times) / GIB
+
+
+def make_tx(name: str) -> optax.GradientTransformation:
+    if name == BASELINE:
+        return optax.adamw(1e-4, b1=0.9, b2=0.99, weight_decay=0.01)
+    return sage_optax.make_optimizer(name)
+
+
+def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
+    """The analytic byte count of the module docstring."""
+    total = 2 * nbytes(shapes) + nbytes(shapes) + 2 * nbytes(state_shapes)
+    if name == BASELINE:
+        return total
+    preset = resolve_preset(name, {})
+    labels = dict(sage_optax.routing.iter_leaves(sage_optax.label_params(shapes).labels))
+    for path, leaf in sage_optax.routing.iter_leaves(shapes):
+        rule = preset.rule(labels[path])
+        if rule.name == "sinkgd":
+            total += (2 * rule.hyperparams["num_iters"] + 1) * nbytes(leaf)
+    return total
+
+
+class Runner:
+    """One configuration: its compiled step, live params/state and timings."""
+
+    def __init__(self, name: str, shapes: Any, grads: Any, seed: int):
+        self.name = name
+        tx = make_tx(name)
+        state_shapes = jax.eval_shape(tx.init, shapes)
+        self.state_bytes = nbytes(state_shapes)
+        self.bytes = bytes_moved(name, shapes, state_shapes)
+        self.params = materialise(shapes, seed)
+        self.state = jax.jit(tx.init)(self.params)
+
+        def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
+            u, s2 = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s2
+
+        self.compiled = (
+            jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.state, grads).compile()
+        )
+        self.memory = self.compiled.memory_analysis()
+        self.grads = grads
+        self.times: list[float] = []
+
+    def run(self, record: bool) -> float:
+        t0 = time.perf_counter()
+        self.params, self.state = self.compiled(self.params, self.state, self.grads)
+        jax.block_until_ready((self.params, self.state))
+        dt = time.perf_counter() - t0
+        if record:
+            self.times.append(dt)
+        return dt
+
+    def memory_line(self) -> str:
+        ma = self.memory
+        if ma is None:
+            return f"{self.name}: memory_analysis() unavailable"
+        fields = [a for a in dir(ma) if a.endswith("_in_bytes")]
+        return f"{self.name}: " + ", ".join(
+            f"{a.removesuffix('_in_bytes')}={getattr(ma, a) / MIB:.1f} MiB" for a in fields
+        )
+
+    @property
+    def temp_bytes(self) -> float:
+        return float("nan") if self.memory is None else self.memory.temp_size_in_bytes
+
+    def free(self) -> None:
+        del self.params, self.state, self.compiled
+        gc.collect()
+
+
+def interleave(runners: list[Runner], warmup: int, repeats: int) -> None:
+    for _ in range(warmup):
+        for r in runners:
+            r.run(record=False)
+    for _ in range(repeats):
+        for r in runners:
+            r.run(record=True)
+
+
+def mem_available() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="270m", help="a sage_optim model name (default 270m)")
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
+    ap.add_argument(
+        "--configs", nargs="+", default=list(sage_optax.CONFIG_NAMES),
+        help="configurations to time (default: all eight)",
+    )
+    ap.add_argument(
+        "--schedule", choices=("auto", "all", "pairwise"), default="auto",
+        help="interleave all configurations at once, or each pairwise with the baseline "
+        "(auto: all if the estimate fits comfortably in available memory)",
+    )
+    ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
+    ap.add_argument("--bw-repeats", type=int, default=10)
+    args = ap.parse_args(argv)
+
+    config = get_model_config(args.model)
+    shapes = sage_optax.llama_param_shapes(config)
+    p_bytes = nbytes(shapes)
+    largest = max(nbytes(x) for x in jax.tree.leaves(shapes))
+    print(f"jax {jax.__version__}, optax {optax.__version__}, devices {jax.devices()}")
+    print(
+        f"model {args.model}: {config.param_count():,} params, {p_bytes / GIB:.3f} GiB float32, "
+        f"largest leaf {largest / MIB:.1f} MiB"
+    )
+
+    bw = measure_bandwidth(args.bw_mib, args.bw_repeats, donate=True)
+    bw_fresh = measure_bandwidth(args.bw_mib, args.bw_repeats, donate=False)
+    print(
+        f"measured bandwidth (x*1.0001+1 over {args.bw_mib} MiB, read+write): {bw:.2f} GiB/s "
+        f"in place (donated, the reference below), {bw_fresh:.2f} GiB/s into a fresh buffer"
+    )
+
+    names = [BASELINE, *args.configs]
+    state_total = sum(nbytes(jax.eval_shape(make_tx(n).init, shapes)) for n in names)
+    estimate = p_bytes * (len(names) + 1) + state_total  # every config's params + grads
+    avail = mem_available()
+    schedule = args.schedule
+    if schedule == "auto":
+        schedule = "all" if 1.25 * estimate + 2 * GIB < avail else "pairwise"
+    print(
+        f"all-at-once estimate {estimate / GIB:.2f} GiB (params x{len(names)}, grads, states), "
+        f"available {avail / GIB:.2f} GiB -> schedule: {schedule}"
+    )
+
+    grads = materialise(shapes, seed=1)
+    results: dict[str, tuple[Runner, float]] = {}  # name -> (runner, baseline median)
+    baseline = Runner(BASELINE, shapes, grads, seed=0)
+    print(baseline.memory_line())
+    if schedule == "all":
+        runners = [baseline]
+        for n in args.configs:
+            runners.append(Runner(n, shapes, grads, seed=0))
+            print(runners[-1].memory_line())
+        interleave(runners, args.warmup, args.repeats)
+        base_med = statistics.median(baseline.times)
+        for r in runners:
+            results[r.name] = (r, base_med)
+    else:
+        all_base: list[float] = []
+        for n in args.configs:
+            r = Runner(n, shapes, grads, seed=0)
+            print(r.memory_line())
+            baseline.times = []
+            interleave([baseline, r], args.warmup, args.repeats)
+            all_base += baseline.times
+            results[n] = (r, statistics.median(baseline.times))
+            print(
+                f"  {n}: {statistics.median(r.times) * 1e3:.1f} ms vs baseline "
+                f"{results[n][1] * 1e3:.1f} ms", flush=True,
+            )
+            r.free()
+        baseline.times = all_base
+        results[BASELINE] = (baseline, statistics.median(all_base))
+
+    how = (
+        "all configurations interleaved round-robin"
+        if schedule == "all"
+        else "each configuration interleaved pairwise with the baseline"
+    )
+    print()
+    print(
+        f"model {args.model}, {how}, median of {args.repeats} timed rounds after "
+        f"{args.warmup} warmup; bandwidth {bw:.2f} GiB/s; largest parameter "
+        f"{largest / MIB:.1f} MiB"
+    )
+    print()
+    print(
+        "| configuration | ms/step | vs adamw | bytes moved (GiB) | achieved GiB/s "
+        "| fraction of bandwidth | temp (MiB) | temp / largest param |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    order = [*args.configs, BASELINE]
+    for n in order:
+        r, base_med = results[n]
+        med = statistics.median(r.times)
+        gibs = r.bytes / med / GIB
+        print(
+            f"| {n} | {med * 1e3:.1f} | {med / base_med:.2f}x | {r.bytes / GIB:.2f} "
+            f"| {gibs:.2f} | {gibs / bw:.2f} | {r.temp_bytes / MIB:.1f} "
+            f"| {r.temp_bytes / largest:.2f} |"
+        )
+    if "sage-hybrid" in results:
+        r, base_med = results["sage-hybrid"]
+        ratio = statistics.median(r.times) / base_med
+        print()
+        print(
+            f"target 1 (sage-hybrid update no slower than adamw): ratio {ratio:.2f} -> "
+            f"{'MET' if ratio <= 1.0 else 'NOT MET'}"
+        )
+        print(
+            f"target 2 (sage-hybrid temp memory <= largest parameter): "
+            f"{r.temp_bytes / MIB:.1f} MiB vs {largest / MIB:.1f} MiB -> "
+            f"{'MET' if r.temp_bytes <= largest else 'NOT MET'}"
+        )
+
+
+if __name__ == "__main__":
+    main()
