@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Callable
 from typing import Any
 
 
@@ -61,6 +60,3 @@ def check_positive_int(name: str, value: Any) -> None:
     """Check a count (rank, iterations, interval) is a positive integer when concrete."""
     if isinstance(value, bool) or (is_static_number(value) and (int(value) != value or value < 1)):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-LearningRate = float | Callable[[Any], Any]

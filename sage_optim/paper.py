@@ -42,9 +42,3 @@ PAPER_MEMORY_GIB: Mapping[str, Mapping[str, tuple[float, float]]] = types.Mappin
         },
     }
 )
-
-
-def printed_decimals(value: float, text: str | None = None) -> int:
-    """Number of decimals the paper printed for ``value`` (from its literal text if given)."""
-    s = text if text is not None else repr(value)
-    return len(s.split(".")[1]) if "." in s else 0

@@ -105,11 +105,6 @@ def _default_kind(name: str, p: torch.Tensor, modules: dict[str, nn.Module],
     )
 
 
-def group_names(routes: list[tuple[str, nn.Parameter, str]], kind: str) -> list[str]:
-    """Names of the parameters routed to ``kind``."""
-    return [n for n, _, k in routes if k == kind]
-
-
 def state_nbytes(state: Mapping[str, Any]) -> int:
     """Bytes of the tensors in one parameter's state, without its ``step`` counter."""
     return sum(v.numel() * v.element_size() for k, v in state.items()
