@@ -6,7 +6,7 @@ For each parameter with gradient ``g`` at step ``t`` (from 1)::
     S_t = b2 * S_{t-1} + (1 - b2) * s_t ;   Ŝ_t = S_t / (1 - b2^t)
     σ = sqrt(mean(Ŝ_t²)) ;  γ = sqrt(mean(s_t²))
     H_t = min(σ / (Ŝ_t + eps), γ / (s_t + eps), 1)   broadcast over the vocab axis
-    C_t = sign(b1 * M_{t-1} + (1 - b1) * g)
+    C_t = sign(b1 * M_{t-1} + (1 - b1) * g)    (computed as sign(b1 M_t + (b2-b1) g))
     u_t = C_t ⊙ H_t                         (θ ← θ - η_t u_t after decay, in :func:`sage`)
     M_t = b2 * M_{t-1} + (1 - b2) * g
 
@@ -85,6 +85,26 @@ def _wide(dtype: Any) -> Any:
 def _mean_abs(g: jax.Array, plan: _LeafPlan) -> jax.Array:
     a = jnp.abs(g.astype(_wide(g.dtype)))
     return a if plan.reduce_axis is None else jnp.mean(a, axis=plan.reduce_axis)
+
+
+def lion_direction(g: jax.Array, mu_prev: jax.Array, mu_new: jax.Array, b1: Any, b2: Any
+                   ) -> jax.Array:
+    """The sign direction ``C_t = sign(b1·M_{t−1} + (1−b1)·g)``, computed from ``M_t``.
+
+    With ``M_t = b2·M_{t−1} + (1−b2)·g`` and ``b2 > 0``, ``b2·(b1·M_{t−1} + (1−b1)·g) =
+    b1·M_t + (b2 − b1)·g``, so ``C_t = sign(b1·M_t + (b2 − b1)·g)``: the same sign, but read
+    from the *new* momentum.  That matters for speed and memory: when the momentum buffer is
+    updated in place (a donated jit step) and the update reads the old one, XLA must copy
+    the old momentum first (a temporary of the size of all parameters on XLA:CPU, measured
+    in ``benchmarks/jax_step.py``); read from ``M_t``, the whole step fuses into the donated
+    buffers.  Rounding can differ from the direct form only where the argument is a tie
+    within a few ulp.  ``b2 = 0`` (where ``M_{t−1}`` cannot be recovered) uses the direct
+    form, also when ``b2`` is traced (``optax.inject_hyperparams``), via a select.
+    """
+    direct = b1 * mu_prev + (1.0 - b1) * g
+    if isinstance(b2, (int, float)):
+        return jnp.sign(direct if b2 == 0 else b1 * mu_new + (b2 - b1) * g)
+    return jnp.sign(jnp.where(b2 > 0, b1 * mu_new + (b2 - b1) * g, direct))
 
 
 def sage_damper(
@@ -206,9 +226,9 @@ def scale_by_sage(
             h = sage_damper(s_t, s_ema.astype(wide) / bias, plan.rms_axes, eps, damper)
             if plan.reduce_axis is not None:
                 h = jnp.expand_dims(h, plan.reduce_axis)
-            direction = jnp.sign((1.0 - b1) * g32 + b1 * m32)
-            new_u.append((direction * h).astype(g.dtype))
-            new_mu.append(((1 - b2) * g32 + b2 * m32).astype(m.dtype))
+            mu_t = (1 - b2) * g32 + b2 * m32
+            new_u.append((lion_direction(g32, m32, mu_t, b1, b2) * h).astype(g.dtype))
+            new_mu.append(mu_t.astype(m.dtype))
             new_s.append(s_ema)
         unflat = jax.tree_util.tree_unflatten
         return unflat(treedef, new_u), ScaleBySageState(

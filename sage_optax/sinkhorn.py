@@ -11,14 +11,17 @@ and ``t_in = sqrt(fan-in size)``, ``t_out = sqrt(fan-out size)`` for ``"sqrt"`` 
 al.'s SR-Sinkhorn).  The update of :func:`sinkgd` is ``θ ← θ(1 − ηw) − η·α·X``.
 
 Implementation: ``X`` is kept as ``diag(c) · G · diag(r)`` with two scale vectors; each
-half-iteration is one reduction of ``G²`` weighted by the other vector's square, and ``X``
-is formed once at the end.  This is exactly the matrix rewrite above (the norm of a scaled
-column is the scale times the weighted norm) but reads ``G`` once per half-iteration and
-writes it once per step instead of once per half-iteration.
+half-iteration is one matrix-vector product of ``K = G²`` (formed once per step) with the
+other vector's square, and ``X`` is formed once at the end, fused into the parameter update.
+This is exactly the matrix rewrite above (the norm of a scaled column is the scale times the
+weighted norm) but writes no matrix per half-iteration: the only matrix temporary is ``K``,
+and a layer's ``K`` is small enough to stay in the CPU's last-level cache across the ``2L``
+products (``benchmarks/jax_step.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -30,6 +33,16 @@ from sage_optax import validation
 
 NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
 """Sinkhorn target norms: ``unit`` (SAGE paper) or ``sqrt`` (Scetbon et al.)."""
+
+
+def _sharding_of(x: jax.Array) -> Any:
+    """``x``'s sharding when the mesh has explicit axes (a dot needs it there), else None."""
+    sharding = jax.typeof(x).sharding
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty and explicit in mesh.axis_types:
+        return sharding
+    return None
 
 
 def sinkhorn_normalize(
@@ -51,6 +64,31 @@ def sinkhorn_normalize(
     Returns:
       ``X`` with the shape and dtype of ``g``.
     """
+    c, r = sinkhorn_scales(g, axes, num_iters, eps, normalization)
+    return apply_scales(g, axes, c, r).astype(g.dtype)
+
+
+def apply_scales(
+    g: jax.Array, axes: axes_lib.ResolvedAxes, c: jax.Array, r: jax.Array
+) -> jax.Array:
+    """``X = diag(c) · G · diag(r)`` (in the wide dtype of ``c``) from :func:`sinkhorn_scales`."""
+    g = g.astype(c.dtype) if g.dtype != c.dtype else g
+    return jnp.expand_dims(c, axes.fan_out) * g * jnp.expand_dims(r, axes.fan_in)
+
+
+def sinkhorn_scales(
+    g: jax.Array,
+    axes: axes_lib.ResolvedAxes,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+    after: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The scale vectors ``(c, r)`` with ``X = diag(c) · G · diag(r)``.
+
+    ``c`` has ``g``'s shape without the fan-out axis (one scale per fan-in index), ``r``
+    without the fan-in axis (one per output unit), both in float32 or wider.
+    """
     wide = jnp.promote_types(g.dtype, jnp.float32)
     g = g.astype(wide) if g.dtype != wide else g
     fi, fo = axes.fan_in, axes.fan_out
@@ -59,23 +97,39 @@ def sinkhorn_normalize(
     else:
         t_in = jnp.sqrt(jnp.asarray(g.shape[fi], wide))
         t_out = jnp.sqrt(jnp.asarray(g.shape[fo], wide))
-    g2 = jnp.square(g)
-    c = jnp.ones_like(jnp.sum(g2, axis=fo, keepdims=True))  # scales along the fan-in axis
-    r = jnp.ones_like(jnp.sum(g2, axis=fi, keepdims=True))  # one scale per output unit
+    # K = G², formed once; every half-iteration is then one (batched) matrix-vector product
+    # with it, in full float32 precision on every backend (no TF32).
+    k = jnp.square(g)
+    if after is not None:
+        # A data dependency (the two branches are bitwise equal) that makes this K wait
+        # for ``after``, so that consecutive leaves' K are not all alive at once.
+        k = jnp.where(after >= 0, k, jnp.abs(g) * jnp.abs(g))
+    sub = "abcdefghijklmnopqrstuvwxyz"[: g.ndim]
+    c_sub, r_sub = sub.replace(sub[fo], ""), sub.replace(sub[fi], "")
+    # Scale vectors shaped (and, under explicit sharding, sharded) like reductions of K.
+    c = jnp.ones_like(jnp.sum(k, axis=fo))  # one scale per fan-in index
+    r = jnp.ones_like(jnp.sum(k, axis=fi))  # one scale per output unit
+    hi = jax.lax.Precision.HIGHEST
+    row_norms = functools.partial(  # one squared norm per output unit (over the fan-in axis)
+        jnp.einsum, f"{sub},{c_sub}->{r_sub}", precision=hi, out_sharding=_sharding_of(r)
+    )
+    col_norms = functools.partial(
+        jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=_sharding_of(c)
+    )
 
-    def rescale(scale: jax.Array, norm: jax.Array, target: jax.Array) -> jax.Array:
+    def rescale(scale: jax.Array, norm_sq: jax.Array, target: jax.Array) -> jax.Array:
+        norm = jnp.sqrt(norm_sq)
         new = scale * target / (scale * norm + eps)
         # An all-zero slice stays zero whatever its scale; keep the scale finite there.
         return jnp.where(norm > 0, new, scale)
 
     def body(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         c, r = carry
-        r = rescale(r, jnp.sqrt(jnp.sum(g2 * jnp.square(c), axis=fi, keepdims=True)), t_in)
-        c = rescale(c, jnp.sqrt(jnp.sum(g2 * jnp.square(r), axis=fo, keepdims=True)), t_out)
+        r = rescale(r, row_norms(k, jnp.square(c)), t_in)
+        c = rescale(c, col_norms(k, jnp.square(r)), t_out)
         return c, r
 
-    c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
-    return c * g * r
+    return jax.lax.fori_loop(0, num_iters, body, (c, r))
 
 
 def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
@@ -127,11 +181,19 @@ def scale_by_sinkhorn(
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
 
+        previous: list[Any] = []  # the last leaf's scales
+
         def normalize(path: str, spec: Any, g: jax.Array) -> jax.Array:
             resolved = _check_matrix(path, spec, g)
             if resolved is None:  # a None spec: pass through
                 return g
-            return sinkhorn_normalize(g, resolved, num_iters, eps, normalization).astype(g.dtype)
+            # Order the leaves: this leaf's K = G² is formed only once the previous
+            # leaf's scales are done, so one K is alive at a time (the compiled
+            # temporary memory is the largest K, not the sum of all of them).
+            after = previous[-1] if previous else None
+            c, r = sinkhorn_scales(g, resolved, num_iters, eps, normalization, after)
+            previous.append(jnp.min(r))
+            return apply_scales(g, resolved, c, r).astype(g.dtype)
 
         return axes_lib.map_leaves(normalize, updates, dims), state
 

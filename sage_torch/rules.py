@@ -155,9 +155,12 @@ class SageRule(Rule):
             h = sage_damper(s, s_hat, eps, damper)
             if dim is not None:
                 h = h.unsqueeze(dim)
-            direction = torch.sign(g32 * (1.0 - b1) + m32 * b1)
-            updates.append((direction * h).to(p.dtype))
-            new_m.append(g32 * (1 - b2) + m32 * b2)
+            m_new = g32 * (1 - b2) + m32 * b2
+            # sign(b1·M_{t−1} + (1−b1)·g), read from M_t as sage_optax.lion_direction does
+            # (the same rounding in both frameworks).
+            arg = g32 * (1.0 - b1) + m32 * b1 if b2 == 0 else m_new * b1 + g32 * (b2 - b1)
+            updates.append((torch.sign(arg) * h).to(p.dtype))
+            new_m.append(m_new)
         # One copy_ per tensor even with foreach: DTensor has no _foreach_copy_ strategy.
         for st, m in zip(states, new_m, strict=True):
             st["exp_avg"].copy_(m)

@@ -111,6 +111,22 @@ def test_sage_fan_out_reduction_of_dense_kernels():
                                           for k, v in params.items()}, 1e-3)
 
 
+@pytest.mark.parametrize("b2", [0.0, 0.5])
+@pytest.mark.parametrize("injected", [False, True])
+def test_sage_direction_from_new_momentum_edge_cases(b2, injected):
+    """The sign is read from M_t (sign(b1 M_t + (b2-b1) g)); b2 = 0 cannot recover M_{t-1}
+    from M_t and must take the direct form, also when b2 is a traced hyperparameter."""
+    rng = np.random.default_rng(11)
+    params = {"e": rng.standard_normal((9, 5)), "v": rng.standard_normal(5)}
+    refs = {"e": ref.SageRef((9, 5)), "v": ref.SageRef((5,))}
+    for r in refs.values():
+        r.b2 = b2
+    make = optax.inject_hyperparams(sage_optax.sage) if injected else sage_optax.sage
+    tx = make(schedule(2e-3), b2=b2)
+    run_pair(tx, refs, params, lambda t: {k: hard_gradient(rng, v.shape, t)
+                                          for k, v in params.items()}, 2e-3)
+
+
 @pytest.mark.parametrize("normalization,alpha", [("unit", 10.0), ("sqrt", 0.05)])
 def test_sinkgd_matches_reference(normalization, alpha):
     rng = np.random.default_rng(2)
