@@ -35,6 +35,24 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join([line(list(headers)), sep, *(line(r) for r in cells)])
 
 
+def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Render ``rows`` under ``headers`` as a GitHub markdown table (numbers right-aligned).
+
+    A column is numeric when every cell of it is an ``int`` or ``float``.  No trailing newline.
+    """
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row {list(row)} has {len(row)} cells, expected {len(headers)}")
+    numeric = [
+        bool(rows) and all(isinstance(row[i], int | float) for row in rows)
+        for i in range(len(headers))
+    ]
+    align = ["---:" if num else "---" for num in numeric]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(align) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def format_bytes(n: int) -> str:
     """Human-readable byte count (``12.0 KiB``, ``1.53 GiB``)."""
     size = float(n)

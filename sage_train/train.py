@@ -158,7 +158,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     tokens = data_lib.load_data(cfg.data, vocab_size=get_model_config(cfg.model).vocab_size)
     model, optimizer = build(cfg, tokens.vocab_size)
     graphdef, state = nnx.split((model, optimizer))
-    mesh = make_mesh()
+    mesh = make_mesh(cfg.sharding)
     state = jax.device_put(state, state_shardings(state, mesh, cfg.sharding))
     opt_bytes = sage_optax.state_bytes(optimizer.opt_state)
     del model, optimizer
@@ -189,6 +189,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     bar = _progress(start, cfg.steps, cfg.progress)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0, timed_steps, test_ppl, stopped = time.perf_counter(), 0, None, None
+    eval_s = 0.0  # evaluation time, excluded from elapsed_s and tokens/s
     with metrics_path.open("a") as metrics:
         for step in range(start, end):
             inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
@@ -201,18 +202,21 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 break
             losses.append(loss)
             if step == start:  # compilation: start the clock after the first step
-                t0, timed_steps = time.perf_counter(), 0
+                t0, timed_steps, eval_s = time.perf_counter(), 0, 0.0
             else:
                 timed_steps += 1
             done = step + 1
             if record_h and done % cfg.record_h_every == 0:
                 recorder.add(done, np.asarray(h))
-            elapsed = time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0 - eval_s
             tps = timed_steps * tokens_per_step / elapsed if timed_steps else 0.0
             record: dict[str, Any] = {"step": done, "loss": loss, "lr": float(sched(step)),
-                                      "tokens_per_s": tps, "opt_state_bytes": opt_bytes}
+                                      "tokens_per_s": tps, "elapsed_s": elapsed,
+                                      "opt_state_bytes": opt_bytes}
             if done % cfg.eval_every == 0 or done == cfg.steps:
+                t_eval = time.perf_counter()
                 test_ppl = evaluate(eval_step, state, eval_set, mesh, cfg.sharding)
+                eval_s += time.perf_counter() - t_eval
                 record["test_ppl"] = test_ppl
             if (peak := peak_memory_bytes()) is not None:
                 record["peak_memory_bytes"] = peak
@@ -225,7 +229,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     manager.wait_until_finished()
     manager.close()
     recorder.save()
-    elapsed = time.perf_counter() - t0
+    elapsed = time.perf_counter() - t0 - eval_s
     tps = timed_steps * tokens_per_step / elapsed if timed_steps and elapsed > 0 else 0.0
     return RunResult(cfg, start + len(losses), losses, test_ppl, opt_bytes, tps, stopped)
 
