@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import statistics
 import sys
@@ -93,10 +92,11 @@ def run_dir(out: pathlib.Path, config: str, lr: float, seed: int) -> pathlib.Pat
 
 def read_curve(path: pathlib.Path, config: str, lr: float, seed: int) -> Curve | None:
     """The evaluations recorded in ``path/metrics.jsonl`` (``None`` if there are none)."""
-    metrics = path / "metrics.jsonl"
-    if not metrics.exists():
+    from sage_train.figures import read_metrics
+
+    if not (path / "metrics.jsonl").exists():
         return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    records = read_metrics(path)
     evals = [r for r in records if "test_ppl" in r]
     if not evals:
         return None
