@@ -18,18 +18,21 @@ not fit in memory together (``--schedule auto``, the estimate is printed), each
 configuration is instead interleaved pairwise with the baseline, which then stays alive for
 the whole run, and its ratio uses the baseline timings of its own rounds.
 
-Bytes moved per step (an analytic lower bound: each array touched the minimum number of
-times a fused implementation needs)::
+Bytes moved per step (an analytic count of the passes over memory the implementation
+makes, each array touched the minimum number of times its algorithm needs)::
 
-    bytes = 2·|P| + |G| + 2·|S| + Σ_{SinkGD leaves} (2·L + 1)·|G_leaf|
+    bytes = 2·|P| + |G| + 2·|S| + Σ_{SinkGD leaves} (2·L + 2)·|G_leaf|
+                                + Σ_{SAGE matrices} |G_leaf|
 
 ``|P|``, ``|G|``: bytes of all parameters / gradients (params are read and written,
-gradients read once); ``|S|``: bytes of every optimizer-state leaf (each read and written
-once; from ``jax.eval_shape(tx.init, params)``); for every leaf the configuration routes to
-SinkGD (its ``num_iters`` = ``L``), the Sinkhorn loop makes ``2·L`` reductions that read
-``G`` once each plus one extra write of ``X`` (the final ``c·G·r``).  Extra passes of other
-rules (SAGE's vocabulary-axis damper reductions, APOLLO's random projections) are not
-counted, so their achieved bandwidth is understated.
+gradients read once by the fused update); ``|S|``: bytes of every optimizer-state leaf
+(each read and written once; from ``jax.eval_shape(tx.init, params)``).  For every leaf the
+configuration routes to SinkGD (its ``num_iters`` = ``L``): one read of ``G`` and one write
+of ``K = G²``, then ``2·L`` matrix-vector products that each read ``K``
+(:mod:`sage_optax.sinkhorn`; ``X = c·G·r`` is fused into the update).  For every matrix
+routed to SAGE: one extra read of ``G`` for ``s_t = mean|G|`` over the vocabulary axis,
+which must finish before the update can start.  APOLLO's random projections are not
+counted, so its achieved bandwidth is understated.
 
 Memory bandwidth is measured in the same run: a jitted, donated (in-place, like the steps)
 ``x * 1.0001 + 1`` over a ``--bw-mib`` (512 MiB) float32 array, median of ``--bw-repeats``
@@ -41,6 +44,10 @@ update no slower than AdamW's (ratio ≤ 1) and its compiled temporary memory no
 the largest single parameter.
 
     python benchmarks/jax_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid lion]
+                                  [--breakdown]
+
+``--breakdown`` then times ``sage-hybrid`` on each parameter kind alone (embedding, dense,
+vector) against ``optax.adamw`` on the same leaves, to show where its time goes.
 """
 
 from __future__ import annotations
@@ -127,7 +134,9 @@ def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
     for path, leaf in sage_optax.routing.iter_leaves(shapes):
         rule = preset.rule(labels[path])
         if rule.name == "sinkgd":
-            total += (2 * rule.hyperparams["num_iters"] + 1) * nbytes(leaf)
+            total += (2 * rule.hyperparams["num_iters"] + 2) * nbytes(leaf)
+        elif rule.name == "sage" and len(leaf.shape) >= 2:
+            total += nbytes(leaf)
     return total
 
 
@@ -201,6 +210,50 @@ def mem_available() -> float:
     return float("inf")
 
 
+def kind_subtree(shapes: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The nested dict of the leaves the router labels ``kind`` (embedding/dense/vector)."""
+    labels = dict(sage_optax.routing.iter_leaves(sage_optax.label_params(shapes).labels))
+    out: dict[str, Any] = {}
+    for path, leaf in sage_optax.routing.iter_leaves(shapes):
+        if labels[path] != kind:
+            continue
+        *parents, last = path.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = leaf
+    return out
+
+
+def breakdown(name: str, shapes: dict[str, Any], args: argparse.Namespace, bw: float) -> None:
+    """Time ``name``'s update restricted to each parameter kind against AdamW on the same leaves.
+
+    Each kind's leaves form their own tree; the configuration and the baseline are built and
+    interleaved on it exactly as in the main table, so the table says where the time goes.
+    """
+    preset = resolve_preset(name, {})
+    print(f"\nwhere the time of {name} goes: each parameter kind alone, interleaved with "
+          f"optax.adamw on the same leaves ({args.repeats} rounds)\n")
+    print("| kind | rule | leaves | MiB | ms/step | adamw ms/step | vs adamw | bytes moved (GiB) "
+          "| achieved GiB/s | fraction of bandwidth |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in ("embedding", "dense", "vector"):
+        sub = kind_subtree(shapes, kind)
+        if not sub:
+            continue
+        grads = materialise(sub, seed=1)
+        runners = [Runner(BASELINE, sub, grads, seed=0), Runner(name, sub, grads, seed=0)]
+        interleave(runners, args.warmup, args.repeats)
+        base, ours = (statistics.median(r.times) for r in runners)
+        gibs = runners[1].bytes / ours / GIB
+        print(f"| {kind} | {preset.rule(kind).name} | {len(jax.tree.leaves(sub))} "
+              f"| {nbytes(sub) / MIB:.1f} | {ours * 1e3:.1f} | {base * 1e3:.1f} "
+              f"| {ours / base:.2f}x | {runners[1].bytes / GIB:.2f} | {gibs:.2f} "
+              f"| {gibs / bw:.2f} |", flush=True)
+        for r in runners:
+            r.free()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="270m", help="a sage_optim model name (default 270m)")
@@ -214,6 +267,10 @@ def main(argv: list[str] | None = None) -> None:
         "--schedule", choices=("auto", "all", "pairwise"), default="auto",
         help="interleave all configurations at once, or each pairwise with the baseline "
         "(auto: all if the estimate fits comfortably in available memory)",
+    )
+    ap.add_argument(
+        "--breakdown", action="store_true",
+        help="also time sage-hybrid on each parameter kind alone against adamw",
     )
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
     ap.add_argument("--bw-repeats", type=int, default=10)
@@ -318,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
             f"{r.temp_bytes / MIB:.1f} MiB vs {largest / MIB:.1f} MiB -> "
             f"{'MET' if r.temp_bytes <= largest else 'NOT MET'}"
         )
+    if args.breakdown:
+        for r, _ in results.values():
+            if hasattr(r, "params"):
+                r.free()
+        breakdown("sage-hybrid", shapes, args, bw)
 
 
 if __name__ == "__main__":
