@@ -9,7 +9,6 @@ checkpoints that resume bit-identically; a progress bar, JSONL metrics, SAGE's d
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import pathlib
@@ -108,13 +107,34 @@ def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
     return model, nnx.Optimizer(model, make_tx(cfg), wrt=nnx.Param)
 
 
-@functools.lru_cache(maxsize=8)
-def make_steps(graphdef: Any, record_h: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The jitted train step (state donated) and eval step over the split state.
+STEP_FIELDS: tuple[str, ...] = (
+    "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
+    "clip", "sharding",
+)
+"""The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
+logging do not): runs that agree on these share one compiled step in a process."""
 
-    Cached on the (hashable) graph definition, so runs of the same model and optimizer in
-    one process (a resumed run, a sweep) compile once.
+_STEP_CACHE: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: bool
+                 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """:func:`make_steps` for ``graphdef``, shared by every run with the same step fields.
+
+    Two builds of the same model and optimizer give graph definitions that compare unequal
+    (the optimizer holds fresh closures), so the cache is keyed on the configuration instead:
+    several seeds, a resumed run or the same configuration again compile once per process.
     """
+    key = (*(getattr(cfg, f) for f in STEP_FIELDS), vocab_size, record_h)
+    if key not in _STEP_CACHE:
+        if len(_STEP_CACHE) >= 8:
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+        _STEP_CACHE[key] = make_steps(graphdef, record_h)
+    return _STEP_CACHE[key]
+
+
+def make_steps(graphdef: Any, record_h: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The jitted train step (state donated) and eval step over the split state."""
 
     def train_step(state: Any, inputs: jax.Array, targets: jax.Array) -> Any:
         model, optimizer = nnx.merge(graphdef, state)
@@ -176,7 +196,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 
     record_h = _uses_sage_embedding(cfg)
     recorder = DamperRecorder(run_dir / "damper_h.npz", cfg.record_h_every, cfg.h_max_records)
-    train_step, eval_step = make_steps(graphdef, record_h)
+    train_step, eval_step = cached_steps(cfg, tokens.vocab_size, graphdef, record_h)
     eval_set = data_lib.eval_batches(tokens.test, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     sched = lr_schedule(cfg)
     metrics_path = run_dir / "metrics.jsonl"

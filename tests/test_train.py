@@ -63,6 +63,24 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     assert list(h["steps"]) == [2, 4, 6, 8] and h["h"].shape == (4, 96)
 
 
+def test_runs_of_one_configuration_share_one_compiled_step(corpus, tmp_path):
+    """Seeds share the compiled step (the cache is keyed on the step's config fields), and a
+    shared step trains exactly as a freshly built one; another learning rate does not share."""
+    from sage_train import train as train_mod
+
+    train_mod._STEP_CACHE.clear()
+    train(config(corpus, tmp_path / "s0", steps=3, seed=0), log=lambda s: None)
+    shared = train(config(corpus, tmp_path / "s1", steps=3, seed=1), log=lambda s: None)
+    assert len(train_mod._STEP_CACHE) == 1
+    (train_step, _), = train_mod._STEP_CACHE.values()
+    assert train_step._cache_size() == 1  # compiled once for both seeds
+    train_mod._STEP_CACHE.clear()
+    fresh = train(config(corpus, tmp_path / "s1b", steps=3, seed=1), log=lambda s: None)
+    assert shared.losses == fresh.losses
+    train(config(corpus, tmp_path / "lr", steps=3, learning_rate=1e-3), log=lambda s: None)
+    assert len(train_mod._STEP_CACHE) == 2
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
     cfg = config(corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
                  checkpoint_every=1, steps=6)
