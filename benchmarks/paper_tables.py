@@ -3,7 +3,7 @@
 Four parts, each a subcommand (``all`` runs them in order)::
 
     python benchmarks/paper_tables.py memory
-    python benchmarks/paper_tables.py convergence [--model tiny] [--steps 300] [--seeds 0 1 2]
+    python benchmarks/paper_tables.py convergence [--model tiny] [--steps 240] [--seeds 0 1 2]
     python benchmarks/paper_tables.py sweep [--configs sage-hybrid lion-hybrid] [--lrs ...]
     python benchmarks/paper_tables.py figures
     python benchmarks/paper_tables.py all --out runs/paper
@@ -54,11 +54,11 @@ class Budget:
     """What every run of one reproduction shares (the same token budget for all)."""
 
     model: str = "tiny"
-    steps: int = 300
+    steps: int = 240
     batch_size: int = 16
     seq_len: int = 128
-    eval_every: int = 25
-    eval_batches: int = 8
+    eval_every: int = 20
+    eval_batches: int = 4
 
     @property
     def tokens_per_step(self) -> int:
