@@ -28,7 +28,8 @@ Four parts, each a subcommand (``all`` runs them in order)::
 
 Each run lives in ``OUT/runs/<config>/lr<lr>/seed<k>`` and is skipped when it already
 finished (its ``metrics.jsonl`` reaches the last step), so an interrupted reproduction
-resumes where it stopped.  Tables are printed and written to ``OUT/tables.md``.
+resumes where it stopped.  Tables are printed and written to ``OUT/tables.md`` (``all``) or
+``OUT/tables-PART.md``.
 """
 
 from __future__ import annotations
@@ -305,8 +306,9 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"the figures need the {SAGE_RUN} runs: include it in --configs")
         paths = make_figures(args.out, runs, budget, args.seeds[0])
         emit("Figures", "\n".join(f"- `{p}`" for p in paths))
-    (args.out / "tables.md").write_text("\n".join(sections))
-    print(f"tables written to {args.out / 'tables.md'}")
+    tables = args.out / ("tables.md" if args.part == "all" else f"tables-{args.part}.md")
+    tables.write_text("\n".join(sections))
+    print(f"tables written to {tables}")
 
 
 if __name__ == "__main__":

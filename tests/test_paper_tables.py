@@ -50,7 +50,7 @@ def test_convergence_and_sweep_end_to_end(tmp_path, capsys):
     args = ["--out", str(tmp_path), "--steps", "2", "--eval-every", "1", "--eval-batches", "1",
             "--batch-size", "2", "--seq-len", "16", "--seeds", "0"]
     paper_tables.main(["convergence", *args, "--configs", "sage-hybrid", "lion-hybrid"])
-    table = (tmp_path / "tables.md").read_text()
+    table = (tmp_path / "tables-convergence.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| sage-hybrid", "| lion-hybrid"]
     assert "29.95" in rows[1]  # the paper's 270M figure beside ours
@@ -59,6 +59,6 @@ def test_convergence_and_sweep_end_to_end(tmp_path, capsys):
     paper_tables.main(["sweep", *args, "--sweep-configs", "sage-hybrid", "--lrs", "1e-3",
                        "2e-3"])
     assert (tmp_path / "runs/sage-hybrid/lr0.002/seed0/metrics.jsonl").stat().st_mtime == done
-    sweep = (tmp_path / "tables.md").read_text()
+    sweep = (tmp_path / "tables-sweep.md").read_text()
     assert "| 0.001 |" in sweep and "| 0.002 |" in sweep
     assert "Learning-rate sweep" in capsys.readouterr().out
