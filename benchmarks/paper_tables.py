@@ -18,8 +18,9 @@ Four parts, each a subcommand (``all`` runs them in order)::
   ``T_eff(O) = N_base / T_O``, where ``N_base`` is the number of training tokens the
   reference baseline (``--reference``, the paper's Lion-Hybrid) needed to reach its own
   final test perplexity and ``T_O`` the training seconds optimizer ``O`` needed to reach that
-  perplexity (``-`` if it never does).  Perplexities and seconds are means over seeds at
-  each evaluation; seconds exclude compilation (the first step) and evaluation.
+  perplexity (``-`` if it never does).  Perplexities are means over seeds at each
+  evaluation, seconds and tokens/s medians over seeds (robust to a run slowed by another job
+  on a shared machine); seconds exclude compilation (the first step) and evaluation.
 * ``sweep``: the learning-rate grid of the paper (1e-4 … 2e-3) for SAGE-Hybrid and
   Lion-Hybrid, first seed only, final test perplexity per learning rate.
 * ``figures``: PNGs of the test-perplexity curves (mean and min–max band over seeds), the
@@ -144,10 +145,13 @@ def train_one(out: pathlib.Path, budget: Budget, config: str, lr: float, seed: i
 
 
 def mean_curve(curves: Sequence[Curve]) -> tuple[list[int], list[float], list[float]]:
-    """Steps evaluated by every seed, with the mean perplexity and mean seconds there."""
+    """Steps evaluated by every seed, with the mean perplexity and the median seconds there.
+
+    Seconds are a median, not a mean: on a shared machine one run slowed by another job
+    should not move the figure (perplexities do not depend on the machine's load)."""
     common = sorted(set.intersection(*(set(c.steps) for c in curves)))
     ppl = [statistics.fmean(c.ppl[c.steps.index(s)] for c in curves) for s in common]
-    sec = [statistics.fmean(c.seconds[c.steps.index(s)] for c in curves) for s in common]
+    sec = [statistics.median(c.seconds[c.steps.index(s)] for c in curves) for s in common]
     return common, ppl, sec
 
 
@@ -196,7 +200,7 @@ def convergence_table(runs: dict[str, list[Curve]], budget: Budget, reference: s
             round(statistics.fmean(finals), 2),
             _spread(finals),
             format_bytes(curves[0].opt_state_bytes),
-            round(statistics.fmean(c.tokens_per_s for c in curves)),
+            round(statistics.median(c.tokens_per_s for c in curves)),
             "-" if eff is None else f"{eff:,.0f}",
             "-" if paper is None else f"{paper:g}",
         ])
