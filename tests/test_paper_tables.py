@@ -43,7 +43,7 @@ def test_mean_curve_uses_steps_every_seed_evaluated():
     b = curve("a", 1, [6.0, 4.0], [3, 4], steps=(10, 20))
     c = curve("a", 2, [5.0, 3.0], [100, 100], steps=(10, 20))  # slowed by another job
     steps, ppl, sec = paper_tables.mean_curve([a, b, c])
-    assert steps == [10, 20] and ppl == [5.0, 3.0] and sec == [3, 3]
+    assert steps == [10, 20] and ppl == [5.0, 3.0] and sec == [3, 4]
 
 
 def test_convergence_and_sweep_end_to_end(tmp_path, capsys):
