@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -93,6 +94,114 @@ def _decayed_step(params: list[Tensor], updates: list[Tensor], lr: float, wd: fl
         p.add_(u, alpha=-lr)
 
 
+FAST_MIN_NUMEL: int = 1 << 16
+"""Plain CPU tensors with at least this many elements take the chunked in-place path."""
+
+CHUNK_NUMEL: int = 1 << 18
+"""Elements per chunk of the in-place path with one intra-op thread (fits the caches)."""
+
+THREADED_CHUNK_NUMEL: int = 31 * 1024
+"""Elements per chunk with several intra-op threads: below ATen's grain size (32768), so a
+chunk's kernels run on the thread that calls them, and the chunks are spread over
+``torch.get_num_threads()`` Python threads (PyTorch releases the GIL inside its kernels).
+Thousands of small multi-threaded kernels would each end on a barrier of all the threads,
+which costs a scheduler time slice whenever another process holds a core."""
+
+try:  # FSDP2 parameters are DTensors: they keep the whole-tensor path
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - torch built without torch.distributed
+    _DTensor = None
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def use_fast_path(p: Tensor, *others: Tensor) -> bool:
+    """Whether ``p`` (with its gradient and state ``others``) takes the in-place CPU path.
+
+    The in-place path walks a parameter in chunks along dim 0 (:data:`CHUNK_NUMEL`
+    elements, or :data:`THREADED_CHUNK_NUMEL` spread over the intra-op threads) and, for
+    each chunk, runs the whole update on that chunk with two scratch buffers, so every
+    tensor is read (and written) about once from memory instead of once per operation, and
+    no temporary of the parameter's size is allocated.  It makes the same element-wise
+    operations in the same order as the whole-tensor path (only the order of summation in
+    reductions differs).  It is taken for plain (not DTensor), contiguous float32/float64
+    CPU tensors of at least :data:`FAST_MIN_NUMEL` elements whose gradient and state have
+    the parameter's dtype and layout, outside ``torch.compile``; everything else (CUDA,
+    FSDP2 DTensors, bfloat16, small tensors) takes the whole-tensor path.
+    """
+    if (p.device.type != "cpu" or p.dim() == 0 or p.numel() < FAST_MIN_NUMEL
+            or p.dtype not in (torch.float32, torch.float64)
+            or torch.compiler.is_compiling()):
+        return False
+    return all(not _is_dtensor(t) and t.dtype == p.dtype and t.shape == p.shape
+               and t.device == p.device and t.is_contiguous() for t in (p, *others))
+
+
+def _chunks(p: Tensor, size: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges of dim 0 with at most ``size`` elements (≥ 1 row)."""
+    row = p[0].numel() if p.dim() > 1 else 1
+    rows = max(1, size // max(row, 1))
+    return [(i, min(i + rows, p.shape[0])) for i in range(0, p.shape[0], rows)]
+
+
+ChunkWork = Callable[[int, int, int, Tensor, Tensor], None]
+"""``work(k, start, stop, u, t)``: chunk ``k`` (rows ``start:stop``), two scratch views."""
+
+
+def _for_chunks(p: Tensor, work: ChunkWork) -> None:
+    """Run ``work`` on every chunk of ``p``, on the intra-op threads (see the constants)."""
+    threads = torch.get_num_threads()
+    chunks = _chunks(p, CHUNK_NUMEL if threads == 1 else THREADED_CHUNK_NUMEL)
+    rows = max(j - i for i, j in chunks)
+    indexed = [(k, i, j) for k, (i, j) in enumerate(chunks)]
+
+    def run(block: list[tuple[int, int, int]]) -> None:
+        buf = torch.empty((2, rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+        with torch.no_grad():  # grad mode is per thread
+            for k, i, j in block:
+                work(k, i, j, buf[0, : j - i], buf[1, : j - i])
+
+    n = min(threads, len(indexed))
+    if n <= 1:
+        run(indexed)
+        return
+    per = -(-len(indexed) // n)
+    blocks = [indexed[w * per:(w + 1) * per] for w in range(n)]
+    pool = _POOLS.get(n)
+    if pool is None:
+        pool = _POOLS[n] = ThreadPoolExecutor(n - 1, thread_name_prefix="sage_torch")
+    futures = [pool.submit(run, b) for b in blocks[1:] if b]
+    run(blocks[0])
+    for f in futures:
+        f.result()
+
+
+def _decay_and_apply(u: Tensor, p: Tensor, lr: float, wd: float) -> None:
+    """``θ ← θ − η·(u + w·θ)`` in place on a chunk, the ops of :func:`_decayed_step`."""
+    if wd != 0.0:
+        u.add_(p, alpha=wd)
+    p.add_(u, alpha=-lr)
+
+
+def _split_fast(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
+                keys: tuple[str, ...], step_in_place: Callable[..., None],
+                group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]:
+    """Step every parameter that :func:`use_fast_path` accepts; return the others."""
+    rest = []
+    for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
+        if use_fast_path(p, g, *(st[k] for k in keys)):
+            step_in_place(p, g, st, group)
+        else:
+            rest.append(i)
+    if len(rest) == len(params):
+        return params, grads, states
+    return ([params[i] for i in rest], [grads[i] for i in rest], [states[i] for i in rest])
+
+
 class Rule:
     """Base class of an update rule: its state, its checks and its step."""
 
@@ -141,18 +250,22 @@ class SageRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
-        eps, lr, wd = group["eps"], float(group["lr"]), group["weight_decay"]
-        damper = group["damper"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        rest = []
+        for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
+            if b2 != 0 and use_fast_path(p, g, st["exp_avg"]):
+                self._step_in_place(p, g, st, group)
+            else:
+                rest.append(i)
+        if len(rest) < len(params):
+            params, grads, states = ([xs[i] for i in rest] for xs in (params, grads, states))
         updates, new_m = [], []
         for p, g, st in zip(params, grads, states, strict=True):
             wide = _wide(g.dtype)
             g32, m32 = g.to(wide), st["exp_avg"].to(wide)
             dim = self._reduce_dim(p, group)
             s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
-            S = st["scale_avg"]
-            S.mul_(b2).add_(s.to(S.dtype), alpha=1 - b2)
-            s_hat = S.to(wide) / _bias_correction(b2, st["step"], wide)
-            h = sage_damper(s, s_hat, eps, damper)
+            h = self._damper(s, st, group)
             if dim is not None:
                 h = h.unsqueeze(dim)
             m_new = g32 * (1 - b2) + m32 * b2
@@ -164,7 +277,66 @@ class SageRule(Rule):
         # One copy_ per tensor even with foreach: DTensor has no _foreach_copy_ strategy.
         for st, m in zip(states, new_m, strict=True):
             st["exp_avg"].copy_(m)
-        _decayed_step(params, updates, lr, wd, foreach)
+        if params:
+            _decayed_step(params, updates, lr, wd, foreach)
+
+    def _damper(self, s: Tensor, st: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """Update the EMA ``S`` with ``s`` and return ``H`` (shaped like ``s``)."""
+        b2 = group["betas"][1]
+        S = st["scale_avg"]
+        S.mul_(b2).add_(s.to(S.dtype), alpha=1 - b2)
+        s_hat = S.to(s.dtype) / _bias_correction(b2, st["step"], s.dtype)
+        return sage_damper(s, s_hat, group["eps"], group["damper"])
+
+    def _step_in_place(self, p: Tensor, g: Tensor, st: dict[str, Any],
+                       group: dict[str, Any]) -> None:
+        """One step of one plain CPU parameter, chunk by chunk (see :func:`use_fast_path`).
+
+        Pass 1 reduces ``|g|`` over the vocab dim (``s``: a partial sum per chunk, then
+        their sum, as ``mean``); pass 2 updates ``M``, forms ``sign(b1·M_t + (b2−b1)·g)·H``
+        and applies it with the decay, all on one chunk at a time, with the operations (and
+        so the rounding) of the whole-tensor path.
+        """
+        b1, b2 = group["betas"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        m = st["exp_avg"]
+        dim = self._reduce_dim(p, group)
+        if dim is None:
+            s = g.abs()
+        elif dim == 0:
+            n_chunks = len(_chunks(p, CHUNK_NUMEL if torch.get_num_threads() == 1
+                                   else THREADED_CHUNK_NUMEL))
+            partial = torch.empty((n_chunks, *p.shape[1:]), dtype=p.dtype)
+
+            def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
+                torch.abs(g[i:j], out=a)
+                torch.sum(a, dim=0, out=partial[k])
+
+            _for_chunks(p, reduce)
+            s = partial.sum(dim=0).div_(p.shape[0])
+        else:
+            s = torch.empty((*p.shape[:dim], *p.shape[dim + 1:]), dtype=p.dtype)
+
+            def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
+                torch.abs(g[i:j], out=a)
+                torch.mean(a, dim=dim, out=s[i:j])
+
+            _for_chunks(p, reduce)
+        h = self._damper(s, st, group)
+        if dim is not None:
+            h = h.unsqueeze(dim)
+
+        def update(k: int, i: int, j: int, u: Tensor, t: Tensor) -> None:
+            gi, mi, pi = g[i:j], m[i:j], p[i:j]
+            hi = h if h.shape[0] == 1 else h[i:j]
+            torch.mul(gi, 1 - b2, out=t)  # M_t = g·(1−b2) + M·b2
+            mi.mul_(b2).add_(t)
+            torch.mul(mi, b1, out=u)  # b1·M_t + (b2−b1)·g
+            torch.mul(gi, b2 - b1, out=t)
+            u.add_(t).sign_().mul_(hi)
+            _decay_and_apply(u, pi, lr, wd)
+
+        _for_chunks(p, update)
 
 
 def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both") -> Tensor:
@@ -194,6 +366,10 @@ class LionRule(Rule):
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
         lr, wd = float(group["lr"]), group["weight_decay"]
+        params, grads, states = _split_fast(params, grads, states, ("exp_avg",),
+                                            self._step_in_place, group)
+        if not params:
+            return
         ms = [st["exp_avg"] for st in states]
         if foreach:
             c = torch._foreach_mul(grads, 1.0 - b1)
@@ -209,6 +385,24 @@ class LionRule(Rule):
                 updates.append(torch.sign(g * (1.0 - b1) + m * b1))
                 m.copy_(g * (1 - b2) + m * b2)
         _decayed_step(params, updates, lr, wd, foreach)
+
+    def _step_in_place(self, p: Tensor, g: Tensor, st: dict[str, Any],
+                       group: dict[str, Any]) -> None:
+        """The single-tensor step on one chunk at a time (see :func:`use_fast_path`)."""
+        b1, b2 = group["betas"]
+        lr, wd = float(group["lr"]), group["weight_decay"]
+        m = st["exp_avg"]
+
+        def update(k: int, i: int, j: int, u: Tensor, t: Tensor) -> None:
+            gi, mi, pi = g[i:j], m[i:j], p[i:j]
+            torch.mul(gi, 1.0 - b1, out=u)  # sign(g·(1−b1) + m·b1)
+            torch.mul(mi, b1, out=t)
+            u.add_(t).sign_()
+            torch.mul(gi, 1 - b2, out=t)  # m ← g·(1−b2) + m·b2
+            mi.mul_(b2).add_(t)
+            _decay_and_apply(u, pi, lr, wd)
+
+        _for_chunks(p, update)
 
 
 class AdamWRule(Rule):
@@ -230,6 +424,10 @@ class AdamWRule(Rule):
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
         eps, lr, wd = group["eps"], float(group["lr"]), group["weight_decay"]
+        params, grads, states = _split_fast(params, grads, states, ("exp_avg", "exp_avg_sq"),
+                                            self._step_in_place, group)
+        if not params:
+            return
         ms = [st["exp_avg"] for st in states]
         vs = [st["exp_avg_sq"] for st in states]
         wides = [_wide(p.dtype) for p in params]
@@ -252,6 +450,27 @@ class AdamWRule(Rule):
                 updates.append((m / c1) / ((v / c2).sqrt() + eps))
         _decayed_step(params, updates, lr, wd, foreach)
 
+    def _step_in_place(self, p: Tensor, g: Tensor, st: dict[str, Any],
+                       group: dict[str, Any]) -> None:
+        """The single-tensor step on one chunk at a time (see :func:`use_fast_path`)."""
+        b1, b2 = group["betas"]
+        eps, lr, wd = group["eps"], float(group["lr"]), group["weight_decay"]
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        c1 = _bias_correction(b1, st["step"], p.dtype)
+        c2 = _bias_correction(b2, st["step"], p.dtype)
+
+        def update(k: int, i: int, j: int, u: Tensor, t: Tensor) -> None:
+            gi, mi, vi, pi = g[i:j], m[i:j], v[i:j], p[i:j]
+            mi.lerp_(gi, 1 - b1)
+            vi.mul_(b2).addcmul_(gi, gi, value=1 - b2)
+            torch.div(vi, c2, out=t)  # (m / c1) / ((v / c2).sqrt() + eps)
+            t.sqrt_().add_(eps)
+            torch.div(mi, c1, out=u)
+            u.div_(t)
+            _decay_and_apply(u, pi, lr, wd)
+
+        _for_chunks(p, update)
+
 
 class SinkGDRule(Rule):
     """SinkGD: ``u = α·X`` with ``X`` the Sinkhorn normalisation of the gradient (stateless)."""
@@ -272,37 +491,111 @@ class SinkGDRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         lr, wd, alpha = float(group["lr"]), group["weight_decay"], group["alpha"]
-        updates = []
+        updates, rest = [], []
         for p, g, name in zip(params, grads, names, strict=True):
             fi, fo = _matrix_dims(p, group, "SinkGD", name)
+            if p.dim() == 2 and use_fast_path(p, g):
+                self._step_in_place(p, g, fi, fo, group)
+                continue
             x = sinkhorn_normalize(g, fi, fo, group["num_iters"], group["eps"],
                                    group["normalization"])
             updates.append(x.to(p.dtype) * alpha)
-        _decayed_step(params, updates, lr, wd, foreach)
+            rest.append(p)
+        if rest:
+            _decayed_step(rest, updates, lr, wd, foreach)
+
+    def _step_in_place(self, p: Tensor, g: Tensor, fi: int, fo: int,
+                       group: dict[str, Any]) -> None:
+        """One plain CPU matrix: scales from :func:`sinkhorn_scales`, then the update by chunks.
+
+        ``θ ← θ − η·(α·(c·G·r) + w·θ)`` one chunk of rows at a time, with the operations of
+        the whole-tensor path (``c·G``, then ``·r``, then ``·α``).
+        """
+        lr, wd, alpha = float(group["lr"]), group["weight_decay"], group["alpha"]
+        threads = torch.get_num_threads()
+        if threads > 1:
+            # 2L tiny products and vector ops: threads would only add a barrier to each
+            torch.set_num_threads(1)
+        try:
+            c, r = sinkhorn_scales(g, fi, fo, group["num_iters"], group["eps"],
+                                   group["normalization"])
+        finally:
+            if threads > 1:
+                torch.set_num_threads(threads)
+        # X = c·G·r with c one scale per fan-in index, r one per fan-out index (2-D here)
+        rows, cols = (r, c) if fo == 0 else (c, r)
+        rows, cols = rows.unsqueeze(1), cols.unsqueeze(0)
+
+        def update(k: int, i: int, j: int, u: Tensor, _: Tensor) -> None:
+            if fo == 0:
+                torch.mul(cols, g[i:j], out=u).mul_(rows[i:j])
+            else:
+                torch.mul(rows[i:j], g[i:j], out=u).mul_(cols)
+            u.mul_(alpha)
+            _decay_and_apply(u, p[i:j], lr, wd)
+
+        _for_chunks(p, update)
 
 
 def sinkhorn_normalize(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int = 5,
-                       eps: float = 1e-8, normalization: str = "unit") -> Tensor:
+                       eps: float = 1e-8, normalization: str = "unit", *,
+                       matvec: bool | None = None) -> Tensor:
     """Sinkhorn-normalise ``g``: fan-in norms then fan-out norms, ``num_iters`` times.
 
     Kept as ``X = c ⊙ G ⊙ r`` with two scale vectors, as in :mod:`sage_optax.sinkhorn`:
-    each half-iteration is one reduction of ``G²`` weighted by the other vector.
+    each half-iteration is one reduction of ``G²`` weighted by the other vector: a
+    matrix-vector product (:func:`sinkhorn_scales`) when ``matvec`` (default: for a plain
+    2-D tensor), else an element-wise product and a sum, which works on any number of dims
+    and on FSDP2 DTensors (the two differ only in the order of summation).
     """
     wide = _wide(g.dtype)
     g = g.to(wide)
-    if normalization == "unit":
-        t_in = t_out = 1.0
-    else:
-        t_in, t_out = math.sqrt(g.shape[fan_in_dim]), math.sqrt(g.shape[fan_out_dim])
+    if matvec is None:
+        matvec = g.dim() == 2 and not _is_dtensor(g)
+    if matvec:
+        c, r = sinkhorn_scales(g, fan_in_dim, fan_out_dim, num_iters, eps, normalization)
+        return c.unsqueeze(fan_out_dim % 2) * g * r.unsqueeze(fan_in_dim % 2)
     g2 = g.square()
     c = torch.ones_like(g2.sum(dim=fan_out_dim, keepdim=True))
     r = torch.ones_like(g2.sum(dim=fan_in_dim, keepdim=True))
+    t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
     for _ in range(int(num_iters)):
         q = (g2 * c.square()).sum(dim=fan_in_dim, keepdim=True).sqrt()
         r = torch.where(q > 0, r * t_in / (r * q + eps), r)
         q = (g2 * r.square()).sum(dim=fan_out_dim, keepdim=True).sqrt()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
     return c * g * r
+
+
+def _sinkhorn_targets(g: Tensor, fan_in_dim: int, fan_out_dim: int,
+                      normalization: str) -> tuple[float, float]:
+    if normalization == "unit":
+        return 1.0, 1.0
+    return math.sqrt(g.shape[fan_in_dim]), math.sqrt(g.shape[fan_out_dim])
+
+
+def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int = 5,
+                    eps: float = 1e-8, normalization: str = "unit") -> tuple[Tensor, Tensor]:
+    """The scale vectors ``(c, r)`` of a plain 2-D ``g``: ``X = c ⊙ G ⊙ r``.
+
+    ``c`` has one entry per fan-in index and ``r`` one per fan-out index (1-D, float32 or
+    wider).  ``K = G²`` is formed once; every half-iteration is one ``torch.mv`` of ``K``
+    with the other vector's square, as :mod:`sage_optax.sinkhorn` does (a layer's ``K``
+    stays in the CPU's last-level cache across the ``2L`` products).
+    """
+    wide = _wide(g.dtype)
+    k = g.to(wide).square()
+    if fan_out_dim % 2 != 0:  # K as (fan_out, fan_in), a view
+        k = k.t()
+    t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
+    c = torch.ones(k.shape[1], dtype=wide, device=g.device)
+    r = torch.ones(k.shape[0], dtype=wide, device=g.device)
+    for _ in range(int(num_iters)):
+        q = torch.mv(k, c.square()).sqrt_()  # one norm per output unit (over the fan-in)
+        r = torch.where(q > 0, r * t_in / (r * q + eps), r)
+        q = torch.mv(k.t(), r.square()).sqrt_()
+        c = torch.where(q > 0, c * t_out / (c * q + eps), c)
+    return c, r
 
 
 class UnitNormRule(Rule):

@@ -372,6 +372,108 @@ def test_foreach_bf16_momentum_decays_by_exact_beta2(rule):
 
 
 # ---------------------------------------------------------------------------
+# the chunked in-place CPU path vs the whole-tensor path (the one DTensors take)
+# ---------------------------------------------------------------------------
+
+FAST_TOL = 1e-15  # float64: the paths differ only in the order of summation of reductions
+FAST_SHAPES = [(37, 12), (12, 37), (50,), (1, 9)]
+FAST_MATRICES = [(37, 12), (12, 37), (3, 40)]
+FAST_FACTORIES = {
+    "sage": (lambda ps: SAGE(ps, lr=1e-2, weight_decay=0.1), FAST_SHAPES),
+    "sage/fan_out_dim=-1": (lambda ps: SAGE(ps, lr=1e-2, fan_out_dim=-1), FAST_SHAPES),
+    "sage/maximize": (lambda ps: SAGE(ps, lr=1e-2, maximize=True), FAST_SHAPES),
+    "lion": (lambda ps: Lion(ps, lr=1e-2, weight_decay=0.1), FAST_SHAPES),
+    "adamw": (lambda ps: RuleOptimizer(ps, {"rule": "adamw", "lr": 1e-2,
+                                            "weight_decay": 0.1}), FAST_SHAPES),
+    "sinkgd/unit": (lambda ps: SinkGD(ps, lr=1e-2, weight_decay=0.1), FAST_MATRICES),
+    "sinkgd/sqrt": (lambda ps: SinkGD(ps, lr=1e-2, alpha=0.05, normalization="sqrt"),
+                    FAST_MATRICES),
+    "sinkgd/fan_in_dim=0": (lambda ps: SinkGD(ps, lr=1e-2, fan_in_dim=0, fan_out_dim=1),
+                            FAST_MATRICES),
+}
+
+
+def _force_fast_path(monkeypatch, on: bool) -> None:
+    """Chunked path for every plain tensor (4-row chunks), or none (as for a DTensor)."""
+    from sage_torch import rules
+
+    monkeypatch.setattr(rules, "FAST_MIN_NUMEL", 1)
+    monkeypatch.setattr(rules, "CHUNK_NUMEL", 40)
+    monkeypatch.setattr(rules, "THREADED_CHUNK_NUMEL", 30)
+    monkeypatch.setattr(rules, "_is_dtensor", (lambda t: False) if on else (lambda t: True))
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads={n}")
+def intra_op_threads(request):
+    """1 thread (chunks in turn) or 2 (chunks spread over two Python threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("key", FAST_FACTORIES)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_fast_path_matches_dtensor_path_float64(key, foreach, intra_op_threads, monkeypatch):
+    """The in-place chunked CPU path (plain tensors) = the whole-tensor path, float64."""
+    from sage_torch import rules
+
+    factory, shapes = FAST_FACTORIES[key]
+    rng = np.random.default_rng(71)
+    fast = f64_params(rng, shapes)
+    slow = [nn.Parameter(p.detach().clone()) for p in fast]
+    start = [p.detach().clone() for p in fast]
+    opt_f, opt_s = factory(fast), factory(slow)
+    for group in (*opt_f.param_groups, *opt_s.param_groups):
+        group["foreach"] = foreach
+    worst = 0.0
+    for t in range(12):
+        for p, q in zip(fast, slow, strict=True):
+            g = torch.tensor(make_grad(rng, tuple(p.shape), "hard", t))
+            p.grad, q.grad = g, g.clone()
+        _force_fast_path(monkeypatch, True)
+        assert all(rules.use_fast_path(p, p.grad) for p in fast)
+        opt_f.step()
+        _force_fast_path(monkeypatch, False)
+        assert not any(rules.use_fast_path(p, p.grad) for p in slow)
+        opt_s.step()
+        for p, q in zip(fast, slow, strict=True):
+            worst = max(worst, float((p - q).detach().abs().max()))
+            for k, v in opt_s.state[q].items():
+                assert torch.allclose(opt_f.state[p][k], v, rtol=FAST_TOL, atol=FAST_TOL), k
+    assert worst <= FAST_TOL, f"{key}: fast vs whole-tensor path max |Δθ| = {worst:.3e}"
+    moved = max(float((p - s).detach().abs().max()) for p, s in zip(fast, start, strict=True))
+    assert moved > 1e-3, "the parameters barely moved (test too weak)"
+    GAPS[f"fast-vs-whole-tensor/{key}/foreach={foreach}/threads={intra_op_threads}"] = worst
+
+
+def test_fast_path_is_only_for_plain_contiguous_same_dtype_cpu_tensors(monkeypatch):
+    from sage_torch import rules
+
+    monkeypatch.setattr(rules, "FAST_MIN_NUMEL", 4)
+    p = torch.zeros(4, 3)
+    assert rules.use_fast_path(p, torch.zeros(4, 3))
+    assert not rules.use_fast_path(torch.zeros(3))  # below FAST_MIN_NUMEL
+    assert not rules.use_fast_path(p, torch.zeros(3, 4).t())  # not contiguous
+    assert not rules.use_fast_path(p, torch.zeros(4, 3, dtype=torch.float64))  # dtype
+    assert not rules.use_fast_path(p.bfloat16(), torch.zeros(4, 3).bfloat16())
+    assert not rules.use_fast_path(torch.zeros(4, 3, device="meta"))
+
+
+@pytest.mark.parametrize("dims", [(-1, -2), (0, 1)])
+@pytest.mark.parametrize("normalization", ["unit", "sqrt"])
+def test_sinkhorn_matvec_matches_elementwise_float64(dims, normalization):
+    rng = np.random.default_rng(72)
+    g = torch.tensor(rng.standard_normal((23, 17)))
+    g[3] = 0.0  # an all-zero slice keeps a finite scale
+    x = sage_torch.sinkhorn_normalize(g, *dims, normalization=normalization, matvec=True)
+    y = sage_torch.sinkhorn_normalize(g, *dims, normalization=normalization, matvec=False)
+    assert torch.isfinite(x).all()
+    # relative to the largest entry (√fan-in with "sqrt"): a few ulp
+    assert float((x - y).abs().max()) <= FAST_TOL * max(1.0, float(y.abs().max()))
+
+
+# ---------------------------------------------------------------------------
 # maximize, closures, several param groups
 # ---------------------------------------------------------------------------
 

@@ -1,0 +1,310 @@
+"""One optimizer step of every ``sage_torch`` configuration vs ``torch.optim.AdamW``, in PyTorch.
+
+For the chosen LLaMA shape (``--model``, default the paper's ``270m``) the script builds an
+``nn.Module`` with the model's exact parameter shapes in PyTorch layout (``nn.Embedding``
+``(V, d)``, tied head, ``nn.Linear`` ``(out, in)`` projections without bias, 1-D norm
+weights), so that :func:`sage_torch.make_optimizer` routes them as it would a real LLaMA.
+Parameters are float32 ``0.02 * normal``; one fixed gradient per parameter
+(``0.02 * normal``) is shared by every optimizer.  All optimizers step the same parameter
+tensors (each has its own state), which keeps memory at one copy of the model; the values
+drift by a few learning-rate steps, which does not change the cost of any operation.
+
+For every configuration of :data:`sage_optim.CONFIG_NAMES` (``--configs``) the script builds
+``make_optimizer(name, model, lr, foreach=False)`` (the single-tensor path) and
+``foreach=True``, and times them against the baseline
+``torch.optim.AdamW(lr, betas=(0.9, 0.99), weight_decay=0.01, foreach=True)``: ``--warmup``
+untimed rounds (the first creates the state), then ``--repeats`` rounds; in each round the
+baseline, both paths and the bandwidth kernel below each run once, in an order rotated from
+round to round.  Each configuration is interleaved with the baseline in its own rounds
+(pairwise, so only one configuration's state is alive at a time) and its ratio is its
+median over the baseline's median of the same rounds.
+
+Bytes moved per step (an analytic lower bound, the model of ``benchmarks/jax_step.py``)::
+
+    bytes = 2·|P| + |G| + 2·|S| + Σ_{SinkGD leaves} (2·L + 1)·|G_leaf|
+
+``|P|``, ``|G|``: bytes of all parameters / gradients; ``|S|``: bytes of every state tensor
+(without the ``step`` counters), counted from the optimizer's ``state`` after the warmup;
+``L``: the SinkGD leaf's ``num_iters``.  Extra passes of other rules (SAGE's vocabulary
+reductions, APOLLO's projections) are not counted.
+
+Memory bandwidth is measured in the same rounds: an in-place ``x.mul_(1.0001).add_(1)`` over
+``--bw-mib`` (512) MiB of float32, counted as two reads and two writes of ``x`` (two
+kernels).  Each configuration's ``bytes / median time`` is reported as a fraction of it.
+
+Peak extra memory of a step: one extra (untimed) step of each optimizer runs under a
+``TorchDispatchMode`` that records every tensor an operation returns whose storage is not
+already alive (not a parameter, gradient, state or earlier output), and the bytes of those
+storages alive at once, at their peak (the CPU allocator has no statistics of its own;
+``tracemalloc`` does not see torch's allocations).
+
+Prints a markdown table and whether the target holds: ``sage-hybrid``'s step no slower than
+AdamW's (ratio ≤ 1) in each path.
+
+    python benchmarks/torch_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid]
+        [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import sage_torch
+from sage_optim.models import LlamaConfig, get_model_config
+from sage_optim.presets import CONFIG_NAMES, resolve_preset
+
+BASELINE = "torch.optim.AdamW (baseline)"
+GIB = 2.0**30
+MIB = 2.0**20
+
+
+class RMSNorm(nn.Module):
+    """A norm weight ``(d,)`` (only its parameter matters here)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(d))
+
+
+class Block(nn.Module):
+    """One LLaMA decoder layer's parameters, HuggingFace names and PyTorch layout."""
+
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        d, f = c.hidden_size, c.intermediate_size
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.self_attn = nn.ModuleDict({
+            "q_proj": nn.Linear(d, q, bias=False), "k_proj": nn.Linear(d, kv, bias=False),
+            "v_proj": nn.Linear(d, kv, bias=False), "o_proj": nn.Linear(q, d, bias=False),
+        })
+        self.mlp = nn.ModuleDict({
+            "gate_proj": nn.Linear(d, f, bias=False), "up_proj": nn.Linear(d, f, bias=False),
+            "down_proj": nn.Linear(f, d, bias=False),
+        })
+        self.input_layernorm = RMSNorm(d)
+        self.post_attention_layernorm = RMSNorm(d)
+
+
+class LlamaShapes(nn.Module):
+    """The parameters of a LLaMA model (no forward): embedding, layers, final norm, head."""
+
+    def __init__(self, c: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size)
+        if not c.tie_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+
+def build_model(config: LlamaConfig, seed: int = 0) -> nn.Module:
+    """``LlamaShapes(config)`` with float32 ``0.02·normal`` parameters and fixed gradients."""
+    with torch.device("meta"):
+        model = LlamaShapes(config)
+    model = model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=gen)
+            p.grad = torch.empty_like(p).normal_(0.0, 0.02, generator=gen)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == config.param_count(), (n, config.param_count())
+    return model
+
+
+def make(name: str, model: nn.Module, lr: float, foreach: bool) -> torch.optim.Optimizer:
+    """The baseline AdamW or ``sage_torch.make_optimizer(name, model, lr, foreach=...)``."""
+    if name == BASELINE:
+        return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99),
+                                 weight_decay=0.01, foreach=True)
+    return sage_torch.make_optimizer(name, model, lr, foreach=foreach)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of every state tensor of ``opt`` except the ``step`` counters."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values()
+               for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step")
+
+
+def bytes_moved(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """The analytic byte count of the module docstring."""
+    p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = 3 * p_bytes + 2 * state_bytes(opt)
+    if name != BASELINE:
+        for group in opt.param_groups:
+            if group["rule"] == "sinkgd":
+                total += sum((2 * group["num_iters"] + 1) * p.numel() * p.element_size()
+                             for p in group["params"])
+    return total
+
+
+class _PeakMemory(TorchDispatchMode):
+    """Peak bytes of storages created by the operations run under this mode."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known = set(known)
+        self.live = 0
+        self.peak = 0
+
+    def _release(self, ptr: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self.known.discard(ptr)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            ptr, nbytes = storage.data_ptr(), storage.nbytes()
+            if ptr in self.known or nbytes == 0:
+                continue
+            self.known.add(ptr)
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._release, ptr, nbytes)
+        return out
+
+
+def peak_extra_bytes(opt: torch.optim.Optimizer, model: nn.Module) -> int:
+    """Peak bytes of new storages alive at once during one ``opt.step()`` (see docstring)."""
+    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    known |= {v.untyped_storage().data_ptr() for st in opt.state.values()
+              for v in st.values() if isinstance(v, torch.Tensor)}
+    mode = _PeakMemory(known)
+    with mode:
+        opt.step()
+    gc.collect()
+    return mode.peak
+
+
+def bandwidth_kernel(mib: int) -> tuple[Callable[[], None], int]:
+    """An in-place ``x.mul_(1.0001).add_(1)`` over ``mib`` MiB and the bytes it moves."""
+    x = torch.ones(mib * 2**20 // 4)
+
+    def run() -> None:
+        x.mul_(1.0001).add_(1.0)
+
+    return run, 4 * x.numel() * x.element_size()
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_rounds(runners: dict[str, Callable[[], Any]], warmup: int, repeats: int
+               ) -> dict[str, list[float]]:
+    """Time every runner once per round, in an order rotated from round to round."""
+    names = list(runners)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            dt = timed(runners[n])
+            if r >= warmup:
+                times[n].append(dt)
+    return times
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark, print the table and return its rows (one dict per row)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="270m", help="a sage_optim model name (default 270m)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="timed rounds (default 7 for models over 100M parameters, else 41)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds (default 2)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES),
+                    help="configurations to time (default: all eight)")
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer")
+    ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
+    args = ap.parse_args(argv)
+    for name in args.configs:
+        resolve_preset(name, {})  # an unknown name fails before any allocation
+    torch.set_num_threads(args.threads)
+
+    config = get_model_config(args.model)
+    repeats = args.repeats or (7 if config.param_count() > 100e6 else 41)
+    model = build_model(config)
+    params = list(model.parameters())
+    p_bytes = sum(p.numel() * p.element_size() for p in params)
+    largest = max(p.numel() * p.element_size() for p in params)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) "
+          f"(torch.set_num_threads({args.threads})), float32, CPU")
+    print(f"model {args.model}: {config.param_count():,} params in {len(params)} tensors, "
+          f"{p_bytes / GIB:.3f} GiB, largest {largest / MIB:.1f} MiB")
+    bw_run, bw_bytes = bandwidth_kernel(args.bw_mib)
+
+    baseline = make(BASELINE, model, args.lr, True)
+    rows: list[dict[str, Any]] = []
+    base_all: list[float] = []
+    bw_all: list[float] = []
+    for name in args.configs:
+        opts = {(name, fe): make(name, model, args.lr, fe) for fe in (False, True)}
+        runners: dict[str, Callable[[], Any]] = {BASELINE: baseline.step, "bandwidth": bw_run}
+        runners.update({f"{n}/{fe}": o.step for (n, fe), o in opts.items()})
+        times = run_rounds(runners, args.warmup, repeats)
+        base_med = statistics.median(times[BASELINE])
+        base_all += times[BASELINE]
+        bw_all += times["bandwidth"]
+        for (n, fe), opt in opts.items():
+            med = statistics.median(times[f"{n}/{fe}"])
+            rows.append({
+                "config": n, "path": "foreach" if fe else "single-tensor", "ms": med * 1e3,
+                "ratio": med / base_med, "bytes": bytes_moved(n, model, opt),
+                "peak": None if args.no_memory else peak_extra_bytes(opt, model),
+            })
+            print(f"  {n} {rows[-1]['path']}: {med * 1e3:.1f} ms vs baseline "
+                  f"{base_med * 1e3:.1f} ms ({rows[-1]['ratio']:.2f}x)", flush=True)
+        del opts, runners
+        gc.collect()
+    base_med = statistics.median(base_all)
+    rows.append({
+        "config": BASELINE, "path": "foreach", "ms": base_med * 1e3, "ratio": 1.0,
+        "bytes": bytes_moved(BASELINE, model, baseline),
+        "peak": None if args.no_memory else peak_extra_bytes(baseline, model),
+    })
+    bw = bw_bytes / statistics.median(bw_all) / GIB
+
+    print()
+    print(f"model {args.model}, {torch.get_num_threads()} thread(s), each configuration "
+          f"interleaved with the baseline (rotated order), median of {repeats} timed rounds "
+          f"after {args.warmup} warmup; bandwidth {bw:.2f} GiB/s (in-place "
+          f"x.mul_(1.0001).add_(1) over {args.bw_mib} MiB, 2 reads + 2 writes, same rounds)")
+    print()
+    print("| configuration | path | ms/step | vs AdamW | bytes moved (GiB) | achieved GiB/s "
+          "| fraction of bandwidth | peak extra (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        gibs = row["bytes"] / (row["ms"] / 1e3) / GIB
+        peak = "n/a" if row["peak"] is None else f"{row['peak'] / MIB:.1f}"
+        print(f"| {row['config']} | {row['path']} | {row['ms']:.1f} | {row['ratio']:.2f}x "
+              f"| {row['bytes'] / GIB:.2f} | {gibs:.2f} | {gibs / bw:.2f} | {peak} |")
+    hybrid = {r["path"]: r["ratio"] for r in rows if r["config"] == "sage-hybrid"}
+    if hybrid:
+        print()
+        verdict = all(r <= 1.0 for r in hybrid.values())
+        detail = ", ".join(f"{p} {r:.2f}x" for p, r in hybrid.items())
+        print(f"target (sage-hybrid step no slower than torch.optim.AdamW(foreach=True) in "
+              f"each path): {detail} -> {'MET' if verdict else 'NOT MET'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

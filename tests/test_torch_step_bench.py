@@ -1,0 +1,66 @@
+"""benchmarks/torch_step.py runs end to end on the small model and prints every row."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+PATH = pathlib.Path(__file__).parent.parent / "benchmarks" / "torch_step.py"
+spec = importlib.util.spec_from_file_location("torch_step", PATH)
+torch_step = importlib.util.module_from_spec(spec)
+sys.modules["torch_step"] = torch_step
+spec.loader.exec_module(torch_step)
+
+from sage_optim.presets import CONFIG_NAMES  # noqa: E402
+
+
+def test_model_has_the_exact_llama_shapes_and_routes():
+    import sage_torch
+    from sage_optim.models import get_model_config
+
+    config = get_model_config("tiny")
+    model = torch_step.build_model(config)
+    assert sum(p.numel() for p in model.parameters()) == config.param_count()
+    kinds = {k for _, _, k in sage_torch.route_parameters(model)}
+    assert kinds == {"embedding", "dense", "vector"}
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def test_end_to_end_tiny_every_config(capsys):
+    threads = torch.get_num_threads()
+    try:
+        rows = torch_step.main(["--model", "tiny", "--repeats", "1", "--warmup", "1",
+                                "--threads", "1", "--bw-mib", "8"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| configuration | path | ms/step | vs AdamW |")
+    for name in CONFIG_NAMES:
+        for path in ("single-tensor", "foreach"):
+            assert any(line.startswith(f"| {name} | {path} |") for line in table), (name, path)
+    assert any(line.startswith(f"| {torch_step.BASELINE} |") for line in table)
+    assert len(rows) == 2 * len(CONFIG_NAMES) + 1
+    assert all(r["bytes"] > 0 and r["ms"] > 0 and r["peak"] is not None for r in rows)
+    assert "1 thread(s)" in out
+    assert "target (sage-hybrid step no slower than" in out
+    assert out.rstrip().endswith(("MET", "NOT MET"))
+
+
+def test_bytes_moved_counts_sinkgd_passes():
+    from sage_optim.models import get_model_config
+
+    model = torch_step.build_model(get_model_config("tiny"))
+    p_bytes = sum(p.numel() * 4 for p in model.parameters())
+    opt = torch_step.make("sinkgd-pure", model, 1e-4, False)
+    opt.step()
+    dense = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
+    assert torch_step.bytes_moved("sinkgd-pure", model, opt) == 3 * p_bytes + 11 * dense
+    base = torch_step.make(torch_step.BASELINE, model, 1e-4, True)
+    base.step()
+    assert torch_step.bytes_moved(torch_step.BASELINE, model, base) == 7 * p_bytes
