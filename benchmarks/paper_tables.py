@@ -244,10 +244,10 @@ def make_figures(out: pathlib.Path, runs: dict[str, list[Curve]], budget: Budget
 
     curves = {c: [list(zip([s * budget.tokens_per_step for s in cv.steps], cv.ppl,
                            strict=True)) for cv in cs] for c, cs in runs.items()}
+    seeds = len(next(iter(runs.values())))
     paths = [figures.plot_perplexity_curves(
-        curves, out / "perplexity.png",
-        title=f"LLaMA {budget.model}: test perplexity vs training tokens "
-              f"(mean and min–max over {len(next(iter(runs.values())))} seeds)")]
+        curves, out / "perplexity.png", xlabel="training tokens",
+        title=f"LLaMA {budget.model}, paper learning rates: mean and min–max over {seeds} seeds")]
     sage_lr = get_preset(SAGE_RUN).learning_rate
     steps, h = figures.load_damper(run_dir(out, SAGE_RUN, sage_lr, seed))
     paths.append(figures.plot_damper_heatmap(steps, h, out / "damper_heatmap.png"))

@@ -150,7 +150,7 @@ def plot_perplexity_curves(curves: Mapping[str, Sequence[Curve]], path: PathLike
     if not isinstance(curves, Mapping) or not curves:
         raise ValueError("curves must be a non-empty mapping of configuration -> runs")
     series = {name: _mean_band(name, runs) for name, runs in curves.items()}
-    fig, canvas = _figure((7.0, 4.5))
+    fig, canvas = _figure((9.0, 4.5))
     ax = fig.add_subplot()
     for name, (x, mean, lo, hi, n) in series.items():
         (line,) = ax.plot(x, mean, marker="o", markersize=3,
@@ -161,8 +161,8 @@ def plot_perplexity_curves(curves: Mapping[str, Sequence[Curve]], path: PathLike
     ax.set_xlabel(xlabel)
     ax.set_ylabel("test perplexity")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    ax.set_title(title or "test perplexity: mean over seeds, min-max band")
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    ax.set_title(title or "test perplexity: mean over seeds, min-max band", fontsize="medium")
     return _save(fig, canvas, path)
 
 
