@@ -36,7 +36,9 @@ Peak extra memory of a step: one extra (untimed) step of each optimizer runs und
 ``TorchDispatchMode`` that records every tensor an operation returns whose storage is not
 already alive (not a parameter, gradient, state or earlier output), and the bytes of those
 storages alive at once, at their peak (the CPU allocator has no statistics of its own;
-``tracemalloc`` does not see torch's allocations).
+``tracemalloc`` does not see torch's allocations).  Dispatch modes are per thread: the
+scratch buffers of ``sage_torch``'s chunked path on its helper threads (two chunks of
+at most 31·1024 elements per extra thread) are not counted.
 
 Prints a markdown table and whether the target holds: ``sage-hybrid``'s step no slower than
 AdamW's (ratio ≤ 1) in each path.

@@ -17,6 +17,7 @@ Layout: PyTorch matrices are ``(out, in)``, so the default axes are ``fan_in_dim
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -98,14 +99,7 @@ FAST_MIN_NUMEL: int = 1 << 16
 """Plain CPU tensors with at least this many elements take the chunked in-place path."""
 
 CHUNK_NUMEL: int = 1 << 18
-"""Elements per chunk of the in-place path with one intra-op thread (fits the caches)."""
-
-THREADED_CHUNK_NUMEL: int = 31 * 1024
-"""Elements per chunk with several intra-op threads: below ATen's grain size (32768), so a
-chunk's kernels run on the thread that calls them, and the chunks are spread over
-``torch.get_num_threads()`` Python threads (PyTorch releases the GIL inside its kernels).
-Thousands of small multi-threaded kernels would each end on a barrier of all the threads,
-which costs a scheduler time slice whenever another process holds a core."""
+"""Elements per chunk of the in-place path (a chunk of every tensor stays in the caches)."""
 
 try:  # FSDP2 parameters are DTensors: they keep the whole-tensor path
     from torch.distributed.tensor import DTensor as _DTensor
@@ -115,6 +109,14 @@ except ImportError:  # pragma: no cover - torch built without torch.distributed
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
+def _pool(n: int) -> ThreadPoolExecutor:
+    """The ``n − 1`` helper threads that, with the calling thread, run ``n`` pieces of work."""
+    pool = _POOLS.get(n)
+    if pool is None:
+        pool = _POOLS[n] = ThreadPoolExecutor(n - 1, thread_name_prefix="sage_torch")
+    return pool
+
+
 def _is_dtensor(t: Tensor) -> bool:
     return _DTensor is not None and isinstance(t, _DTensor)
 
@@ -122,16 +124,16 @@ def _is_dtensor(t: Tensor) -> bool:
 def use_fast_path(p: Tensor, *others: Tensor) -> bool:
     """Whether ``p`` (with its gradient and state ``others``) takes the in-place CPU path.
 
-    The in-place path walks a parameter in chunks along dim 0 (:data:`CHUNK_NUMEL`
-    elements, or :data:`THREADED_CHUNK_NUMEL` spread over the intra-op threads) and, for
-    each chunk, runs the whole update on that chunk with two scratch buffers, so every
-    tensor is read (and written) about once from memory instead of once per operation, and
-    no temporary of the parameter's size is allocated.  It makes the same element-wise
-    operations in the same order as the whole-tensor path (only the order of summation in
-    reductions differs).  It is taken for plain (not DTensor), contiguous float32/float64
-    CPU tensors of at least :data:`FAST_MIN_NUMEL` elements whose gradient and state have
-    the parameter's dtype and layout, outside ``torch.compile``; everything else (CUDA,
-    FSDP2 DTensors, bfloat16, small tensors) takes the whole-tensor path.
+    The in-place path walks a parameter in chunks of :data:`CHUNK_NUMEL` elements along
+    dim 0 (spread over the intra-op threads, see :func:`_parallel`) and, for each chunk,
+    runs the whole update on that chunk with two scratch buffers, so every tensor is read
+    (and written) about once from memory instead of once per operation, and no temporary
+    of the parameter's size is allocated.  It makes the same element-wise operations in
+    the same order as the whole-tensor path (only the order of summation in reductions
+    differs).  It is taken for plain (not DTensor), contiguous float32/float64 CPU tensors
+    of at least :data:`FAST_MIN_NUMEL` elements whose gradient and state have the
+    parameter's dtype and layout, outside ``torch.compile``; everything else (CUDA, FSDP2
+    DTensors, bfloat16, small tensors) takes the whole-tensor path.
     """
     if (p.device.type != "cpu" or p.dim() == 0 or p.numel() < FAST_MIN_NUMEL
             or p.dtype not in (torch.float32, torch.float64)
@@ -152,32 +154,53 @@ ChunkWork = Callable[[int, int, int, Tensor, Tensor], None]
 """``work(k, start, stop, u, t)``: chunk ``k`` (rows ``start:stop``), two scratch views."""
 
 
-def _for_chunks(p: Tensor, work: ChunkWork) -> None:
-    """Run ``work`` on every chunk of ``p``, on the intra-op threads (see the constants)."""
+def _parallel(work: Callable[[Any], None], pieces: list[Any]) -> None:
+    """Run ``work(piece)`` for every piece, on ``torch.get_num_threads()`` threads.
+
+    Thousands of small multi-threaded kernels would each end on a barrier of all the
+    intra-op threads (which costs a scheduler time slice whenever another process holds a
+    core), so instead the intra-op threads are set to 1 for the duration, the pieces run on
+    the calling thread and ``n − 1`` helper Python threads (PyTorch releases the GIL inside
+    its kernels), and the thread count is restored.
+    """
     threads = torch.get_num_threads()
-    chunks = _chunks(p, CHUNK_NUMEL if threads == 1 else THREADED_CHUNK_NUMEL)
-    rows = max(j - i for i, j in chunks)
-    indexed = [(k, i, j) for k, (i, j) in enumerate(chunks)]
+    n = min(threads, len(pieces))
 
-    def run(block: list[tuple[int, int, int]]) -> None:
-        buf = torch.empty((2, rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+    def run(batch: list[Any]) -> None:
         with torch.no_grad():  # grad mode is per thread
-            for k, i, j in block:
-                work(k, i, j, buf[0, : j - i], buf[1, : j - i])
+            for piece in batch:
+                work(piece)
 
-    n = min(threads, len(indexed))
     if n <= 1:
-        run(indexed)
+        run(pieces)
         return
-    per = -(-len(indexed) // n)
-    blocks = [indexed[w * per:(w + 1) * per] for w in range(n)]
-    pool = _POOLS.get(n)
-    if pool is None:
-        pool = _POOLS[n] = ThreadPoolExecutor(n - 1, thread_name_prefix="sage_torch")
-    futures = [pool.submit(run, b) for b in blocks[1:] if b]
-    run(blocks[0])
-    for f in futures:
-        f.result()
+    per = -(-len(pieces) // n)
+    batches = [pieces[w * per:(w + 1) * per] for w in range(n)]
+    torch.set_num_threads(1)
+    try:
+        futures = [_pool(n).submit(run, b) for b in batches[1:] if b]
+        run(batches[0])
+        for f in futures:
+            f.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _for_chunks(p: Tensor, work: ChunkWork) -> None:
+    """Run ``work`` on every chunk of ``p`` (contiguous runs of chunks per thread)."""
+    chunks = _chunks(p, CHUNK_NUMEL)
+    rows = max(j - i for i, j in chunks)
+    scratch: dict[int, Tensor] = {}
+
+    def one(piece: tuple[int, int, int]) -> None:
+        k, i, j = piece
+        buf = scratch.get(threading.get_ident())
+        if buf is None:
+            buf = scratch[threading.get_ident()] = torch.empty(
+                (2, rows, *p.shape[1:]), dtype=p.dtype, device=p.device)
+        work(k, i, j, buf[0, : j - i], buf[1, : j - i])
+
+    _parallel(one, [(k, i, j) for k, (i, j) in enumerate(chunks)])
 
 
 def _decay_and_apply(u: Tensor, p: Tensor, lr: float, wd: float) -> None:
@@ -304,8 +327,7 @@ class SageRule(Rule):
         if dim is None:
             s = g.abs()
         elif dim == 0:
-            n_chunks = len(_chunks(p, CHUNK_NUMEL if torch.get_num_threads() == 1
-                                   else THREADED_CHUNK_NUMEL))
+            n_chunks = len(_chunks(p, CHUNK_NUMEL))
             partial = torch.empty((n_chunks, *p.shape[1:]), dtype=p.dtype)
 
             def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
@@ -491,37 +513,57 @@ class SinkGDRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         lr, wd, alpha = float(group["lr"]), group["weight_decay"], group["alpha"]
-        updates, rest = [], []
+        updates, rest, fast = [], [], []
         for p, g, name in zip(params, grads, names, strict=True):
             fi, fo = _matrix_dims(p, group, "SinkGD", name)
             if p.dim() == 2 and use_fast_path(p, g):
-                self._step_in_place(p, g, fi, fo, group)
+                fast.append((p, g, fi, fo))
                 continue
             x = sinkhorn_normalize(g, fi, fo, group["num_iters"], group["eps"],
                                    group["normalization"])
             updates.append(x.to(p.dtype) * alpha)
             rest.append(p)
+        if fast:
+            self._step_matrices(fast, group)
         if rest:
             _decayed_step(rest, updates, lr, wd, foreach)
 
-    def _step_in_place(self, p: Tensor, g: Tensor, fi: int, fo: int,
+    def _step_matrices(self, items: list[tuple[Tensor, Tensor, int, int]],
                        group: dict[str, Any]) -> None:
+        """Step plain CPU matrices, whole matrices spread over the intra-op threads.
+
+        A matrix's Sinkhorn loop is ``2L`` products and a few vector operations: split
+        over threads, each would end on a barrier.  Instead every matrix runs on one
+        thread (:func:`_parallel`), the matrices balanced by size over the threads, each
+        thread reusing one buffer for ``K``.
+        """
+        n = max(1, min(torch.get_num_threads(), len(items)))
+        bins: list[list[tuple[Tensor, Tensor, int, int]]] = [[] for _ in range(n)]
+        loads = [0] * n
+        for item in sorted(items, key=lambda it: -it[0].numel()):
+            k = loads.index(min(loads))
+            bins[k].append(item)
+            loads[k] += item[0].numel()
+
+        def run(batch: list[tuple[Tensor, Tensor, int, int]]) -> None:
+            p0 = batch[0][0]  # the largest of the batch
+            k_buf = torch.empty(p0.numel(), dtype=p0.dtype, device=p0.device)
+            for p, g, fi, fo in batch:
+                self._step_in_place(p, g, fi, fo, group, k_buf)
+
+        # one piece per thread: _parallel gives each thread one bin
+        _parallel(lambda batch: run(batch), [b for b in bins if b])
+
+    def _step_in_place(self, p: Tensor, g: Tensor, fi: int, fo: int,
+                       group: dict[str, Any], k_buf: Tensor | None = None) -> None:
         """One plain CPU matrix: scales from :func:`sinkhorn_scales`, then the update by chunks.
 
         ``θ ← θ − η·(α·(c·G·r) + w·θ)`` one chunk of rows at a time, with the operations of
         the whole-tensor path (``c·G``, then ``·r``, then ``·α``).
         """
         lr, wd, alpha = float(group["lr"]), group["weight_decay"], group["alpha"]
-        threads = torch.get_num_threads()
-        if threads > 1:
-            # 2L tiny products and vector ops: threads would only add a barrier to each
-            torch.set_num_threads(1)
-        try:
-            c, r = sinkhorn_scales(g, fi, fo, group["num_iters"], group["eps"],
-                                   group["normalization"])
-        finally:
-            if threads > 1:
-                torch.set_num_threads(threads)
+        c, r = sinkhorn_scales(g, fi, fo, group["num_iters"], group["eps"],
+                               group["normalization"], buffer=k_buf)
         # X = c·G·r with c one scale per fan-in index, r one per fan-out index (2-D here)
         rows, cols = (r, c) if fo == 0 else (c, r)
         rows, cols = rows.unsqueeze(1), cols.unsqueeze(0)
@@ -575,16 +617,22 @@ def _sinkhorn_targets(g: Tensor, fan_in_dim: int, fan_out_dim: int,
 
 
 def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int = 5,
-                    eps: float = 1e-8, normalization: str = "unit") -> tuple[Tensor, Tensor]:
+                    eps: float = 1e-8, normalization: str = "unit", *,
+                    buffer: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The scale vectors ``(c, r)`` of a plain 2-D ``g``: ``X = c ⊙ G ⊙ r``.
 
     ``c`` has one entry per fan-in index and ``r`` one per fan-out index (1-D, float32 or
     wider).  ``K = G²`` is formed once; every half-iteration is one ``torch.mv`` of ``K``
     with the other vector's square, as :mod:`sage_optax.sinkhorn` does (a layer's ``K``
-    stays in the CPU's last-level cache across the ``2L`` products).
+    stays in the CPU's last-level cache across the ``2L`` products).  ``buffer``: a
+    tensor of ``g``'s wide dtype with at least ``g.numel()`` elements to hold ``K``
+    (reused across matrices: no fresh allocation, and so no page faults, per matrix).
     """
     wide = _wide(g.dtype)
-    k = g.to(wide).square()
+    if buffer is not None and buffer.dtype == wide and buffer.numel() >= g.numel():
+        k = torch.square(g.to(wide), out=buffer[: g.numel()].view(g.shape))
+    else:
+        k = g.to(wide).square()
     if fan_out_dim % 2 != 0:  # K as (fan_out, fan_in), a view
         k = k.t()
     t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)

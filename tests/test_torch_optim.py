@@ -399,7 +399,6 @@ def _force_fast_path(monkeypatch, on: bool) -> None:
 
     monkeypatch.setattr(rules, "FAST_MIN_NUMEL", 1)
     monkeypatch.setattr(rules, "CHUNK_NUMEL", 40)
-    monkeypatch.setattr(rules, "THREADED_CHUNK_NUMEL", 30)
     monkeypatch.setattr(rules, "_is_dtensor", (lambda t: False) if on else (lambda t: True))
 
 
