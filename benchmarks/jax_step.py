@@ -18,21 +18,9 @@ not fit in memory together (``--schedule auto``, the estimate is printed), each
 configuration is instead interleaved pairwise with the baseline, which then stays alive for
 the whole run, and its ratio uses the baseline timings of its own rounds.
 
-Bytes moved per step (an analytic count of the passes over memory the implementation
-makes, each array touched the minimum number of times its algorithm needs)::
-
-    bytes = 2·|P| + |G| + 2·|S| + Σ_{SinkGD leaves} (2·L + 2)·|G_leaf|
-                                + Σ_{SAGE matrices} |G_leaf|
-
-``|P|``, ``|G|``: bytes of all parameters / gradients (params are read and written,
-gradients read once by the fused update); ``|S|``: bytes of every optimizer-state leaf
-(each read and written once; from ``jax.eval_shape(tx.init, params)``).  For every leaf the
-configuration routes to SinkGD (its ``num_iters`` = ``L``): one read of ``G`` and one write
-of ``K = G²``, then ``2·L`` matrix-vector products that each read ``K``
-(:mod:`sage_optax.sinkhorn`; ``X = c·G·r`` is fused into the update).  For every matrix
-routed to SAGE: one extra read of ``G`` for ``s_t = mean|G|`` over the vocabulary axis,
-which must finish before the update can start.  APOLLO's random projections are not
-counted, so its achieved bandwidth is understated.
+Bytes moved per step: the analytic model of :mod:`sage_optim.traffic` (parameters read and
+written, gradients and every state leaf read, state written, plus SinkGD's ``2·L + 2`` and
+SAGE's one extra pass over each matrix they update).
 
 Memory bandwidth is measured in the same run: a jitted, donated (in-place, like the steps)
 ``x * 1.0001 + 1`` over a ``--bw-mib`` (512 MiB) float32 array, median of ``--bw-repeats``
@@ -65,6 +53,7 @@ import jax.numpy as jnp
 import optax
 
 import sage_optax
+from sage_optim import traffic
 from sage_optim.models import get_model_config
 from sage_optim.presets import resolve_preset
 
@@ -125,19 +114,17 @@ def make_tx(name: str) -> optax.GradientTransformation:
 
 
 def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
-    """The analytic byte count of the module docstring."""
-    total = 2 * nbytes(shapes) + nbytes(shapes) + 2 * nbytes(state_shapes)
-    if name == BASELINE:
-        return total
-    preset = resolve_preset(name, {})
-    labels = dict(sage_optax.routing.iter_leaves(sage_optax.label_params(shapes).labels))
-    for path, leaf in sage_optax.routing.iter_leaves(shapes):
-        rule = preset.rule(labels[path])
-        if rule.name == "sinkgd":
-            total += (2 * rule.hyperparams["num_iters"] + 2) * nbytes(leaf)
-        elif rule.name == "sage" and len(leaf.shape) >= 2:
-            total += nbytes(leaf)
-    return total
+    """The analytic byte count of :mod:`sage_optim.traffic`."""
+    leaves = []
+    if name != BASELINE:
+        preset = resolve_preset(name, {})
+        labels = dict(sage_optax.routing.iter_leaves(sage_optax.label_params(shapes).labels))
+        for path, leaf in sage_optax.routing.iter_leaves(shapes):
+            rule = preset.rule(labels[path])
+            leaves.append((rule.name, rule.hyperparams, len(leaf.shape), nbytes(leaf)))
+    arrays = [x for x in jax.tree.leaves(state_shapes)  # without the integer step counters
+              if len(x.shape) or not jnp.issubdtype(x.dtype, jnp.integer)]
+    return traffic.step_bytes(nbytes(shapes), nbytes(arrays), leaves)
 
 
 class Runner:

@@ -19,14 +19,9 @@ round to round.  Each configuration is interleaved with the baseline in its own 
 (pairwise, so only one configuration's state is alive at a time) and its ratio is its
 median over the baseline's median of the same rounds.
 
-Bytes moved per step (an analytic lower bound, the model of ``benchmarks/jax_step.py``)::
-
-    bytes = 2·|P| + |G| + 2·|S| + Σ_{SinkGD leaves} (2·L + 1)·|G_leaf|
-
-``|P|``, ``|G|``: bytes of all parameters / gradients; ``|S|``: bytes of every state tensor
-(without the ``step`` counters), counted from the optimizer's ``state`` after the warmup;
-``L``: the SinkGD leaf's ``num_iters``.  Extra passes of other rules (SAGE's vocabulary
-reductions, APOLLO's projections) are not counted.
+Bytes moved per step: the analytic model of :mod:`sage_optim.traffic`, shared with
+``benchmarks/jax_step.py`` (``|S|`` counted from the optimizer's ``state`` after the warmup,
+without the ``step`` counters).
 
 Memory bandwidth is measured in the same rounds: an in-place ``x.mul_(1.0001).add_(1)`` over
 ``--bw-mib`` (512) MiB of float32, counted as two reads and two writes of ``x`` (two
@@ -62,6 +57,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_torch
+from sage_optim import traffic
 from sage_optim.models import LlamaConfig, get_model_config
 from sage_optim.presets import CONFIG_NAMES, resolve_preset
 
@@ -139,15 +135,13 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def bytes_moved(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """The analytic byte count of the module docstring."""
+    """The analytic byte count of :mod:`sage_optim.traffic`."""
     p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    total = 3 * p_bytes + 2 * state_bytes(opt)
+    leaves = []
     if name != BASELINE:
-        for group in opt.param_groups:
-            if group["rule"] == "sinkgd":
-                total += sum((2 * group["num_iters"] + 1) * p.numel() * p.element_size()
-                             for p in group["params"])
-    return total
+        leaves = [(group["rule"], group, p.dim(), p.numel() * p.element_size())
+                  for group in opt.param_groups for p in group["params"]]
+    return traffic.step_bytes(p_bytes, state_bytes(opt), leaves)
 
 
 class _PeakMemory(TorchDispatchMode):
