@@ -181,7 +181,7 @@ def scale_by_sinkhorn(
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
 
-        previous: list[Any] = []  # the last leaf's scales
+        previous: list[Any] = []  # per matrix done so far: a scalar of its scales
 
         def normalize(path: str, spec: Any, g: jax.Array) -> jax.Array:
             resolved = _check_matrix(path, spec, g)
