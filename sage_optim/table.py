@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -63,28 +63,64 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+class RoutingRow(NamedTuple):
+    """One parameter in a :class:`RoutingTable`.
+
+    Attributes:
+      path: the parameter's dotted name.
+      shape: its shape.
+      kind: ``embedding``, ``dense`` or ``vector``.
+      rule: the update rule its kind gets under the configuration (``sinkgd(unit, alpha=10)``).
+      fan_in: the fan-in axes with sizes (``"1 (768)"``, ``"0,1,2 (3x3x64=576)"``, ``"-"``).
+      fan_out: the fan-out axes with sizes (the vocab axis of a vocabulary matrix).
+      evidence: what placed it (``override``, ``model API: ...``, ``module nn.Linear``, ...).
+      state_bytes: its optimizer-state bytes.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    kind: str
+    rule: str
+    fan_in: str
+    fan_out: str
+    evidence: str
+    state_bytes: int
+
+
 @dataclasses.dataclass(frozen=True)
 class RoutingTable:
     """Printable routing of a model's parameters under one configuration.
 
     Both frameworks return this (``sage_optax.routing_table``, ``sage_torch.routing_table``),
-    so their printouts have one form.  ``rows`` are ``(path, shape, kind, transform, state
-    bytes)``; ``shared_bytes`` counts state that belongs to no single parameter (step counts).
+    so their printouts have one form: per parameter its kind, rule, fan-in and fan-out axes
+    (with sizes), the evidence that placed it and its state bytes (:class:`RoutingRow`);
+    ``shared_bytes`` counts state that belongs to no single parameter (step counts).
     """
 
     config: str
-    rows: tuple[tuple[str, tuple[int, ...], str, str, int], ...]
+    rows: tuple[RoutingRow, ...]
     shared_bytes: int
 
-    HEADERS: ClassVar[tuple[str, ...]] = ("path", "shape", "kind", "transform", "state bytes")
+    HEADERS: ClassVar[tuple[str, ...]] = (
+        "path", "shape", "kind", "rule", "fan-in", "fan-out", "evidence", "state bytes"
+    )
 
     @property
     def total_bytes(self) -> int:
         """Total optimizer-state bytes (per-parameter rows plus shared)."""
-        return sum(r[4] for r in self.rows) + self.shared_bytes
+        return sum(r.state_bytes for r in self.rows) + self.shared_bytes
+
+    def row(self, path: str) -> RoutingRow:
+        """The row of parameter ``path`` (``KeyError`` lists a few known paths)."""
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(f"no parameter {path!r}; known: {[r.path for r in self.rows[:5]]}...")
 
     def __str__(self) -> str:
-        body = [(p, "x".join(map(str, s)) or "()", k, t, b) for p, s, k, t, b in self.rows]
-        body.append(("(shared: step counts)", "", "", "", self.shared_bytes))
+        body: list[tuple[Any, ...]] = [
+            (r.path, "x".join(map(str, r.shape)) or "()", *r[2:]) for r in self.rows
+        ]
+        body.append(("(shared: step counts)", "", "", "", "", "", "", self.shared_bytes))
         footer = f"{self.config}: optimizer state {format_bytes(self.total_bytes)}"
         return format_table(self.HEADERS, body) + "\n" + footer

@@ -1,0 +1,326 @@
+"""What both routers share: the route of one leaf, the override grammar, markers and errors.
+
+SAGE and SinkGD are not transpose-invariant, so the router that labels every parameter
+``embedding``/``dense``/``vector`` also decides the math through the axes it gives.  The
+JAX router (:mod:`sage_optax.routing`) and the PyTorch router (:mod:`sage_torch.routing`)
+read different evidence (pytree paths and flax modules; ``nn.Module`` types and the
+transformers API) but speak one language, defined here:
+
+* :class:`Route`: a kind plus *groups* of axes: the fan-in axes, the fan-out axes and the
+  batch axes of a leaf.  A matrix with several axes is one matrix: an ``(in, heads,
+  head_dim)`` kernel has ``fan_in=(0,)`` and ``fan_out=(1, 2)`` and is an ``in x
+  (heads·head_dim)`` matrix; a convolution kernel has its input channels and taps as fan-in
+  (``(Cin·kh·kw) x Cout``).  For vocabulary matrices the vocab axis is the fan-out axis.
+* the override grammar: ``{glob: kind}``, ``{glob: Route(kind, fan_in=..., fan_out=...)}``
+  or ``{glob: (kind, {"fan_in": ..., "fan_out": ...})}``; a glob that matches no parameter
+  is an error naming the nearest paths (:func:`match_overrides`);
+* :class:`RoutingError`, raised for every leaf that cannot be placed, with a message that
+  names the path, the shape and the override that fixes it;
+* the name markers that are the weakest evidence (used only where unambiguous).
+
+Nothing here imports a framework.  The project's ``docs/routing.md`` states the conventions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeAlias
+
+from sage_optim.presets import KINDS
+
+Axes: TypeAlias = "int | tuple[int, ...] | None"
+"""One axis, a group of axes, or ``None`` (no such axis: a vector)."""
+
+VECTOR_NAMES: frozenset[str] = frozenset({"scale", "bias", "b", "gamma", "beta"})
+"""Leaf names that hold per-feature vectors, also when stacked into a matrix."""
+
+TOKEN_EMBEDDING_MARKERS: tuple[str, ...] = (
+    "wte", "tok_emb", "tok_embeddings", "embed_tokens", "word_embeddings", "token_embedding",
+    "token_embeddings", "embedder", "input_embedding",
+)
+"""Path components that name the *token* embedding among several tables (GPT-2 ``wte``,
+Meta LLaMA ``tok_embeddings``, Hugging Face ``embed_tokens``/``word_embeddings``, Gemma
+``embedder``).  A component equal to ``embed`` or ``embedding`` counts too."""
+
+HEAD_MARKERS: tuple[str, ...] = ("lm_head", "head", "output", "unembed", "embed_out")
+"""Path components that name an output head.  A name alone never makes a head: the leaf must
+also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
+
+EVIDENCE_ORDER: tuple[str, ...] = ("override", "model API", "module", "name", "shape")
+"""The kinds of evidence, strongest first; every route records which one placed it."""
+
+
+class RoutingError(ValueError):
+    """A parameter the router cannot place, or an override that does not apply.
+
+    The message names the parameter's path and shape and the override that fixes it.  Both
+    frameworks raise this one type (``sage_optax.RoutingError is sage_torch.RoutingError``).
+    """
+
+
+def _as_group(value: Any, what: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int or a tuple of ints, got {value!r}")
+    if isinstance(value, int):
+        return (value,)
+    try:
+        group = tuple(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int or a tuple of ints, got {value!r}") from None
+    if not group or not all(isinstance(a, int) and not isinstance(a, bool) for a in group):
+        raise TypeError(f"{what} must be an int or a non-empty tuple of ints, got {value!r}")
+    return group
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """The kind of one leaf and its axis groups: the routing decision, and the math.
+
+    Attributes:
+      kind: ``"embedding"``, ``"dense"`` or ``"vector"``.
+      fan_in: the fan-in axis or axes (merged into one matrix axis, in this order).
+        ``None`` for a vector, or when the axes are to be inferred (an override that gives
+        only the kind).
+      fan_out: the fan-out axis or axes; for an embedding or a head, the vocab axis.
+      batch: axes treated independently (stacked layers).  ``None`` means every axis that
+        is neither fan-in nor fan-out (for a vector: none).
+      evidence: what placed the leaf (``"override"``, ``"module nn.Linear"``, ...), shown by
+        the routing tables.
+
+    ``Route("dense", fan_in=0, fan_out=1)`` is GPT-2's ``Conv1D`` ``(in, out)``;
+    ``Route("dense", fan_in=(1, 2, 3), fan_out=0)`` a ``Conv2d`` weight ``(out, in, kh, kw)``.
+    Axes may be negative.  Integers are stored as one-axis groups.
+    """
+
+    kind: str
+    fan_in: Any = None
+    fan_out: Any = None
+    batch: Any = None
+    evidence: str = "override"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise RoutingError(f"route kind must be one of {KINDS}, got {self.kind!r}")
+        fan_in = self.fan_in
+        if hasattr(fan_in, "fan_in") and hasattr(fan_in, "fan_out"):  # Route(kind, LeafAxes)
+            warnings.warn(
+                "Route(kind, LeafAxes(...)) is deprecated; pass the axes as "
+                "Route(kind, fan_in=..., fan_out=..., batch=...)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "fan_out", fan_in.fan_out)
+            object.__setattr__(self, "batch", fan_in.batch)
+            fan_in = fan_in.fan_in
+        object.__setattr__(self, "fan_in", _as_group(fan_in, "fan_in"))
+        object.__setattr__(self, "fan_out", _as_group(self.fan_out, "fan_out"))
+        if self.batch is not None and self.batch != ():
+            object.__setattr__(self, "batch", _as_group(self.batch, "batch"))
+        elif self.batch == ():
+            object.__setattr__(self, "batch", ())
+        if (self.fan_in is None) != (self.fan_out is None):
+            raise RoutingError(
+                f"a route sets both fan_in and fan_out or neither, got fan_in={self.fan_in}, "
+                f"fan_out={self.fan_out}"
+            )
+        if self.kind == "vector" and self.fan_in is not None:
+            raise RoutingError("a 'vector' route has no fan_in/fan_out axes (only batch axes)")
+
+    @property
+    def has_axes(self) -> bool:
+        """Whether the matrix axes are given (always true for a complete matrix route)."""
+        return self.fan_in is not None
+
+    def resolve(self, shape: Sequence[int], name: str = "<leaf>") -> ResolvedRoute:
+        """Check the axes against ``shape`` and return them as non-negative axis groups.
+
+        Raises:
+          RoutingError: an axis out of range, an axis in two groups, a matrix route without
+            axes, or batch axes that are not exactly the remaining axes.
+        """
+        shape = tuple(int(s) for s in shape)
+        ndim = len(shape)
+
+        def norm(group: tuple[int, ...] | None, what: str) -> tuple[int, ...]:
+            out = []
+            for a in group or ():
+                if not -ndim <= a < ndim:
+                    raise RoutingError(
+                        f"parameter {name!r} of shape {shape}: {what} axis {a} is out of range"
+                    )
+                out.append(a % ndim)
+            return tuple(out)
+
+        if self.kind != "vector" and not self.has_axes:
+            raise RoutingError(
+                f"parameter {name!r} of shape {shape} is routed {self.kind!r} without axes; "
+                f"give them, e.g. Route({self.kind!r}, fan_in=..., fan_out=...)"
+            )
+        if self.kind != "vector" and ndim < 2:
+            raise RoutingError(
+                f"parameter {name!r} of shape {shape} is routed {self.kind!r}, but it has fewer "
+                "than two dimensions; route it 'vector'"
+            )
+        fan_in, fan_out = norm(self.fan_in, "fan_in"), norm(self.fan_out, "fan_out")
+        taken = fan_in + fan_out
+        if len(set(taken)) != len(taken):
+            raise RoutingError(
+                f"parameter {name!r} of shape {shape}: an axis is listed twice in "
+                f"fan_in={self.fan_in}, fan_out={self.fan_out}"
+            )
+        rest = tuple(a for a in range(ndim) if a not in taken)
+        if self.batch is None:
+            batch = rest if self.kind != "vector" else ()
+        else:
+            batch = norm(self.batch, "batch")
+            if self.kind != "vector" and sorted(batch) != list(rest):
+                raise RoutingError(
+                    f"parameter {name!r} of shape {shape}: batch axes {self.batch} must be "
+                    f"exactly the axes other than fan_in={self.fan_in} and fan_out={self.fan_out}"
+                )
+        return ResolvedRoute(self.kind, fan_in, fan_out, batch, shape, self.evidence)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRoute:
+    """A :class:`Route` checked against a shape: non-negative axis groups."""
+
+    kind: str
+    fan_in: tuple[int, ...]
+    fan_out: tuple[int, ...]
+    batch: tuple[int, ...]
+    shape: tuple[int, ...]
+    evidence: str
+
+    @property
+    def is_matrix(self) -> bool:
+        """Whether the leaf is a matrix (per batch index)."""
+        return bool(self.fan_in)
+
+    def describe_fan_in(self) -> str:
+        """The fan-in axes with their sizes, as the routing tables print them."""
+        return format_axes(self.fan_in, self.shape)
+
+    def describe_fan_out(self) -> str:
+        """The fan-out axes with their sizes, as the routing tables print them."""
+        return format_axes(self.fan_out, self.shape)
+
+
+def format_axes(group: Sequence[int], shape: Sequence[int]) -> str:
+    """``"1 (768)"`` for one axis, ``"0,1,2 (3x3x64=576)"`` for a merged group, ``"-"`` if none."""
+    if not group:
+        return "-"
+    sizes = [int(shape[a]) for a in group]
+    axes = ",".join(str(a) for a in group)
+    if len(sizes) == 1:
+        return f"{axes} ({sizes[0]})"
+    total = 1
+    for s in sizes:
+        total *= s
+    return f"{axes} ({'x'.join(map(str, sizes))}={total})"
+
+
+def parse_override(pattern: str, value: Any) -> Route:
+    """Turn one override value into a :class:`Route` (``evidence="override"``).
+
+    Accepted: a kind (``"dense"``), a :class:`Route`, ``(kind,)``, ``(kind, {"fan_in": ...,
+    "fan_out": ..., "batch": ...})`` or the deprecated ``(kind, LeafAxes)``.
+    """
+    if isinstance(value, Route):
+        return dataclasses.replace(value, evidence="override")
+    if isinstance(value, str):
+        value = (value,)
+    if isinstance(value, tuple) and value and isinstance(value[0], str):
+        kind, *rest = value
+        if kind not in KINDS:
+            raise RoutingError(f"override {pattern!r} -> {value!r}: kind must be one of {KINDS}")
+        if not rest:
+            return Route(kind)
+        if len(rest) == 1 and isinstance(rest[0], Mapping):
+            unknown = set(rest[0]) - {"fan_in", "fan_out", "batch"}
+            if unknown:
+                raise RoutingError(
+                    f"override {pattern!r}: unknown axis key(s) {sorted(unknown)}; use fan_in, "
+                    "fan_out and batch"
+                )
+            return Route(kind, **rest[0])
+        if len(rest) == 1:
+            return Route(kind, rest[0])  # deprecated (kind, LeafAxes)
+    raise RoutingError(
+        f"override {pattern!r} -> {value!r}: give a kind {KINDS}, a Route(kind, fan_in=..., "
+        "fan_out=...) or (kind, {'fan_in': ..., 'fan_out': ...})"
+    )
+
+
+def match_overrides(
+    names: Sequence[str], overrides: Mapping[str, Any] | None
+) -> dict[str, Route]:
+    """The override route of every name that a glob matches (first matching glob wins).
+
+    Raises:
+      RoutingError: a glob that matches no name (the message lists the nearest names), or
+        an override value that is not a valid route.
+    """
+    if not overrides:
+        return {}
+    parsed = {pattern: parse_override(pattern, value) for pattern, value in overrides.items()}
+    out: dict[str, Route] = {}
+    used: set[str] = set()
+    for name in names:
+        for pattern, route in parsed.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                out[name] = route
+                used.add(pattern)
+                break
+    unused = [p for p in parsed if p not in used]
+    if unused:
+        hints = []
+        for pattern in unused:
+            near = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.4)
+            hints.append(f"{pattern!r} (nearest: {', '.join(near) if near else 'none'})")
+        raise RoutingError(
+            "route override(s) match no parameter: " + "; ".join(hints)
+            + ". Patterns are fnmatch globs over dotted names, e.g. 'layers.*.attn.q_proj.weight'"
+        )
+    return out
+
+
+def components(name: str) -> list[str]:
+    """The lower-cased dotted components of a parameter name."""
+    return name.lower().split(".")
+
+
+def names_token_embedding(name: str) -> bool:
+    """Whether a component of ``name`` names the token embedding (see the markers)."""
+    return any(
+        part in TOKEN_EMBEDDING_MARKERS or part in ("embed", "embedding")
+        for part in components(name)[:-1]
+    )
+
+
+def names_head(name: str) -> bool:
+    """Whether a component of ``name`` (other than the leaf) names an output head."""
+    return any(part in HEAD_MARKERS for part in components(name)[:-1])
+
+
+def override_advice(name: str, shape: Sequence[int], route: Route | None = None) -> str:
+    """The override that places ``name`` as ``route`` (or a template), for error messages."""
+    if route is None:
+        return (
+            f"route_overrides={{{name!r}: Route('dense', fan_in=..., fan_out=...)}} "
+            "(or 'embedding' for a vocabulary matrix, 'vector' for element-wise rules)"
+        )
+    args = [repr(route.kind)]
+    for key in ("fan_in", "fan_out"):
+        group = getattr(route, key)
+        if group is not None:
+            args.append(f"{key}={group[0] if len(group) == 1 else group}")
+    if route.batch:
+        args.append(f"batch={route.batch}")
+    return f"route_overrides={{{name!r}: Route({', '.join(args)})}}"
