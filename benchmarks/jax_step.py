@@ -118,7 +118,7 @@ def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
     leaves = []
     if name != BASELINE:
         preset = resolve_preset(name, {})
-        labels = dict(sage_optax.routing.iter_leaves(sage_optax.label_params(shapes).labels))
+        labels = dict(sage_optax.routing.iter_leaves(sage_optax.route_params(shapes).labels))
         for path, leaf in sage_optax.routing.iter_leaves(shapes):
             rule = preset.rule(labels[path])
             leaves.append((rule.name, rule.hyperparams, len(leaf.shape), nbytes(leaf)))
@@ -199,7 +199,7 @@ def mem_available() -> float:
 
 def kind_subtree(shapes: dict[str, Any], kind: str) -> dict[str, Any]:
     """The nested dict of the leaves the router labels ``kind`` (embedding/dense/vector)."""
-    labels = dict(sage_optax.routing.iter_leaves(sage_optax.label_params(shapes).labels))
+    labels = dict(sage_optax.routing.iter_leaves(sage_optax.route_params(shapes).labels))
     out: dict[str, Any] = {}
     for path, leaf in sage_optax.routing.iter_leaves(shapes):
         if labels[path] != kind:

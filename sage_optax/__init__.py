@@ -20,7 +20,16 @@ from sage_optax.axes import EMBEDDING_TABLE, LeafAxes
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
 from sage_optax.llama_shapes import llama_param_shapes
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
-from sage_optax.routing import ParamRouting, Route, RoutingError, label_params
+from sage_optax.routing import (
+    LAYOUTS,
+    ParamRouting,
+    ResolvedRoute,
+    Route,
+    RoutingError,
+    label_params,
+    module_routes,
+    route_params,
+)
 from sage_optax.sage import DAMPERS, ScaleBySageState, sage, sage_damper, scale_by_sage
 from sage_optax.sinkhorn import NORMALIZATIONS, scale_by_sinkhorn, sinkgd, sinkhorn_normalize
 from sage_optax.unit_norm import scale_by_unit_norm, unit_norm_descent
@@ -32,9 +41,11 @@ __all__ = [
     "CONFIG_NAMES",
     "DAMPERS",
     "EMBEDDING_TABLE",
+    "LAYOUTS",
     "NORMALIZATIONS",
     "LeafAxes",
     "ParamRouting",
+    "ResolvedRoute",
     "Route",
     "RoutingError",
     "RoutingTable",
@@ -44,6 +55,8 @@ __all__ = [
     "label_params",
     "llama_param_shapes",
     "make_optimizer",
+    "module_routes",
+    "route_params",
     "routing_table",
     "sage",
     "sage_damper",

@@ -90,14 +90,20 @@ class ScaleByApolloState(NamedTuple):
 
 
 class _LeafPlan(NamedTuple):
-    compressed: int  # axis of the leaf projected to rank r
+    compressed: int  # axis of the (matrix view of the) leaf projected to rank r
     matrix_axes: tuple[int, int]  # (fan_in, fan_out), sorted
     moment_shape: tuple[int, ...]
     norm_shape: tuple[int, ...]
+    merged: axes_lib.ResolvedAxes | None  # axis groups: work on this matrix view instead
 
 
 def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan | None:
-    """Resolve a leaf's axes; ``None`` for a leaf that passes through (spec ``None``)."""
+    """Resolve a leaf's axes; ``None`` for a leaf that passes through (spec ``None``).
+
+    A leaf whose fan-in or fan-out is a group of axes is worked on as its matrix view
+    ``(batch..., fan_in, fan_out)`` (:meth:`~sage_optax.axes.ResolvedAxes.to_matrix`, each
+    group flattened in the order it lists its axes), and its moments are kept in that view.
+    """
     if spec is None:
         return None
     if not isinstance(spec, axes_lib.LeafAxes):
@@ -110,12 +116,15 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan 
             "optax.partition)"
         )
     r = spec.resolve(tuple(shape), path)
-    assert r.fan_in is not None and r.fan_out is not None
-    fi, fo = r.fan_in, r.fan_out
+    merged = None
+    if not r.is_simple:
+        merged, r = r, r.matrix()
+        shape = r.shape
+    (fi,), (fo,) = r.fan_in, r.fan_out
     compressed = fi if shape[fo] >= shape[fi] else fo
     moment_shape = tuple(rank if a == compressed else n for a, n in enumerate(shape))
     norm_shape = tuple(n for a, n in enumerate(shape) if a not in (fi, fo))
-    return _LeafPlan(compressed, (min(fi, fo), max(fi, fo)), moment_shape, norm_shape)
+    return _LeafPlan(compressed, (min(fi, fo), max(fi, fo)), moment_shape, norm_shape, merged)
 
 
 def _wide(dtype: Any) -> Any:
@@ -262,7 +271,8 @@ def scale_by_apollo(
             # norm over the matrix axes), so that dtypes and shardings of the state match
             # what update_fn returns (explicit-sharding meshes make sharding part of the type).
             wide = _wide(p.dtype)
-            p_wide = p.astype(wide)
+            p_wide = p.astype(wide) if plan.merged is None else plan.merged.to_matrix(p)
+            p_wide = p_wide.astype(wide)
             zero_proj = jnp.zeros((p.shape[plan.compressed], rank), wide)
             r0 = jnp.zeros_like(_project(p_wide, zero_proj, plan.compressed))
             mu.append(r0)
@@ -308,8 +318,8 @@ def scale_by_apollo(
                     f"state has {tuple(m.shape)} (was it initialised for other params?)"
                 )
             wide = jnp.promote_types(_wide(g.dtype), m.dtype)
-            g32 = g.astype(wide)
-            p = get_projection(path, refresh, g.shape[plan.compressed], wide)
+            g32 = (g if plan.merged is None else plan.merged.to_matrix(g)).astype(wide)
+            p = get_projection(path, refresh, g32.shape[plan.compressed], wide)
             r = _project(g32, p, plan.compressed)
             m_t = b1 * m.astype(wide) + (1 - b1) * r
             v_t = b2 * v.astype(wide) + (1 - b2) * jnp.square(r)
@@ -328,7 +338,8 @@ def scale_by_apollo(
             u = u * factor
             t = count.astype(wide)
             correction = jnp.sqrt(_one_minus_pow(b2, t, wide)) / _one_minus_pow(b1, t, wide)
-            new_u.append((u * correction).astype(g.dtype))
+            u = u * correction
+            new_u.append((u if plan.merged is None else plan.merged.from_matrix(u)).astype(g.dtype))
             new_mu.append(m_t.astype(m.dtype))
             new_nu.append(v_t.astype(v.dtype))
             new_norm.append(jnp.squeeze(norm_u * factor, plan.matrix_axes).astype(prev.dtype))

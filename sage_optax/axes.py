@@ -1,13 +1,14 @@
-"""Named axes of parameter leaves (SPEC.md section 1) and per-leaf spec plumbing.
+"""Named axes of parameter leaves and per-leaf spec plumbing (``docs/routing.md``).
 
 SAGE and SinkGD are not transpose-invariant, so every transform states its rule on named
 axes.  :class:`LeafAxes` names them for one leaf:
 
-* ``fan_in``/``fan_out``: the two matrix axes.  A dense Flax kernel ``(in, out)`` has
-  ``fan_in=-2, fan_out=-1``; a PyTorch ``nn.Linear.weight`` ``(out, in)`` has
-  ``fan_in=-1, fan_out=-2``.  For vocabulary matrices the vocab axis is the *fan-out* axis
-  and the model dimension the fan-in axis, so an ``nnx.Embed`` table ``(V, d)`` is
-  ``LeafAxes(fan_in=-1, fan_out=-2)`` and an untied head kernel ``(d, V)`` is
+* ``fan_in``/``fan_out``: the two matrix axes, each one axis or a group of axes that is
+  merged into one (a multi-head kernel, a convolution: ``docs/routing.md``).  A dense Flax
+  kernel ``(in, out)`` has ``fan_in=-2, fan_out=-1``; a PyTorch ``nn.Linear.weight``
+  ``(out, in)`` has ``fan_in=-1, fan_out=-2``.  For vocabulary matrices the vocab axis is
+  the *fan-out* axis and the model dimension the fan-in axis, so an ``nnx.Embed`` table
+  ``(V, d)`` is ``LeafAxes(fan_in=-1, fan_out=-2)`` and an untied head kernel ``(d, V)`` is
   ``LeafAxes(fan_in=-2, fan_out=-1)``: SAGE then always reduces over the fan-out axis
   (the vocab axis of embeddings, the output axis of dense matrices in ``sage-pure``) and
   SinkGD always normalises each token's vector first.
@@ -23,11 +24,15 @@ such a pytree, as ``optax.contrib.muon`` does with its dimension numbers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
+import jax.numpy as jnp
 import optax
+
+from sage_optim import routing as routing_core
 
 Path: TypeAlias = tuple[Any, ...]
 
@@ -36,15 +41,23 @@ Path: TypeAlias = tuple[Any, ...]
 class LeafAxes:
     """The named axes of one parameter leaf.
 
+    Each of ``fan_in`` and ``fan_out`` is one axis or a *group* of axes: a matrix with
+    several axes is one matrix, its fan-in axes merged and its fan-out axes merged
+    (``docs/routing.md``).  An ``nnx.LinearGeneral`` query kernel ``(in, heads, head_dim)``
+    is ``LeafAxes(fan_in=0, fan_out=(1, 2))``, an ``nnx.Conv`` kernel ``(kh, kw, Cin, Cout)``
+    is ``LeafAxes(fan_in=(2, 0, 1), fan_out=3)`` (input channels, then taps: the order in
+    which APOLLO flattens the group, matching a PyTorch ``Conv2d``).
+
     Attributes:
-      fan_in: axis of the fan-in dimension (``None`` for vector leaves).
-      fan_out: axis of the fan-out dimension (``None`` for vector leaves).
+      fan_in: axis or axes of the fan-in dimension (``None`` for vector leaves).
+      fan_out: axis or axes of the fan-out dimension (``None`` for vector leaves); the
+        vocab axis of a vocabulary matrix.
       batch: axes handled independently (stacked layers); ``None`` means every axis
-        other than ``fan_in``/``fan_out``.
+        other than ``fan_in``/``fan_out`` (for a vector leaf: none).
     """
 
-    fan_in: int | None = -2
-    fan_out: int | None = -1
+    fan_in: int | tuple[int, ...] | None = -2
+    fan_out: int | tuple[int, ...] | None = -1
     batch: tuple[int, ...] | None = None
 
     @classmethod
@@ -57,63 +70,105 @@ class LeafAxes:
         """Whether these axes describe a matrix (both matrix axes are set)."""
         return self.fan_in is not None and self.fan_out is not None
 
+    def as_route(self, kind: str | None = None) -> routing_core.Route:
+        """These axes as a shared :class:`sage_optim.routing.Route` of ``kind``."""
+        kind = kind or ("dense" if self.is_matrix else "vector")
+        return routing_core.Route(kind, self.fan_in, self.fan_out, self.batch)
+
     def resolve(self, shape: tuple[int, ...], path: str = "<leaf>") -> ResolvedAxes:
-        """Check these axes against ``shape`` and return them as non-negative ints."""
-        ndim = len(shape)
+        """Check these axes against ``shape`` and return them as non-negative axis groups.
 
-        def norm(axis: int, what: str) -> int:
-            if not -ndim <= axis < ndim:
-                raise ValueError(
-                    f"{what} axis {axis} is out of range for parameter {path!r} of shape "
-                    f"{tuple(shape)}"
-                )
-            return axis % ndim
-
-        if self.fan_in is None or self.fan_out is None:
-            if (self.fan_in is None) != (self.fan_out is None):
-                raise ValueError(
-                    f"parameter {path!r}: set both fan_in and fan_out, or neither (vector)"
-                )
-            batch = tuple(norm(a, "batch") for a in (self.batch or ()))
-            return ResolvedAxes(None, None, batch, tuple(shape))
-        fi, fo = norm(self.fan_in, "fan_in"), norm(self.fan_out, "fan_out")
-        if fi == fo:
-            raise ValueError(
-                f"parameter {path!r} of shape {tuple(shape)}: fan_in and fan_out are the "
-                f"same axis ({fi})"
+        Raises:
+          ValueError: (a :class:`~sage_optim.routing.RoutingError`) an axis out of range or
+            listed twice, only one of ``fan_in``/``fan_out`` set, or batch axes that are
+            not exactly the other axes.
+        """
+        if (self.fan_in is None) != (self.fan_out is None):
+            raise routing_core.RoutingError(
+                f"parameter {path!r}: set both fan_in and fan_out, or neither (vector)"
             )
-        if self.batch is None:
-            batch = tuple(a for a in range(ndim) if a not in (fi, fo))
-        else:
-            batch = tuple(norm(a, "batch") for a in self.batch)
-            rest = sorted(set(range(ndim)) - {fi, fo})
-            if sorted(batch) != rest:
-                raise ValueError(
-                    f"parameter {path!r} of shape {tuple(shape)}: batch axes {self.batch} must "
-                    f"be exactly the axes other than fan_in={self.fan_in} and "
-                    f"fan_out={self.fan_out}"
-                )
-        return ResolvedAxes(fi, fo, batch, tuple(shape))
+        if self.is_matrix and len(shape) < 2:
+            raise routing_core.RoutingError(
+                f"parameter {path!r} of shape {tuple(shape)} has matrix axes but fewer than "
+                "two dimensions"
+            )
+        r = self.as_route().resolve(tuple(shape), path)
+        return ResolvedAxes(r.fan_in, r.fan_out, r.batch, r.shape)
+
+    @classmethod
+    def from_route(cls, route: routing_core.Route | routing_core.ResolvedRoute) -> LeafAxes:
+        """The axes of a shared route (groups of one axis become plain ints)."""
+
+        def simple(group: tuple[int, ...] | None) -> int | tuple[int, ...] | None:
+            return group[0] if group is not None and len(group) == 1 else group
+
+        if route.kind == "vector" or not route.fan_in:
+            return cls.vector(tuple(route.batch or ()))
+        return cls(simple(route.fan_in), simple(route.fan_out), route.batch)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedAxes:
-    """:class:`LeafAxes` checked against a shape: non-negative axis indices."""
+    """:class:`LeafAxes` checked against a shape: non-negative axis groups.
 
-    fan_in: int | None
-    fan_out: int | None
+    ``fan_in`` and ``fan_out`` are tuples of axes (empty for a vector leaf).
+    """
+
+    fan_in: tuple[int, ...]
+    fan_out: tuple[int, ...]
     batch: tuple[int, ...]
     shape: tuple[int, ...]
 
     @property
     def is_matrix(self) -> bool:
         """Whether the leaf is a matrix (per batch index)."""
-        return self.fan_in is not None
+        return bool(self.fan_in)
 
     @property
     def feature_axes(self) -> tuple[int, ...]:
         """All axes that are not batch axes (RMS and norms are taken over these)."""
         return tuple(a for a in range(len(self.shape)) if a not in self.batch)
+
+    @property
+    def fan_in_size(self) -> int:
+        """Size of the merged fan-in axis."""
+        return math.prod(self.shape[a] for a in self.fan_in)
+
+    @property
+    def fan_out_size(self) -> int:
+        """Size of the merged fan-out axis."""
+        return math.prod(self.shape[a] for a in self.fan_out)
+
+    @property
+    def is_simple(self) -> bool:
+        """Whether each matrix axis is a single axis (no merging needed)."""
+        return len(self.fan_in) == 1 and len(self.fan_out) == 1
+
+    def matrix_perm(self) -> tuple[int, ...]:
+        """The transpose to ``(batch..., fan_in..., fan_out...)``, the canonical matrix layout."""
+        return (*self.batch, *self.fan_in, *self.fan_out)
+
+    def to_matrix(self, x: jax.Array) -> jax.Array:
+        """``x`` as ``(batch..., fan_in_size, fan_out_size)`` (a plain reshape where possible)."""
+        perm = self.matrix_perm()
+        if perm != tuple(range(x.ndim)):
+            x = jnp.transpose(x, perm)
+        batch_shape = tuple(self.shape[a] for a in self.batch)
+        return x.reshape(*batch_shape, self.fan_in_size, self.fan_out_size)
+
+    def from_matrix(self, x: jax.Array) -> jax.Array:
+        """Undo :meth:`to_matrix`."""
+        perm = self.matrix_perm()
+        x = x.reshape(tuple(self.shape[a] for a in perm))
+        if perm != tuple(range(x.ndim)):
+            x = jnp.transpose(x, tuple(perm.index(a) for a in range(x.ndim)))
+        return x
+
+    def matrix(self) -> ResolvedAxes:
+        """The axes of :meth:`to_matrix`'s result: batch first, then fan-in, then fan-out."""
+        nb = len(self.batch)
+        shape = (*(self.shape[a] for a in self.batch), self.fan_in_size, self.fan_out_size)
+        return ResolvedAxes((nb,), (nb + 1,), tuple(range(nb)), shape)
 
 
 EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)

@@ -1,13 +1,13 @@
 """The paper's eight optimizer configurations as Optax transformations (SPEC.md section 4).
 
 :func:`make_optimizer` builds any of them from the shared table in
-:mod:`sage_optim.presets`: the router (:func:`~sage_optax.label_params`) labels every leaf
+:mod:`sage_optim.presets`: the router (:func:`~sage_optax.route_params`) labels every leaf
 ``embedding``/``dense``/``vector`` and ``optax.partition`` sends each kind to its rule.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -20,10 +20,17 @@ from sage_optax.sage import sage
 from sage_optax.sinkhorn import sinkgd
 from sage_optax.unit_norm import unit_norm_descent
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve_preset
-from sage_optim.table import RoutingTable
+from sage_optim.table import RoutingRow, RoutingTable
 
-OPTION_KEYS: tuple[str, ...] = ("route_overrides", "vocab_size", "mask", "skip_nonfinite")
+OPTION_KEYS: tuple[str, ...] = (
+    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite"
+)
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
+
+INJECTABLE: tuple[str, ...] = ("b1", "b2", "eps", "weight_decay", "alpha")
+"""Numeric hyperparameters :func:`make_optimizer` names in its signature, so that
+``optax.inject_hyperparams(make_optimizer, static_args="name")`` can inject them (with the
+learning rate); each applies to every rule of the configuration that has it."""
 
 
 def build_rule(
@@ -64,6 +71,12 @@ def build_rule(
 def make_optimizer(
     name: str,
     learning_rate: optax.ScalarOrSchedule | None = None,
+    *,
+    b1: Any = None,
+    b2: Any = None,
+    eps: Any = None,
+    weight_decay: Any = None,
+    alpha: Any = None,
     **overrides: Any,
 ) -> optax.GradientTransformation:
     """Build one of the paper's eight configurations by name.
@@ -73,6 +86,11 @@ def make_optimizer(
         ``lion-hybrid``, ``sage-pure``, ``sage-hybrid`` (:data:`sage_optim.CONFIG_NAMES`).
       learning_rate: float or optax schedule; defaults to the configuration's paper value
         (2e-3 SAGE-based and Lion-Hybrid, 1e-4 AdamW/Lion/APOLLO, 2e-2 SinkGD-based).
+      b1: β1 of every rule that has one (``None``: each rule's default).
+      b2: β2 of every rule that has one.
+      eps: ε of every rule that has one.
+      weight_decay: decoupled decay of every rule.
+      alpha: SinkGD's update scale α (every SinkGD kind).
       **overrides: any of
 
         * ``embedding=``/``dense=``/``vector=``: a rule name (``"adamw"``, ``"lion"``,
@@ -80,12 +98,20 @@ def make_optimizer(
           :class:`sage_optim.Rule` to swap, e.g. ``vector="adamw"`` for the paper's
           SAGE-Hybrid variant with AdamW on 1-D parameters;
         * ``<kind>_<hp>=``: one hyperparameter of one kind's rule, e.g. ``dense_alpha=5.0``;
-        * ``<hp>=``: a hyperparameter for every rule that has it, e.g. ``b1=0.891`` or
-          ``weight_decay=0.0``;
-        * ``route_overrides={glob: kind or Route}`` and ``vocab_size=`` for the router;
+        * ``<hp>=``: any other hyperparameter for every rule that has it, e.g.
+          ``num_iters=3``;
+        * for the router (:func:`~sage_optax.route_params`): ``route_overrides={glob: kind
+          or Route(kind, fan_in=..., fan_out=...)}``, ``vocab_size=``, ``layout="flax"`` or
+          ``"torch"``, and ``model=`` (the ``nnx.Module`` whose module types are evidence:
+          recommended for models with ``nnx.Conv``, ``nnx.LinearGeneral``,
+          ``nnx.MultiHeadAttention`` or ``nnx.Einsum``);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
         * ``skip_nonfinite=N``: wrap in ``optax.apply_if_finite`` so a step with a NaN/Inf
           gradient is skipped (params and state untouched), failing after N in a row.
+
+    ``optax.inject_hyperparams(make_optimizer, static_args="name")(name="sage-hybrid",
+    learning_rate=schedule, b1=0.9)`` injects the learning rate and the named numeric
+    hyperparameters (:data:`INJECTABLE`); options and ``<kind>_<hp>`` overrides stay static.
 
     Returns:
       An ``optax.GradientTransformation`` (an ``optax.partition`` over the kinds).
@@ -94,24 +120,22 @@ def make_optimizer(
       ValueError: unknown name (the message lists the valid ones), unknown override,
         negative learning rate.
     """
-    overrides = dict(overrides)
+    overrides = _merge_injected(overrides)
+    named = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "alpha": alpha}
+    overrides.update({k: v for k, v in named.items() if v is not None})
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     lr = preset.learning_rate if learning_rate is None else learning_rate
     validation.check_learning_rate(lr)
-    route_overrides = overrides.pop("route_overrides", None)
-    vocab_size = overrides.pop("vocab_size", None)
+    router = _router(overrides)
     mask = overrides.pop("mask", None)
     skip_nonfinite = overrides.pop("skip_nonfinite", 0)
-    assert not overrides, overrides  # every key was consumed by resolve_preset
-
-    def routing_of(params: Any) -> routing.ParamRouting:
-        return routing.label_params(params, route_overrides, vocab_size=vocab_size)
+    assert not overrides, overrides  # every key was consumed
 
     def axes_fn(params: Any) -> Any:
-        return routing_of(params).axes
+        return router(params).axes
 
     def labels_fn(params: Any) -> Any:
-        return routing_of(params).labels
+        return router(params).labels
 
     tx = optax.partition(
         {kind: build_rule(preset.rule(kind), lr, axes_fn, mask) for kind in KINDS},
@@ -120,6 +144,45 @@ def make_optimizer(
     if skip_nonfinite:
         tx = optax.apply_if_finite(tx, max_consecutive_errors=int(skip_nonfinite))
     return with_tree_checks(tx)
+
+
+def _merge_injected(overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` with a nested ``overrides=`` dict unpacked.
+
+    ``optax.inject_hyperparams`` binds ``make_optimizer``'s signature and passes the
+    ``**overrides`` it collected as one keyword named ``overrides``.
+    """
+    overrides = dict(overrides)
+    nested = overrides.pop("overrides", None)
+    if nested is not None:
+        if not isinstance(nested, Mapping):
+            raise ValueError(f"unknown override 'overrides' ({nested!r})")
+        clash = set(nested) & set(overrides)
+        if clash:
+            raise ValueError(f"overrides given twice: {sorted(clash)}")
+        overrides.update(nested)
+    return overrides
+
+
+def _router(overrides: dict[str, Any]) -> Callable[[Any], routing.ParamRouting]:
+    """Pop the router options from ``overrides``; return ``params -> ParamRouting``.
+
+    The module evidence of ``model=`` is read once, here, so that the returned function
+    (called at ``init`` and at every traced ``update``) only matches paths.
+    """
+    route_overrides = overrides.pop("route_overrides", None)
+    vocab_size = overrides.pop("vocab_size", None)
+    layout = overrides.pop("layout", "flax")
+    model = overrides.pop("model", None)
+    evidence = routing.module_routes(model) if model is not None else None
+
+    def route(params: Any) -> routing.ParamRouting:
+        return routing.route_params(
+            params, route_overrides, vocab_size=vocab_size, layout=layout,
+            module_evidence=evidence,
+        )
+
+    return route
 
 
 def with_tree_checks(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -167,6 +230,8 @@ def sage_hybrid(
     vector_rule: str = "sage",
     route_overrides: Mapping[str, Any] | None = None,
     vocab_size: int | None = None,
+    layout: str = "flax",
+    model: Any | None = None,
     mask: Any | None = None,
 ) -> optax.GradientTransformation:
     """SAGE-Hybrid, the paper's method: SAGE on embeddings and vectors, Unit-Norm SinkGD on dense.
@@ -188,8 +253,11 @@ def sage_hybrid(
       alpha: SinkGD update scale α.
       num_iters: Sinkhorn iterations.
       vector_rule: ``"sage"`` or ``"adamw"`` for 1-D/0-D parameters.
-      route_overrides: router overrides, see :func:`~sage_optax.label_params`.
-      vocab_size: helps the router find the vocab axis of oddly named heads.
+      route_overrides: router overrides, see :func:`~sage_optax.route_params`.
+      vocab_size: the vocabulary size, for heads of a tree without a token table.
+      layout: ``"flax"`` or ``"torch"``, the params' layout (:func:`~sage_optax.route_params`).
+      model: the ``nnx.Module`` whose module types are routing evidence (pass it in
+        ``static_args`` under ``optax.inject_hyperparams``: a module is callable).
       mask: weight-decay mask.
 
     Returns:
@@ -208,6 +276,8 @@ def sage_hybrid(
         vector=vector_rule,
         route_overrides=route_overrides,
         vocab_size=vocab_size,
+        layout=layout,
+        model=model,
         mask=mask,
     )
 
@@ -215,30 +285,37 @@ def sage_hybrid(
 def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
     """Route ``params`` as configuration ``tx_name`` would and count each leaf's state bytes.
 
-    Nothing is allocated: the state comes from ``jax.eval_shape(tx.init, params)``.
+    Each row gives the leaf's kind, rule, fan-in and fan-out axes (with sizes), the
+    evidence that placed it and its state bytes.  Nothing is allocated: the state comes
+    from ``jax.eval_shape(tx.init, params)``.
 
     Args:
       tx_name: a configuration name (see :func:`make_optimizer`).
-      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
-      **overrides: as for :func:`make_optimizer` (rule swaps, router overrides...).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``), or an ``nnx.Module``
+        (its ``nnx.Param`` state, routed with its module types as evidence).
+      **overrides: as for :func:`make_optimizer` (rule swaps, router options...).
 
     Returns:
       A :class:`RoutingTable`; ``print`` it.
     """
+    if routing._is_nnx_module(params):
+        from flax import nnx
+
+        overrides.setdefault("model", params)
+        params = nnx.state(params, nnx.Param)
     resolved = resolve_preset(tx_name, dict(overrides), OPTION_KEYS)
     tx = make_optimizer(tx_name, **overrides)
-    route = routing.label_params(
-        params, overrides.get("route_overrides"), vocab_size=overrides.get("vocab_size")
-    )
+    route = _router(dict(overrides))(params)
     state = jax.eval_shape(tx.init, params)
     per_leaf, shared = memory.state_bytes_by_leaf(state, params)
-    labels = dict(routing.iter_leaves(route.labels))
+    routes = dict(routing.iter_leaves(route.routes))
     rows = []
     for path, leaf in routing.iter_leaves(params):
-        kind = labels[path]
-        rows.append(
-            (path, tuple(leaf.shape), kind, resolved.rule(kind).describe(), per_leaf[path])
-        )
+        r = routes[path]
+        rows.append(RoutingRow(
+            path, tuple(leaf.shape), r.kind, resolved.rule(r.kind).describe(),
+            r.describe_fan_in(), r.describe_fan_out(), r.evidence, per_leaf[path],
+        ))
     return RoutingTable(tx_name, tuple(rows), shared)
 
 

@@ -47,7 +47,7 @@ class ScaleBySageState(NamedTuple):
 
 
 class _LeafPlan(NamedTuple):
-    reduce_axis: int | None  # the vocab (fan-out) axis, None for element-wise s_t
+    reduce_axes: tuple[int, ...] | None  # the vocab (fan-out) axes, None: element-wise s_t
     rms_axes: tuple[int, ...]  # axes of s_t that σ and γ average over
 
 
@@ -59,7 +59,9 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
         r = spec.resolve(shape, path)
         if not r.is_matrix:
             return _LeafPlan(None, r.feature_axes)
-        rms = tuple(a - (a > r.fan_out) for a in r.feature_axes if a != r.fan_out)
+        # s_t drops the fan-out axes; σ and γ average over the remaining feature axes.
+        kept = [a for a in range(ndim) if a not in r.fan_out]
+        rms = tuple(kept.index(a) for a in r.feature_axes if a not in r.fan_out)
         return _LeafPlan(r.fan_out, rms)
     if spec is None or ndim < 2:
         return _LeafPlan(None, tuple(range(ndim)))
@@ -74,7 +76,7 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
             "(stacked-layer) axis; pass a LeafAxes with explicit batch axes instead"
         )
     other = ndim - 2 if axis == ndim - 1 else ndim - 1
-    return _LeafPlan(axis, (other - (other > axis),))
+    return _LeafPlan((axis,), (other - (other > axis),))
 
 
 def _wide(dtype: Any) -> Any:
@@ -84,7 +86,7 @@ def _wide(dtype: Any) -> Any:
 
 def _mean_abs(g: jax.Array, plan: _LeafPlan) -> jax.Array:
     a = jnp.abs(g.astype(_wide(g.dtype)))
-    return a if plan.reduce_axis is None else jnp.mean(a, axis=plan.reduce_axis)
+    return a if plan.reduce_axes is None else jnp.mean(a, axis=plan.reduce_axes)
 
 
 def lion_direction(g: jax.Array, mu_prev: jax.Array, mu_new: jax.Array, b1: Any, b2: Any
@@ -161,7 +163,7 @@ def scale_by_sage(
         ``EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)`` is an ``nnx.Embed`` table
         ``(V, d)``, leading axes of a stacked leaf being batch axes), an ``int`` axis,
         ``None`` (element-wise ``s_t = |g|`` everywhere), a pytree of these, or a callable
-        mapping params to one (such as ``lambda p: sage_optax.label_params(p).axes``).
+        mapping params to one (such as ``lambda p: sage_optax.route_params(p).axes``).
         1-D and 0-D leaves are always element-wise.  Under ``optax.inject_hyperparams`` an
         ``int`` would become an array: pass it in ``static_args`` (the default needs not).
       mu_dtype: dtype of ``M`` (defaults to the parameter dtype), as in ``optax.lion``.
@@ -224,8 +226,8 @@ def scale_by_sage(
             s_ema = (b2 * s_prev.astype(wide) + (1 - b2) * s_t).astype(s_prev.dtype)
             bias = 1 - jnp.asarray(b2, wide) ** count.astype(wide)
             h = sage_damper(s_t, s_ema.astype(wide) / bias, plan.rms_axes, eps, damper)
-            if plan.reduce_axis is not None:
-                h = jnp.expand_dims(h, plan.reduce_axis)
+            if plan.reduce_axes is not None:
+                h = jnp.expand_dims(h, plan.reduce_axes)
             mu_t = (1 - b2) * g32 + b2 * m32
             new_u.append((lion_direction(g32, m32, mu_t, b1, b2) * h).astype(g.dtype))
             new_mu.append(mu_t.astype(m.dtype))

@@ -1,7 +1,8 @@
 """SinkGD: Sinkhorn-normalised gradient descent (Scetbon et al. 2025; SAGE paper, Unit-Norm).
 
-For a gradient matrix ``G`` (per batch index of stacked layers), repeat ``num_iters`` times
-(SPEC.md section 3)::
+For a gradient matrix ``G`` (per batch index of stacked layers; a leaf with several fan-in
+or fan-out axes is one matrix with each group merged), repeat ``num_iters`` times (axis groups:
+``docs/routing.md``)::
 
     X ← X / (‖X‖₂ along the fan-in axis + eps) · t_in     (each output unit's vector)
     X ← X / (‖X‖₂ along the fan-out axis + eps) · t_out
@@ -86,17 +87,18 @@ def sinkhorn_scales(
 ) -> tuple[jax.Array, jax.Array]:
     """The scale vectors ``(c, r)`` with ``X = diag(c) · G · diag(r)``.
 
-    ``c`` has ``g``'s shape without the fan-out axis (one scale per fan-in index), ``r``
-    without the fan-in axis (one per output unit), both in float32 or wider.
+    ``c`` has ``g``'s shape without the fan-out axes (one scale per fan-in index), ``r``
+    without the fan-in axes (one per output unit), both in float32 or wider.  With axis
+    groups the norms run over every axis of a group: the merged matrix, without a reshape.
     """
     wide = jnp.promote_types(g.dtype, jnp.float32)
     g = g.astype(wide) if g.dtype != wide else g
-    fi, fo = axes.fan_in, axes.fan_out
+    fi, fo = axes.fan_in, axes.fan_out  # axis groups: a merged matrix needs no reshape here
     if normalization == "unit":
         t_in = t_out = jnp.asarray(1.0, wide)
     else:
-        t_in = jnp.sqrt(jnp.asarray(g.shape[fi], wide))
-        t_out = jnp.sqrt(jnp.asarray(g.shape[fo], wide))
+        t_in = jnp.sqrt(jnp.asarray(axes.fan_in_size, wide))
+        t_out = jnp.sqrt(jnp.asarray(axes.fan_out_size, wide))
     # K = G², formed once; every half-iteration is then one (batched) matrix-vector product
     # with it, in full float32 precision on every backend (no TF32).
     k = jnp.square(g)
@@ -105,7 +107,8 @@ def sinkhorn_scales(
         # for ``after``, so that consecutive leaves' K are not all alive at once.
         k = jnp.where(after >= 0, k, jnp.abs(g) * jnp.abs(g))
     sub = "abcdefghijklmnopqrstuvwxyz"[: g.ndim]
-    c_sub, r_sub = sub.replace(sub[fo], ""), sub.replace(sub[fi], "")
+    c_sub = "".join(sub[a] for a in range(g.ndim) if a not in fo)
+    r_sub = "".join(sub[a] for a in range(g.ndim) if a not in fi)
     # Scale vectors shaped (and, under explicit sharding, sharded) like reductions of K.
     c = jnp.ones_like(jnp.sum(k, axis=fo))  # one scale per fan-in index
     r = jnp.ones_like(jnp.sum(k, axis=fi))  # one scale per output unit

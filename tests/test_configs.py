@@ -114,13 +114,18 @@ def test_state_bytes_equal_hand_count(name):
 def test_routing_table_rows_and_print():
     params = init_model()
     table = sage_optax.routing_table("sage-hybrid", params)
-    rows = {r[0]: r for r in table.rows}
-    assert rows["embed.embedding"][2:] == ("embedding", "sage", (V * D + D) * F32)
-    assert rows["layers.0.mlp.up.kernel"][2:] == ("dense", "sinkgd(unit, alpha=10)", 0)
-    assert rows["final_norm.scale"][2:] == ("vector", "sage", 2 * D * F32)
+    emb, up, norm = (table.row(p) for p in
+                     ("embed.embedding", "layers.0.mlp.up.kernel", "final_norm.scale"))
+    assert (emb.kind, emb.rule, emb.state_bytes) == ("embedding", "sage", (V * D + D) * F32)
+    assert (emb.fan_in, emb.fan_out) == (f"1 ({D})", f"0 ({V})")  # (V, d): vocab is fan-out
+    assert (up.kind, up.rule, up.state_bytes) == ("dense", "sinkgd(unit, alpha=10)", 0)
+    assert (up.fan_in, up.fan_out) == (f"0 ({D})", f"1 ({up.shape[1]})")  # Flax (in, out)
+    assert (norm.kind, norm.rule, norm.state_bytes) == ("vector", "sage", 2 * D * F32)
+    assert (norm.fan_in, norm.fan_out) == ("-", "-")
     text = str(table)
     assert "embed.embedding" in text and "sinkgd(unit, alpha=10)" in text
-    assert text.splitlines()[0].split() == ["path", "shape", "kind", "transform", "state", "bytes"]
+    assert text.splitlines()[0].split() == [
+        "path", "shape", "kind", "rule", "fan-in", "fan-out", "evidence", "state", "bytes"]
 
 
 def test_unknown_name_lists_valid_ones():

@@ -79,7 +79,7 @@ def test_apollo_pinned(model):
 def test_apollo_paper_row_is_attention_on_adamw(model):
     params = sage_optax.llama_param_shapes(get_model_config(model))
     # the 'embedding' kind runs AdamW in the apollo configuration
-    attn_on_adamw = {"layers.*.attn.*": Route("embedding", sage_optax.LeafAxes(-2, -1))}
+    attn_on_adamw = {"layers.*.attn.*": Route("embedding", fan_in=-2, fan_out=-1)}
     tx = sage_optax.make_optimizer("apollo", route_overrides=attn_on_adamw)
     gib = sage_optax.state_bytes(jax.eval_shape(tx.init, params)) / GIB
     assert round(gib, 3) == PAPER_MEMORY_GIB[model]["apollo"][0]

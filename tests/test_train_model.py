@@ -71,7 +71,7 @@ def test_init_statistics():
 def test_sage_hybrid_routes_every_param(tie):
     model = Llama(CONFIGS[tie], rngs=nnx.Rngs(0))
     table = routing_table("sage-hybrid", nnx.state(model, nnx.Param))
-    kinds = {path: kind for path, _, kind, _, _ in table.rows}
+    kinds = {row.path: row.kind for row in table.rows}
     assert len(kinds) == len(iter_leaves(llama_param_shapes(CONFIGS[tie])))
     for path, kind in kinds.items():
         if path in ("embed.embedding", "lm_head.kernel"):
