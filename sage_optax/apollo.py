@@ -273,7 +273,7 @@ def scale_by_apollo(
             wide = _wide(p.dtype)
             p_wide = p.astype(wide) if plan.merged is None else plan.merged.to_matrix(p)
             p_wide = p_wide.astype(wide)
-            zero_proj = jnp.zeros((p.shape[plan.compressed], rank), wide)
+            zero_proj = jnp.zeros((p_wide.shape[plan.compressed], rank), wide)
             r0 = jnp.zeros_like(_project(p_wide, zero_proj, plan.compressed))
             mu.append(r0)
             nu.append(jnp.zeros_like(r0))

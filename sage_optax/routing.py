@@ -16,10 +16,11 @@ convention):
    input channels and taps, merged); extra leading axes (``nnx.vmap``/``nnx.scan``) are
    batch axes;
 3. **names and shapes**, only where unambiguous, in the declared ``layout``: ``"flax"``
-   (default: a 2-D ``kernel`` is ``(in, out)``, more axes are stacked layers ``(L..., in,
-   out)``, an ``embedding`` is an ``Embed`` table ``(V, d)``), or ``"torch"`` (a ``weight`` is
-   ``(out, in)``, a table ``(V, d)``; more axes are refused).  0-D/1-D leaves and leaves named
-   ``scale``/``bias`` are vectors.
+   (default: a 2-D ``kernel`` is ``(in, out)``, a 2-D ``embedding`` an ``Embed`` table
+   ``(V, d)``) or ``"torch"`` (a 2-D ``weight`` is ``(out, in)``, a token table ``(V, d)``).
+   0-D/1-D leaves are vectors.  A kernel, weight, ``scale`` or ``bias`` with more axes may
+   be stacked layers, a multi-axis kernel or a convolution: without the model or an
+   override it is refused, with both remedies in the message.
 
 A **head** (an untied output projection: kind ``embedding``, vocab axis as fan-out) is a
 dense matrix with the shape of *the* token embedding, ``(d, V)`` (``(V, d)`` in the torch
@@ -137,6 +138,12 @@ def _einsum_route(einsum_str: str, kernel_ndim: int, what: str) -> Route:
     )
 
 
+def _norm_types() -> tuple[type, ...]:
+    from flax import nnx
+
+    return (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
+
+
 def _expected_bias_ndim(module: Any) -> int:
     """Dims of a bias of ``module`` before any stacking (``nnx.vmap``/``nnx.scan``)."""
     from flax import nnx
@@ -152,12 +159,13 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
     """Routes (or a RoutingError to raise if used) of the params of one known flax module."""
     from flax import nnx
 
+    norms = _norm_types()
     out: dict[str, Any] = {}
     ev = f"module nnx.{type(module).__name__}"
     for attr, p in params.items():
         full = f"{name}.{attr}" if name else attr
         shape = tuple(p.shape)
-        if attr == "bias":
+        if attr == "bias" or (isinstance(module, norms) and attr == "scale"):
             stacked = max(len(shape) - _expected_bias_ndim(module), 0)
             out[full] = Route("vector", batch=tuple(range(stacked)), evidence=ev)
         elif attr != "kernel" and not isinstance(module, nnx.Embed):
@@ -194,12 +202,15 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the flax NNX modules of ``model``, keyed by dotted path.
 
     Only parameters owned by a module of known layout appear (``nnx.Embed``, ``nnx.Linear``,
-    ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``; a ``nnx.ConvTranspose`` kernel maps
-    to the error it raises if used); every other parameter is left to the name rules.
+    ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
+    ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other parameter
+    is left to the name rules.  A module's extra leading axes (``nnx.vmap``, ``nnx.scan``)
+    are batch axes.
     """
     from flax import nnx
 
-    known = (nnx.Embed, nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose)
+    known = (nnx.Embed, nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose,
+             *_norm_types())
     out: dict[str, Route | RoutingError] = {}
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, known):
@@ -216,6 +227,12 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
 # ------------------------------------------------------------------------------ name rules
 
 
+_PASS_MODEL = (
+    "Pass the model (make_optimizer(..., model=model), route_params(model)) so that its "
+    "flax module types decide,"
+)
+
+
 def _name_route(
     name: str, shape: tuple[int, ...], layout: str, vocab_size: int | None
 ) -> Route | RoutingError:
@@ -226,14 +243,30 @@ def _name_route(
     if ndim < 2:
         return Route("vector", evidence=f"shape: {ndim}-D")
     if leaf in core.VECTOR_NAMES:
-        return Route("vector", batch=tuple(range(ndim - 1)),
-                     evidence=f"name {leaf!r} (stacked vectors)")
+        return RoutingError(
+            f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
+            "may be stacked layers' vectors (L, d) or one multi-axis vector (heads, head_dim). "
+            f"{_PASS_MODEL} or give it: "
+            + core.override_advice(name, shape, Route("vector", batch=tuple(range(ndim - 1))))
+            + " for stacked layers, " + core.override_advice(name, shape, Route("vector"))
+            + " for one vector"
+        )
     if layout == "flax":
-        if leaf == "embedding":
+        if leaf == "embedding" and ndim == 2:
             return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
-        if leaf == "kernel":
-            what = "(in, out)" if ndim == 2 else "(..., in, out), leading axes stacked"
-            return Route("dense", -2, -1, evidence=f"name 'kernel' (Flax {what})")
+        if leaf == "kernel" and ndim == 2:
+            return Route("dense", -2, -1, evidence="name 'kernel' (Flax (in, out))")
+        if leaf in ("kernel", "embedding"):
+            conv = Route("dense", (-2, *range(-ndim, -2)), -1)
+            return RoutingError(
+                f"cannot tell the layout of {name!r} of shape {shape}: a Flax {leaf!r} with "
+                f"{ndim} axes may be stacked layers (L, ..., in, out), a multi-axis kernel "
+                "(nnx.LinearGeneral, nnx.MultiHeadAttention, nnx.Einsum) or a convolution "
+                f"(*taps, Cin, Cout). {_PASS_MODEL} or give its axes: "
+                + core.override_advice(name, shape, Route("dense", -2, -1))
+                + " for stacked layers, " + core.override_advice(name, shape, conv)
+                + " for a convolution"
+            )
     else:
         if leaf == "weight" and core.names_token_embedding(name) and ndim == 2:
             return Route("embedding", -1, -2, evidence="name (token table (V, d))")
@@ -260,9 +293,18 @@ def _name_route(
             + core.override_advice(name, shape, Route("embedding", -1, -2))
             + " for a table (rows, d), or 'vector' for element-wise rules"
         )
+    if ndim > 2:
+        return RoutingError(
+            f"cannot tell the layout of {name!r} of shape {shape}: a matrix with {ndim} axes "
+            "may be stacked layers, a multi-axis kernel or a convolution; give its axes, e.g. "
+            + core.override_advice(name, shape, Route("dense", -2, -1) if layout == "flax"
+                                   else Route("dense", -1, -2))
+            + " for stacked layers, or Route('dense', fan_in=(...), fan_out=(...)) for one "
+            "matrix with merged axes"
+        )
     if layout == "torch":
         return Route("dense", -1, -2, evidence="layout torch: (out, in)")
-    return Route("dense", -2, -1, evidence="layout flax: (..., in, out)")
+    return Route("dense", -2, -1, evidence="layout flax: (in, out)")
 
 
 # ------------------------------------------------------------------------------- the router

@@ -39,8 +39,9 @@ VECTOR_NAMES: frozenset[str] = frozenset({"scale", "bias", "b", "gamma", "beta"}
 """Leaf names that hold per-feature vectors, also when stacked into a matrix."""
 
 TOKEN_EMBEDDING_MARKERS: tuple[str, ...] = (
-    "wte", "tok_emb", "tok_embeddings", "embed_tokens", "word_embeddings", "token_embedding",
-    "token_embeddings", "embedder", "input_embedding",
+    "wte", "tok", "token", "tokens", "tok_emb", "tok_embeddings", "tok_embedding",
+    "embed_tokens", "word_embeddings", "token_embedding", "token_embeddings", "embedder",
+    "input_embedding",
 )
 """Path components that name the *token* embedding among several tables (GPT-2 ``wte``,
 Meta LLaMA ``tok_embeddings``, Hugging Face ``embed_tokens``/``word_embeddings``, Gemma
