@@ -56,10 +56,13 @@ def test_nnx_optimizer_routes_like_label_params():
     assert table.row("lm_head.kernel").state_bytes == (32 * 8 + 8) * 4  # M (d, V) + S: O(d)
 
 
-def test_stacked_layers_are_batch_axes():
+def test_stacked_layers_are_batch_axes_once_declared():
     params = {"layers": {"mlp": {"kernel": jnp.ones((3, 8, 16))},
                          "norm": {"scale": jnp.ones((3, 8))}}}
-    r = label_params(params)
+    with pytest.raises(sage_optax.RoutingError, match="stacked layers"):
+        label_params(params)  # (3, 8, 16) may be stacked, multi-axis or a convolution
+    r = label_params(params, {"layers.mlp.kernel": Route("dense", fan_in=-2, fan_out=-1),
+                              "layers.norm.scale": Route("vector", batch=0)})
     assert r.labels["layers"]["mlp"]["kernel"] == "dense"
     assert r.labels["layers"]["norm"]["scale"] == "vector"
     assert r.axes["layers"]["norm"]["scale"] == LeafAxes.vector((0,))
