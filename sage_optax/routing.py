@@ -376,7 +376,7 @@ def _as(x: _Leaf, kind: str) -> Route:
 
 def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route:
     """The route of an overridden leaf: the override, with axes inferred where it gives none."""
-    if override.has_axes:
+    if override.has_axes or (override.kind == "vector" and override.batch is not None):
         return override
     default = x.route
     if override.kind == "vector":
