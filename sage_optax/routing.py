@@ -209,6 +209,11 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """
     from flax import nnx
 
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"model= takes a flax NNX module, got {type(model).__name__}; for a linen model "
+            "or another pytree, give the axes of multi-axis leaves with route_overrides"
+        )
     known = (nnx.Embed, nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose,
              *_norm_types())
     out: dict[str, Route | RoutingError] = {}
@@ -228,8 +233,8 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
 
 
 _PASS_MODEL = (
-    "Pass the model (make_optimizer(..., model=model), route_params(model)) so that its "
-    "flax module types decide,"
+    "Pass the flax NNX model (make_optimizer(..., model=model), route_params(model)) so "
+    "that its module types decide,"
 )
 
 
