@@ -27,7 +27,7 @@ $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 # The main job: the paper's memory table, then a few minutes of pretraining the `small`
 # LLaMA on the embedded standard-library corpus with SAGE-Hybrid (loss curve PNG in runs/).
 demo: $(VENV)/.core-installed
-	$(BIN)/python -m sage_optax.memory_report
+	$(BIN)/python -m sage_repro.memory_report
 	$(BIN)/sage-train --model small --optimizer sage-hybrid --steps 300 --batch-size 16 \
 		--seq-len 128 --eval-every 100 --run-dir runs/demo
 

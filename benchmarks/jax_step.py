@@ -18,7 +18,7 @@ not fit in memory together (``--schedule auto``, the estimate is printed), each
 configuration is instead interleaved pairwise with the baseline, which then stays alive for
 the whole run, and its ratio uses the baseline timings of its own rounds.
 
-Bytes moved per step: the analytic model of :mod:`sage_optim.traffic` (parameters read and
+Bytes moved per step: the analytic model of :mod:`sage_repro.traffic` (parameters read and
 written, gradients and every state leaf read, state written, plus SinkGD's ``2·L + 2`` and
 SAGE's one extra pass over each matrix they update).
 
@@ -53,9 +53,10 @@ import jax.numpy as jnp
 import optax
 
 import sage_optax
-from sage_optim import traffic
 from sage_optim.models import get_model_config
 from sage_optim.presets import resolve_preset
+from sage_repro import traffic
+from sage_repro.llama_shapes import llama_param_shapes
 
 BASELINE = "optax.adamw (baseline)"
 GIB = 2.0**30
@@ -114,7 +115,7 @@ def make_tx(name: str) -> optax.GradientTransformation:
 
 
 def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
-    """The analytic byte count of :mod:`sage_optim.traffic`."""
+    """The analytic byte count of :mod:`sage_repro.traffic`."""
     leaves = []
     if name != BASELINE:
         preset = resolve_preset(name, {})
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     config = get_model_config(args.model)
-    shapes = sage_optax.llama_param_shapes(config)
+    shapes = llama_param_shapes(config)
     p_bytes = nbytes(shapes)
     largest = max(nbytes(x) for x in jax.tree.leaves(shapes))
     print(f"jax {jax.__version__}, optax {optax.__version__}, devices {jax.devices()}")

@@ -9,7 +9,7 @@ Four parts, each a subcommand (``all`` runs them in order)::
     python benchmarks/paper_tables.py all --out runs/paper
 
 * ``memory``: the Appendix memory table for 270M / 0.6B / 1.3B, computed exactly from
-  ``jax.eval_shape`` (:mod:`sage_optax.memory_report`), next to the paper's figures.
+  ``jax.eval_shape`` (:mod:`sage_repro.memory_report`), next to the paper's figures.
 * ``convergence``: the main table (``tab:main_results``) in form: every configuration
   trained by :func:`sage_train.train.train` on the embedded standard-library corpus with the
   same token budget and schedule (cosine, 10% warmup), at its paper learning rate, for each
@@ -44,8 +44,8 @@ import time
 from collections.abc import Sequence
 
 from sage_optim import CONFIG_NAMES, get_preset
-from sage_optim.paper import PAPER_LR_GRID, PAPER_TEST_PPL
 from sage_optim.table import format_bytes, format_markdown_table
+from sage_repro.paper import PAPER_LR_GRID, PAPER_TEST_PPL
 
 DEFAULT_OUT = pathlib.Path("runs/paper")
 SAGE_RUN = "sage-hybrid"  # whose embedding damper H_t the figures show
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(f"## {title}\n\n{body}\n")
 
     if args.part in ("memory", "all"):
-        from sage_optax.memory_report import format_memory_table
+        from sage_repro.memory_report import format_memory_table
 
         emit("Optimizer-state memory at the paper's scales (exact, GiB)",
              "```\n" + format_memory_table() + "\n```")

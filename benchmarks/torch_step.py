@@ -19,7 +19,7 @@ round to round.  Each configuration is interleaved with the baseline in its own 
 (pairwise, so only one configuration's state is alive at a time) and its ratio is its
 median over the baseline's median of the same rounds.
 
-Bytes moved per step: the analytic model of :mod:`sage_optim.traffic`, shared with
+Bytes moved per step: the analytic model of :mod:`sage_repro.traffic`, shared with
 ``benchmarks/jax_step.py`` (``|S|`` counted from the optimizer's ``state`` after the warmup,
 without the ``step`` counters).
 
@@ -57,9 +57,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_torch
-from sage_optim import traffic
 from sage_optim.models import LlamaConfig, get_model_config
 from sage_optim.presets import CONFIG_NAMES, resolve_preset
+from sage_repro import traffic
 
 BASELINE = "torch.optim.AdamW (baseline)"
 GIB = 2.0**30
@@ -135,7 +135,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def bytes_moved(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """The analytic byte count of :mod:`sage_optim.traffic`."""
+    """The analytic byte count of :mod:`sage_repro.traffic`."""
     p_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     leaves = []
     if name != BASELINE:

@@ -34,7 +34,7 @@ import torch
 import sage_optax
 import sage_torch
 from sage_optim.table import format_table
-from sage_torch import parity
+from sage_repro import parity
 
 FAST = os.environ.get("SAGE_NOTEBOOK_FAST") == "1"
 CONFIGS = ("sage-hybrid", "lion-hybrid") if FAST else (
@@ -142,7 +142,7 @@ print(model_report.table())
 # weights into the trainer's Flax NNX `Llama` (`sage_train.hf_convert`), and trains both on
 # the same batches with the same configuration, in float32 (what both models compute in).
 # The loss difference is the two implementations' float32 rounding, not the optimizers'.
-# (`python -m sage_torch.parity --mode llama --config all` runs it for every configuration.)
+# (`python -m sage_repro.parity --mode llama --config all` runs it for every configuration.)
 
 # %%
 if LLAMA_STEPS:

@@ -84,7 +84,7 @@ assert losses[-1] < losses[0]
 # ## Memory of the paper's models, without allocating them
 
 # %%
-from sage_optax.memory_report import format_memory_table  # noqa: E402
+from sage_repro.memory_report import format_memory_table  # noqa: E402
 
 print(format_memory_table(("270m",)))
 print("optimizer state of this model:", sage_optax.state_bytes(optimizer.opt_state), "bytes")

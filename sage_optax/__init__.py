@@ -18,7 +18,6 @@ Optimization" (Lee & Kim); SPEC.md fixes every convention.
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax.axes import EMBEDDING_TABLE, LeafAxes
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
-from sage_optax.llama_shapes import llama_param_shapes
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
     LAYOUTS,
@@ -53,7 +52,6 @@ __all__ = [
     "ScaleBySageState",
     "apollo",
     "label_params",
-    "llama_param_shapes",
     "make_optimizer",
     "module_routes",
     "route_params",

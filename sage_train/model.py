@@ -3,8 +3,8 @@
 Token embedding, then ``num_layers`` pre-norm blocks (RMSNorm → grouped-query attention with
 RoPE → residual; RMSNorm → SwiGLU MLP → residual), a final RMSNorm and the vocabulary
 projection (the transposed embedding when tied, else ``lm_head``).  Parameter names and
-layouts are those of :func:`sage_optax.llama_param_shapes`, so the SAGE router places every
-leaf (``embed.embedding``/``lm_head.kernel`` → embedding, ``*.kernel`` → dense,
+layouts are those of :func:`sage_repro.llama_shapes.llama_param_shapes`, so the SAGE router
+places every leaf (``embed.embedding``/``lm_head.kernel`` → embedding, ``*.kernel`` → dense,
 ``*.scale`` → vector).
 """
 

@@ -9,10 +9,11 @@ import pytest
 
 import sage_optax
 from sage_optax import Route
-from sage_optax.memory_report import format_memory_table, main, memory_rows
 from sage_optim import PAPER_MODELS
 from sage_optim.models import get_model_config
-from sage_optim.paper import PAPER_MEMORY_GIB
+from sage_repro.llama_shapes import llama_param_shapes
+from sage_repro.memory_report import format_memory_table, main, memory_rows
+from sage_repro.paper import PAPER_MEMORY_GIB
 
 GIB = 2**30
 
@@ -77,7 +78,7 @@ def test_apollo_pinned(model):
 # name filter of the paper's run missed them) the paper's figures come back exactly.
 @pytest.mark.parametrize("model", list(PAPER_MODELS))
 def test_apollo_paper_row_is_attention_on_adamw(model):
-    params = sage_optax.llama_param_shapes(get_model_config(model))
+    params = llama_param_shapes(get_model_config(model))
     # the 'embedding' kind runs AdamW in the apollo configuration
     attn_on_adamw = {"layers.*.attn.*": Route("embedding", fan_in=-2, fan_out=-1)}
     tx = sage_optax.make_optimizer("apollo", route_overrides=attn_on_adamw)
@@ -89,7 +90,7 @@ def test_eval_shape_counts_equal_allocated_counts():
     """Counting from eval_shape is exact: it equals the bytes of a real state (tiny model)."""
     params = jax.tree.map(
         lambda s: jax.numpy.zeros(s.shape, s.dtype),
-        sage_optax.llama_param_shapes(get_model_config("tiny")),
+        llama_param_shapes(get_model_config("tiny")),
     )
     for name in ("sage-hybrid", "adamw", "apollo"):
         init = sage_optax.make_optimizer(name).init
@@ -129,7 +130,7 @@ def test_donated_step_needs_no_more_temporary_memory_than_the_largest_parameter(
     Sinkhorn loops gives temp = all dense bytes."""
     import optax
 
-    shapes = sage_optax.llama_param_shapes(get_model_config("small"))
+    shapes = llama_param_shapes(get_model_config("small"))
     largest = max(math.prod(s.shape) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
     tx = sage_optax.make_optimizer(config, 1e-3)
     state = jax.eval_shape(tx.init, shapes)

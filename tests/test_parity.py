@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 
 from sage_optim import CONFIG_NAMES  # noqa: E402
-from sage_torch.parity import TOLERANCE, main, run_parity  # noqa: E402
+from sage_repro.parity import TOLERANCE, main, run_parity  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
@@ -40,7 +40,7 @@ def test_same_batches_same_losses(name):
 
 def test_parity_is_not_vacuous():
     """A different configuration on one side is caught at once."""
-    import sage_torch.parity as parity
+    import sage_repro.parity as parity
 
     original = parity._torch_optimizer
     try:

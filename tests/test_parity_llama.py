@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from sage_torch.parity import TOLERANCE, run_llama_parity  # noqa: E402
+from sage_repro.parity import TOLERANCE, run_llama_parity  # noqa: E402
 
 
 @pytest.mark.parametrize("name,tied", [("sage-hybrid", True), ("sage-hybrid", False),

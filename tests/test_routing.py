@@ -11,6 +11,7 @@ import sage_optax
 from sage_optax import LeafAxes, Route
 from sage_optax import route_params as label_params
 from sage_optim.models import get_model_config
+from sage_repro.llama_shapes import llama_param_shapes
 
 
 class Tiny(nnx.Module):
@@ -97,7 +98,7 @@ def test_masked_nodes_pass_through():
 
 
 def test_llama_shapes_route_as_the_paper_says():
-    params = sage_optax.llama_param_shapes(get_model_config("tiny"))
+    params = llama_param_shapes(get_model_config("tiny"))
     table = sage_optax.routing_table("sage-hybrid", params)
     kinds = {r[0]: r[2] for r in table.rows}
     assert kinds["embed.embedding"] == "embedding"

@@ -60,7 +60,7 @@ def test_bytes_moved_counts_sinkgd_passes():
     opt = torch_step.make("sinkgd-pure", model, 1e-4, False)
     opt.step()
     dense = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 2)
-    # sinkgd-pure: SinkGD (L = 5) on every matrix: 2L + 2 extra passes (sage_optim.traffic).
+    # sinkgd-pure: SinkGD (L = 5) on every matrix: 2L + 2 extra passes (sage_repro.traffic).
     assert torch_step.bytes_moved("sinkgd-pure", model, opt) == 3 * p_bytes + 12 * dense
     base = torch_step.make(torch_step.BASELINE, model, 1e-4, True)
     base.step()

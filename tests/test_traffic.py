@@ -1,4 +1,4 @@
-"""The analytic traffic model (sage_optim.traffic) as both step benchmarks apply it."""
+"""The analytic traffic model (sage_repro.traffic) as both step benchmarks apply it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import sys
 import jax
 import pytest
 
-import sage_optax
-from sage_optim import CONFIG_NAMES, traffic
+from sage_optim import CONFIG_NAMES
 from sage_optim.models import get_model_config
+from sage_repro import traffic
+from sage_repro.llama_shapes import llama_param_shapes
 
 pytest.importorskip("torch")
 BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
@@ -32,7 +33,7 @@ jax_step, torch_step = load("jax_step"), load("torch_step")
 def test_sage_hybrid_by_hand():
     """tiny: V = 1024, d = 96, 2 layers; SAGE on the embedding and the vectors, SinkGD (L=5)
     on every dense matrix; state = M of everything routed to SAGE + S of each SAGE leaf."""
-    shapes = sage_optax.llama_param_shapes(get_model_config("tiny"))
+    shapes = llama_param_shapes(get_model_config("tiny"))
     leaves = jax.tree_util.tree_leaves_with_path(shapes)
     size = {jax.tree_util.keystr(k): math.prod(v.shape) * 4 for k, v in leaves}
     embed = size["['embed']['embedding']"]
@@ -49,7 +50,7 @@ def test_sage_hybrid_by_hand():
 def test_both_frameworks_count_the_same_bytes(name, torch_one_thread):
     """The JAX and PyTorch benchmarks apply one model to their own optimizers' states."""
     cfg = get_model_config("tiny")
-    shapes = sage_optax.llama_param_shapes(cfg)
+    shapes = llama_param_shapes(cfg)
     jname = jax_step.BASELINE if name == "baseline" else name
     tname = torch_step.BASELINE if name == "baseline" else name
     jb = jax_step.bytes_moved(jname, shapes, jax.eval_shape(jax_step.make_tx(jname).init,

@@ -9,9 +9,10 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx")
 
-from sage_optax import llama_param_shapes, routing_table  # noqa: E402
+from sage_optax import routing_table  # noqa: E402
 from sage_optax.routing import iter_leaves  # noqa: E402
 from sage_optim.models import MODELS  # noqa: E402
+from sage_repro.llama_shapes import llama_param_shapes  # noqa: E402
 from sage_train import hf_convert  # noqa: E402
 from sage_train.model import Llama, abstract_params, loss_fn  # noqa: E402
 

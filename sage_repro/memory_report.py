@@ -1,6 +1,6 @@
 """Print the paper's Appendix memory table, recomputed exactly from ``jax.eval_shape``.
 
-``python -m sage_optax.memory_report`` (or ``sage-memory``) builds every configuration for
+``python -m sage_repro.memory_report`` (or ``sage-memory``) builds every configuration for
 the paper's 270M / 0.6B / 1.3B LLaMA shapes, counts optimizer-state bytes of
 ``jax.eval_shape(tx.init, params)`` (nothing is allocated) and prints them next to the
 paper's Appendix table ``tab:memory_full``.  "Total" is weights + gradients + optimizer
@@ -15,12 +15,12 @@ import dataclasses
 import jax
 
 from sage_optax.configs import make_optimizer
-from sage_optax.llama_shapes import llama_param_shapes
 from sage_optax.memory import state_bytes
 from sage_optim.models import PAPER_MODELS, get_model_config
-from sage_optim.paper import PAPER_MEMORY_GIB
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
+from sage_repro.llama_shapes import llama_param_shapes
+from sage_repro.paper import PAPER_MEMORY_GIB
 
 GIB = 2**30
 

@@ -1,6 +1,6 @@
 """Check that :mod:`sage_torch` and :mod:`sage_optax` make the same updates (SPEC.md section 7).
 
-``python -m sage_torch.parity --config sage-hybrid --steps 100 --dtype float64`` builds the
+``python -m sage_repro.parity --config sage-hybrid --steps 100 --dtype float64`` builds the
 same small mixed model (embedding, untied head, two dense matrices, a bias, two norms) in
 both frameworks with the same initial weights (converted between Flax ``(in, out)`` and
 PyTorch ``(out, in)`` layouts), feeds both optimizers the same gradient sequence (sparse
