@@ -1,0 +1,116 @@
+"""Hyperparameter choices and ranges, written once for both frameworks.
+
+:mod:`sage_optax` (whose checks skip traced values) and :mod:`sage_torch` (whose checks run on
+every param group) validate every hyperparameter against these tables, so a bad value gets
+the same message in both: ``"b2 must be in [0, 1), got 1.5"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import types
+from collections.abc import Mapping
+from typing import Any
+
+DAMPERS: tuple[str, ...] = ("both", "ema", "instant", "none")
+"""SAGE's damper variants: the paper's default ``both`` (EMA and instantaneous), ``ema``
+(Algorithm 1 alone), ``instant`` (the Appendix circuit breaker alone), ``none`` (H = 1, Lion)."""
+
+NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
+"""SinkGD's target norms: ``unit`` (the SAGE paper's Unit-Norm SinkGD) or ``sqrt`` (Scetbon et
+al.'s SR-Sinkhorn)."""
+
+SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
+"""APOLLO's gradient scaling: one factor per matrix, or one per uncompressed channel."""
+
+CHOICES: Mapping[str, tuple[str, ...]] = types.MappingProxyType(
+    {"damper": DAMPERS, "normalization": NORMALIZATIONS, "scale_type": SCALE_TYPES}
+)
+"""The string hyperparameters and their valid values."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric hyperparameter."""
+
+    low: float
+    high: float = math.inf
+    low_inclusive: bool = True
+    high_inclusive: bool = False
+    integer: bool = False
+
+    def contains(self, value: Any) -> bool:
+        """Whether ``value`` (a real number) lies in the range."""
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            return False
+        if self.integer and int(value) != value:
+            return False
+        lo = value >= self.low if self.low_inclusive else value > self.low
+        hi = value <= self.high if self.high_inclusive else value < self.high
+        return bool(lo and hi)
+
+    def describe(self) -> str:
+        """``"in [0, 1)"``, ``"> 0"``, ``"an integer >= 1"``."""
+        if self.integer:
+            return f"an integer >= {self.low:g}"
+        if math.isinf(self.high):
+            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
+        lb, hb = "[" if self.low_inclusive else "(", "]" if self.high_inclusive else ")"
+        return f"in {lb}{self.low:g}, {self.high:g}{hb}"
+
+
+RANGES: Mapping[str, Range] = types.MappingProxyType(
+    {
+        "learning_rate": Range(0.0),
+        "lr": Range(0.0),
+        "weight_decay": Range(0.0),
+        "eps": Range(0.0),
+        "b1": Range(0.0, 1.0, high_inclusive=True),
+        "b2": Range(0.0, 1.0),
+        "alpha": Range(0.0),
+        "num_iters": Range(1, integer=True),
+        "rank": Range(1, integer=True),
+        "update_proj_gap": Range(1, integer=True),
+        "scale": Range(0.0, low_inclusive=False),
+        "limiter_gamma": Range(1.0),
+    }
+)
+"""The valid range of every numeric hyperparameter (see :data:`RULE_RANGES` for exceptions)."""
+
+RULE_RANGES: Mapping[tuple[str, str], Range] = types.MappingProxyType(
+    {
+        # Adam's bias correction 1 - b1^t vanishes at b1 = 1.
+        ("adamw", "b1"): Range(0.0, 1.0),
+        ("apollo", "b1"): Range(0.0, 1.0),
+    }
+)
+"""Ranges that differ for one rule: ``(rule, name) -> Range``."""
+
+
+def range_of(name: str, rule: str | None = None) -> Range | None:
+    """The valid range of hyperparameter ``name`` (of ``rule``, where it differs)."""
+    return RULE_RANGES.get((rule or "", name)) or RANGES.get(name)
+
+
+def problem(name: str, value: Any, rule: str | None = None) -> str | None:
+    """The message for an invalid ``value`` of ``name``, or ``None`` if it is valid/unknown.
+
+    Strings are checked against :data:`CHOICES`, numbers against :func:`range_of`.
+    """
+    if name in CHOICES:
+        if value not in CHOICES[name]:
+            return f"{name} must be one of {CHOICES[name]}, got {value!r}"
+        return None
+    valid = range_of(name, rule)
+    if valid is None or valid.contains(value):
+        return None
+    return f"{name} must be {valid.describe()}, got {value!r}"
+
+
+def check(name: str, value: Any, rule: str | None = None) -> None:
+    """Raise a ``ValueError`` naming ``name`` if ``value`` is invalid (see :func:`problem`)."""
+    message = problem(name, value, rule)
+    if message is not None:
+        raise ValueError(message)
