@@ -29,9 +29,10 @@ from sage_optax.routing import (
     module_routes,
     route_params,
 )
-from sage_optax.sage import DAMPERS, ScaleBySageState, sage, sage_damper, scale_by_sage
-from sage_optax.sinkhorn import NORMALIZATIONS, scale_by_sinkhorn, sinkgd, sinkhorn_normalize
+from sage_optax.sage import ScaleBySageState, sage, sage_damper, scale_by_sage
+from sage_optax.sinkhorn import scale_by_sinkhorn, sinkgd, sinkhorn_normalize
 from sage_optax.unit_norm import scale_by_unit_norm, unit_norm_descent
+from sage_optim.hyperparams import DAMPERS, NORMALIZATIONS, SCALE_TYPES
 from sage_optim.presets import CONFIG_NAMES
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "RoutingError",
     "RoutingTable",
     "ScaleByApolloState",
+    "SCALE_TYPES",
     "ScaleBySageState",
     "apollo",
     "label_params",

@@ -34,9 +34,10 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import validation
+from sage_optim.presets import RULE_DEFAULTS
 
-SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
-"""Gradient scaling granularity: one factor per matrix, or one per uncompressed channel."""
+_DEFAULTS = RULE_DEFAULTS["apollo"]
+_KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 Projection = Callable[[str, jax.Array, int, int], jax.Array]
 """``projection(path, refresh_index, n, rank) -> P`` with ``P.shape == (n, rank)``."""
@@ -107,7 +108,7 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan 
     if spec is None:
         return None
     if not isinstance(spec, axes_lib.LeafAxes):
-        raise TypeError(f"parameter {path!r}: dims must be LeafAxes or None, got {spec!r}")
+        raise TypeError(f"parameter {path!r}: axes must be LeafAxes or None, got {spec!r}")
     if len(shape) < 2 or not spec.is_matrix:
         raise ValueError(
             f"APOLLO needs a matrix, but parameter {path!r} has shape {tuple(shape)}"
@@ -125,11 +126,6 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan 
     moment_shape = tuple(rank if a == compressed else n for a, n in enumerate(shape))
     norm_shape = tuple(n for a, n in enumerate(shape) if a not in (fi, fo))
     return _LeafPlan(compressed, (min(fi, fo), max(fi, fo)), moment_shape, norm_shape, merged)
-
-
-def _wide(dtype: Any) -> Any:
-    """Arithmetic dtype: float32, or wider if the input is wider (float64)."""
-    return jnp.promote_types(dtype, jnp.float32)
 
 
 def _one_minus_pow(b: Any, t: jax.Array, dtype: Any) -> jax.Array:
@@ -159,18 +155,19 @@ def _scaling_factor(r: jax.Array, r_tilde: jax.Array, axis: Any) -> jax.Array:
 
 
 def scale_by_apollo(
-    rank: int = 1,
-    scale_type: str = "tensor",
-    scale: float = 128.0,
-    update_proj_gap: int = 200,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
-    limiter_gamma: float = 1.01,
-    seed: int = 0,
+    rank: int = _DEFAULTS["rank"],
+    scale_type: str = _DEFAULTS["scale_type"],
+    scale: float = _DEFAULTS["scale"],
+    update_proj_gap: int = _DEFAULTS["update_proj_gap"],
+    b1: float = _DEFAULTS["b1"],
+    b2: float = _DEFAULTS["b2"],
+    eps: float = _DEFAULTS["eps"],
+    limiter_gamma: float = _DEFAULTS["limiter_gamma"],
+    seed: int = _DEFAULTS["seed"],
     *,
-    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+    axes: axes_lib.AxesSpec = _KERNEL,
     projection: Projection | None = None,
+    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""Rescale each gradient matrix by APOLLO's projected AdamW ratio (Zhu et al. 2024).
 
@@ -218,10 +215,11 @@ def scale_by_apollo(
       eps: ε of :math:`\tilde R`.
       limiter_gamma: growth bound γ of the limiter (``float("inf")`` disables it).
       seed: seed of the default projection.  Structural.
-      dims: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
+      axes: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
         ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
         through unchanged, without state) or a callable of the params.
       projection: optional :data:`Projection` replacing :func:`gaussian_projection`.
+      dims: deprecated name of ``axes``.
 
     With ``optax.inject_hyperparams`` the numeric hyperparameters (``scale``, ``b1``,
     ``b2``, ``eps``, ``limiter_gamma``) may be arrays; ``rank``, ``scale_type``,
@@ -236,14 +234,11 @@ def scale_by_apollo(
       that is not a matrix raises a ``ValueError`` naming its path and shape ("APOLLO
       needs a matrix").
     """
-    validation.check_positive_int("rank", rank)
-    validation.check_choice("scale_type", scale_type, SCALE_TYPES)
-    validation.check_range("scale", scale, 0.0, float("inf"), low_inclusive=False)
-    validation.check_positive_int("update_proj_gap", update_proj_gap)
-    validation.check_range("b1", b1, 0.0, 1.0)
-    validation.check_range("b2", b2, 0.0, 1.0)
-    validation.check_range("eps", eps, 0.0, float("inf"))
-    validation.check_range("limiter_gamma", limiter_gamma, 1.0, float("inf"), high_inclusive=True)
+    validation.check_hyperparameters(
+        "apollo", rank=rank, scale_type=scale_type, scale=scale,
+        update_proj_gap=update_proj_gap, b1=b1, b2=b2, eps=eps, limiter_gamma=limiter_gamma,
+    )
+    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     project_fn = projection if projection is not None else gaussian_projection(seed)
 
     def get_projection(path: str, k: jax.Array, n: int, dtype: Any) -> jax.Array:
@@ -256,7 +251,7 @@ def scale_by_apollo(
         return p.astype(dtype)
 
     def init_fn(params: optax.Params) -> ScaleByApolloState:
-        specs = axes_lib.resolve_spec(dims, params)
+        specs = axes_lib.resolve_spec(axes, params)
         treedef, leaves = axes_lib.flatten_with_spec(params, specs)
         mu, nu, norm = [], [], []
         for path, spec, p in leaves:
@@ -270,7 +265,7 @@ def scale_by_apollo(
             # Built by the very operations update_fn applies to the gradient (projection,
             # norm over the matrix axes), so that dtypes and shardings of the state match
             # what update_fn returns (explicit-sharding meshes make sharding part of the type).
-            wide = _wide(p.dtype)
+            wide = axes_lib.wide(p.dtype)
             p_wide = p.astype(wide) if plan.merged is None else plan.merged.to_matrix(p)
             p_wide = p_wide.astype(wide)
             zero_proj = jnp.zeros((p_wide.shape[plan.compressed], rank), wide)
@@ -295,7 +290,7 @@ def scale_by_apollo(
         updates: optax.Updates, state: ScaleByApolloState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ScaleByApolloState]:
         del params
-        specs = axes_lib.resolve_spec(dims, updates)
+        specs = axes_lib.resolve_spec(axes, updates)
         treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
         mus = axes_lib.flatten_like(treedef, state.mu, "the APOLLO first-moment state")
         nus = axes_lib.flatten_like(treedef, state.nu, "the APOLLO second-moment state")
@@ -317,7 +312,7 @@ def scale_by_apollo(
                     f"needs APOLLO moments of shape {plan.moment_shape}, but the optimizer "
                     f"state has {tuple(m.shape)} (was it initialised for other params?)"
                 )
-            wide = jnp.promote_types(_wide(g.dtype), m.dtype)
+            wide = jnp.promote_types(axes_lib.wide(g.dtype), m.dtype)
             g32 = (g if plan.merged is None else plan.merged.to_matrix(g)).astype(wide)
             p = get_projection(path, refresh, g32.shape[plan.compressed], wide)
             r = _project(g32, p, plan.compressed)
@@ -390,7 +385,7 @@ def add_decayed_weights_after_step(
       :class:`AddDecayedWeightsAfterStepState`; its update needs ``params``.
     """
     validation.check_learning_rate(learning_rate)
-    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    validation.check_hyperparameters(weight_decay=weight_decay)
 
     def init_fn(params: optax.Params) -> AddDecayedWeightsAfterStepState:
         del params
@@ -432,7 +427,7 @@ def add_decayed_weights_after_step(
             if axes_lib.is_masked(u):
                 out.append(u)
                 continue
-            wide = jnp.promote_types(_wide(u.dtype), p.dtype)
+            wide = jnp.promote_types(axes_lib.wide(u.dtype), p.dtype)
             lr = jnp.asarray(eta, wide)
             step = -lr * u.astype(wide)
             if m:
@@ -447,20 +442,21 @@ def add_decayed_weights_after_step(
 
 def apollo(
     learning_rate: optax.ScalarOrSchedule,
-    rank: int = 1,
-    scale_type: str = "tensor",
-    scale: float = 128.0,
-    update_proj_gap: int = 200,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-6,
-    weight_decay: float = 0.01,
-    limiter_gamma: float = 1.01,
-    seed: int = 0,
+    rank: int = _DEFAULTS["rank"],
+    scale_type: str = _DEFAULTS["scale_type"],
+    scale: float = _DEFAULTS["scale"],
+    update_proj_gap: int = _DEFAULTS["update_proj_gap"],
+    b1: float = _DEFAULTS["b1"],
+    b2: float = _DEFAULTS["b2"],
+    eps: float = _DEFAULTS["eps"],
+    weight_decay: float = _DEFAULTS["weight_decay"],
+    limiter_gamma: float = _DEFAULTS["limiter_gamma"],
+    seed: int = _DEFAULTS["seed"],
     *,
     mask: Any | None = None,
-    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+    axes: axes_lib.AxesSpec = _KERNEL,
     projection: Projection | None = None,
+    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""The APOLLO optimizer (Zhu et al. 2024) with decay after the step, as its code does.
 
@@ -485,11 +481,12 @@ def apollo(
       limiter_gamma: norm-growth bound γ.
       seed: seed of the default projection (static).
       mask: which leaves get weight decay (pytree of bools or callable).
-      dims: per-leaf axes, see :func:`scale_by_apollo`.
+      axes: per-leaf axes, see :func:`scale_by_apollo`.
       projection: optional injected projection, see :func:`scale_by_apollo`.
+      dims: deprecated name of ``axes``.
 
     Under ``optax.inject_hyperparams`` list ``rank``, ``scale_type``, ``update_proj_gap``,
-    ``seed`` and any callable ``projection``, ``mask`` or ``dims`` in ``static_args``;
+    ``seed`` and any callable ``projection``, ``mask`` or ``axes`` in ``static_args``;
     ``learning_rate``, ``scale``, ``b1``, ``b2``, ``eps``, ``weight_decay`` and
     ``limiter_gamma`` may be injected.
 
@@ -497,7 +494,8 @@ def apollo(
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
-    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    validation.check_hyperparameters("apollo", weight_decay=weight_decay)
+    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     return optax.chain(
         scale_by_apollo(
             rank,
@@ -509,7 +507,7 @@ def apollo(
             eps,
             limiter_gamma,
             seed,
-            dims=dims,
+            axes=axes,
             projection=projection,
         ),
         add_decayed_weights_after_step(weight_decay, learning_rate, mask),

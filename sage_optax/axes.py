@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -171,11 +172,38 @@ class ResolvedAxes:
         return ResolvedAxes((nb,), (nb + 1,), tuple(range(nb)), shape)
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+"""Default of the deprecated axis arguments (``vocab_axis=``, ``dims=``): not given."""
+
+
+def renamed_axes(axes: Any, old_value: Any, old_name: str, default: Any) -> Any:
+    """``axes``, or the value of its deprecated name ``old_name`` (with a warning)."""
+    if old_value is UNSET:
+        return axes
+    if axes is not default:
+        raise TypeError(f"pass axes= or its deprecated name {old_name}=, not both")
+    warnings.warn(
+        f"{old_name}= is deprecated; pass axes= (the same values)", DeprecationWarning,
+        stacklevel=3,
+    )
+    return old_value
+
+
 EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)
 """Axes of an embedding table ``(V, d)`` (``nnx.Embed``, ``nn.Embedding``): vocab is fan-out."""
 
 AxesSpec: TypeAlias = "LeafAxes | None | Any | Callable[[Any], Any]"
 """One :class:`LeafAxes`, a pytree of them (``None`` skips a leaf), or a callable of params."""
+
+
+def wide(dtype: Any) -> Any:
+    """Arithmetic dtype of every transform: float32, or wider if ``dtype`` is (float64)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def is_masked(x: Any) -> bool:

@@ -58,13 +58,13 @@ def build_rule(
             learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask
         )
     if rule.name == "sage":
-        return sage(learning_rate, **hp, mask=mask, vocab_axis=axes)
+        return sage(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "sinkgd":
-        return sinkgd(learning_rate, **hp, mask=mask, dims=axes)
+        return sinkgd(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "apollo":
-        return apollo(learning_rate, **hp, mask=mask, dims=axes)
+        return apollo(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "unit_norm":
-        return unit_norm_descent(learning_rate, **hp, mask=mask, dims=axes)
+        return unit_norm_descent(learning_rate, **hp, mask=mask, axes=axes)
     raise ValueError(f"unknown rule {rule.name!r}; valid rules: {sorted(RULE_DEFAULTS)}")
 
 

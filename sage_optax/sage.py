@@ -2,7 +2,7 @@
 
 For each parameter with gradient ``g`` at step ``t`` (from 1)::
 
-    s_t = mean_{vocab axis} |g|            (matrices; |g| element-wise for vectors)  Eq. (1)
+    s_t = mean_{vocab axis} |g|            (matrices; |g| element-wise for vectors)  Eq. (2)
     S_t = b2 * S_{t-1} + (1 - b2) * s_t ;   Ŝ_t = S_t / (1 - b2^t)
     σ = sqrt(mean(Ŝ_t²)) ;  γ = sqrt(mean(s_t²))
     H_t = min(σ / (Ŝ_t + eps), γ / (s_t + eps), 1)   broadcast over the vocab axis
@@ -25,10 +25,9 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import validation
+from sage_optim.presets import RULE_DEFAULTS
 
-DAMPERS: tuple[str, ...] = ("both", "ema", "instant", "none")
-"""Damper variants: the paper's default ``both`` (EMA and instantaneous), ``ema`` (Algorithm 1
-alone), ``instant`` (the Appendix circuit breaker alone), ``none`` (H = 1, exactly Lion)."""
+_DEFAULTS = RULE_DEFAULTS["sage"]
 
 
 class ScaleBySageState(NamedTuple):
@@ -53,7 +52,7 @@ class _LeafPlan(NamedTuple):
 
 def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
     ndim = len(shape)
-    if ndim < 2:  # Eq. (1): vectors and scalars are element-wise whatever the spec
+    if ndim < 2:  # Eq. (2): vectors and scalars are element-wise whatever the spec
         return _LeafPlan(None, tuple(range(ndim)))
     if isinstance(spec, axes_lib.LeafAxes):
         r = spec.resolve(shape, path)
@@ -67,25 +66,20 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
         return _LeafPlan(None, tuple(range(ndim)))
     if not -ndim <= spec < ndim:
         raise ValueError(
-            f"vocab_axis={spec} is out of range for parameter {path!r} of shape {tuple(shape)}"
+            f"axes={spec} is out of range for parameter {path!r} of shape {tuple(shape)}"
         )
     axis = spec % ndim
     if axis < ndim - 2:
         raise ValueError(
-            f"vocab_axis={spec} of parameter {path!r} with shape {tuple(shape)} is a leading "
+            f"axes={spec} of parameter {path!r} with shape {tuple(shape)} is a leading "
             "(stacked-layer) axis; pass a LeafAxes with explicit batch axes instead"
         )
     other = ndim - 2 if axis == ndim - 1 else ndim - 1
     return _LeafPlan((axis,), (other - (other > axis),))
 
 
-def _wide(dtype: Any) -> Any:
-    """Arithmetic dtype: float32, or wider if the input is wider (float64)."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _mean_abs(g: jax.Array, plan: _LeafPlan) -> jax.Array:
-    a = jnp.abs(g.astype(_wide(g.dtype)))
+    a = jnp.abs(g.astype(axes_lib.wide(g.dtype)))
     return a if plan.reduce_axes is None else jnp.mean(a, axis=plan.reduce_axes)
 
 
@@ -139,13 +133,14 @@ def sage_damper(
 
 
 def scale_by_sage(
-    b1: float = 0.9,
-    b2: float = 0.99,
-    eps: float = 1e-8,
+    b1: float = _DEFAULTS["b1"],
+    b2: float = _DEFAULTS["b2"],
+    eps: float = _DEFAULTS["eps"],
     *,
-    vocab_axis: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
+    axes: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
     mu_dtype: Any | None = None,
-    damper: str = "both",
+    damper: str = _DEFAULTS["damper"],
+    vocab_axis: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""Rescale updates by the SAGE rule: ``sign(momentum) ⊙ H_t`` (Algorithm 1).
 
@@ -158,7 +153,7 @@ def scale_by_sage(
         this rule with ``b1 = 0.9 * 0.99 = 0.891``.
       b2: decay of the momentum ``M`` and of the scale EMA ``S`` (β2).
       eps: ε added to the denominators of both dampers.
-      vocab_axis: the axis ``s_t`` averages over (the vocab axis of an embedding): a
+      axes: the axis ``s_t`` averages over (the vocab axis of an embedding): a
         :class:`~sage_optax.LeafAxes` (reduce over its ``fan_out`` axis; the default
         ``EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)`` is an ``nnx.Embed`` table
         ``(V, d)``, leading axes of a stacked leaf being batch axes), an ``int`` axis,
@@ -168,18 +163,17 @@ def scale_by_sage(
         ``int`` would become an array: pass it in ``static_args`` (the default needs not).
       mu_dtype: dtype of ``M`` (defaults to the parameter dtype), as in ``optax.lion``.
       damper: which dampers enter ``H_t``; see :data:`DAMPERS`.
+      vocab_axis: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`ScaleBySageState`.
     """
-    validation.check_range("b1", b1, 0.0, 1.0, high_inclusive=True)
-    validation.check_range("b2", b2, 0.0, 1.0)
-    validation.check_range("eps", eps, 0.0, float("inf"))
-    validation.check_choice("damper", damper, DAMPERS)
+    validation.check_hyperparameters("sage", b1=b1, b2=b2, eps=eps, damper=damper)
+    axes = axes_lib.renamed_axes(axes, vocab_axis, "vocab_axis", axes_lib.EMBEDDING_TABLE)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
     def init_fn(params: optax.Params) -> ScaleBySageState:
-        specs = axes_lib.resolve_spec(vocab_axis, params)
+        specs = axes_lib.resolve_spec(axes, params)
         treedef, leaves = axes_lib.flatten_with_spec(params, specs)
         mu, s = [], []
         for path, spec, p in leaves:
@@ -203,7 +197,7 @@ def scale_by_sage(
         updates: optax.Updates, state: ScaleBySageState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ScaleBySageState]:
         del params
-        specs = axes_lib.resolve_spec(vocab_axis, updates)
+        specs = axes_lib.resolve_spec(axes, updates)
         treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
         mus = axes_lib.flatten_like(treedef, state.mu, "the SAGE momentum state")
         ss = axes_lib.flatten_like(treedef, state.s, "the SAGE scale state")
@@ -220,7 +214,7 @@ def scale_by_sage(
                 new_s.append(s_prev)
                 continue
             plan = _plan(path, spec, g.shape)
-            wide = _wide(g.dtype)
+            wide = axes_lib.wide(g.dtype)
             g32, m32 = g.astype(wide), m.astype(wide)
             s_t = _mean_abs(g, plan)
             s_ema = (b2 * s_prev.astype(wide) + (1 - b2) * s_t).astype(s_prev.dtype)
@@ -242,15 +236,16 @@ def scale_by_sage(
 
 def sage(
     learning_rate: optax.ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.99,
-    eps: float = 1e-8,
-    weight_decay: float = 0.01,
+    b1: float = _DEFAULTS["b1"],
+    b2: float = _DEFAULTS["b2"],
+    eps: float = _DEFAULTS["eps"],
+    weight_decay: float = _DEFAULTS["weight_decay"],
     *,
     mask: Any | None = None,
-    vocab_axis: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
+    axes: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
     mu_dtype: Any | None = None,
-    damper: str = "both",
+    damper: str = _DEFAULTS["damper"],
+    vocab_axis: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""The SAGE optimizer (paper Algorithm 1) with decoupled weight decay.
 
@@ -267,19 +262,21 @@ def sage(
       eps: ε of the dampers.
       weight_decay: decoupled decay ``w`` (multiplied by the learning rate).
       mask: which leaves get weight decay (pytree of bools or callable), as ``optax.adamw``.
-      vocab_axis: see :func:`scale_by_sage`.  Without routing every matrix is treated as an
+      axes: see :func:`scale_by_sage`.  Without routing every matrix is treated as an
         embedding table ``(V, d)``; use :func:`sage_optax.make_optimizer` (``sage-pure``) to
         reduce dense kernels over their fan-out axis.
       mu_dtype: dtype of the momentum state.
       damper: see :data:`DAMPERS`.
+      vocab_axis: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
-    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    validation.check_hyperparameters("sage", weight_decay=weight_decay)
+    axes = axes_lib.renamed_axes(axes, vocab_axis, "vocab_axis", axes_lib.EMBEDDING_TABLE)
     return optax.chain(
-        scale_by_sage(b1, b2, eps, vocab_axis=vocab_axis, mu_dtype=mu_dtype, damper=damper),
+        scale_by_sage(b1, b2, eps, axes=axes, mu_dtype=mu_dtype, damper=damper),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )

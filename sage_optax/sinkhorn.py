@@ -31,9 +31,10 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import validation
+from sage_optim.presets import RULE_DEFAULTS
 
-NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
-"""Sinkhorn target norms: ``unit`` (SAGE paper) or ``sqrt`` (Scetbon et al.)."""
+_DEFAULTS = RULE_DEFAULTS["sinkgd"]
+_KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 
 def _sharding_of(x: jax.Array) -> Any:
@@ -139,7 +140,7 @@ def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
     if spec is None:
         return None
     if not isinstance(spec, axes_lib.LeafAxes):
-        raise TypeError(f"parameter {path!r}: dims must be LeafAxes or None, got {spec!r}")
+        raise TypeError(f"parameter {path!r}: axes must be LeafAxes or None, got {spec!r}")
     if x.ndim < 2 or not spec.is_matrix:
         raise ValueError(
             f"SinkGD needs a matrix, but parameter {path!r} has shape {tuple(x.shape)}"
@@ -151,11 +152,12 @@ def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
 
 
 def scale_by_sinkhorn(
-    num_iters: int = 5,
-    eps: float = 1e-8,
-    normalization: str = "unit",
+    num_iters: int = _DEFAULTS["num_iters"],
+    eps: float = _DEFAULTS["eps"],
+    normalization: str = _DEFAULTS["normalization"],
     *,
-    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+    axes: axes_lib.AxesSpec = _KERNEL,
+    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
 
@@ -163,20 +165,22 @@ def scale_by_sinkhorn(
       num_iters: number ``L`` of (fan-in, fan-out) iteration pairs (paper: 5).
       eps: ε added to every norm.
       normalization: ``"unit"`` (Unit-Norm SinkGD) or ``"sqrt"`` (SR-Sinkhorn).
-      dims: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
+      axes: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
         ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
         through unchanged) or a callable of the params.
+      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.  A leaf with fewer than two
       dimensions raises a ``ValueError`` naming its path and shape.
     """
-    validation.check_choice("normalization", normalization, NORMALIZATIONS)
-    validation.check_positive_int("num_iters", num_iters)
-    validation.check_range("eps", eps, 0.0, float("inf"))
+    validation.check_hyperparameters(
+        "sinkgd", num_iters=num_iters, eps=eps, normalization=normalization
+    )
+    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
-        axes_lib.map_leaves(_check_matrix, params, dims)  # fail at init, before any step
+        axes_lib.map_leaves(_check_matrix, params, axes)  # fail at init, before any step
         return optax.EmptyState()
 
     def update_fn(
@@ -198,21 +202,22 @@ def scale_by_sinkhorn(
             previous.append(jnp.min(r))
             return apply_scales(g, resolved, c, r).astype(g.dtype)
 
-        return axes_lib.map_leaves(normalize, updates, dims), state
+        return axes_lib.map_leaves(normalize, updates, axes), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
 
 def sinkgd(
     learning_rate: optax.ScalarOrSchedule,
-    alpha: float = 10.0,
-    num_iters: int = 5,
-    weight_decay: float = 0.01,
-    normalization: str = "unit",
+    alpha: float = _DEFAULTS["alpha"],
+    num_iters: int = _DEFAULTS["num_iters"],
+    weight_decay: float = _DEFAULTS["weight_decay"],
+    normalization: str = _DEFAULTS["normalization"],
     *,
-    eps: float = 1e-8,
+    eps: float = _DEFAULTS["eps"],
     mask: Any | None = None,
-    dims: axes_lib.AxesSpec = axes_lib.LeafAxes(-2, -1),  # noqa: B008 (immutable)
+    axes: axes_lib.AxesSpec = _KERNEL,
+    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
 
@@ -227,15 +232,17 @@ def sinkgd(
       normalization: ``"unit"`` or ``"sqrt"``.
       eps: ε added to every norm.
       mask: which leaves get weight decay (pytree of bools or callable).
-      dims: per-leaf axes, see :func:`scale_by_sinkhorn`.
+      axes: per-leaf axes, see :func:`scale_by_sinkhorn`.
+      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
-    validation.check_range("weight_decay", weight_decay, 0.0, float("inf"))
+    validation.check_hyperparameters("sinkgd", alpha=alpha, weight_decay=weight_decay)
+    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     return optax.chain(
-        scale_by_sinkhorn(num_iters, eps, normalization, dims=dims),
+        scale_by_sinkhorn(num_iters, eps, normalization, axes=axes),
         optax.scale(alpha),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

@@ -10,22 +10,27 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import validation
+from sage_optim.presets import RULE_DEFAULTS
+
+_DEFAULTS = RULE_DEFAULTS["unit_norm"]
 
 
 def scale_by_unit_norm(
-    eps: float = 1e-8, *, dims: axes_lib.AxesSpec = None
+    eps: float = _DEFAULTS["eps"], *, axes: axes_lib.AxesSpec = None, dims: Any = axes_lib.UNSET
 ) -> optax.GradientTransformation:
     r"""Divide each leaf by its own L2 norm: :math:`u = g / (\|g\|_2 + \epsilon)` (stateless).
 
     Args:
       eps: ε added to the norm.
-      dims: per-leaf axes; only the batch axes are used (a stacked leaf is normalised per
+      axes: per-leaf axes; only the batch axes are used (a stacked leaf is normalised per
         batch index).  ``None`` normalises every leaf as a whole.
+      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.
     """
-    validation.check_range("eps", eps, 0.0, float("inf"))
+    validation.check_hyperparameters("unit_norm", eps=eps)
+    axes = axes_lib.renamed_axes(axes, dims, "dims", None)
 
     def update_fn(
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
@@ -41,18 +46,19 @@ def scale_by_unit_norm(
             norm = jnp.sqrt(jnp.sum(jnp.square(wide), axis=reduce_axes, keepdims=True))
             return (wide / (norm + eps)).astype(g.dtype)
 
-        return axes_lib.map_leaves(normalize, updates, dims), state
+        return axes_lib.map_leaves(normalize, updates, axes), state
 
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
 def unit_norm_descent(
     learning_rate: optax.ScalarOrSchedule,
-    weight_decay: float = 0.01,
+    weight_decay: float = _DEFAULTS["weight_decay"],
     *,
-    eps: float = 1e-8,
+    eps: float = _DEFAULTS["eps"],
     mask: Any | None = None,
-    dims: axes_lib.AxesSpec = None,
+    axes: axes_lib.AxesSpec = None,
+    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""Normalised descent with decay: :math:`\theta(1-\eta w) - \eta\, g/(\|g\|+\epsilon)`.
 
@@ -61,14 +67,17 @@ def unit_norm_descent(
       weight_decay: decoupled decay ``w``.
       eps: ε added to the norm.
       mask: which leaves get weight decay.
-      dims: per-leaf axes (batch axes only), see :func:`scale_by_unit_norm`.
+      axes: per-leaf axes (batch axes only), see :func:`scale_by_unit_norm`.
+      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
+    validation.check_hyperparameters("unit_norm", weight_decay=weight_decay)
+    axes = axes_lib.renamed_axes(axes, dims, "dims", None)
     return optax.chain(
-        scale_by_unit_norm(eps, dims=dims),
+        scale_by_unit_norm(eps, axes=axes),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
     )

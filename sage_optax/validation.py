@@ -5,10 +5,23 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+from sage_optim import hyperparams
+
 
 def is_static_number(x: Any) -> bool:
     """Whether ``x`` is a concrete Python/NumPy real number (not a tracer or array)."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_hyperparameters(rule: str | None = None, **values: Any) -> None:
+    """Check concrete hyperparameters against the shared table (:mod:`sage_optim.hyperparams`).
+
+    Traced values (``optax.inject_hyperparams``) are not checked; strings, bools and Python
+    or NumPy numbers are, with the message both frameworks give.
+    """
+    for name, value in values.items():
+        if isinstance(value, str | bool) or is_static_number(value):
+            hyperparams.check(name, value, rule)
 
 
 def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None:

@@ -74,7 +74,7 @@ RANGES: Mapping[str, Range] = types.MappingProxyType(
         "rank": Range(1, integer=True),
         "update_proj_gap": Range(1, integer=True),
         "scale": Range(0.0, low_inclusive=False),
-        "limiter_gamma": Range(1.0),
+        "limiter_gamma": Range(1.0, high_inclusive=True),  # inf: no limiter
     }
 )
 """The valid range of every numeric hyperparameter (see :data:`RULE_RANGES` for exceptions)."""

@@ -231,7 +231,7 @@ def test_stacked_equals_separate_layers(x64):
     dims = {"a": LeafAxes(), "b": LeafAxes(), "c": LeafAxes(fan_in=0, fan_out=2)}
     shapes = {"a": (n_layers, 6, 10), "b": (n_layers, 10, 6), "c": (6, n_layers, 10)}
     layer_axis = {"a": 0, "b": 0, "c": 1}
-    stacked = scale_by_apollo(2, update_proj_gap=2, dims=dims, projection=cheap_projection())
+    stacked = scale_by_apollo(2, update_proj_gap=2, axes=dims, projection=cheap_projection())
     single = scale_by_apollo(2, update_proj_gap=2, projection=cheap_projection())
     s_stacked = stacked.init({k: jnp.zeros(v) for k, v in shapes.items()})
     assert {k: v.shape for k, v in s_stacked.norm.items()} == {k: (n_layers,) for k in shapes}
@@ -353,7 +353,7 @@ def test_vector_leaf_is_rejected():
     with pytest.raises(ValueError, match=r"APOLLO needs a matrix.*'b'"):
         opt.init({"b": jnp.ones(())})
     with pytest.raises(ValueError, match=r"APOLLO needs a matrix.*'w'"):
-        scale_by_apollo(dims=LeafAxes.vector()).init({"w": jnp.ones((4, 4))})
+        scale_by_apollo(axes=LeafAxes.vector()).init({"w": jnp.ones((4, 4))})
     # The same check guards update (e.g. a state built for other params).
     state = opt.init({"w": jnp.ones((4, 4))})
     with pytest.raises(ValueError, match=r"APOLLO needs a matrix.*'w'"):
@@ -439,7 +439,7 @@ def test_state_is_tiny_for_rank_one():
     s = opt.init({"w": jnp.zeros((256, 64), jnp.float32)})
     assert s.mu["w"].shape == (256, 1)
     # PyTorch layout (out=256, in=64): fan-in is the last axis and is compressed.
-    s = scale_by_apollo(1, dims=LeafAxes(fan_in=-1, fan_out=-2)).init(
+    s = scale_by_apollo(1, axes=LeafAxes(fan_in=-1, fan_out=-2)).init(
         {"w": jnp.zeros((256, 64), jnp.float32)}
     )
     assert s.mu["w"].shape == (256, 1)

@@ -103,9 +103,9 @@ def test_state_from_another_model_is_named():
 
 def test_bad_axes_are_named():
     with pytest.raises(ValueError, match=r"'k'.*fan_in axis 5"):
-        sage_optax.sinkgd(1e-2, dims=LeafAxes(5, -1)).init({"k": jnp.ones((3, 4))})
-    with pytest.raises(ValueError, match="vocab_axis=0.*leading"):
-        sage_optax.sage(1e-2, vocab_axis=0).init({"k": jnp.ones((2, 3, 4))})
+        sage_optax.sinkgd(1e-2, axes=LeafAxes(5, -1)).init({"k": jnp.ones((3, 4))})
+    with pytest.raises(ValueError, match="axes=0.*leading"):
+        sage_optax.sage(1e-2, axes=0).init({"k": jnp.ones((2, 3, 4))})
 
 
 def test_nonfinite_gradient_without_guard_poisons_params():

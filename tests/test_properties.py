@@ -129,7 +129,7 @@ FLAX_KERNEL = LeafAxes(-2, -1)
 
 
 def sinkhorn(g, normalization="unit", num_iters=5, axes=FLAX_KERNEL):
-    tx = sage_optax.scale_by_sinkhorn(num_iters, normalization=normalization, dims=axes)
+    tx = sage_optax.scale_by_sinkhorn(num_iters, normalization=normalization, axes=axes)
     return np.asarray(tx.update(jnp.asarray(g), tx.init(jnp.asarray(g)))[0])
 
 
