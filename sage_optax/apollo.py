@@ -84,7 +84,7 @@ class ScaleByApolloState(NamedTuple):
         recorded yet".
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
     mu: optax.Updates
     nu: optax.Updates
     norm: optax.Updates
@@ -352,7 +352,7 @@ def scale_by_apollo(
 class AddDecayedWeightsAfterStepState(NamedTuple):
     """State of :func:`add_decayed_weights_after_step`: the step count for the schedule."""
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
 
 
 def add_decayed_weights_after_step(

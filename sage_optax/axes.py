@@ -280,7 +280,8 @@ def flatten_with_spec(tree: Any, spec_tree: Any) -> tuple[Any, list[tuple[str, A
     ``None``) are kept as leaves so the caller can pass them through unchanged; the treedef
     therefore also flattens state trees built with :func:`flatten_like`.
     """
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)
+    with_path, structure = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_masked)
+    treedef: Any = structure
     try:
         specs = treedef.flatten_up_to(spec_tree)
     except (ValueError, TypeError) as e:

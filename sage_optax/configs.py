@@ -205,8 +205,8 @@ def with_tree_checks(tx: optax.GradientTransformation) -> optax.GradientTransfor
 
 def check_matching_trees(updates: Any, params: Any) -> None:
     """Raise a ``ValueError`` naming the first path where ``updates`` and ``params`` differ."""
-    u_def = jax.tree.structure(updates, is_leaf=axes_lib.is_masked)
-    p_def = jax.tree.structure(params, is_leaf=axes_lib.is_masked)
+    u_def: Any = jax.tree.structure(updates, is_leaf=axes_lib.is_masked)
+    p_def: Any = jax.tree.structure(params, is_leaf=axes_lib.is_masked)
     if u_def != p_def:
         raise ValueError(
             axes_lib.tree_mismatch_message(p_def, updates, "the gradients", "the params")

@@ -40,7 +40,7 @@ def state_bytes_by_leaf(opt_state: Any, params: Any) -> tuple[dict[str, int], in
       ``({dotted parameter path: bytes}, shared_bytes)``.
     """
     params, opt_state = axes_lib.unbox(params), axes_lib.unbox(opt_state)
-    treedef = jax.tree.structure(params, is_leaf=axes_lib.is_masked)
+    treedef: Any = jax.tree.structure(params, is_leaf=axes_lib.is_masked)
     names = [name for name, _ in routing.iter_leaves(params)]
     per_leaf = dict.fromkeys(names, 0)
     if treedef.num_leaves == 1 and treedef.num_nodes == 1:  # params is a single array

@@ -40,7 +40,7 @@ class ScaleBySageState(NamedTuple):
         float32 or wider.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # optax's name; shadows tuple.count
     mu: optax.Updates
     s: optax.Updates
 

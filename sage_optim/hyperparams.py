@@ -45,10 +45,11 @@ class Range:
         """Whether ``value`` (a real number) lies in the range."""
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return False
-        if self.integer and int(value) != value:
+        v = float(value)
+        if self.integer and not (math.isfinite(v) and v == int(v)):
             return False
-        lo = value >= self.low if self.low_inclusive else value > self.low
-        hi = value <= self.high if self.high_inclusive else value < self.high
+        lo = v >= self.low if self.low_inclusive else v > self.low
+        hi = v <= self.high if self.high_inclusive else v < self.high
         return bool(lo and hi)
 
     def describe(self) -> str:

@@ -127,7 +127,8 @@ class Preset:
     def with_rule(self, kind: str, rule: Rule) -> Preset:
         """A copy with ``kind`` routed to ``rule`` instead."""
         self.rule(kind)
-        return dataclasses.replace(self, **{kind: rule})
+        changes: dict[str, Any] = {kind: rule}
+        return dataclasses.replace(self, **changes)
 
 
 _SINKGD_SQRT = Rule("sinkgd", {"normalization": "sqrt", "alpha": 0.05})
