@@ -14,8 +14,8 @@
 # %% [markdown]
 # # PyTorch-to-JAX parity
 #
-# `sage_torch` and `sage_optax` implement the same eight configurations (SPEC.md section 4)
-# and must make the same updates (SPEC.md section 7). This notebook shows how that is
+# `sage_torch` and `sage_optax` implement the same eight configurations (docs/configurations.md)
+# and must make the same updates (docs/configurations.md). This notebook shows how that is
 # checked: the same model in both frameworks, the same gradients, both optimizers side by
 # side, and the largest difference between the two frameworks' parameters after each step,
 # in float64 and float32; then the trainer's full Flax LLaMA against `transformers`' PyTorch
@@ -104,7 +104,7 @@ print(sage_optax.routing_table("sage-hybrid", parity.to_flax(model32.state_dict(
 # sparse embedding rows (tokens absent from a batch), exact zeros, column scales over six
 # orders of magnitude and periodic 1000x spikes, under the same warmup + cosine schedule,
 # and records after every step the largest absolute parameter difference per kind.
-# SPEC.md's tolerances are 1e-10 in float64 and 1e-5 in float32.
+# The project's tolerances are 1e-10 in float64 and 1e-5 in float32.
 
 # %%
 reports = {(name, dtype): parity.run_parity(name, steps=STEPS, dtype=dtype)

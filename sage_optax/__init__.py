@@ -12,7 +12,7 @@ Quick start::
 The transforms follow Optax: ``scale_by_*`` transformations hold the rule, the aliases
 (:func:`sage`, :func:`sinkgd`, :func:`apollo`) chain decoupled weight decay and the
 learning rate.  Reference: "SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM
-Optimization" (Lee & Kim); SPEC.md fixes every convention.
+Optimization" (Lee & Kim); ``docs/`` states every convention.
 """
 
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo

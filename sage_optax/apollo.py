@@ -1,7 +1,7 @@
 """APOLLO: SGD-like memory, AdamW-level performance (Zhu et al. 2024, arXiv:2412.05270).
 
 For a dense matrix with gradient ``G`` at step ``t`` (from 1), per batch index of stacked
-layers (SPEC.md section 4, "APOLLO, as the apollo configuration uses it")::
+layers (``docs/algorithms.md``, APOLLO)::
 
     P   = projection(path, k, n, r)         k = (t − 1) // T, entries N(0, 1/r), not stored
     R   = G ×_c P                           compress axis c (the smaller one) to rank r
@@ -42,7 +42,7 @@ _KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes sta
 Projection = Callable[[str, jax.Array, int, int], jax.Array]
 """``projection(path, refresh_index, n, rank) -> P`` with ``P.shape == (n, rank)``."""
 
-_NORM_FLOOR = 1e-8  # the 1e-8 added to ‖R‖ in the scaling factor (SPEC.md)
+_NORM_FLOOR = 1e-8  # the 1e-8 added to ‖R‖ in the scaling factor (docs/algorithms.md)
 
 
 def gaussian_projection(seed: int = 0) -> Projection:
@@ -182,7 +182,7 @@ def scale_by_apollo(
     where :math:`R_t = G \times_{\text{axis}} P_k` is the gradient with its smaller axis
     (fan-in if fan-out ≥ fan-in, else fan-out) compressed to ``rank`` by a random
     projection :math:`P_k`, :math:`M_t, V_t` are AdamW moments of :math:`R_t`, :math:`c`
-    is ``scale``, and :math:`\mathrm{lim}` is the norm-growth limiter (SPEC.md section 4):
+    is ``scale``, and :math:`\mathrm{lim}` is the norm-growth limiter (``docs/algorithms.md``):
     with :math:`\rho` the recorded norm of the previous step,
     :math:`U \leftarrow U\,\gamma\rho/\|U\|_F` if :math:`\rho > 0` and
     :math:`\|U\|_F > \gamma\rho`, then :math:`\rho \leftarrow \|U\|_F`.
@@ -464,7 +464,7 @@ def apollo(
     :math:`u_t` the update of :func:`scale_by_apollo` (bias correction
     :math:`\sqrt{1-\beta_2^t}/(1-\beta_1^t)` included), i.e.
     ``chain(scale_by_apollo(...), add_decayed_weights_after_step(w, η, mask))``.
-    The defaults are APOLLO-Mini as the paper's baseline ran it (SPEC.md section 4): rank 1,
+    The defaults are APOLLO-Mini as the paper's baseline ran it (``docs/algorithms.md``): rank 1,
     ``tensor`` scaling, scale 128, refresh every 200 steps.  Every leaf must be a matrix;
     route embeddings and 1-D parameters to AdamW (``make_optimizer`` / ``optax.partition``).
 

@@ -1,4 +1,4 @@
-"""Exact optimizer-state memory, from a state or its ``jax.eval_shape`` (SPEC.md section 6)."""
+"""Exact optimizer-state memory, from a state or its ``jax.eval_shape`` (paper Table 4)."""
 
 from __future__ import annotations
 

@@ -250,7 +250,7 @@ def sage(
     r"""The SAGE optimizer (paper Algorithm 1) with decoupled weight decay.
 
     Per step: :math:`\theta \leftarrow \theta (1 - \eta_t w) - \eta_t\, C_t \odot H_t`
-    (SPEC.md section 2), i.e. ``chain(scale_by_sage, add_decayed_weights(w, mask),
+    (Algorithm 1; ``docs/algorithms.md``), i.e. ``chain(scale_by_sage, add_decayed_weights(w, mask),
     scale_by_learning_rate(η))``.
 
     Args:

@@ -1,7 +1,7 @@
-"""The paper's eight optimizer configurations (SPEC.md section 4), as data.
+"""The paper's eight optimizer configurations (the paper's Table 2), as data.
 
 This is the one table both frameworks build from.  A *configuration* assigns an update
-*rule* to each of the three parameter *kinds* produced by the router (SPEC.md section 5):
+*rule* to each of the three parameter *kinds* produced by the router (``docs/routing.md``):
 
 * ``embedding``: token embeddings and (untied) output heads, the vocabulary matrices;
 * ``dense``: every other matrix (attention and MLP projections);
@@ -31,11 +31,11 @@ RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
         ),
         # Lion (Chen et al. 2023), hard sign.
         "lion": types.MappingProxyType({"b1": 0.9, "b2": 0.99, "weight_decay": 0.01}),
-        # SAGE, Algorithm 1 + instantaneous damper (SPEC.md section 2).
+        # SAGE, Algorithm 1 + instantaneous damper (docs/algorithms.md).
         "sage": types.MappingProxyType(
             {"b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01, "damper": "both"}
         ),
-        # SinkGD (SPEC.md section 3); "unit" is the SAGE paper's Unit-Norm SinkGD.
+        # SinkGD (docs/algorithms.md); "unit" is the SAGE paper's Unit-Norm SinkGD.
         "sinkgd": types.MappingProxyType(
             {
                 "alpha": 10.0,
@@ -45,7 +45,7 @@ RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
                 "normalization": "unit",
             }
         ),
-        # APOLLO-Mini as the paper's baseline ran it (SPEC.md section 4, APOLLO).
+        # APOLLO-Mini as the paper's baseline ran it (docs/algorithms.md, APOLLO).
         "apollo": types.MappingProxyType(
             {
                 "rank": 1,
@@ -157,7 +157,7 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
         )
     }
 )
-"""The eight configurations of SPEC.md section 4, keyed by name.
+"""The eight configurations of the paper's Table 2 (``docs/configurations.md``), by name.
 
 Default learning rates follow the paper's setup: 2e-3 for SAGE-based configurations and for
 Lion-Hybrid ("the same learning rates used for SAGE"), 1e-4 for AdamW, Lion and APOLLO, and

@@ -89,7 +89,7 @@ def format_memory_table(models: tuple[str, ...] = tuple(PAPER_MODELS)) -> str:
     note = (
         "apollo: the paper's row comes from a run whose name filter left the attention\n"
         "matrices on AdamW; here APOLLO-Mini covers every attention and MLP matrix, as\n"
-        "SPEC.md section 4 asks, so its state is smaller (see README)."
+        "the paper's setup says, so its state is smaller (docs/configurations.md)."
     )
     return "\n\n".join(blocks) + "\n\n" + note
 

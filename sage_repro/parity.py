@@ -1,4 +1,4 @@
-"""Check that :mod:`sage_torch` and :mod:`sage_optax` make the same updates (SPEC.md section 7).
+"""Check that :mod:`sage_torch` and :mod:`sage_optax` make the same updates (``docs/``).
 
 ``python -m sage_repro.parity --config sage-hybrid --steps 100 --dtype float64`` builds the
 same small mixed model (embedding, untied head, two dense matrices, a bias, two norms) in
@@ -135,7 +135,7 @@ def projection_table(k_max: int = 8, n_max: int = 64, rank_max: int = 4) -> np.n
 
 
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-"""SPEC.md section 7: largest absolute parameter difference allowed after any step."""
+"""Largest absolute parameter difference allowed after any step (``docs/configurations.md``)."""
 
 
 @dataclasses.dataclass
@@ -343,7 +343,7 @@ def _hf_config(cfg: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; exits non-zero when a tolerance of SPEC.md is exceeded."""
+    """Command-line entry point; exits non-zero when a tolerance is exceeded."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="sage-hybrid", choices=[*CONFIG_NAMES, "all"])
     parser.add_argument("--steps", type=int, default=100)

@@ -4,7 +4,7 @@ This module is the oracle that the tests compare ``sage_optax`` and
 ``sage_torch`` against. It was written only from the paper
 (``paper/sage-paper.tex``: Algorithm 1 "Sign Adaptive GradiEnt", the Appendix
 "Instantaneous Stability Constraint" and the "Unit-Norm SinkGD" paragraph) and
-from ``SPEC.md``, never from the real implementations, so that a bug there
+from the paper and ``docs/algorithms.md``, never from the real implementations, so that a bug there
 cannot be copied here. It must never import ``sage_optax`` or ``sage_torch``.
 
 Conventions
@@ -17,7 +17,7 @@ Conventions
   leading axis themselves and keep one reference object per slice.
 * ``step(theta, g, lr)`` never modifies its inputs; it returns the new
   parameter as a fresh float64 array and advances the object's own state.
-* Step counts start at 1 (SPEC section 2: "t starts at 1").
+* Step counts start at 1 (Algorithm 1: "t starts at 1").
 * ``np.sign(0) == 0``, so a zero momentum/gradient entry gives no move.
 """
 
@@ -65,7 +65,7 @@ def _normalize_axis(axis, ndim):
 
 
 def rms(x):
-    """Root mean square over ALL entries of x (SPEC section 2 step 4).
+    """Root mean square over ALL entries of x (Algorithm 1; docs/algorithms.md, SAGE step 4).
 
     sqrt(mean(x**2)); Algorithm 1's sigma_rms and gamma_rms (the 1/d sum).
     """
@@ -81,7 +81,7 @@ def rms(x):
 def sage_s_t(g, vocab_axis):
     """Per-dimension gradient loudness s_t (Algorithm 1, Eq. s_t_calc).
 
-    SPEC section 2 step 2: for a matrix, the mean of |g| over the vocab axis;
+    Algorithm 1, Eq. (2): for a matrix, the mean of |g| over the vocab axis;
     the mean divides by V, the full size of that axis, so all-zero rows of
     tokens absent from the batch count. For 1-D and 0-D g, or when
     ``vocab_axis`` is None, s_t = |g| element-wise.
@@ -97,7 +97,7 @@ def sage_s_t(g, vocab_axis):
 
 def sage_damper(S_hat, s, eps=1e-8, damper="both"):
     """Adaptive scale H_t (Algorithm 1 inner loop; Appendix "Instantaneous
-    Stability Constraint"; SPEC section 2 steps 4-5).
+    Stability Constraint"; docs/algorithms.md, SAGE steps 4-5).
 
     sigma = rms(S_hat), gamma = rms(s) (means over all entries), then
       D_ema  = sigma / (S_hat + eps)
@@ -124,7 +124,7 @@ class SageRef:
     """Stateful SAGE (Sign Adaptive GradiEnt) for ONE parameter.
 
     Paper Algorithm 1 + Appendix "Instantaneous Stability Constraint", with
-    SPEC section 2 deciding every detail. Layout: for a 2-D parameter,
+    docs/algorithms.md deciding every detail. Layout: for a 2-D parameter,
     ``vocab_axis`` (0 or 1) is the axis indexing tokens; s_t, S and H have the
     shape of the other axis, O(d). For a 1-D or 0-D shape, or
     ``vocab_axis=None``, everything is element-wise (s_t = |g|).
@@ -177,7 +177,7 @@ class SageRef:
         return np.expand_dims(H, axis=self.vocab_axis)
 
     def step(self, theta, g, lr):
-        """One SAGE step; returns the new theta (SPEC section 2, steps 1-7)."""
+        """One SAGE step; returns the new theta (docs/algorithms.md, SAGE steps 1-7)."""
         theta = _f64(theta)
         g = _f64(g)
         _check_same_shape(self.shape, theta, g)
@@ -225,7 +225,7 @@ def sinkhorn_ref(
     fan_in_axis=0,
     fan_out_axis=1,
 ):
-    """Sinkhorn normalisation of ONE gradient matrix (SPEC section 3).
+    """Sinkhorn normalisation of ONE gradient matrix (docs/algorithms.md, SinkGD).
 
     Written the direct way: the matrix itself is rewritten every half
     iteration. Each of ``num_iters`` iterations first normalises along the
@@ -263,7 +263,7 @@ def sinkhorn_ref(
 
 
 class SinkGDRef:
-    """Stateless SinkGD step for ONE 2-D matrix (SPEC section 3).
+    """Stateless SinkGD step for ONE 2-D matrix (docs/algorithms.md, SinkGD).
 
     theta <- theta * (1 - lr * w) - lr * alpha * sinkhorn_ref(g); the decay
     uses lr, not lr * alpha. Axes as in ``sinkhorn_ref``.
@@ -313,7 +313,7 @@ class SinkGDRef:
 class UnitNormRef:
     """Stateless normalised step of ``sinkgd-pure`` for 1-D (and 0-D) params.
 
-    SPEC section 4 table: g / (||g||_2 + eps), with decoupled decay:
+    docs/algorithms.md, unit-norm step: g / (||g||_2 + eps), with decoupled decay:
     theta <- theta * (1 - lr * w) - lr * g / (||g||_2 + eps).
     The norm is over all entries of the vector.
     """
@@ -410,7 +410,7 @@ class LionRef:
 
 
 def apollo_scaling_factor(R, R_tilde, scale_type, uncompressed_axis):
-    """APOLLO gradient scaling factor s (SPEC "APOLLO, as the apollo
+    """APOLLO gradient scaling factor s (docs/algorithms.md, "APOLLO, as the apollo
     configuration uses it").
 
     "tensor": s = ||R_tilde||_F / (||R||_F + 1e-8), a scalar.
@@ -450,7 +450,7 @@ def gaussian_projection_fn(seed=0):
 class ApolloRef:
     """APOLLO (Zhu et al. 2024) for ONE matrix in PyTorch layout (out, in).
 
-    Fan-out axis 0, fan-in axis 1. Implements SPEC "APOLLO, as the apollo
+    Fan-out axis 0, fan-in axis 1. Implements docs/algorithms.md "APOLLO, as the apollo
     configuration uses it":
 
     * Projection P = projection_fn(refresh_index, n, r), shape (n, r), with

@@ -1,4 +1,4 @@
-"""Tests of sage_optax.apollo against the float64 NumPy oracle ApolloRef (SPEC.md section 4)."""
+"""sage_optax.apollo against the float64 NumPy oracle ApolloRef (docs/algorithms.md, APOLLO)."""
 
 import math
 

@@ -67,7 +67,7 @@ def test_every_configuration_trains(name):
     assert losses[-1] < 0.7 * losses[0], (name, losses[0], losses[-1])
 
 
-# --- exact state bytes, counted by hand from SPEC.md section 4 -------------------------------
+# --- exact state bytes, counted by hand from docs/configurations.md -------------------------------
 
 F32 = 4
 COUNT = 4  # one int32 step count

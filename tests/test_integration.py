@@ -408,7 +408,7 @@ def test_state_dtypes_stable_and_updates_in_param_dtype(name, dtype):
             n_traces = len(traces)
     assert shapes_dtypes(state) == before
     assert len(traces) == n_traces, "steps 2-3 retraced (state type drifted, e.g. weak types)"
-    # SPEC section 2 / 4: SAGE's S and APOLLO's moments are float32 whatever the params.
+    # docs/algorithms.md: SAGE's S and APOLLO's moments are float32 whatever the params.
     sage_states = find_states(state, sage_optax.ScaleBySageState)
     apollo_states = find_states(state, sage_optax.ScaleByApolloState)
     assert bool(sage_states) == name.startswith("sage")

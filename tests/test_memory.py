@@ -1,4 +1,4 @@
-"""The paper's Appendix memory table, recomputed from jax.eval_shape (SPEC.md section 6)."""
+"""The paper's Appendix memory table (Table 4), recomputed from jax.eval_shape."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_state_bytes_are_exact_integers_for_sage_hybrid_270m():
 
 
 # APOLLO: the paper's row cannot be reproduced with APOLLO on every attention and MLP matrix
-# (SPEC.md section 4).  Pin our numbers ...
+# (docs/configurations.md).  Pin our numbers ...
 OUR_APOLLO_GIB = {"270m": 0.980, "0.6b": 1.470, "1.3b": 1.962}
 
 

@@ -1,4 +1,4 @@
-"""sage_torch and sage_optax make the same updates (SPEC.md section 7).
+"""sage_torch and sage_optax make the same updates (docs/configurations.md).
 
 For each of the eight configurations: the same initial weights (converted between Flax and
 PyTorch layouts), hyperparameters, warmup + cosine schedule and gradient sequence give the

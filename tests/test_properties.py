@@ -1,4 +1,4 @@
-"""The properties SPEC.md sections 2 and 3 require of SAGE and SinkGD."""
+"""The properties docs/algorithms.md states for SAGE and SinkGD."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_damper_leaves_quiet_dimensions_at_one():
 
 
 def test_h_forced_to_one_is_exactly_lion():
-    """damper='none' makes SAGE optax.lion, bit for bit on these gradients (SPEC.md section 2;
+    """damper='none' makes SAGE optax.lion, bit for bit on these gradients (docs/algorithms.md;
     the sign is read from M_t, identical here since no argument is a tie within rounding)."""
     rng = np.random.default_rng(0)
     params = {"e": jnp.asarray(rng.standard_normal((12, 6)), jnp.float32),

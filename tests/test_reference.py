@@ -18,7 +18,7 @@ import sage_optax
 from sage_optim import CONFIG_NAMES, get_preset
 
 STEPS = 60
-TOL = 1e-10  # SPEC.md section 7: float64 agreement
+TOL = 1e-10  # float64 agreement (docs/configurations.md)
 
 
 def schedule(peak: float):

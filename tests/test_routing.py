@@ -1,4 +1,4 @@
-"""The router of SPEC.md section 5 on Flax NNX states, dicts, stacked layers and overrides."""
+"""The router (docs/routing.md) on Flax NNX states, dicts, stacked layers and overrides."""
 
 from __future__ import annotations
 
