@@ -351,6 +351,8 @@ class _Router:
         kind = "embedding" if embedding else routes[0][1].kind
         if id(p) in self.heads:
             kind, evidence = "embedding", self.heads[id(p)]
+        elif embedding and all(o.path != name for o, _ in embedding):
+            evidence = f"tied to {embedding[0][0].path}"  # a table through another name
         elif own is not None:
             evidence = own.evidence + (f", {tied}" if tied else "")
         else:  # reached through another registration: say through which
@@ -375,13 +377,17 @@ class _Router:
                 )
         override = self.overrides.get(id(p))
         if override is not None:
-            pattern_name, route = override
+            _, route = override
             if route.kind == "vector" or route.has_axes:
                 return route.resolve(p.shape, name)
+            if p.dim() < 2:
+                raise RoutingError(
+                    f"parameter {name!r} of shape {_fmt_shape(p.shape)} is routed "
+                    f"{route.kind!r} by an override, but it has fewer than two dimensions; "
+                    f"route it 'vector': route_overrides={{{name!r}: 'vector'}}"
+                )
             layout = self._layout(name, p)
             if layout is None:
-                if p.dim() < 2:
-                    return route.resolve(p.shape, name)  # its error: route it 'vector'
                 raise _unknown_layout(name, p, regs, route.kind)
             return Route(route.kind, layout.fan_in, layout.fan_out,
                          evidence="override").resolve(p.shape, name)
