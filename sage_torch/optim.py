@@ -104,6 +104,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         super().__init__(params, merged)
         merged.owner = self
 
+    def __getstate__(self) -> dict[str, Any]:  # noqa: D105
+        return {**super().__getstate__(), "kinds": self.kinds}
+
     def __setstate__(self, state: dict[str, Any]) -> None:  # noqa: D105
         super().__setstate__(state)
         if not isinstance(self.defaults, _Defaults):  # unpickled as a plain dict

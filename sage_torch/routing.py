@@ -145,6 +145,18 @@ def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
     return owners
 
 
+def _api_owner(model: nn.Module) -> nn.Module:
+    """The outermost module with the embeddings API.
+
+    ``model`` itself, or the transformers model inside a wrapper (``DistributedDataParallel``,
+    a training module).
+    """
+    for _, module in model.named_modules():
+        if callable(getattr(module, "get_input_embeddings", None)):
+            return module
+    return model
+
+
 def _api_module(model: nn.Module, method: str) -> tuple[bool, nn.Module | None]:
     """``(has_api, module)`` for ``model.get_input_embeddings``/``get_output_embeddings``.
 
@@ -156,7 +168,7 @@ def _api_module(model: nn.Module, method: str) -> tuple[bool, nn.Module | None]:
         return False, None
     try:
         module = fn()
-    except (NotImplementedError, AttributeError):
+    except (NotImplementedError, AttributeError, TypeError):
         return False, None
     if not isinstance(module, nn.Module):
         return True, None
@@ -237,6 +249,7 @@ class _Router:
         self.owners = _owners(model)
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
+        self.named_params = {id(p): p for _, p in self.named}
         all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         by_name = dict(model.named_parameters(remove_duplicate=False))
         self.overrides: dict[int, tuple[str, Route]] = {}
@@ -244,14 +257,17 @@ class _Router:
             p = by_name[pname]
             seen = self.overrides.get(id(p))
             if seen is not None and seen[1] != route:
+                canonical = self.param_names[id(p)]
                 raise RoutingError(
-                    f"parameter {self.param_names[id(p)]!r} is tied ({seen[0]} is {pname}), and "
-                    f"the overrides route its names differently: {seen[1]} and {route}; give "
-                    "one route"
+                    f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is tied "
+                    f"({seen[0]} is {pname}: one parameter, one route), and the overrides "
+                    f"route its names differently: {seen[1]} and {route}; give one, e.g. "
+                    + override_advice(canonical, p.shape, seen[1])
                 )
             self.overrides[id(p)] = (pname, route)
-        has_in, in_module = _api_module(model, "get_input_embeddings")
-        has_out, out_module = _api_module(model, "get_output_embeddings")
+        api = _api_owner(model)
+        has_in, in_module = _api_module(api, "get_input_embeddings")
+        has_out, out_module = _api_module(api, "get_output_embeddings")
         self.api_in = _api_weight(in_module, self.param_names) if has_in else None
         self.api_out = _api_weight(out_module, self.param_names) if has_out else None
         self.out_module = out_module if self.api_out is not None else None
@@ -283,6 +299,8 @@ class _Router:
         for p_id, regs in self.owners.items():
             if p_id == id(table) or p_id not in self.param_names:
                 continue
+            if not self.named_params[p_id].requires_grad:
+                continue  # frozen: not trained, so not in doubt
             linear = [o for o in regs if isinstance(o.module, nn.Linear) and o.attr == "weight"]
             if linear and tuple(linear[0].module.weight.shape) == tuple(table.shape):
                 fits.append((self.param_names[p_id], p_id))

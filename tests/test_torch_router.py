@@ -303,8 +303,10 @@ def test_overrides_reach_a_tied_parameter_through_any_of_its_names():
 
     route = routes_of(Tied(), {"lm_head.weight": "dense"})["embed.weight"]
     assert axes(route) == ("dense", (1,), (0,))
-    with pytest.raises(RoutingError, match="tied"):
+    with pytest.raises(RoutingError, match="'embed.weight' of shape \\(32, 16\\) is tied") as info:
         route_params(Tied(), {"lm_head.weight": "dense", "embed.weight": "embedding"})
+    route = routes_of(Tied(), advised(str(info.value))[0])["embed.weight"]
+    assert axes(route) == ("embedding", (1,), (0,))
 
 
 def test_tied_modules_with_conflicting_layouts_are_refused():

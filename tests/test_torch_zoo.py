@@ -346,3 +346,15 @@ def test_conv2d_cnn(name):
     assert "1,2,3 (3x3x3=27)  0 (8)" in text and "module nn.Conv2d" in text
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     step_once(model, lambda m: m(x).square().mean(), name)
+
+
+def test_a_wrapped_model_keeps_its_api():
+    """A transformers model held by another module (a training module, DDP's ``module``):
+    its gate_proj/up_proj have the token embedding's shape, yet only the API's head is one."""
+    config_cls, model_cls = family("Llama", "LlamaForCausalLM")
+    wrapper = nn.ModuleDict({"module": model_cls(config_cls(
+        vocab_size=V, hidden_size=D, intermediate_size=V, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))})
+    table = {f"module.{k}": v for k, v in {**LLAMA, "lm_head.weight": TABLE}.items()}
+    routes = check(wrapper, table)
+    assert routes["module.lm_head.weight"].evidence == "model API: output embeddings"
