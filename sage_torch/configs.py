@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
-from sage_optim.routing import ResolvedRoute
+from sage_optim.routing import ResolvedRoute, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params, state_nbytes
@@ -53,6 +53,14 @@ def _plan(model: nn.Module, name: str, lr: float | None,
                                               dict[str, dict[str, Any]], Preset]:
     """Route ``model`` and group it: ``(groups, routed, kind options, preset)``."""
     overrides = dict(overrides)
+    axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
+                                                      "fan_in", "fan_out")))
+    if axes:
+        raise RoutingError(
+            f"{', '.join(axes)}: the axes are per parameter, not per configuration; give them "
+            "per glob, e.g. route_overrides={'*.c_attn.weight': Route('dense', fan_in=0, "
+            "fan_out=1)} (Route is sage_torch.Route)"
+        )
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     routed = route_params(model, overrides.pop("route_overrides", None))
     extra = {k: overrides.pop(k) for k in ("maximize", "foreach") if k in overrides}

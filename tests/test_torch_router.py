@@ -284,6 +284,9 @@ def test_kind_plus_axes_overrides_in_every_form():
         assert (dense["fan_in_dim"], dense["fan_out_dim"]) == (0, 1)
     with pytest.raises(RoutingError, match="'w' of shape \\(8, 12\\): fan_in axis 2"):
         route_params(model, {"w": Route("dense", fan_in=2, fan_out=0)})
+    with pytest.raises(RoutingError, match="per parameter.*route_overrides=") as info:
+        make_optimizer("sage-hybrid", model, fan_in_dim=0, fan_out_dim=1)
+    assert "Route('dense', fan_in=0, fan_out=1)" in str(info.value)
 
 
 def test_a_glob_that_matches_nothing_names_the_nearest_parameters():
