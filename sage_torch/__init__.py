@@ -3,13 +3,17 @@
 ``torch.optim.Optimizer`` classes :class:`SAGE`, :class:`SinkGD`, :class:`Lion` and
 :class:`APOLLO`; :func:`make_optimizer` builds any of the paper's eight configurations for
 an ``nn.Module`` as one :class:`RuleOptimizer` whose param groups carry their rule, from the
-table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`).
+table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`).  :func:`route_params` places
+every parameter (kind, fan-in/fan-out axes, evidence; :mod:`sage_torch.routing`), and
+:func:`routing_table` prints it.
 """
 
 from sage_optim.presets import CONFIG_NAMES
+from sage_optim.routing import Route, RoutingError
+from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.configs import make_optimizer, param_groups, routing_table
-from sage_torch.optim import APOLLO, SAGE, Lion, RuleOptimizer, SinkGD
-from sage_torch.routing import RoutingError, route_parameters
+from sage_torch.optim import APOLLO, SAGE, Lion, MomentumError, RuleOptimizer, SinkGD
+from sage_torch.routing import RoutedParam, route_parameters, route_params
 from sage_torch.rules import gaussian_projection, sage_damper, sinkhorn_normalize
 
 __version__ = "0.1.0"
@@ -19,13 +23,19 @@ __all__ = [
     "CONFIG_NAMES",
     "SAGE",
     "Lion",
+    "MomentumError",
+    "Route",
+    "RoutedParam",
     "RoutingError",
+    "RoutingRow",
+    "RoutingTable",
     "RuleOptimizer",
     "SinkGD",
     "gaussian_projection",
     "make_optimizer",
     "param_groups",
     "route_parameters",
+    "route_params",
     "routing_table",
     "sage_damper",
     "sinkhorn_normalize",

@@ -1,4 +1,4 @@
-"""The paper's eight configurations for PyTorch: one optimizer, one param group per kind."""
+"""The paper's eight configurations for PyTorch: one optimizer, one param group per layout."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sage_optim.presets import KINDS, Rule, resolve_preset
-from sage_optim.table import RoutingTable
+from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
+from sage_optim.routing import ResolvedRoute, RoutingError
+from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.optim import RuleOptimizer
-from sage_torch.routing import route_parameters, state_nbytes
+from sage_torch.routing import RoutedParam, route_params, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach")
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
@@ -25,32 +26,76 @@ def group_options(rule: Rule) -> dict[str, Any]:
     return {"rule": rule.name, **hp}
 
 
+def _axes_option(group: tuple[int, ...]) -> int | tuple[int, ...]:
+    """A group's ``fan_in_dim``/``fan_out_dim``: an int for one dim, else the tuple."""
+    return group[0] if len(group) == 1 else group
+
+
+def layout_options(route: ResolvedRoute) -> dict[str, Any]:
+    """The ``fan_in_dim``/``fan_out_dim`` group options of a route (``None`` for vectors)."""
+    if not route.is_matrix:
+        return {"fan_in_dim": None, "fan_out_dim": None}
+    return {"fan_in_dim": _axes_option(route.fan_in),
+            "fan_out_dim": _axes_option(route.fan_out)}
+
+
+def _kind_options(preset: Preset, kind: str, lr: float | None,
+                  extra: dict[str, Any]) -> dict[str, Any]:
+    options = {"kind": kind, "lr": preset.learning_rate if lr is None else lr,
+               **group_options(preset.rule(kind)), **extra}
+    if kind == "vector":
+        options.update(fan_in_dim=None, fan_out_dim=None)
+    return options
+
+
+def _plan(model: nn.Module, name: str, lr: float | None,
+          overrides: dict[str, Any]) -> tuple[list[dict[str, Any]], list[RoutedParam],
+                                              dict[str, dict[str, Any]], Preset]:
+    """Route ``model`` and group it: ``(groups, routed, kind options, preset)``."""
+    overrides = dict(overrides)
+    axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
+                                                      "fan_in", "fan_out")))
+    if axes:
+        raise RoutingError(
+            f"{', '.join(axes)}: the axes are per parameter, not per configuration; give them "
+            "per glob, e.g. route_overrides={'*.c_attn.weight': Route('dense', fan_in=0, "
+            "fan_out=1)} (Route is sage_torch.Route)"
+        )
+    preset = resolve_preset(name, overrides, OPTION_KEYS)
+    routed = route_params(model, overrides.pop("route_overrides", None))
+    extra = {k: overrides.pop(k) for k in ("maximize", "foreach") if k in overrides}
+    kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
+    layouts: dict[tuple[str, Any, Any], list[RoutedParam]] = {}
+    for kind in KINDS:  # groups in kind order, then in order of first appearance
+        for r in routed:
+            if r.route.kind == kind:
+                layout = layout_options(r.route)
+                key = (kind, layout["fan_in_dim"], layout["fan_out_dim"])
+                layouts.setdefault(key, []).append(r)
+    groups = []
+    for (kind, fan_in, fan_out), members in layouts.items():
+        groups.append({
+            "params": [r.param for r in members],
+            "param_names": [r.name for r in members],
+            **kinds[kind],
+            "fan_in_dim": fan_in,
+            "fan_out_dim": fan_out,
+        })
+    return groups, routed, kinds, preset
+
+
 def param_groups(model: nn.Module, name: str, lr: float | None = None,
                  **overrides: Any) -> list[dict[str, Any]]:
     """Route ``model``'s parameters into the param groups of configuration ``name``.
 
-    Returns one group per non-empty kind (``embedding``, ``dense``, ``vector``), each with
-    ``params``, ``param_names``, ``kind``, ``rule``, ``lr`` and the rule's hyperparameters.
-    ``overrides`` are those of :func:`make_optimizer`.
+    Returns one group per kind (``embedding``, ``dense``, ``vector``) and layout, each with
+    ``params``, ``param_names``, ``kind``, ``rule``, ``lr``, the rule's hyperparameters
+    (``betas`` where the rule has momentum) and the matrix axes ``fan_in_dim``/``fan_out_dim``
+    (a dim or a tuple of dims; ``None`` for vectors): an ``nn.Linear`` ``(out, in)`` is
+    ``(1, 0)``, a transformers ``Conv1D`` ``(in, out)`` is ``(0, 1)``, a ``Conv2d``
+    ``((1, 2, 3), 0)``.  ``overrides`` are those of :func:`make_optimizer`.
     """
-    overrides = dict(overrides)
-    preset = resolve_preset(name, overrides, OPTION_KEYS)
-    routes = route_parameters(model, overrides.pop("route_overrides", None))
-    extra = {k: overrides.pop(k) for k in ("maximize", "foreach") if k in overrides}
-    groups = []
-    for kind in KINDS:
-        members = [(n, p) for n, p, k in routes if k == kind]
-        if not members:
-            continue
-        groups.append({
-            "params": [p for _, p in members],
-            "param_names": [n for n, _ in members],
-            "kind": kind,
-            "lr": preset.learning_rate if lr is None else lr,
-            **group_options(preset.rule(kind)),
-            **extra,
-        })
-    return groups
+    return _plan(model, name, lr, overrides)[0]
 
 
 def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
@@ -61,41 +106,54 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
       name: ``adamw``, ``lion``, ``apollo``, ``sinkgd-pure``, ``sinkgd-hybrid``,
         ``lion-hybrid``, ``sage-pure`` or ``sage-hybrid`` (same table and defaults as
         :func:`sage_optax.make_optimizer`).
-      model: the ``nn.Module`` whose parameters to train.
+      model: the ``nn.Module`` whose parameters to train (:func:`sage_torch.route_params`
+        places them).
       lr: learning rate of every group (default: the configuration's paper value).
         Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
-        ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind}``, plus
+        ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
+        fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
         ``maximize``, ``foreach`` and ``dense_projection=`` (APOLLO's injected projection).
 
     Returns:
-      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule.
+      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule and axes; a group
+      added later with ``kind=`` gets this configuration's rule for that kind.
+
+    Raises:
+      RoutingError: a parameter the router cannot place (the message gives the override).
     """
     overrides = dict(overrides)
     projection = None
     for key in [k for k in overrides if k.endswith("projection")]:
         projection = overrides.pop(key)
-    return RuleOptimizer(param_groups(model, name, lr, **overrides), {"lr": 0.0},
-                         projection=projection)
+    groups, _, kinds, _ = _plan(model, name, lr, overrides)
+    return RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds)
 
 
 def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable:
     """Route ``model`` as configuration ``name`` would and count each parameter's state bytes.
 
-    The state is created on the ``meta`` device, so nothing is allocated.  Same form as
-    :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
+    One :class:`~sage_optim.table.RoutingRow` per trainable parameter, in model order: its
+    kind, rule, fan-in and fan-out axes with sizes, the evidence that placed it and its state
+    bytes.  The state is created on the ``meta`` device, so nothing is allocated.  Same form
+    as :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
     """
     overrides = {k: v for k, v in overrides.items() if not k.endswith("projection")}
-    preset = resolve_preset(name, dict(overrides), OPTION_KEYS)
-    groups = param_groups(model, name, **overrides)
+    groups, routed, _, preset = _plan(model, name, None, overrides)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})
-    rows, shared = [], 0
+    nbytes: dict[str, int] = {}
     for group in opt.param_groups:
         rule = opt.rule_of(group)
-        described = preset.rule(group["kind"]).describe()
         for p, pname in zip(group["params"], group["param_names"], strict=True):
-            state = rule.init_state(p, group, pname)
-            rows.append((pname, tuple(p.shape), group["kind"], described, state_nbytes(state)))
-            shared += 4  # the float32 step counter
-    return RoutingTable(name, tuple(rows), shared)
+            nbytes[pname] = state_nbytes(rule.init_state(p, group, pname))
+    rows = []
+    for r in routed:
+        route = r.route
+        rows.append(RoutingRow(
+            path=r.name, shape=tuple(r.param.shape), kind=route.kind,
+            rule=preset.rule(route.kind).describe(), fan_in=route.describe_fan_in(),
+            fan_out=route.describe_fan_out(), evidence=route.evidence,
+            state_bytes=nbytes[r.name],
+        ))
+    return RoutingTable(name, tuple(rows), 4 * len(rows))  # a float32 step counter each

@@ -10,14 +10,14 @@ Defaults come from the table shared with :mod:`sage_optax` (:mod:`sage_optim.pre
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
-from sage_torch.rules import RULES, ApolloRule, Projection, Rule
+from sage_torch.rules import RULES, ApolloRule, Axes, Projection, Rule
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
@@ -25,6 +25,44 @@ _SAGE, _LION, _SINK, _APOLLO = (
     RULE_DEFAULTS["sage"], RULE_DEFAULTS["lion"], RULE_DEFAULTS["sinkgd"], RULE_DEFAULTS["apollo"]
 )
 _COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fan_in_dim": -1, "fan_out_dim": -2}
+_MOMENTUM_KEYS = ("betas", "momentum")
+
+
+class MomentumError(ValueError):
+    """A scheduler asked to cycle the momentum of a group whose rule has none."""
+
+
+class _Defaults(dict):
+    """``optimizer.defaults`` that answers torch's schedulers for every group.
+
+    ``OneCycleLR``/``CyclicLR`` with ``cycle_momentum=True`` ask ``"betas" in
+    optimizer.defaults`` and then rewrite ``group["betas"]`` of every group.  A rule without
+    momentum (SinkGD, unit_norm) has no ``betas``; instead of torch's ``KeyError`` half-way
+    through the groups (after changing the others' beta1), the question itself raises a
+    :class:`MomentumError` naming the group and its rule, before anything is changed.
+    """
+
+    owner: Any = None
+
+    def __contains__(self, key: object) -> bool:
+        optimizer = self.owner
+        if key not in _MOMENTUM_KEYS or optimizer is None or not optimizer.param_groups:
+            return super().__contains__(key)
+        if key == "momentum":
+            return False
+        for index, group in enumerate(optimizer.param_groups):
+            if "betas" not in group:
+                names = list(group.get("param_names") or [])
+                shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                raise MomentumError(
+                    f"param group {index} (kind {group.get('kind', '-')!r}, rule "
+                    f"{group['rule']!r}{': ' + shown if shown else ''}) has no momentum "
+                    f"('betas'): the {group['rule']} rule keeps none, so a scheduler cannot "
+                    "cycle it. Pass cycle_momentum=False to OneCycleLR/CyclicLR (the learning "
+                    "rate of every group is still scheduled), or give that group a rule with "
+                    "betas (sage, lion, adamw, apollo)"
+                )
+        return True
 
 
 class RuleOptimizer(torch.optim.Optimizer):
@@ -38,6 +76,16 @@ class RuleOptimizer(torch.optim.Optimizer):
         ``foreach``, ``fan_in_dim``, ``fan_out_dim`` and rule hyperparameters).
       projection: APOLLO's projection, ``projection(name, refresh_index, n, rank) -> P``,
         to inject a fixed ``P`` (parity with :mod:`sage_optax`); default Gaussian.
+      kinds: ``{kind: group options}`` (:func:`sage_torch.make_optimizer` passes its
+        configuration's): a group added with ``kind=`` and no ``rule`` gets that kind's rule,
+        hyperparameters and learning rate.
+
+    ``fan_in_dim``/``fan_out_dim`` are a dim or a tuple of dims (merged into one matrix axis,
+    :class:`sage_torch.rules.MatrixView`); ``fan_out_dim=None`` makes SAGE element-wise.
+    Groups without ``param_names`` get generated names (``param_groups[2].params[0]``) when
+    other groups have names, so named and unnamed groups mix.  A rule with momentum keeps it
+    in ``betas``, the key torch's schedulers read; asking to cycle the momentum of a group
+    whose rule has none raises a :class:`MomentumError` naming it.
 
     Parameter state is created lazily on the first step.  A parameter's ``state`` holds a
     float32 ``"step"`` and the rule's tensors; floating state keeps its own dtype through
@@ -46,14 +94,66 @@ class RuleOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any],
-                 projection: Projection | None = None) -> None:
+                 projection: Projection | None = None,
+                 kinds: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self._rules: dict[str, Rule] = {
             name: (cls(projection) if cls is ApolloRule else cls()) for name, cls in RULES.items()
         }
-        super().__init__(params, {**_COMMON_DEFAULTS, **defaults})
+        self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
+        merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
+        super().__init__(params, merged)
+        merged.owner = self
+
+    def __getstate__(self) -> dict[str, Any]:  # noqa: D105
+        return {**super().__getstate__(), "kinds": self.kinds}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # noqa: D105
+        super().__setstate__(state)
+        if not isinstance(self.defaults, _Defaults):  # unpickled as a plain dict
+            self.defaults = _Defaults(self.defaults)
+        self.defaults.owner = self
+        self.__dict__.setdefault("kinds", {})
+
+    def _name_group(self, param_group: dict[str, Any]) -> None:
+        """Generate ``param_names`` where named and unnamed groups would meet."""
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = param_group["params"] = [params]
+        elif not isinstance(params, set):
+            params = param_group["params"] = list(params)
+        named = "param_names" in param_group or any(isinstance(p, tuple) for p in params)
+        if not self.param_groups:
+            return
+        index = len(self.param_groups)
+        if "param_names" in self.param_groups[0] and not named:
+            param_group["param_names"] = [f"param_groups[{index}].params[{i}]"
+                                          for i in range(len(params))]
+        elif named and "param_names" not in self.param_groups[0]:
+            for gi, group in enumerate(self.param_groups):
+                group["param_names"] = [f"param_groups[{gi}].params[{i}]"
+                                        for i in range(len(group["params"]))]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group and validate its rule and hyperparameters (``ValueError`` names them)."""
+        """Add a group and validate its rule and hyperparameters (``ValueError`` names them).
+
+        The group may give ``param_names`` or not, whatever the other groups do (missing
+        names are generated).  On an optimizer with :attr:`kinds` (from
+        :func:`sage_torch.make_optimizer`), ``kind="dense"`` without a ``rule`` gives the
+        group the configuration's rule, hyperparameters and learning rate for that kind
+        (keys the group sets win); its matrix axes default to ``nn.Linear``'s ``(out, in)``.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        kind = param_group.get("kind")
+        if kind is not None and "rule" not in param_group and self.kinds:
+            if kind not in self.kinds:
+                raise ValueError(
+                    f"param group has kind {kind!r}; this optimizer's kinds: "
+                    f"{', '.join(self.kinds)} (or give a rule=)"
+                )
+            for key, value in self.kinds[kind].items():
+                param_group.setdefault(key, value)
+        self._name_group(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         rule = group.get("rule")
@@ -99,7 +199,14 @@ class RuleOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    index = next(i for i, g in enumerate(self.param_groups) if g is group)
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients: parameter "
+                        f"{name} of shape {tuple(p.shape)} (param group {index}, rule "
+                        f"{group['rule']!r}) has one. It comes from an nn.Embedding/"
+                        "nn.EmbeddingBag built with sparse=True: build it with sparse=False "
+                        "(sage_torch.make_optimizer refuses such a model up front)"
+                    )
                 if torch.is_complex(p):
                     raise ValueError(f"complex parameter {name} is not supported")
                 state = self.state[p]
@@ -155,7 +262,8 @@ class SAGE(RuleOptimizer):
       weight_decay: decoupled decay ``w``.
       damper: ``"both"`` (default), ``"ema"``, ``"instant"`` or ``"none"`` (Lion).
       mu_dtype: dtype of ``M`` (default: the parameter's).
-      fan_out_dim: dim ``s`` averages over for matrices.
+      fan_out_dim: dim (or tuple of dims) ``s`` averages over for matrices; ``None``:
+        element-wise for every shape.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
     """
@@ -164,7 +272,7 @@ class SAGE(RuleOptimizer):
                  betas: tuple[float, float] = (_SAGE["b1"], _SAGE["b2"]),
                  eps: float = _SAGE["eps"], weight_decay: float = _SAGE["weight_decay"], *,
                  damper: str = _SAGE["damper"], mu_dtype: torch.dtype | None = None,
-                 fan_out_dim: int = -2, maximize: bool = False,
+                 fan_out_dim: Axes | None = -2, maximize: bool = False,
                  foreach: bool | None = None) -> None:
         super().__init__(params, {
             "rule": "sage", "lr": lr, "betas": tuple(betas), "eps": eps,
@@ -191,8 +299,9 @@ class SinkGD(RuleOptimizer):
       weight_decay: decoupled decay ``w`` (multiplied by ``lr``, not ``lr·α``).
       normalization: ``"unit"`` or ``"sqrt"``.
       eps: ε added to every norm.
-      fan_in_dim: dim of the fan-in axis (``-1`` for ``nn.Linear.weight`` ``(out, in)``).
-      fan_out_dim: dim of the fan-out axis.
+      fan_in_dim: dim of the fan-in axis (``-1`` for ``nn.Linear.weight`` ``(out, in)``),
+        or a tuple of dims merged into one (``(1, 2, 3)`` for a ``Conv2d`` weight).
+      fan_out_dim: dim (or tuple of dims) of the fan-out axis.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path for the element-wise parts.
     """
@@ -201,7 +310,7 @@ class SinkGD(RuleOptimizer):
                  alpha: float = _SINK["alpha"], num_iters: int = _SINK["num_iters"],
                  weight_decay: float = _SINK["weight_decay"],
                  normalization: str = _SINK["normalization"], *, eps: float = _SINK["eps"],
-                 fan_in_dim: int = -1, fan_out_dim: int = -2, maximize: bool = False,
+                 fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
                  foreach: bool | None = None) -> None:
         super().__init__(params, {
             "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
@@ -255,8 +364,8 @@ class APOLLO(RuleOptimizer):
       limiter_gamma: norm-growth limit γ.
       seed: seed of the default projection.
       projection: ``projection(name, refresh_index, n, rank) -> P`` to inject ``P``.
-      fan_in_dim: dim of the fan-in axis.
-      fan_out_dim: dim of the fan-out axis.
+      fan_in_dim: dim (or tuple of dims, merged in that order) of the fan-in axis.
+      fan_out_dim: dim (or tuple of dims, merged in that order) of the fan-out axis.
       maximize: ascend instead of descend.
       foreach: accepted for API symmetry (APOLLO steps matrix by matrix).
     """
@@ -268,8 +377,8 @@ class APOLLO(RuleOptimizer):
                  betas: tuple[float, float] = (_APOLLO["b1"], _APOLLO["b2"]),
                  eps: float = _APOLLO["eps"], weight_decay: float = _APOLLO["weight_decay"],
                  limiter_gamma: float = _APOLLO["limiter_gamma"], seed: int = _APOLLO["seed"],
-                 *, projection: Projection | None = None, fan_in_dim: int = -1,
-                 fan_out_dim: int = -2, maximize: bool = False,
+                 *, projection: Projection | None = None, fan_in_dim: Axes = -1,
+                 fan_out_dim: Axes = -2, maximize: bool = False,
                  foreach: bool | None = None) -> None:
         super().__init__(params, {
             "rule": "apollo", "lr": lr, "rank": rank, "scale_type": scale_type, "scale": scale,

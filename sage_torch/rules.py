@@ -11,7 +11,12 @@ APOLLO, which decays after the step as its authors' code does.
 
 Layout: PyTorch matrices are ``(out, in)``, so the default axes are ``fan_in_dim=-1`` and
 ``fan_out_dim=-2``; ``nn.Embedding.weight`` ``(V, d)`` and a head ``nn.Linear(d, V).weight``
-``(V, d)`` therefore have the vocab axis as fan-out axis, as in :mod:`sage_optax`.
+``(V, d)`` therefore have the vocab axis as fan-out axis, as in :mod:`sage_optax`.  Either
+option may be a tuple of dims, merged into one matrix axis in the order listed: a ``Conv2d``
+weight ``(out, in, kh, kw)`` is ``fan_in_dim=(1, 2, 3)``, ``fan_out_dim=0``, the ``(out,
+in·kh·kw)`` matrix (:class:`MatrixView`).  SAGE averages over the fan-out group, SinkGD and
+APOLLO work on the merged matrix; the other rules are element-wise.  ``fan_out_dim=None``
+makes SAGE element-wise for every shape (a ``vector`` group).
 """
 
 from __future__ import annotations
@@ -67,18 +72,93 @@ def _check_betas(betas: Sequence[float], b2_open: bool = True) -> None:
     _check("beta parameter at index 1 (b2)", 0.0 <= b2 < 1.0, b2, "in [0, 1)")
 
 
-def _matrix_dims(p: Tensor, group: dict[str, Any], rule: str, name: str) -> tuple[int, int]:
-    """The (fan_in, fan_out) dims of a matrix parameter, checked; errors name the size."""
+Axes = int | tuple[int, ...]
+"""A group option ``fan_in_dim``/``fan_out_dim``: one dim, or a group of dims merged into one
+matrix axis in the order listed (``(1, 2, 3)``: a ``Conv2d`` weight's ``in, kh, kw``)."""
+
+
+def axis_group(value: Axes, ndim: int, what: str, name: str = "") -> tuple[int, ...]:
+    """``value`` (an int or a tuple of ints) as non-negative dims of an ``ndim``-D tensor.
+
+    Raises:
+      ValueError: not ints, empty, out of range or repeated; the message names ``what``.
+    """
+    group = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    try:
+        group = tuple(group)
+    except TypeError:
+        raise ValueError(f"{what} must be an int or a tuple of ints, got {value!r}") from None
+    if not group or not all(isinstance(a, int) and not isinstance(a, bool) for a in group):
+        raise ValueError(f"{what} must be an int or a non-empty tuple of ints, got {value!r}")
+    for a in group:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{what}={value!r} is out of range for parameter "
+                             f"{name or '<unnamed>'} with {ndim} dims")
+    out = tuple(a % ndim for a in group)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}={value!r} lists a dim twice for parameter {name or '<unnamed>'}")
+    return out
+
+
+def _matrix_axes(p: Tensor, group: dict[str, Any], rule: str,
+                 name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (fan_in, fan_out) dim groups of a matrix parameter, checked; errors name the size."""
     if p.dim() < 2:
         raise ValueError(
             f"{rule} needs a matrix, but parameter {name or '<unnamed>'} has size "
             f"{tuple(p.shape)}; route 1-D/0-D parameters to another rule "
             "(sage_torch.make_optimizer does this)"
         )
-    fi, fo = group["fan_in_dim"] % p.dim(), group["fan_out_dim"] % p.dim()
-    if fi == fo:
-        raise ValueError(f"fan_in_dim and fan_out_dim are the same dim ({fi}) for {name}")
+    if group.get("fan_in_dim") is None or group.get("fan_out_dim") is None:
+        raise ValueError(
+            f"{rule} needs matrix axes, but the group of parameter {name or '<unnamed>'} "
+            f"(size {tuple(p.shape)}) has fan_in_dim={group.get('fan_in_dim')!r}, "
+            f"fan_out_dim={group.get('fan_out_dim')!r}"
+        )
+    fi = axis_group(group["fan_in_dim"], p.dim(), "fan_in_dim", name)
+    fo = axis_group(group["fan_out_dim"], p.dim(), "fan_out_dim", name)
+    if set(fi) & set(fo):
+        same = sorted(set(fi) & set(fo))
+        dims = f"dim ({same[0]})" if len(same) == 1 else f"dims {same}"
+        raise ValueError(f"fan_in_dim and fan_out_dim are the same {dims} for {name}")
     return fi, fo
+
+
+class MatrixView:
+    """A tensor with grouped fan axes as ``(batch..., OUT, IN)`` and back.
+
+    The batch dims (neither fan-in nor fan-out) come first in their order, then the fan-out
+    dims merged in the order listed, then the fan-in dims merged in the order listed, so a
+    ``Conv2d`` weight ``(out, in, kh, kw)`` with ``fan_in=(1, 2, 3)``, ``fan_out=(0,)`` is the
+    ``(out, in·kh·kw)`` matrix of ``w.reshape(out, -1)``: PyTorch's own ``(out, in)`` layout,
+    on which the 2-D code paths run with ``fan_in_dim=-1``, ``fan_out_dim=-2``.
+    """
+
+    def __init__(self, shape: Sequence[int], fan_in: tuple[int, ...],
+                 fan_out: tuple[int, ...]) -> None:
+        shape = tuple(int(n) for n in shape)
+        batch = tuple(a for a in range(len(shape)) if a not in fan_in and a not in fan_out)
+        self.perm = (*batch, *fan_out, *fan_in)
+        self.inverse = tuple(self.perm.index(a) for a in range(len(shape)))
+        self.moved_shape = tuple(shape[a] for a in self.perm)
+        self.shape = (*(shape[a] for a in batch), math.prod(shape[a] for a in fan_out),
+                      math.prod(shape[a] for a in fan_in))
+        self.identity = self.perm == tuple(range(len(shape)))
+
+    def to_matrix(self, t: Tensor) -> Tensor:
+        """``t`` as ``(batch..., OUT, IN)`` (a view where the dims are already in order)."""
+        return (t if self.identity else t.permute(self.perm)).reshape(self.shape)
+
+    def view(self, t: Tensor) -> Tensor | None:
+        """A view of ``t`` sharing its storage (writes reach ``t``), or ``None`` if none."""
+        if not self.identity or not t.is_contiguous():
+            return None
+        return t.view(self.shape)
+
+    def from_matrix(self, x: Tensor) -> Tensor:
+        """Undo :meth:`to_matrix`: ``x`` back in the parameter's layout."""
+        x = x.reshape(self.moved_shape)
+        return x if self.identity else x.permute(self.inverse)
 
 
 def _decayed_step(params: list[Tensor], updates: list[Tensor], lr: float, wd: float,
@@ -255,8 +335,16 @@ class SageRule(Rule):
         _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
         _check("damper", group["damper"] in DAMPERS, group["damper"], f"one of {DAMPERS}")
 
-    def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> int | None:
-        return group["fan_out_dim"] % p.dim() if p.dim() >= 2 else None
+    def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> int | tuple[int, ...] | None:
+        """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
+
+        Element-wise for 0-D/1-D parameters and for groups with ``fan_out_dim=None`` (the
+        ``vector`` groups of :func:`sage_torch.param_groups`, whatever the shape).
+        """
+        if p.dim() < 2 or group.get("fan_out_dim") is None:
+            return None
+        dims = axis_group(group["fan_out_dim"], p.dim(), "fan_out_dim")
+        return dims[0] if len(dims) == 1 else dims
 
     def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:  # noqa: D102
         mu_dtype = group.get("mu_dtype") or p.dtype
@@ -276,7 +364,8 @@ class SageRule(Rule):
         lr, wd = float(group["lr"]), group["weight_decay"]
         rest = []
         for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
-            if b2 != 0 and use_fast_path(p, g, st["exp_avg"]):
+            if (b2 != 0 and not isinstance(self._reduce_dim(p, group), tuple)
+                    and use_fast_path(p, g, st["exp_avg"])):
                 self._step_in_place(p, g, st, group)
             else:
                 rest.append(i)
@@ -289,7 +378,9 @@ class SageRule(Rule):
             dim = self._reduce_dim(p, group)
             s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
             h = self._damper(s, st, group)
-            if dim is not None:
+            if isinstance(dim, tuple):  # a group of fan-out dims: broadcast over all of them
+                h = h.reshape([1 if a in dim else n for a, n in enumerate(p.shape)])
+            elif dim is not None:
                 h = h.unsqueeze(dim)
             m_new = g32 * (1 - b2) + m32 * b2
             # sign(b1·M_{t−1} + (1−b1)·g), read from M_t as sage_optax.lion_direction does
@@ -508,20 +599,33 @@ class SinkGDRule(Rule):
                group["normalization"], f"one of {NORMALIZATIONS}")
 
     def init_state(self, p, group, name):  # noqa: D102
-        _matrix_dims(p, group, "SinkGD", name)
+        _matrix_axes(p, group, "SinkGD", name)
         return {}
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         lr, wd, alpha = float(group["lr"]), group["weight_decay"], group["alpha"]
         updates, rest, fast = [], [], []
         for p, g, name in zip(params, grads, names, strict=True):
-            fi, fo = _matrix_dims(p, group, "SinkGD", name)
-            if p.dim() == 2 and use_fast_path(p, g):
-                fast.append((p, g, fi, fo))
+            fan_in, fan_out = _matrix_axes(p, group, "SinkGD", name)
+            if len(fan_in) == 1 and len(fan_out) == 1:
+                (fi,), (fo,) = fan_in, fan_out
+                if p.dim() == 2 and use_fast_path(p, g):
+                    fast.append((p, g, fi, fo))
+                    continue
+                x = sinkhorn_normalize(g, fi, fo, group["num_iters"], group["eps"],
+                                       group["normalization"])
+                updates.append(x.to(p.dtype) * alpha)
+                rest.append(p)
                 continue
-            x = sinkhorn_normalize(g, fi, fo, group["num_iters"], group["eps"],
+            # grouped axes: the (batch..., OUT, IN) matrix, a view of p where one exists
+            mv = MatrixView(p.shape, fan_in, fan_out)
+            pv, gv = mv.view(p), mv.view(g)
+            if pv is not None and gv is not None and pv.dim() == 2 and use_fast_path(pv, gv):
+                fast.append((pv, gv, 1, 0))
+                continue
+            x = sinkhorn_normalize(mv.to_matrix(g), -1, -2, group["num_iters"], group["eps"],
                                    group["normalization"])
-            updates.append(x.to(p.dtype) * alpha)
+            updates.append(mv.from_matrix(x.to(p.dtype) * alpha))
             rest.append(p)
         if fast:
             self._step_matrices(fast, group)
@@ -579,7 +683,7 @@ class SinkGDRule(Rule):
         _for_chunks(p, update)
 
 
-def sinkhorn_normalize(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int = 5,
+def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters: int = 5,
                        eps: float = 1e-8, normalization: str = "unit", *,
                        matvec: bool | None = None) -> Tensor:
     """Sinkhorn-normalise ``g``: fan-in norms then fan-out norms, ``num_iters`` times.
@@ -589,7 +693,20 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: 
     matrix-vector product (:func:`sinkhorn_scales`) when ``matvec`` (default: for a plain
     2-D tensor), else an element-wise product and a sum, which works on any number of dims
     and on FSDP2 DTensors (the two differ only in the order of summation).
+
+    ``fan_in_dim``/``fan_out_dim`` may be groups of dims (tuples): ``g`` is then normalised
+    as one matrix per batch index, each group merged into one axis (:class:`MatrixView`);
+    the dims of neither group are batch dims.
     """
+    if not isinstance(fan_in_dim, int) or not isinstance(fan_out_dim, int):
+        fan_in = axis_group(fan_in_dim, g.dim(), "fan_in_dim")
+        fan_out = axis_group(fan_out_dim, g.dim(), "fan_out_dim")
+        if len(fan_in) > 1 or len(fan_out) > 1:
+            mv = MatrixView(g.shape, fan_in, fan_out)
+            x = sinkhorn_normalize(mv.to_matrix(g), -1, -2, num_iters, eps, normalization,
+                                   matvec=matvec)
+            return mv.from_matrix(x)
+        fan_in_dim, fan_out_dim = fan_in[0], fan_out[0]
     wide = _wide(g.dtype)
     g = g.to(wide)
     if matvec is None:
@@ -723,25 +840,41 @@ class ApolloRule(Rule):
         _check("limiter_gamma", group["limiter_gamma"] >= 1.0, group["limiter_gamma"], ">= 1")
         _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
 
-    def _plan(self, p: Tensor, group: dict[str, Any], name: str) -> tuple[int, int, int]:
-        fi, fo = _matrix_dims(p, group, "APOLLO", name)
-        compressed = fi if p.shape[fo] >= p.shape[fi] else fo
-        return fi, fo, compressed
+    def _plan(self, p: Tensor, group: dict[str, Any],
+              name: str) -> tuple[int, int, int, MatrixView | None]:
+        """``(fan_in, fan_out, compressed, view)``: the matrix dims APOLLO works on.
+
+        The dims of ``p``, or, for grouped axes, of its ``(batch..., OUT, IN)`` matrix
+        ``view`` (each group flattened in the order it lists its dims: the order in which
+        the projection sees the merged axis).
+        """
+        fan_in, fan_out = _matrix_axes(p, group, "APOLLO", name)
+        view, shape = None, p.shape
+        if len(fan_in) == 1 and len(fan_out) == 1:
+            (fi,), (fo,) = fan_in, fan_out
+        else:
+            view = MatrixView(p.shape, fan_in, fan_out)
+            shape = view.shape
+            fi, fo = len(shape) - 1, len(shape) - 2
+        compressed = fi if shape[fo] >= shape[fi] else fo
+        return fi, fo, compressed, view
 
     def init_state(self, p, group, name):  # noqa: D102
-        fi, fo, comp = self._plan(p, group, name)
-        shape = list(p.shape)
+        fi, fo, comp, view = self._plan(p, group, name)
+        base = p.detach() if view is None else view.to_matrix(p.detach())
+        shape = list(base.shape)
         shape[comp] = int(group["rank"])
         wide = _wide(p.dtype)
         # Zeros shaped like the projected gradient (p with dim `comp` of size rank) and like
         # the limiter's norm (one per batch index), made from reductions of p, as SAGE's S, so
         # that a sharded DTensor parameter gets states with the placements step() computes.
-        moments = p.detach().sum(dim=comp, keepdim=True).expand(shape)
+        # With grouped axes they are those of p's matrix view.
+        moments = base.sum(dim=comp, keepdim=True).expand(shape)
         return {
             "exp_avg": torch.zeros_like(moments, dtype=wide, memory_format=torch.contiguous_format),
             "exp_avg_sq": torch.zeros_like(moments, dtype=wide,
                                            memory_format=torch.contiguous_format),
-            "limiter_norm": torch.zeros_like(p.detach().sum(dim=(fi, fo)), dtype=wide),
+            "limiter_norm": torch.zeros_like(base.sum(dim=(fi, fo)), dtype=wide),
         }
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
@@ -750,12 +883,13 @@ class ApolloRule(Rule):
         rank, gamma = int(group["rank"]), group["limiter_gamma"]
         projection = self.projection or gaussian_projection(int(group["seed"]))
         for p, g, st, name in zip(params, grads, states, names, strict=True):
-            fi, fo, comp = self._plan(p, group, name)
+            fi, fo, comp, view = self._plan(p, group, name)
             t = float(st["step"])
             refresh = (int(t) - 1) // int(group["update_proj_gap"])
             wide = _wide(g.dtype)
-            g32 = g.to(wide)
-            proj = projection(name, refresh, p.shape[comp], rank).to(device=g.device, dtype=wide)
+            g32 = g.to(wide) if view is None else view.to_matrix(g).to(wide)
+            proj = projection(name, refresh, g32.shape[comp], rank).to(device=g.device,
+                                                                       dtype=wide)
             proj = _replicated_like(proj, g)
             r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp)
             m, v = st["exp_avg"], st["exp_avg_sq"]
@@ -777,6 +911,8 @@ class ApolloRule(Rule):
             u = u * factor
             st["limiter_norm"].copy_((norm_u * factor).reshape(st["limiter_norm"].shape))
             step_size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+            if view is not None:
+                u = view.from_matrix(u)
             p.add_(u.to(p.dtype), alpha=-step_size)
             if wd != 0.0:
                 p.mul_(1 - lr * wd)

@@ -70,7 +70,7 @@ def train_step(model, opt, x) -> float:
 def test_routing_table_of_llama(tied):
     model = llama(tied)
     table = sage_torch.routing_table("sage-hybrid", model)
-    rows = {path: (shape, kind, transform) for path, shape, kind, transform, _ in table.rows}
+    rows = {r.path: (r.shape, r.kind, r.rule) for r in table.rows}
     assert len(rows) == len(table.rows), "a parameter is listed twice"
     assert set(rows) == {n for n, _ in model.named_parameters()}
 

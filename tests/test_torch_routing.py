@@ -140,14 +140,18 @@ def test_overrides_by_glob():
         param_groups(model, "sage-hybrid", route_overrides={"blocks.*": "matrix"})
 
 
-def test_conv_raises_naming_parameter_and_size():
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
+def test_conv_transpose_raises_naming_parameter_size_and_override():
+    model = nn.Sequential(nn.ConvTranspose2d(3, 4, 3), nn.Flatten(), nn.Linear(4, 2))
     with pytest.raises(RoutingError) as info:
         make_optimizer("sage-hybrid", model)
-    assert "0.weight" in str(info.value) and "(4, 3, 3, 3)" in str(info.value)
+    message = str(info.value)
+    assert "0.weight" in message and "(3, 4, 3, 3)" in message, message
+    assert "Route('dense', fan_in=(0, 2, 3), fan_out=1)" in message, message
     assert isinstance(info.value, ValueError)
-    # ...and an override places it
-    groups = param_groups(model, "adamw", route_overrides={"0.weight": "dense"})
+    # ...and the advised override places it: input channels and taps as the fan-in
+    groups = param_groups(model, "adamw",
+                          route_overrides={"0.weight": sage_torch.Route("dense", fan_in=(0, 2, 3),
+                                                                        fan_out=1)})
     assert kinds_of(groups)["0.weight"] == "dense"
 
 
@@ -320,32 +324,48 @@ def torch_to_flax_name(model, pname):
     return f"{module}.{leaf}"
 
 
+def _sizes(axes: str) -> str:
+    """``"1 (16)"`` -> ``"(16)"``: the sizes of an axis column, without the axis indices."""
+    return axes if axes == "-" else axes.split(" ", 1)[1]
+
+
 @pytest.mark.parametrize("name", CONFIG_NAMES)
 def test_routing_table_matches_sage_optax(name):
     model = LM(tied=False)
     ours = routing_table(name, model)
     theirs = sage_optax.routing_table(name, flax_twin(model))
-    assert str(ours).splitlines()[0] == str(theirs).splitlines()[0]
-    assert str(ours).splitlines()[1] == str(theirs).splitlines()[1]
     mapped = {}
-    for path, shape, kind, transform, nbytes in ours.rows:
+    for row in ours.rows:
+        path, shape = row.path, row.shape
         flax_shape = shape[::-1] if len(shape) == 2 and not path.startswith("embed.") else shape
-        mapped[torch_to_flax_name(model, path)] = (flax_shape, kind, transform, nbytes)
-    expected = {path: (shape, kind, transform, nbytes)
-                for path, shape, kind, transform, nbytes in theirs.rows}
+        mapped[torch_to_flax_name(model, path)] = (flax_shape, row.kind, row.rule,
+                                                   row.state_bytes)
+    # kind, rule and bytes: the first fields and the last of both row forms
+    expected = {r[0]: (tuple(r[1]), r[2], r[3], r[-1]) for r in theirs.rows}
     assert mapped == expected
     assert ours.config == theirs.config == name
     assert str(ours).splitlines()[-1].startswith(f"{name}: optimizer state ")
+    if all(isinstance(r, sage_torch.RoutingRow) for r in theirs.rows):  # the axes columns
+        axes = {torch_to_flax_name(model, r.path): (_sizes(r.fan_in), _sizes(r.fan_out))
+                for r in ours.rows}
+        assert axes == {r.path: (_sizes(r.fan_in), _sizes(r.fan_out)) for r in theirs.rows}
+        assert str(ours).splitlines()[0] == str(theirs).splitlines()[0]
 
 
 def test_routing_table_allocates_nothing_and_prints():
     model = LM(tied=True)
     table = routing_table("sage-hybrid", model)
     text = str(table)
-    assert text.splitlines()[0].split() == ["path", "shape", "kind", "transform", "state",
-                                            "bytes"]
-    assert "embed.weight" in text and "lm_head.weight" not in text  # tied: one row
+    assert text.splitlines()[0].split() == ["path", "shape", "kind", "rule", "fan-in",
+                                            "fan-out", "evidence", "state", "bytes"]
+    assert [r.path for r in table.rows].count("embed.weight") == 1
+    assert "lm_head.weight" not in [r.path for r in table.rows]  # tied: one row
     assert "32x16" in text
+    row = table.row("embed.weight")
+    assert (row.fan_in, row.fan_out) == ("1 (16)", "0 (32)")  # vocab axis 0 is the fan-out
+    assert row.evidence == "module nn.Embedding, tied to lm_head.weight"
+    assert table.row("blocks.0.fc1.weight")[4:7] == ("1 (16)", "0 (48)", "module nn.Linear")
+    assert table.row("norm.weight")[4:7] == ("-", "-", "shape: 1-D")
 
 
 # ---------------------------------------------------------------------------

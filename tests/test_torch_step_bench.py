@@ -26,7 +26,7 @@ def test_model_has_the_exact_llama_shapes_and_routes():
     config = get_model_config("tiny")
     model = torch_step.build_model(config)
     assert sum(p.numel() for p in model.parameters()) == config.param_count()
-    kinds = {k for _, _, k in sage_torch.route_parameters(model)}
+    kinds = {r.route.kind for r in sage_torch.route_params(model)}
     assert kinds == {"embedding", "dense", "vector"}
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
 
