@@ -377,7 +377,7 @@ class SageRule(Rule):
             g32, m32 = g.to(wide), st["exp_avg"].to(wide)
             dim = self._reduce_dim(p, group)
             s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
-            h = self._damper(s, st, group)
+            h = self._damper(s, st, group, p)
             if isinstance(dim, tuple):  # a group of fan-out dims: broadcast over all of them
                 h = h.reshape([1 if a in dim else n for a, n in enumerate(p.shape)])
             elif dim is not None:
@@ -394,13 +394,30 @@ class SageRule(Rule):
         if params:
             _decayed_step(params, updates, lr, wd, foreach)
 
-    def _damper(self, s: Tensor, st: dict[str, Any], group: dict[str, Any]) -> Tensor:
+    def _rms_dims(self, p: Tensor, group: dict[str, Any]) -> tuple[int, ...] | None:
+        """The dims of ``s`` that σ and γ average over: its fan-in dims, not batch dims.
+
+        ``None`` (every entry) unless the parameter has batch dims (neither fan-in nor
+        fan-out), which are averaged separately, as :mod:`sage_optax` does.
+        """
+        dim = self._reduce_dim(p, group)
+        if dim is None:
+            return None
+        fan_out = dim if isinstance(dim, tuple) else (dim,)
+        fan_in = axis_group(group["fan_in_dim"], p.dim(), "fan_in_dim")
+        kept = [a for a in range(p.dim()) if a not in fan_out]
+        if len(kept) == len(fan_in):
+            return None
+        return tuple(kept.index(a) for a in fan_in)
+
+    def _damper(self, s: Tensor, st: dict[str, Any], group: dict[str, Any],
+                p: Tensor) -> Tensor:
         """Update the EMA ``S`` with ``s`` and return ``H`` (shaped like ``s``)."""
         b2 = group["betas"][1]
         S = st["scale_avg"]
         S.mul_(b2).add_(s.to(S.dtype), alpha=1 - b2)
         s_hat = S.to(s.dtype) / _bias_correction(b2, st["step"], s.dtype)
-        return sage_damper(s, s_hat, group["eps"], group["damper"])
+        return sage_damper(s, s_hat, group["eps"], group["damper"], self._rms_dims(p, group))
 
     def _step_in_place(self, p: Tensor, g: Tensor, st: dict[str, Any],
                        group: dict[str, Any]) -> None:
@@ -435,7 +452,7 @@ class SageRule(Rule):
                 torch.mean(a, dim=dim, out=s[i:j])
 
             _for_chunks(p, reduce)
-        h = self._damper(s, st, group)
+        h = self._damper(s, st, group, p)
         if dim is not None:
             h = h.unsqueeze(dim)
 
@@ -452,15 +469,23 @@ class SageRule(Rule):
         _for_chunks(p, update)
 
 
-def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both") -> Tensor:
-    """SAGE's ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)`` with σ, γ the RMS of ``Ŝ`` and ``s``."""
+def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
+                dims: tuple[int, ...] | None = None) -> Tensor:
+    """SAGE's ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)`` with σ, γ the RMS of ``Ŝ`` and ``s``.
+
+    ``dims``: the dims the RMS averages over (default: every entry); the others are batch
+    dims (stacked layers), each with its own σ and γ.
+    """
+    def rms(x: Tensor) -> Tensor:
+        if dims is None:
+            return x.square().mean().sqrt()
+        return x.square().mean(dim=dims, keepdim=True).sqrt()
+
     h = torch.ones_like(s)
     if damper in ("both", "ema"):
-        sigma = s_hat.square().mean().sqrt()
-        h = torch.minimum(h, sigma / (s_hat + eps))
+        h = torch.minimum(h, rms(s_hat) / (s_hat + eps))
     if damper in ("both", "instant"):
-        gamma = s.square().mean().sqrt()
-        h = torch.minimum(h, gamma / (s + eps))
+        h = torch.minimum(h, rms(s) / (s + eps))
     return h
 
 
