@@ -302,6 +302,12 @@ def test_torch_layout_pytree_reads_weights_as_out_in():
         route_params({"conv": {"weight": jnp.ones((8, 3, 3, 3))}}, layout="torch")
 
 
+def test_a_single_non_unit_axis_is_a_vector_in_both_frameworks():
+    params = {"cls_token": jnp.ones((1, 1, D)), "proj": {"kernel": jnp.ones((D, D))}}
+    r = route_params(params).routes["cls_token"]
+    assert (r.kind, r.fan_in, r.evidence) == ("vector", (), "shape: one non-unit axis")
+
+
 def test_kind_only_overrides_place_any_leaf():
     params = {"tok_emb": jnp.ones((V, D)), "pos_embedding": jnp.ones((16, D)),
               "proj": {"kernel": jnp.ones((D, D))}}
