@@ -95,23 +95,28 @@ def range_of(name: str, rule: str | None = None) -> Range | None:
     return RULE_RANGES.get((rule or "", name)) or RANGES.get(name)
 
 
-def problem(name: str, value: Any, rule: str | None = None) -> str | None:
+def problem(
+    name: str, value: Any, rule: str | None = None, label: str | None = None
+) -> str | None:
     """The message for an invalid ``value`` of ``name``, or ``None`` if it is valid/unknown.
 
     Strings are checked against :data:`CHOICES`, numbers against :func:`range_of`.
+    ``label`` is how the caller's API spells the parameter (``"betas[0] (b1)"`` in PyTorch);
+    default ``name``.
     """
+    label = label or name
     if name in CHOICES:
         if value not in CHOICES[name]:
-            return f"{name} must be one of {CHOICES[name]}, got {value!r}"
+            return f"{label} must be one of {CHOICES[name]}, got {value!r}"
         return None
     valid = range_of(name, rule)
     if valid is None or valid.contains(value):
         return None
-    return f"{name} must be {valid.describe()}, got {value!r}"
+    return f"{label} must be {valid.describe()}, got {value!r}"
 
 
-def check(name: str, value: Any, rule: str | None = None) -> None:
-    """Raise a ``ValueError`` naming ``name`` if ``value`` is invalid (see :func:`problem`)."""
-    message = problem(name, value, rule)
+def check(name: str, value: Any, rule: str | None = None, label: str | None = None) -> None:
+    """Raise a ``ValueError`` naming the parameter if ``value`` is invalid (:func:`problem`)."""
+    message = problem(name, value, rule, label)
     if message is not None:
         raise ValueError(message)

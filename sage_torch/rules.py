@@ -31,15 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sage_optim import hyperparams
 from sage_optim.presets import RULE_DEFAULTS
 
 Projection = Callable[[str, int, int, int], Tensor]
 """``projection(name, refresh_index, n, rank) -> P`` of shape ``(n, rank)`` (APOLLO)."""
-
-DAMPERS: tuple[str, ...] = ("both", "ema", "instant", "none")
-NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
-SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
-
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
     """Arithmetic dtype: float32, or float64 for float64 tensors."""
@@ -51,25 +47,27 @@ def _bias_correction(b: float, step: Tensor, dtype: torch.dtype) -> Tensor:
     return 1 - b ** step.to(dtype)
 
 
-def _check(name: str, ok: bool, value: Any, what: str) -> None:
-    if not ok:
-        raise ValueError(f"Invalid {name}: {value!r} (must be {what})")
+def _check_group(group: dict[str, Any], rule: str, keys: Sequence[str]) -> None:
+    """Check ``group``'s ``lr``, ``weight_decay``, ``betas`` and ``keys``.
 
-
-def _check_common(group: dict[str, Any]) -> None:
+    Against the shared table (:mod:`sage_optim.hyperparams`): the messages are those of
+    :mod:`sage_optax`.
+    """
     lr = group["lr"]
     if isinstance(lr, Tensor):
-        _check("learning rate", lr.numel() == 1, lr, "a scalar")
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a scalar, got a tensor of shape {tuple(lr.shape)}")
         lr = float(lr)
-    _check("learning rate (lr)", lr >= 0.0, group["lr"], ">= 0")
-    _check("weight_decay", group["weight_decay"] >= 0.0, group["weight_decay"], ">= 0")
-
-
-def _check_betas(betas: Sequence[float], b2_open: bool = True) -> None:
-    _check("betas", len(betas) == 2, betas, "a pair (b1, b2)")
-    b1, b2 = betas
-    _check("beta parameter at index 0 (b1)", 0.0 <= b1 <= 1.0, b1, "in [0, 1]")
-    _check("beta parameter at index 1 (b2)", 0.0 <= b2 < 1.0, b2, "in [0, 1)")
+    hyperparams.check("lr", lr, rule)
+    hyperparams.check("weight_decay", group["weight_decay"], rule)
+    if "b1" in RULE_DEFAULTS.get(rule, {}):
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
+        hyperparams.check("b1", betas[0], rule, "betas[0] (b1)")
+        hyperparams.check("b2", betas[1], rule, "betas[1] (b2)")
+    for key in keys:
+        hyperparams.check(key, group[key], rule)
 
 
 Axes = int | tuple[int, ...]
@@ -310,9 +308,12 @@ class Rule:
 
     name: str = ""
 
+    checked: tuple[str, ...] = ()
+    """Hyperparameters of the rule validated beyond ``lr``, ``weight_decay`` and ``betas``."""
+
     def validate(self, group: dict[str, Any]) -> None:
         """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""
-        _check_common(group)
+        _check_group(group, self.name, self.checked)
 
     def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
         """The state of a parameter before its first step (tensors only, no 'step')."""
@@ -329,11 +330,7 @@ class SageRule(Rule):
 
     name = "sage"
 
-    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
-        super().validate(group)
-        _check_betas(group["betas"])
-        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
-        _check("damper", group["damper"] in DAMPERS, group["damper"], f"one of {DAMPERS}")
+    checked = ("eps", "damper")
 
     def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> int | tuple[int, ...] | None:
         """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
@@ -494,10 +491,6 @@ class LionRule(Rule):
 
     name = "lion"
 
-    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
-        super().validate(group)
-        _check_betas(group["betas"])
-
     def init_state(self, p, group, name):  # noqa: D102
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
@@ -548,10 +541,7 @@ class AdamWRule(Rule):
 
     name = "adamw"
 
-    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
-        super().validate(group)
-        _check_betas(group["betas"])
-        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+    checked = ("eps",)
 
     def init_state(self, p, group, name):  # noqa: D102
         return {
@@ -615,13 +605,7 @@ class SinkGDRule(Rule):
 
     name = "sinkgd"
 
-    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
-        super().validate(group)
-        _check("num_iters", int(group["num_iters"]) == group["num_iters"]
-               and group["num_iters"] >= 1, group["num_iters"], "a positive integer")
-        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
-        _check("normalization", group["normalization"] in NORMALIZATIONS,
-               group["normalization"], f"one of {NORMALIZATIONS}")
+    checked = ("num_iters", "eps", "normalization")
 
     def init_state(self, p, group, name):  # noqa: D102
         _matrix_axes(p, group, "SinkGD", name)
@@ -793,9 +777,7 @@ class UnitNormRule(Rule):
 
     name = "unit_norm"
 
-    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
-        super().validate(group)
-        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+    checked = ("eps",)
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
@@ -852,18 +834,7 @@ class ApolloRule(Rule):
     def __init__(self, projection: Projection | None = None) -> None:
         self.projection = projection
 
-    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
-        super().validate(group)
-        _check_betas(group["betas"])
-        _check("rank", int(group["rank"]) == group["rank"] and group["rank"] >= 1,
-               group["rank"], "a positive integer")
-        _check("update_proj_gap", group["update_proj_gap"] >= 1, group["update_proj_gap"],
-               "a positive integer")
-        _check("scale_type", group["scale_type"] in SCALE_TYPES, group["scale_type"],
-               f"one of {SCALE_TYPES}")
-        _check("scale", group["scale"] > 0, group["scale"], "> 0")
-        _check("limiter_gamma", group["limiter_gamma"] >= 1.0, group["limiter_gamma"], ">= 1")
-        _check("eps", group["eps"] >= 0.0, group["eps"], ">= 0")
+    checked = ("rank", "update_proj_gap", "scale_type", "scale", "limiter_gamma", "eps")
 
     def _plan(self, p: Tensor, group: dict[str, Any],
               name: str) -> tuple[int, int, int, MatrixView | None]:

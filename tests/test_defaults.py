@@ -89,3 +89,13 @@ def test_both_frameworks_refuse_with_one_message(name, bad):
     with pytest.raises(ValueError) as jax_error:
         alias[rule](1e-3, **{name: bad})
     assert str(jax_error.value) == message
+    # PyTorch: the same message, naming the parameter as torch spells it (betas=(b1, b2))
+    param = [torch.nn.Parameter(torch.zeros(3, 4))]
+    kwargs, label = {name: bad}, None
+    if name in ("b1", "b2"):
+        betas = [RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]]
+        betas[name == "b2"] = bad
+        kwargs, label = {"betas": tuple(betas)}, f"betas[{int(name == 'b2')}] ({name})"
+    with pytest.raises(ValueError) as torch_error:
+        TORCH[rule](param, **kwargs)
+    assert str(torch_error.value) == hyperparams.problem(name, bad, rule, label)
