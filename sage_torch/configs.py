@@ -63,7 +63,9 @@ def _plan(model: nn.Module, name: str, lr: float | None,
         )
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     routed = route_params(model, overrides.pop("route_overrides", None))
-    extra = {k: overrides.pop(k) for k in ("maximize", "foreach") if k in overrides}
+    extra: dict[str, Any] = {
+        k: overrides.pop(k) for k in ("maximize", "foreach") if k in overrides
+    }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
     layouts: dict[tuple[str, Any, Any], list[RoutedParam]] = {}
     for kind in KINDS:  # groups in kind order, then in order of first appearance

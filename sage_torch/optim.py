@@ -186,7 +186,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         return [f"param_groups[{index}].params[{i}]" for i in range(len(group["params"]))]
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
         """Perform one optimization step (``closure`` re-evaluates the model, as usual)."""
         loss = None
         if closure is not None:

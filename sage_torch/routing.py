@@ -302,7 +302,8 @@ class _Router:
             if not self.named_params[p_id].requires_grad:
                 continue  # frozen: not trained, so not in doubt
             linear = [o for o in regs if isinstance(o.module, nn.Linear) and o.attr == "weight"]
-            if linear and tuple(linear[0].module.weight.shape) == tuple(table.shape):
+            weight = linear[0].module.weight if linear else None
+            if isinstance(weight, torch.Tensor) and tuple(weight.shape) == tuple(table.shape):
                 fits.append((self.param_names[p_id], p_id))
         if any(self.overrides[pid][1].kind == "embedding" for _, pid in fits
                if pid in self.overrides):

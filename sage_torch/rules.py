@@ -81,9 +81,9 @@ def axis_group(value: Axes, ndim: int, what: str, name: str = "") -> tuple[int, 
     Raises:
       ValueError: not ints, empty, out of range or repeated; the message names ``what``.
     """
-    group = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    raw: Any = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
     try:
-        group = tuple(group)
+        group = tuple(raw)
     except TypeError:
         raise ValueError(f"{what} must be an int or a tuple of ints, got {value!r}") from None
     if not group or not all(isinstance(a, int) and not isinstance(a, bool) for a in group):
@@ -179,6 +179,7 @@ FAST_MIN_NUMEL: int = 1 << 16
 CHUNK_NUMEL: int = 1 << 18
 """Elements per chunk of the in-place path (a chunk of every tensor stays in the caches)."""
 
+_DTensor: Any
 try:  # FSDP2 parameters are DTensors: they keep the whole-tensor path
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # pragma: no cover - torch built without torch.distributed
@@ -429,6 +430,7 @@ class SageRule(Rule):
         lr, wd = float(group["lr"]), group["weight_decay"]
         m = st["exp_avg"]
         dim = self._reduce_dim(p, group)
+        assert not isinstance(dim, tuple), "groups of fan-out dims take the whole-tensor path"
         if dim is None:
             s = g.abs()
         elif dim == 0:
@@ -505,7 +507,7 @@ class LionRule(Rule):
         if foreach:
             c = torch._foreach_mul(grads, 1.0 - b1)
             torch._foreach_add_(c, torch._foreach_mul(ms, b1))
-            updates = torch._foreach_sign(c)
+            updates = list(torch._foreach_sign(c))
             new_m = torch._foreach_mul(grads, 1 - b2)
             torch._foreach_add_(new_m, torch._foreach_mul(ms, b2))
             for m, n in zip(ms, new_m, strict=True):  # DTensor has no _foreach_copy_
@@ -569,7 +571,7 @@ class AdamWRule(Rule):
             v_hat = torch._foreach_div(vs, bias2)
             denom = torch._foreach_sqrt(v_hat)
             torch._foreach_add_(denom, eps)
-            updates = torch._foreach_div(m_hat, denom)
+            updates = list(torch._foreach_div(m_hat, denom))
         else:
             updates = []
             for g, m, v, c1, c2 in zip(grads, ms, vs, bias1, bias2, strict=True):
@@ -784,7 +786,7 @@ class UnitNormRule(Rule):
         if foreach:
             # out of place: a DTensor's norm is a pending (partial) reduction, not writable
             norms = torch._foreach_add(torch._foreach_norm(grads), eps)
-            updates = torch._foreach_div(grads, norms)
+            updates = list(torch._foreach_div(grads, norms))
         else:
             updates = [g / (torch.linalg.vector_norm(g) + eps) for g in grads]
         _decayed_step(params, updates, lr, wd, foreach)
@@ -845,7 +847,7 @@ class ApolloRule(Rule):
         the projection sees the merged axis).
         """
         fan_in, fan_out = _matrix_axes(p, group, "APOLLO", name)
-        view, shape = None, p.shape
+        view, shape = None, tuple(p.shape)
         if len(fan_in) == 1 and len(fan_out) == 1:
             (fi,), (fo,) = fan_in, fan_out
         else:
