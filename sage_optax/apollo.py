@@ -290,22 +290,14 @@ def scale_by_apollo(
         updates: optax.Updates, state: ScaleByApolloState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ScaleByApolloState]:
         del params
-        specs = axes_lib.resolve_spec(axes, updates)
-        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
-        mus = axes_lib.flatten_like(treedef, state.mu, "the APOLLO first-moment state")
-        nus = axes_lib.flatten_like(treedef, state.nu, "the APOLLO second-moment state")
-        norms = axes_lib.flatten_like(treedef, state.norm, "the APOLLO limiter state")
         count = optax.safe_increment(state.count)
         refresh = (count - 1) // update_proj_gap
-        new_u, new_mu, new_nu, new_norm = [], [], [], []
-        for (path, spec, g), m, v, prev in zip(leaves, mus, nus, norms, strict=True):
-            plan = None if axes_lib.is_masked(g) else _plan(path, spec, g.shape, rank)
-            if plan is None:
-                new_u.append(g)
-                new_mu.append(m)
-                new_nu.append(v)
-                new_norm.append(prev)
-                continue
+
+        def leaf_update(path: str, spec: Any, g: jax.Array, m: Any, v: Any, prev: Any
+                        ) -> tuple[Any, Any, Any, Any]:
+            plan = _plan(path, spec, g.shape, rank)
+            if plan is None:  # a None spec: pass through
+                return g, m, v, prev
             if tuple(m.shape) != plan.moment_shape or tuple(prev.shape) != plan.norm_shape:
                 raise ValueError(
                     f"parameter {path!r}: the gradient has shape {tuple(g.shape)}, which "
@@ -334,17 +326,20 @@ def scale_by_apollo(
             t = count.astype(wide)
             correction = jnp.sqrt(_one_minus_pow(b2, t, wide)) / _one_minus_pow(b1, t, wide)
             u = u * correction
-            new_u.append((u if plan.merged is None else plan.merged.from_matrix(u)).astype(g.dtype))
-            new_mu.append(m_t.astype(m.dtype))
-            new_nu.append(v_t.astype(v.dtype))
-            new_norm.append(jnp.squeeze(norm_u * factor, plan.matrix_axes).astype(prev.dtype))
-        unflat = jax.tree_util.tree_unflatten
-        return unflat(treedef, new_u), ScaleByApolloState(
-            count=count,
-            mu=unflat(treedef, new_mu),
-            nu=unflat(treedef, new_nu),
-            norm=unflat(treedef, new_norm),
+            return (
+                (u if plan.merged is None else plan.merged.from_matrix(u)).astype(g.dtype),
+                m_t.astype(m.dtype),
+                v_t.astype(v.dtype),
+                jnp.squeeze(norm_u * factor, plan.matrix_axes).astype(prev.dtype),
+            )
+
+        new_u, new_mu, new_nu, new_norm = axes_lib.map_leaves_with_state(
+            leaf_update, updates, axes,
+            {"the APOLLO first-moment state": state.mu,
+             "the APOLLO second-moment state": state.nu,
+             "the APOLLO limiter state": state.norm},
         )
+        return new_u, ScaleByApolloState(count=count, mu=new_mu, nu=new_nu, norm=new_norm)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

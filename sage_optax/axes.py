@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
 import jax
@@ -301,6 +301,28 @@ def map_leaves(fn: Callable[[str, Any, Any], Any], tree: Any, spec: Any) -> Any:
     treedef, leaves = flatten_with_spec(tree, resolve_spec(spec, tree))
     out = [x if is_masked(x) else fn(path, s, x) for path, s, x in leaves]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def map_leaves_with_state(
+    fn: Callable[..., tuple[Any, ...]], tree: Any, spec: Any, states: Mapping[str, Any]
+) -> tuple[Any, ...]:
+    """Map ``fn(path, spec, leaf, *state_leaves) -> (out, *new_state_leaves)`` over ``tree``.
+
+    The per-leaf map of the stateful transforms: ``states`` maps a description (for
+    errors: ``"the SAGE momentum state"``) to a state tree with one leaf per leaf of
+    ``tree``, matched by path (boxed ``nnx.Variable`` leaves on one side only match too).
+    Masked leaves pass through with their state.  Returns the output tree and each new
+    state tree, all with ``tree``'s structure.
+    """
+    treedef, leaves = flatten_with_spec(tree, resolve_spec(spec, tree))
+    flat_states = [flatten_like(treedef, st, what) for what, st in states.items()]
+    columns: list[list[Any]] = [[] for _ in range(1 + len(flat_states))]
+    for i, (path, leaf_spec, x) in enumerate(leaves):
+        olds = [flat[i] for flat in flat_states]
+        outs = (x, *olds) if is_masked(x) else fn(path, leaf_spec, x, *olds)
+        for column, value in zip(columns, outs, strict=True):
+            column.append(value)
+    return tuple(jax.tree_util.tree_unflatten(treedef, column) for column in columns)
 
 
 def flatten_like(treedef: Any, tree: Any, what: str, reference: str = "the updates") -> list[Any]:

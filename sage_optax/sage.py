@@ -197,22 +197,13 @@ def scale_by_sage(
         updates: optax.Updates, state: ScaleBySageState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, ScaleBySageState]:
         del params
-        specs = axes_lib.resolve_spec(axes, updates)
-        treedef, leaves = axes_lib.flatten_with_spec(updates, specs)
-        mus = axes_lib.flatten_like(treedef, state.mu, "the SAGE momentum state")
-        ss = axes_lib.flatten_like(treedef, state.s, "the SAGE scale state")
-        names = [path for path, _, _ in leaves]
-        axes_lib.check_same_shapes(
-            names, mus, [g for _, _, g in leaves], "the gradient", "the optimizer state"
-        )
         count = optax.safe_increment(state.count)
-        new_u, new_mu, new_s = [], [], []
-        for (path, spec, g), m, s_prev in zip(leaves, mus, ss, strict=True):
-            if axes_lib.is_masked(g):
-                new_u.append(g)
-                new_mu.append(m)
-                new_s.append(s_prev)
-                continue
+
+        def leaf_update(path: str, spec: Any, g: jax.Array, m: jax.Array, s_prev: jax.Array
+                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
+            axes_lib.check_same_shapes(
+                [path], [m], [g], "the gradient", "the optimizer state"
+            )
             plan = _plan(path, spec, g.shape)
             wide = axes_lib.wide(g.dtype)
             g32, m32 = g.astype(wide), m.astype(wide)
@@ -223,13 +214,14 @@ def scale_by_sage(
             if plan.reduce_axes is not None:
                 h = jnp.expand_dims(h, plan.reduce_axes)
             mu_t = (1 - b2) * g32 + b2 * m32
-            new_u.append((lion_direction(g32, m32, mu_t, b1, b2) * h).astype(g.dtype))
-            new_mu.append(mu_t.astype(m.dtype))
-            new_s.append(s_ema)
-        unflat = jax.tree_util.tree_unflatten
-        return unflat(treedef, new_u), ScaleBySageState(
-            count=count, mu=unflat(treedef, new_mu), s=unflat(treedef, new_s)
+            u = (lion_direction(g32, m32, mu_t, b1, b2) * h).astype(g.dtype)
+            return u, mu_t.astype(m.dtype), s_ema
+
+        new_u, new_mu, new_s = axes_lib.map_leaves_with_state(
+            leaf_update, updates, axes,
+            {"the SAGE momentum state": state.mu, "the SAGE scale state": state.s},
         )
+        return new_u, ScaleBySageState(count=count, mu=new_mu, s=new_s)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

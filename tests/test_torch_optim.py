@@ -31,9 +31,6 @@ STEPS = 60
 TOL = 1e-10  # float64 parity with the oracle (SPEC.md section 7)
 FOREACH_TOL = 1e-12
 DAMPERS = ("both", "ema", "instant", "none")
-GAPS: dict[str, float] = {}  # worst |Δθ| per case, printed by test_report_gaps
-
-
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
@@ -91,7 +88,6 @@ def run_parity(key, opts, params_list, refs, kinds, peak, steps=STEPS, seed=0):
                 worst = max(worst, diff)
     for i, (s, th) in enumerate(zip(start, thetas, strict=True)):
         assert np.max(np.abs(th - s)) > 1e-3, f"{key}: param {i} barely moved (test too weak)"
-    GAPS[key] = max(GAPS.get(key, 0.0), worst)
     return worst
 
 
@@ -320,7 +316,6 @@ def test_foreach_matches_single_float64(rule, monkeypatch):
         for p, q in zip(single, multi, strict=True):
             worst = max(worst, float((p - q).detach().abs().max()))
     assert worst <= FOREACH_TOL, f"{rule}: foreach vs single max |Δθ| = {worst:.3e}"
-    GAPS[f"foreach-vs-single/{rule}"] = worst
 
 
 @pytest.mark.parametrize("rule", RULE_NAMES)
@@ -443,7 +438,6 @@ def test_fast_path_matches_dtensor_path_float64(key, foreach, intra_op_threads, 
     assert worst <= FAST_TOL, f"{key}: fast vs whole-tensor path max |Δθ| = {worst:.3e}"
     moved = max(float((p - s).detach().abs().max()) for p, s in zip(fast, start, strict=True))
     assert moved > 1e-3, "the parameters barely moved (test too weak)"
-    GAPS[f"fast-vs-whole-tensor/{key}/foreach={foreach}/threads={intra_op_threads}"] = worst
 
 
 def test_fast_path_is_only_for_plain_contiguous_same_dtype_cpu_tensors(monkeypatch):
@@ -831,10 +825,3 @@ def test_no_private_torch_imports():
                         if a.name.split(".")[0] == "torch"
                         and any(part.startswith("_") for part in a.name.split("."))]
     assert not bad, bad
-
-
-def test_report_gaps(capsys):  # last in the file: prints the gaps the tests above saw
-    with capsys.disabled():
-        print(f"\nfloat64 max |Δθ| (oracle: {STEPS} steps; foreach vs single: 25 steps):")
-        for key, gap in sorted(GAPS.items()):
-            print(f"  {key:28s} {gap:.3e}")
