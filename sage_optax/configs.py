@@ -84,15 +84,18 @@ def make_optimizer(
           ``weight_decay=0.0``;
         * ``route_overrides={glob: kind or Route}`` and ``vocab_size=`` for the router;
         * ``mask=``: weight-decay mask (pytree of bools or callable);
-        * ``skip_nonfinite=N``: wrap in ``optax.apply_if_finite`` so a step with a NaN/Inf
-          gradient is skipped (params and state untouched), failing after N in a row.
+        * ``skip_nonfinite=N``: a non-negative integer; wrap in
+          ``optax.apply_if_finite(tx, max_consecutive_errors=N)`` so a step with a NaN/Inf
+          gradient is skipped (zero update, state untouched), at most ``N`` in a row: the
+          ``(N + 1)``-th consecutive non-finite step (and any after it) is applied, so a
+          persistent failure surfaces; a finite step resets the run; 0 (default): off.
 
     Returns:
       An ``optax.GradientTransformation`` (an ``optax.partition`` over the kinds).
 
     Raises:
       ValueError: unknown name (the message lists the valid ones), unknown override,
-        negative learning rate.
+        negative learning rate, ``skip_nonfinite`` not a non-negative integer.
     """
     overrides = dict(overrides)
     preset = resolve_preset(name, overrides, OPTION_KEYS)
@@ -101,7 +104,7 @@ def make_optimizer(
     route_overrides = overrides.pop("route_overrides", None)
     vocab_size = overrides.pop("vocab_size", None)
     mask = overrides.pop("mask", None)
-    skip_nonfinite = overrides.pop("skip_nonfinite", 0)
+    skip_nonfinite = validation.check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
     assert not overrides, overrides  # every key was consumed by resolve_preset
 
     def routing_of(params: Any) -> routing.ParamRouting:
@@ -118,7 +121,7 @@ def make_optimizer(
         labels_fn,
     )
     if skip_nonfinite:
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=int(skip_nonfinite))
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=skip_nonfinite)
     return with_tree_checks(tx)
 
 

@@ -9,10 +9,11 @@ from torch import nn
 
 from sage_optim.presets import KINDS, Rule, resolve_preset
 from sage_optim.table import RoutingTable
+from sage_torch.nonfinite import SkipNonFinite, check_skip_nonfinite
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import route_parameters, state_nbytes
 
-OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach")
+OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "skip_nonfinite")
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
@@ -66,17 +67,24 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
         Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind}``, plus
-        ``maximize``, ``foreach`` and ``dense_projection=`` (APOLLO's injected projection).
+        ``maximize``, ``foreach``, ``dense_projection=`` (APOLLO's injected projection)
+        and ``skip_nonfinite=N``: skip a step whose gradients are not all finite (params
+        and state untouched), at most ``N`` in a row, as the JAX option
+        (:mod:`sage_torch.nonfinite`).
 
     Returns:
-      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule.
+      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule
+      (a :class:`~sage_torch.nonfinite.SkipNonFinite` when ``skip_nonfinite > 0``).
     """
     overrides = dict(overrides)
     projection = None
     for key in [k for k in overrides if k.endswith("projection")]:
         projection = overrides.pop(key)
-    return RuleOptimizer(param_groups(model, name, lr, **overrides), {"lr": 0.0},
-                         projection=projection)
+    skip = check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
+    groups = param_groups(model, name, lr, **overrides)
+    if skip:
+        return SkipNonFinite(groups, {"lr": 0.0}, projection=projection, skip_nonfinite=skip)
+    return RuleOptimizer(groups, {"lr": 0.0}, projection=projection)
 
 
 def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable:
