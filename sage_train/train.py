@@ -232,6 +232,22 @@ def settings_of(cfg: TrainConfig) -> dict[str, Any]:
     return settings
 
 
+def _normalized(recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Recorded settings in the form :func:`settings_of` writes.
+
+    The ``config.json`` of an older version holds ``learning_rate: null`` and the data
+    path as given.
+    """
+    if recorded is None:
+        return None
+    recorded = dict(recorded)
+    if recorded.get("learning_rate") is None and recorded.get("optimizer") in CONFIG_NAMES:
+        recorded["learning_rate"] = get_preset(recorded["optimizer"]).learning_rate
+    if "data" in recorded:
+        recorded["data"] = rundir.normalize_data(recorded["data"])
+    return recorded
+
+
 def data_fingerprint(tokens: data_lib.TokenData) -> str:
     """A short hash of the token stream, equal for the same data and read in O(1).
 
@@ -294,7 +310,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 
 def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | None,
                   allow_change: bool, log: Callable[[str], None]) -> RunResult:
-    recorded = rundir.read_settings(run_dir)
+    recorded = _normalized(rundir.read_settings(run_dir))
     settings = settings_of(cfg)
     changed = rundir.check_settings(run_dir, recorded, settings, allow_change)
     ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)

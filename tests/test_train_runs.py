@@ -140,6 +140,21 @@ def test_other_settings_are_refused_before_anything_changes(corpus, tmp_path, ch
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json"]
 
 
+def test_settings_of_an_older_version_are_read_as_such(corpus, tmp_path, monkeypatch):
+    """config.json written before this check (learning_rate null, a relative data path)
+    is the same run; its settings open the history."""
+    run = tmp_path / "run"
+    quiet(config(corpus, run), stop_after=1)
+    old = dataclasses.asdict(config(corpus.name, run))  # learning_rate None, relative data
+    (run / "config.json").write_text(json.dumps(old))
+    (run / rundir.HISTORY).unlink()
+    monkeypatch.chdir(corpus.parent)
+    result, _ = quiet(config(corpus, run), stop_after=2)
+    assert result.start_step == 1 and result.steps_done == 2
+    history = [json.loads(x) for x in (run / rundir.HISTORY).read_text().splitlines()]
+    assert history[0]["settings"] == old and history[1]["start_step"] == 1
+
+
 def test_allowed_change_is_a_new_segment_and_steps_below_checkpoint_fail(corpus, tmp_path):
     run = tmp_path / "run"
     quiet(config(corpus, run), stop_after=4)
