@@ -13,7 +13,7 @@ from sage_torch.nonfinite import SkipNonFinite, check_skip_nonfinite
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import route_parameters, state_nbytes
 
-OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "skip_nonfinite")
+OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach")
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
@@ -93,7 +93,8 @@ def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable
     The state is created on the ``meta`` device, so nothing is allocated.  Same form as
     :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
     """
-    overrides = {k: v for k, v in overrides.items() if not k.endswith("projection")}
+    overrides = {k: v for k, v in overrides.items()
+                 if not k.endswith("projection") and k != "skip_nonfinite"}
     preset = resolve_preset(name, dict(overrides), OPTION_KEYS)
     groups = param_groups(model, name, **overrides)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
