@@ -106,8 +106,11 @@ def make_optimizer(
           recommended for models with ``nnx.Conv``, ``nnx.LinearGeneral``,
           ``nnx.MultiHeadAttention`` or ``nnx.Einsum``);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
-        * ``skip_nonfinite=N``: wrap in ``optax.apply_if_finite`` so a step with a NaN/Inf
-          gradient is skipped (params and state untouched), failing after N in a row.
+        * ``skip_nonfinite=N``: a non-negative integer; wrap in
+          ``optax.apply_if_finite(tx, max_consecutive_errors=N)`` so a step with a NaN/Inf
+          gradient is skipped (zero update, state untouched), at most ``N`` in a row: the
+          ``(N + 1)``-th consecutive non-finite step (and any after it) is applied, so a
+          persistent failure surfaces; a finite step resets the run; 0 (default): off.
 
     ``optax.inject_hyperparams(make_optimizer, static_args="name")(name="sage-hybrid",
     learning_rate=schedule, b1=0.9)`` injects the learning rate and the named numeric
@@ -118,7 +121,7 @@ def make_optimizer(
 
     Raises:
       ValueError: unknown name (the message lists the valid ones), unknown override,
-        negative learning rate.
+        negative learning rate, ``skip_nonfinite`` not a non-negative integer.
     """
     overrides = _merge_injected(overrides)
     named = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "alpha": alpha}
@@ -128,7 +131,7 @@ def make_optimizer(
     validation.check_learning_rate(lr)
     router = _router(overrides)
     mask = overrides.pop("mask", None)
-    skip_nonfinite = overrides.pop("skip_nonfinite", 0)
+    skip_nonfinite = validation.check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
     assert not overrides, overrides  # every key was consumed
 
     def axes_fn(params: Any) -> Any:
@@ -142,7 +145,7 @@ def make_optimizer(
         labels_fn,
     )
     if skip_nonfinite:
-        tx = optax.apply_if_finite(tx, max_consecutive_errors=int(skip_nonfinite))
+        tx = optax.apply_if_finite(tx, max_consecutive_errors=skip_nonfinite)
     return with_tree_checks(tx)
 
 

@@ -18,6 +18,14 @@ This is exactly the matrix rewrite above (the norm of a scaled column is the sca
 weighted norm) but writes no matrix per half-iteration: the only matrix temporary is ``K``,
 and a layer's ``K`` is small enough to stay in the CPU's last-level cache across the ``2L``
 products (``benchmarks/jax_step.py``).
+
+Range: ``K`` is formed from ``G/m`` with ``m`` a power of two close to the matrix's largest
+magnitude (one per batch index), so the squares neither overflow (a float32 gradient entry
+of 1e19 would make ``G²`` infinite) nor underflow; the first normalisation then uses
+``eps/m``, since ``(G/m)/(‖G/m‖ + ε/m) = G/(‖G‖ + ε)``, and the later ones are unchanged.
+Dividing by a power of two is exact, so for gradients whose squares are in range the
+result is bit-for-bit that of the plain computation: the rescaling changes no number, it
+only keeps every finite gradient finite.  An all-zero matrix stays zero.
 """
 
 from __future__ import annotations
@@ -73,9 +81,29 @@ def sinkhorn_normalize(
 def apply_scales(
     g: jax.Array, axes: axes_lib.ResolvedAxes, c: jax.Array, r: jax.Array
 ) -> jax.Array:
-    """``X = diag(c) · G · diag(r)`` (in the wide dtype of ``c``) from :func:`sinkhorn_scales`."""
+    """``X = diag(c) · G · diag(r)`` (in the wide dtype of ``c``) from :func:`sinkhorn_scales`.
+
+    ``c · G`` is formed first; :func:`sinkhorn_scales` splits the range factor between
+    ``c`` and ``r`` so that this partial product is finite for any finite ``G``.
+    """
     g = g.astype(c.dtype) if g.dtype != c.dtype else g
     return jnp.expand_dims(c, axes.fan_out) * g * jnp.expand_dims(r, axes.fan_in)
+
+
+def range_scale(g: jax.Array, axes: axes_lib.ResolvedAxes) -> jax.Array:
+    """``m``: a power of two with ``m ≤ max|G| < 2m`` per batch index (1 for an all-zero one).
+
+    Shaped like ``g`` with size-1 fan-in and fan-out axes, in ``g``'s dtype; at least the
+    dtype's smallest normal number, so that ``1/m`` and ``eps/m`` stay finite.  A matrix
+    with a non-finite entry gets ``m = 1`` (its result is non-finite anyway).  Zero-size
+    matrices give 1.
+    """
+    amax = jnp.max(jnp.abs(g), axis=(*axes.fan_in, *axes.fan_out), keepdims=True, initial=0.0)
+    mantissa, _ = jnp.frexp(amax)  # amax = mantissa · 2^e with mantissa in [0.5, 1)
+    ok = (amax > 0) & jnp.isfinite(amax)
+    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result).
+    m = jnp.where(ok, amax / jnp.where(ok, 2 * mantissa, 1), 1)
+    return jnp.maximum(m, jnp.finfo(g.dtype).tiny).astype(g.dtype)
 
 
 def sinkhorn_scales(
@@ -91,6 +119,11 @@ def sinkhorn_scales(
     ``c`` has ``g``'s shape without the fan-out axes (one scale per fan-in index), ``r``
     without the fan-in axes (one per output unit), both in float32 or wider.  With axis
     groups the norms run over every axis of a group: the merged matrix, without a reshape.
+
+    The iteration runs on ``G/m`` (:func:`range_scale`), whose squares are in range for
+    any finite ``G``: ``r`` then carries a factor ``m``, and ``1/m`` is split between the
+    returned ``c`` and ``r`` (two exact powers of two) so that neither they nor ``c · G``
+    leave the range.  Their product, and so ``X``, is that of the plain computation.
     """
     wide = jnp.promote_types(g.dtype, jnp.float32)
     g = g.astype(wide) if g.dtype != wide else g
@@ -100,13 +133,15 @@ def sinkhorn_scales(
     else:
         t_in = jnp.sqrt(jnp.asarray(axes.fan_in_size, wide))
         t_out = jnp.sqrt(jnp.asarray(axes.fan_out_size, wide))
-    # K = G², formed once; every half-iteration is then one (batched) matrix-vector product
-    # with it, in full float32 precision on every backend (no TF32).
-    k = jnp.square(g)
+    m = range_scale(g, axes)
+    gm = g / m  # exact: m is a power of two
+    # K = (G/m)², formed once; every half-iteration is then one (batched) matrix-vector
+    # product with it, in full float32 precision on every backend (no TF32).
+    k = jnp.square(gm)
     if after is not None:
         # A data dependency (the two branches are bitwise equal) that makes this K wait
         # for ``after``, so that consecutive leaves' K are not all alive at once.
-        k = jnp.where(after >= 0, k, jnp.abs(g) * jnp.abs(g))
+        k = jnp.where(after >= 0, k, jnp.abs(gm) * jnp.abs(gm))
     sub = "abcdefghijklmnopqrstuvwxyz"[: g.ndim]
     c_sub = "".join(sub[a] for a in range(g.ndim) if a not in fo)
     r_sub = "".join(sub[a] for a in range(g.ndim) if a not in fi)
@@ -121,19 +156,35 @@ def sinkhorn_scales(
         jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=_sharding_of(c)
     )
 
-    def rescale(scale: jax.Array, norm_sq: jax.Array, target: jax.Array) -> jax.Array:
+    def rescale(scale: jax.Array, norm_sq: jax.Array, target: jax.Array, eps: Any
+                ) -> jax.Array:
         norm = jnp.sqrt(norm_sq)
         new = scale * target / (scale * norm + eps)
         # An all-zero slice stays zero whatever its scale; keep the scale finite there.
         return jnp.where(norm > 0, new, scale)
 
-    def body(_: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    # The first half-iteration normalises G/m with eps/m (= G/(‖G‖ + eps)); from then on
+    # r carries the factor m and every later half-iteration is the plain one.
+    eps_first = eps / jnp.squeeze(m, fi)
+
+    def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         c, r = carry
-        r = rescale(r, row_norms(k, jnp.square(c)), t_in)
-        c = rescale(c, col_norms(k, jnp.square(r)), t_out)
+        r = rescale(r, row_norms(k, jnp.square(c)), t_in, jnp.where(i == 0, eps_first, eps))
+        c = rescale(c, col_norms(k, jnp.square(r)), t_out, eps)
         return c, r
 
-    return jax.lax.fori_loop(0, num_iters, body, (c, r))
+    c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
+    # X = c·(G/m)·r = (c·2^-a)·G·(r·2^-b) with 2^a·2^b = m, a ≈ b: both scales and c·G
+    # stay in range.
+    half = _pow2_sqrt_floor(m)
+    return c / jnp.squeeze(half, fo), r / jnp.squeeze(m / half, fi)
+
+
+def _pow2_sqrt_floor(m: jax.Array) -> jax.Array:
+    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact)."""
+    _, e = jnp.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
+    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
+    return jnp.where(e % 2 == 0, jnp.sqrt(m / 2), jnp.sqrt(m))
 
 
 def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
@@ -199,7 +250,7 @@ def scale_by_sinkhorn(
             # temporary memory is the largest K, not the sum of all of them).
             after = previous[-1] if previous else None
             c, r = sinkhorn_scales(g, resolved, num_iters, eps, normalization, after)
-            previous.append(jnp.min(r))
+            previous.append(jnp.min(r, initial=jnp.inf))  # defined for (n, 0) too
             return apply_scales(g, resolved, c, r).astype(g.dtype)
 
         return axes_lib.map_leaves(normalize, updates, axes), state

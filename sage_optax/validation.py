@@ -73,3 +73,17 @@ def check_positive_int(name: str, value: Any) -> None:
     """Check a count (rank, iterations, interval) is a positive integer when concrete."""
     if isinstance(value, bool) or (is_static_number(value) and (int(value) != value or value < 1)):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_skip_nonfinite(value: Any) -> int:
+    """``value`` as a count of non-finite steps to skip, or a ``ValueError`` naming it.
+
+    A non-negative integer (Python or NumPy); booleans, fractions and negative numbers are
+    refused (``True`` is not "skip one", ``2.7`` and ``-1`` have no meaning).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
+        raise ValueError(
+            f"skip_nonfinite must be a non-negative integer (the number of consecutive "
+            f"non-finite steps to skip; 0 disables skipping), got {value!r}"
+        )
+    return int(value)

@@ -10,6 +10,7 @@ from torch import nn
 from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
 from sage_optim.routing import ResolvedRoute, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
+from sage_torch.nonfinite import SkipNonFinite, check_skip_nonfinite
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params, state_nbytes
 
@@ -115,10 +116,14 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
         fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
-        ``maximize``, ``foreach`` and ``dense_projection=`` (APOLLO's injected projection).
+        ``maximize``, ``foreach``, ``dense_projection=`` (APOLLO's injected projection)
+        and ``skip_nonfinite=N``: skip a step whose gradients are not all finite (params
+        and state untouched), at most ``N`` in a row, as the JAX option
+        (:mod:`sage_torch.nonfinite`).
 
     Returns:
-      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule and axes; a group
+      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule and axes (a
+      :class:`~sage_torch.nonfinite.SkipNonFinite` when ``skip_nonfinite > 0``); a group
       added later with ``kind=`` gets this configuration's rule for that kind.
 
     Raises:
@@ -128,7 +133,11 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
     projection = None
     for key in [k for k in overrides if k.endswith("projection")]:
         projection = overrides.pop(key)
+    skip = check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
     groups, _, kinds, _ = _plan(model, name, lr, overrides)
+    if skip:
+        return SkipNonFinite(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
+                             skip_nonfinite=skip)
     return RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds)
 
 
@@ -140,7 +149,8 @@ def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable
     bytes.  The state is created on the ``meta`` device, so nothing is allocated.  Same form
     as :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
     """
-    overrides = {k: v for k, v in overrides.items() if not k.endswith("projection")}
+    overrides = {k: v for k, v in overrides.items()
+                 if not k.endswith("projection") and k != "skip_nonfinite"}
     groups, routed, _, preset = _plan(model, name, None, overrides)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})

@@ -725,16 +725,48 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
     if matvec:
         c, r = sinkhorn_scales(g, fan_in_dim, fan_out_dim, num_iters, eps, normalization)
         return c.unsqueeze(fan_out_dim % 2) * g * r.unsqueeze(fan_in_dim % 2)
-    g2 = g.square()
+    m = range_scale(g, (fan_in_dim, fan_out_dim))
+    g2 = (g / m).square()  # g / m is exact: m is a power of two
     c = torch.ones_like(g2.sum(dim=fan_out_dim, keepdim=True))
     r = torch.ones_like(g2.sum(dim=fan_in_dim, keepdim=True))
     t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
-    for _ in range(int(num_iters)):
+    for i in range(int(num_iters)):
         q = (g2 * c.square()).sum(dim=fan_in_dim, keepdim=True).sqrt()
-        r = torch.where(q > 0, r * t_in / (r * q + eps), r)
+        r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
         q = (g2 * r.square()).sum(dim=fan_out_dim, keepdim=True).sqrt()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    return c * g * r
+    half = _pow2_sqrt_floor(m)
+    return (c / half) * g * (r / (m / half))
+
+
+def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """``m``: a power of two with ``m ≤ max|g| < 2m`` over ``dims`` (kept, size 1).
+
+    As :func:`sage_optax.sinkhorn.range_scale`: 1 for an all-zero, zero-size or non-finite
+    matrix, and at least the dtype's smallest normal number.  The Sinkhorn iteration runs
+    on ``g / m``, whose squares are in range for any finite ``g``; dividing by a power of
+    two is exact, so in-range gradients give bit-for-bit the plain computation's result.
+    """
+    if g.numel() == 0:
+        shape = [1 if d in {x % g.dim() for x in dims} else n for d, n in enumerate(g.shape)]
+        return torch.ones(shape, dtype=g.dtype, device=g.device)
+    amax = g.abs().amax(dim=dims, keepdim=True)
+    mantissa, _ = torch.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
+    ok = (amax > 0) & torch.isfinite(amax)
+    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result)
+    m = torch.where(ok, amax / torch.where(ok, 2 * mantissa, 1), 1)
+    return m.clamp_min(torch.finfo(g.dtype).tiny)
+
+
+def _pow2_sqrt_floor(m: Tensor) -> Tensor:
+    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact).
+
+    ``X = c·(G/m)·r`` is returned as ``(c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉)``: both scales and every
+    partial product stay in range for any finite ``G``.
+    """
+    _, e = torch.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
+    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
+    return torch.where(e % 2 == 0, (m / 2).sqrt(), m.sqrt())
 
 
 def _sinkhorn_targets(g: Tensor, fan_in_dim: int, fan_out_dim: int,
@@ -750,28 +782,32 @@ def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int
     """The scale vectors ``(c, r)`` of a plain 2-D ``g``: ``X = c ⊙ G ⊙ r``.
 
     ``c`` has one entry per fan-in index and ``r`` one per fan-out index (1-D, float32 or
-    wider).  ``K = G²`` is formed once; every half-iteration is one ``torch.mv`` of ``K``
-    with the other vector's square, as :mod:`sage_optax.sinkhorn` does (a layer's ``K``
-    stays in the CPU's last-level cache across the ``2L`` products).  ``buffer``: a
+    wider).  ``K = (G/m)²`` is formed once (``m``: :func:`range_scale`, so that the squares
+    are in range for any finite ``G``; the first half-iteration then uses ``eps/m``, and
+    ``1/m`` is split between ``c`` and ``r``, as in :mod:`sage_optax.sinkhorn`); every
+    half-iteration is one ``torch.mv`` of ``K`` with the other vector's square (a layer's
+    ``K`` stays in the CPU's last-level cache across the ``2L`` products).  ``buffer``: a
     tensor of ``g``'s wide dtype with at least ``g.numel()`` elements to hold ``K``
     (reused across matrices: no fresh allocation, and so no page faults, per matrix).
     """
     wide = _wide(g.dtype)
+    m = range_scale(g.to(wide), (0, 1)).reshape(())
     if buffer is not None and buffer.dtype == wide and buffer.numel() >= g.numel():
-        k = torch.square(g.to(wide), out=buffer[: g.numel()].view(g.shape))
+        k = torch.div(g.to(wide), m, out=buffer[: g.numel()].view(g.shape)).square_()
     else:
-        k = g.to(wide).square()
+        k = g.to(wide).div(m).square_()
     if fan_out_dim % 2 != 0:  # K as (fan_out, fan_in), a view
         k = k.t()
     t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
     c = torch.ones(k.shape[1], dtype=wide, device=g.device)
     r = torch.ones(k.shape[0], dtype=wide, device=g.device)
-    for _ in range(int(num_iters)):
+    for i in range(int(num_iters)):
         q = torch.mv(k, c.square()).sqrt_()  # one norm per output unit (over the fan-in)
-        r = torch.where(q > 0, r * t_in / (r * q + eps), r)
+        r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
         q = torch.mv(k.t(), r.square()).sqrt_()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    return c, r
+    half = _pow2_sqrt_floor(m)
+    return c / half, r / (m / half)
 
 
 class UnitNormRule(Rule):

@@ -6,68 +6,193 @@ import argparse
 import dataclasses
 import pathlib
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
+from sage_train.errors import CheckpointError, UserError
 from sage_train.sharding import MODES
-from sage_train.train import SCHEDULES
+from sage_train.train import SCHEDULES, SETTING_CHECKS, TrainConfig
+
+EPILOG = """\
+Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains). Running the
+same command again resumes from the newest intact checkpoint, with bit-identical losses; a
+rerun with other settings (learning rate, steps, batch size, sequence length, seed, data,
+warmup, clipping...) is refused unless --allow-config-change is given, which continues the
+run under the new settings and records the change in config_history.jsonl.
+
+exit status: 0 trained (or already complete); 1 stopped on a NaN/Inf or a checkpoint could
+not be saved (the earlier checkpoints are kept); 2 invalid options, data or run directory
+(nothing was trained)."""
+
+_DEFAULTS = TrainConfig()
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (usage is in ``--help``)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print ``message`` as one line and exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(field: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` that converts and checks a value as :func:`check_config` does."""
+    ok, what = SETTING_CHECKS[field]
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line (defaults: ``small`` with ``sage-hybrid`` on the embedded corpus)."""
-    p = argparse.ArgumentParser(prog="sage-train", description=__doc__)
-    p.add_argument("--model", default="small", choices=list(MODELS))
-    p.add_argument("--optimizer", nargs="+", default=["sage-hybrid"], choices=CONFIG_NAMES,
-                   help="one or more configurations, trained one after the other")
-    p.add_argument("--lr", type=float, default=None,
-                   help="peak learning rate (default: the configuration's paper value)")
-    p.add_argument("--schedule", default="cosine", choices=SCHEDULES,
-                   help="after the linear warmup (default cosine, as the paper)")
-    p.add_argument("--warmup-frac", type=float, default=0.1)
-    p.add_argument("--final-lr-frac", type=float, default=0.1)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--clip", type=float, default=1.0, help="global-norm clipping (0: off)")
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=8)
+    """The command line (defaults: ``small`` with ``sage-hybrid`` on the embedded corpus).
+
+    Every number is checked here, before anything is read or written; an invalid one exits
+    with status 2 and a one-line message naming the option.
+    """
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sage-train`` parser: help text and default for every option."""
+    p = _Parser(prog="sage-train", description=__doc__, epilog=EPILOG,
+                formatter_class=_Formatter)
+    d = _DEFAULTS
+    p.add_argument("--model", default=d.model, choices=list(MODELS),
+                   help="LLaMA size (tiny: tests, small: CPU, 60m ... 1.3b: the paper's)")
+    p.add_argument("--optimizer", nargs="+", default=[d.optimizer], choices=CONFIG_NAMES,
+                   metavar="NAME", help="one or more of the paper's configurations, trained "
+                   f"one after the other: {', '.join(CONFIG_NAMES)}")
+    p.add_argument("--lr", type=_checked("learning_rate", float), default=None,
+                   help="peak learning rate, > 0 (default: the configuration's paper value)")
+    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES,
+                   help="decay after the linear warmup (the paper: cosine)")
+    p.add_argument("--warmup-frac", type=_checked("warmup_frac", float),
+                   default=d.warmup_frac, help="fraction of the steps in linear warmup, [0, 1)")
+    p.add_argument("--final-lr-frac", type=_checked("final_lr_frac", float),
+                   default=d.final_lr_frac,
+                   help="final learning rate as a fraction of the peak, [0, 1]")
+    p.add_argument("--steps", type=_checked("steps", int), default=d.steps,
+                   help="total training steps of the run, >= 1 (sets the schedule)")
+    p.add_argument("--batch-size", type=_checked("batch_size", int), default=d.batch_size,
+                   help="sequences per step, >= 1")
+    p.add_argument("--seq-len", type=_checked("seq_len", int), default=d.seq_len,
+                   help="tokens per sequence, >= 1")
+    p.add_argument("--seed", type=_checked("seed", int), default=d.seed,
+                   help="seed of the initial weights and the batch order, >= 0")
+    p.add_argument("--clip", type=_checked("clip", float), default=d.clip,
+                   help="global-norm gradient clipping threshold, >= 0 (0: off)")
+    p.add_argument("--eval-every", type=_checked("eval_every", int), default=d.eval_every,
+                   help="steps between test-perplexity evaluations, >= 1 (and at the end)")
+    p.add_argument("--eval-batches", type=_checked("eval_batches", int),
+                   default=d.eval_batches, help="batches of the fixed test windows, >= 1")
+    p.add_argument("--log-every", type=_checked("log_every", int), default=d.log_every,
+                   help="steps between rows of metrics.jsonl, >= 1 (evaluations and "
+                   "checkpoints always get one)")
     p.add_argument("--data", default=None,
-                   help="text file/folder or .u16/.u32/.npy tokens (default: stdlib corpus)")
-    p.add_argument("--run-dir", default="runs", help="runs go to RUN_DIR/MODEL-OPTIMIZER")
-    p.add_argument("--checkpoint-every", type=int, default=100)
-    p.add_argument("--sharding", default="dp", choices=MODES)
-    p.add_argument("--record-h-every", type=int, default=10)
+                   help="a text file or folder, or a .u16/.u32/.npy/.bin token file "
+                   "(default: the embedded standard-library corpus)")
+    p.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
+                   help="dtype of a raw .bin token file: required for .bin, checked against "
+                   "the extension of .u16/.u32/.npy (default: from the extension)")
+    p.add_argument("--run-dir", default="runs",
+                   help="runs go to RUN_DIR/MODEL-OPTIMIZER")
+    p.add_argument("--checkpoint-every", type=_checked("checkpoint_every", int),
+                   default=d.checkpoint_every,
+                   help="steps between checkpoints, >= 1 (and at the end; the newest two "
+                   "are kept)")
+    p.add_argument("--sharding", default=d.sharding, choices=MODES,
+                   help="data parallel (dp), fully sharded (fsdp) or one device (none)")
+    p.add_argument("--record-h-every", type=_checked("record_h_every", int),
+                   default=d.record_h_every,
+                   help="steps between records of SAGE's embedding damper H_t, >= 1")
+    p.add_argument("--h-max-records", type=_checked("h_max_records", int),
+                   default=d.h_max_records,
+                   help="most H_t rows kept (the interval doubles when full), >= 2")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="continue a run under settings other than its recorded ones (the "
+                   "change is recorded in config_history.jsonl)")
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (multi-host)")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Train, print a summary table and save the loss-curve PNG; non-zero on a NaN stop."""
-    args = parse_args(argv)
-    import jax
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown for every option; the epilog keeps its line breaks."""
 
-    if args.distributed:
-        jax.distributed.initialize()
-    from sage_train.train import TrainConfig, save_loss_curve, train
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)"
 
-    results = []
-    for name in args.optimizer:
-        cfg = TrainConfig(
+
+def configs(args: argparse.Namespace) -> list[TrainConfig]:
+    """One :class:`TrainConfig` per configuration named on the command line."""
+    return [
+        TrainConfig(
             model=args.model, optimizer=name, learning_rate=args.lr, schedule=args.schedule,
             warmup_frac=args.warmup_frac, final_lr_frac=args.final_lr_frac,
             batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
             seed=args.seed, clip=args.clip, eval_every=args.eval_every,
-            eval_batches=args.eval_batches, data=args.data,
+            eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
+            token_dtype=args.token_dtype,
             run_dir=str(pathlib.Path(args.run_dir) / f"{args.model}-{name}"),
             checkpoint_every=args.checkpoint_every, sharding=args.sharding,
-            record_h_every=args.record_h_every, progress=not args.no_progress,
+            record_h_every=args.record_h_every, h_max_records=args.h_max_records,
+            progress=not args.no_progress,
         )
-        print(f"training {args.model} with {name}: {dataclasses.asdict(cfg)}", flush=True)
-        results.append(train(cfg))
+        for name in args.optimizer
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train, print a summary table and save the loss-curve PNG.
+
+    Returns 0 on success, 1 when a run stopped on a NaN/Inf or a checkpoint could not be
+    saved, 2 on invalid options, data or run directory; errors are one line on stderr.
+    """
+    args = parse_args(argv)
+    try:
+        return _main(args)
+    except UserError as e:
+        print(f"sage-train: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointError as e:
+        print(f"sage-train: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("sage-train: interrupted; run the same command again to resume from the newest "
+              "checkpoint", file=sys.stderr)
+        return 130
+
+
+def _main(args: argparse.Namespace) -> int:
+    from sage_train.train import check_config, save_loss_curve, train
+
+    cfgs = configs(args)
+    for cfg in cfgs:
+        check_config(cfg)
+    import jax
+
+    if args.distributed:
+        jax.distributed.initialize()
+    results = []
+    for cfg in cfgs:
+        print(f"training {cfg.model} with {cfg.optimizer}: {dataclasses.asdict(cfg)}",
+              flush=True)
+        results.append(train(cfg, allow_config_change=args.allow_config_change))
     rows = [(r.config.optimizer, r.steps_done,
              "-" if r.final_test_ppl is None else f"{r.final_test_ppl:.2f}",
              format_bytes(r.opt_state_bytes), f"{r.tokens_per_s:,.0f}") for r in results]

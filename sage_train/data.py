@@ -433,8 +433,9 @@ def _load_pretokenized(path: Path, vocab_size: int, token_dtype: str | None) -> 
         dtype = dtype or want
         if dtype is None:
             raise ValueError(
-                f"raw token file {str(path)!r} carries no dtype: pass token_dtype='uint16' or "
-                "'uint32' (nanoGPT-style .bin files are uint16) or rename it to .u16/.u32"
+                f"raw token file {str(path)!r} carries no dtype: pass --token-dtype uint16 or "
+                "uint32 to sage-train (token_dtype= to load_data; nanoGPT-style .bin files "
+                "are uint16) or rename it to .u16/.u32"
             )
         size = path.stat().st_size
         if size == 0 or size % dtype.itemsize:

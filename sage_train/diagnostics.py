@@ -6,7 +6,10 @@ trajectory on principal components; :class:`DamperRecorder` keeps what those fig
 
 from __future__ import annotations
 
+import os
 import pathlib
+import zipfile
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -46,23 +49,46 @@ def embedding_damper(optimizer: Any, grads: Any, path: str = "embed.embedding",
 
 
 class DamperRecorder:
-    """Keep ``H_t`` every ``every`` steps in at most ``max_records`` rows.
+    """Keep ``H_t`` every ``every`` steps in at most ``max_records`` rows, saved as made.
 
     When full, the interval doubles and the rows off the new interval are dropped, so
     memory stays bounded and the record still spans the whole run at a uniform interval.
+
+    With ``autosave`` every recorded row rewrites the ``.npz`` file atomically (a complete
+    old or new file, never a torn one), so a killed run keeps its ``H_t`` up to the kill.
+    Resuming at ``start_step`` continues the saved record without its rows after that step
+    (they are recorded again); a damaged file is reported through ``log`` in one line, moved
+    aside to ``<name>.damaged.npz`` and the record starts anew: it never blocks a resume.
     """
 
-    def __init__(self, path: pathlib.Path, every: int, max_records: int) -> None:
+    def __init__(self, path: pathlib.Path, every: int, max_records: int, *,
+                 start_step: int | None = None, autosave: bool = True,
+                 log: Callable[[str], None] = print) -> None:
         self.path, self.every, self.max_records = path, max(1, every), max(2, max_records)
+        self.autosave = autosave
         self.steps: list[int] = []
         self.rows: list[np.ndarray] = []
         if path.exists():  # resuming: continue the record
-            saved = np.load(path)
-            self.steps, self.rows = list(saved["steps"]), list(saved["h"])
-            self.every = int(saved["every"])
+            try:
+                with np.load(path) as saved:
+                    steps, rows = [int(s) for s in saved["steps"]], list(saved["h"])
+                    every = int(saved["every"])
+                if len(steps) != len(rows):
+                    raise ValueError("steps and h differ in length")
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+                dest = _free_name(path.with_name(path.stem + ".damaged.npz"))
+                os.replace(path, dest)
+                log(f"H_t record {path} is damaged ({type(e).__name__}); moved to {dest}, "
+                    "recording anew")
+            else:
+                keep = [i for i, s in enumerate(steps)
+                        if start_step is None or s <= start_step]
+                self.steps = [steps[i] for i in keep]
+                self.rows = [rows[i] for i in keep]
+                self.every = every
 
     def add(self, step: int, h: np.ndarray) -> None:
-        """Record ``H`` at ``step`` if it falls on the current interval."""
+        """Record ``H`` at ``step`` if it falls on the current interval (and save it)."""
         if step % self.every:
             return
         self.steps.append(step)
@@ -72,9 +98,24 @@ class DamperRecorder:
             keep = [i for i, s in enumerate(self.steps) if s % self.every == 0]
             self.steps = [self.steps[i] for i in keep]
             self.rows = [self.rows[i] for i in keep]
+        if self.autosave:
+            self.save()
 
     def save(self) -> None:
-        """Write ``steps`` and ``h`` (records x d) to the ``.npz`` file."""
-        if self.rows:
-            np.savez(self.path, steps=np.asarray(self.steps), h=np.stack(self.rows),
-                     every=self.every)
+        """Write ``steps`` and ``h`` (records x d) to the ``.npz`` file, atomically."""
+        if not self.rows:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            np.savez(f, steps=np.asarray(self.steps), h=np.stack(self.rows), every=self.every)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def _free_name(path: pathlib.Path) -> pathlib.Path:
+    n, candidate = 1, path
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate

@@ -1,16 +1,21 @@
 """Pretrain a Flax NNX LLaMA with any of the paper's eight optimizer configurations.
 
 One jitted train step with donated buffers over the (model, optimizer) state; data and
-fully-sharded-data parallelism over ``jax.make_mesh`` on every local device; orbax
-checkpoints that resume bit-identically; a progress bar, JSONL metrics, SAGE's damper
-``H_t`` of the embedding recorded with bounded memory, and a loss-curve PNG.
+fully-sharded-data parallelism over ``jax.make_mesh`` on every local device; verified orbax
+checkpoints that resume bit-identically (:mod:`sage_train.checkpoints`); a locked run
+directory whose recorded settings, metrics and ``H_t`` history survive restarts
+(:mod:`sage_train.rundir`); a progress bar, JSONL metrics, SAGE's damper ``H_t`` of the
+embedding recorded with bounded memory, and a loss-curve PNG of the whole run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
+import os
 import pathlib
 import time
 from collections.abc import Callable
@@ -22,11 +27,16 @@ import optax
 from flax import nnx
 
 import sage_optax
+from sage_optim.models import MODELS as MODEL_NAMES
 from sage_optim.models import get_model_config
-from sage_optim.presets import get_preset
+from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_train import data as data_lib
+from sage_train import rundir
+from sage_train.checkpoints import Checkpoints, state_is_finite
 from sage_train.diagnostics import DamperRecorder, embedding_damper
+from sage_train.errors import ConfigError, DataError, RunDirError
 from sage_train.model import Llama, loss_fn
+from sage_train.sharding import MODES as SHARDING_MODES
 from sage_train.sharding import make_mesh, shard_batch, state_shardings
 
 
@@ -49,6 +59,7 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     data: str | None = None  # None: the embedded standard-library corpus
+    token_dtype: str | None = None  # "uint16"/"uint32" for raw .bin token files
     run_dir: str = "runs/default"
     checkpoint_every: int = 100
     sharding: str = "dp"  # "dp", "fsdp" or "none"
@@ -66,8 +77,9 @@ class RunResult:
     losses: list[float]
     final_test_ppl: float | None
     opt_state_bytes: int
-    tokens_per_s: float
+    tokens_per_s: float  # training tokens per second over the whole run (all segments)
     stopped_reason: str | None = None
+    start_step: int = 0  # the step this invocation resumed from (losses follow it)
 
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -163,61 +175,212 @@ def peak_memory_bytes() -> int | None:
     return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
 
 
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+SETTING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "learning_rate": (lambda v: v is None or (_finite(v) and v > 0), "a number > 0"),
+    "warmup_frac": (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1)"),
+    "final_lr_frac": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    "batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "seq_len": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "seed": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "clip": (lambda v: _finite(v) and v >= 0, "a number >= 0 (0 turns clipping off)"),
+    "eval_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "eval_batches": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "log_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "checkpoint_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "record_h_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "h_max_records": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+}
+"""What each numeric :class:`TrainConfig` field must be (checked by :func:`check_config`
+and by the ``sage-train`` options)."""
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """Refuse invalid settings before anything is read or written.
+
+    Raises:
+      ConfigError: the first invalid field, named with what it must be.
+    """
+    for name, (ok, what) in SETTING_CHECKS.items():
+        value = getattr(cfg, name)
+        if not ok(value):
+            raise ConfigError(f"{name} must be {what}, got {value!r}")
+    choices = {"model": tuple(MODEL_NAMES), "optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
+               "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32")}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+
+
+def settings_of(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings recorded for a run (so that equal settings compare equal).
+
+    ``cfg`` with the peak learning rate resolved and the data source as an absolute path.
+    """
+    settings = dataclasses.asdict(cfg)
+    if cfg.learning_rate is None:
+        settings["learning_rate"] = get_preset(cfg.optimizer).learning_rate
+    settings["data"] = rundir.normalize_data(cfg.data)
+    return settings
+
+
+def _normalized(recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Recorded settings in the form :func:`settings_of` writes.
+
+    The ``config.json`` of an older version holds ``learning_rate: null`` and the data
+    path as given.
+    """
+    if recorded is None:
+        return None
+    recorded = dict(recorded)
+    if recorded.get("learning_rate") is None and recorded.get("optimizer") in CONFIG_NAMES:
+        recorded["learning_rate"] = get_preset(recorded["optimizer"]).learning_rate
+    if "data" in recorded:
+        recorded["data"] = rundir.normalize_data(recorded["data"])
+    return recorded
+
+
+def data_fingerprint(tokens: data_lib.TokenData) -> str:
+    """A short hash of the token stream, equal for the same data and read in O(1).
+
+    Covers the lengths, dtype, vocabulary and up to 64 evenly spaced 4,096-token pieces of
+    each split.
+    """
+    h = hashlib.sha256(f"vocab={tokens.vocab_size};".encode())
+    for part in (tokens.train, tokens.test):
+        n, piece = len(part), 4096
+        h.update(f"{n}:{part.dtype};".encode())
+        for i in np.unique(np.linspace(0, max(n - piece, 0), 64).astype(np.int64)):
+            h.update(np.ascontiguousarray(part[i:i + piece]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _load_tokens(cfg: TrainConfig) -> tuple[data_lib.TokenData, list[Any]]:
+    """The tokens and the evaluation batches; every data problem as a :class:`DataError`."""
+    try:
+        tokens = data_lib.load_data(cfg.data, vocab_size=get_model_config(cfg.model).vocab_size,
+                                    token_dtype=cfg.token_dtype)
+        data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+        eval_set = data_lib.eval_batches(tokens.test, cfg.batch_size, cfg.seq_len,
+                                         cfg.eval_batches)
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"data {cfg.data or 'stdlib'!r}: {e}") from e
+    return tokens, eval_set
+
+
 def train(cfg: TrainConfig, *, stop_after: int | None = None,
-          log: Callable[[str], None] = print) -> RunResult:
+          allow_config_change: bool = False, log: Callable[[str], None] = print) -> RunResult:
     """Run (or resume) training as ``cfg`` says; ``stop_after`` interrupts a run early.
 
-    Resuming from ``cfg.run_dir`` continues from its last checkpoint and reproduces the
-    losses of an uninterrupted run bit for bit (batches depend only on the step).
-    """
-    import orbax.checkpoint as ocp
+    Resuming from ``cfg.run_dir`` continues from its newest intact checkpoint and
+    reproduces the losses of an uninterrupted run bit for bit (batches depend only on the
+    step).  The run directory is locked while training (:class:`~sage_train.rundir.RunLock`);
+    a rerun whose settings differ from the recorded ones in anything that changes the
+    math or the data (:data:`~sage_train.rundir.MATH_FIELDS`) is refused unless
+    ``allow_config_change``, which records the change as a new segment of the run.
 
+    Raises:
+      ConfigError: an invalid setting (nothing is touched).
+      RunDirError: the run directory is locked, holds another run's settings, has a
+        checkpoint beyond ``cfg.steps``, or cannot be written.
+      DataError: the data cannot be used.
+      CheckpointError: a checkpoint could not be saved (the earlier ones are intact).
+    """
+    check_config(cfg)
     run_dir = pathlib.Path(cfg.run_dir).absolute()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-    tokens = data_lib.load_data(cfg.data, vocab_size=get_model_config(cfg.model).vocab_size)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create the run directory {run_dir}: {e.strerror}") from e
+    primary = jax.process_index() == 0
+    lock = rundir.RunLock(run_dir) if primary else contextlib.nullcontext()
+    with lock:
+        if primary and lock.stale:
+            log(lock.stale)
+        return _train_locked(cfg, run_dir, stop_after, allow_config_change, log)
+
+
+def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | None,
+                  allow_change: bool, log: Callable[[str], None]) -> RunResult:
+    recorded = _normalized(rundir.read_settings(run_dir))
+    settings = settings_of(cfg)
+    changed = rundir.check_settings(run_dir, recorded, settings, allow_change)
+    ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
+    ckpts.prepare()
+    tokens, eval_set = _load_tokens(cfg)
+    settings["data_fingerprint"] = data_fingerprint(tokens)
+    changed |= rundir.check_settings(run_dir, recorded, settings, allow_change,
+                                     ("data_fingerprint",))
     model, optimizer = build(cfg, tokens.vocab_size)
     graphdef, state = nnx.split((model, optimizer))
     mesh = make_mesh(cfg.sharding)
     state = jax.device_put(state, state_shardings(state, mesh, cfg.sharding))
     opt_bytes = sage_optax.state_bytes(optimizer.opt_state)
     del model, optimizer
+    try:
+        return _run(cfg, run_dir, ckpts, settings, changed, tokens, eval_set, graphdef, state,
+                    mesh, opt_bytes, stop_after, log)
+    finally:
+        ckpts.close()
 
-    manager = ocp.CheckpointManager(
-        run_dir / "checkpoints", options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    )
-    start = 0
-    if manager.latest_step() is not None:
-        start = int(manager.latest_step())
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+
+def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: dict[str, Any],
+         changed: dict[str, Any], tokens: data_lib.TokenData, eval_set: list[Any],
+         graphdef: Any, state: Any, mesh: Any, opt_bytes: int, stop_after: int | None,
+         log: Callable[[str], None]) -> RunResult:
+    restored = ckpts.restore_latest(state)
+    start, progress = 0, {}
+    if restored is not None:
+        state, start, progress = restored.state, restored.step, restored.progress
         log(f"resumed {run_dir} at step {start}")
+    if start > cfg.steps:
+        raise RunDirError(
+            f"steps={cfg.steps} is below the newest checkpoint of {run_dir} (step {start}); "
+            f"pass --steps {start} or more, or use another --run-dir")
+    if start == cfg.steps:
+        log(f"{run_dir} is complete (step {start} of {cfg.steps}): nothing to train")
+        return _complete(cfg, run_dir, opt_bytes)
+    primary = jax.process_index() == 0  # with several hosts, one writes the history
+    rows = []
+    if primary:
+        rundir.record_segment(run_dir, settings, start, changed)
+        rows = rundir.resume_metrics(run_dir, start)
+    if changed:
+        log(f"settings changed at step {start}: {rundir.format_differences(changed)} "
+            f"(recorded in {run_dir / rundir.HISTORY})")
+    prior_elapsed, prior_tokens = _prior_progress(progress, rows, start)
 
     record_h = _uses_sage_embedding(cfg)
-    recorder = DamperRecorder(run_dir / "damper_h.npz", cfg.record_h_every, cfg.h_max_records)
+    recorder = DamperRecorder(run_dir / "damper_h.npz", cfg.record_h_every, cfg.h_max_records,
+                              start_step=start, log=log) if record_h and primary else None
     train_step, eval_step = cached_steps(cfg, tokens.vocab_size, graphdef, record_h)
-    eval_set = data_lib.eval_batches(tokens.test, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
     sched = lr_schedule(cfg)
-    metrics_path = run_dir / "metrics.jsonl"
-    if start == 0 and metrics_path.exists():
-        metrics_path.unlink()
     losses: list[float] = []
     stream = data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed,
                               start_step=start)
-    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    end = cfg.steps if stop_after is None else max(start, min(cfg.steps, stop_after))
     bar = _progress(start, cfg.steps, cfg.progress)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     t0, timed_steps, test_ppl, stopped = time.perf_counter(), 0, None, None
     eval_s = 0.0  # evaluation time, excluded from elapsed_s and tokens/s
-    with metrics_path.open("a") as metrics:
+    elapsed, tps = prior_elapsed, (prior_tokens / prior_elapsed if prior_elapsed > 0 else 0.0)
+    good = start if restored is not None else None  # the newest finite checkpoint
+    with open(run_dir / rundir.METRICS if primary else os.devnull, "a") as metrics:
         for step in range(start, end):
             inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
             state, loss, h = train_step(state, inputs, targets)
             loss = float(loss)
+            done = step + 1
             if not math.isfinite(loss):
-                stopped = (f"loss became {loss} at step {step + 1}: stopping; the last good "
-                           f"checkpoint (step {manager.latest_step()}) is kept in {run_dir}")
+                stopped = f"loss became {loss} at step {done}: stopping; " + _newest(ckpts, good)
                 log(stopped)
                 break
             losses.append(loss)
@@ -225,11 +388,11 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 t0, timed_steps, eval_s = time.perf_counter(), 0, 0.0
             else:
                 timed_steps += 1
-            done = step + 1
-            if record_h and done % cfg.record_h_every == 0:
+            if recorder is not None and done % cfg.record_h_every == 0:
                 recorder.add(done, np.asarray(h))
-            elapsed = time.perf_counter() - t0 - eval_s
-            tps = timed_steps * tokens_per_step / elapsed if timed_steps else 0.0
+            elapsed = prior_elapsed + time.perf_counter() - t0 - eval_s
+            timed_tokens = prior_tokens + timed_steps * tokens_per_step
+            tps = timed_tokens / elapsed if elapsed > 0 else 0.0
             record: dict[str, Any] = {"step": done, "loss": loss, "lr": float(sched(step)),
                                       "tokens_per_s": tps, "elapsed_s": elapsed,
                                       "opt_state_bytes": opt_bytes}
@@ -240,18 +403,52 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
                 record["test_ppl"] = test_ppl
             if (peak := peak_memory_bytes()) is not None:
                 record["peak_memory_bytes"] = peak
-            if done % cfg.log_every == 0 or "test_ppl" in record or done == end:
+            save = done % cfg.checkpoint_every == 0 or done == end
+            if done % cfg.log_every == 0 or "test_ppl" in record or save:
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
             bar(done, loss, tps)
-            if done % cfg.checkpoint_every == 0 or done == end:
-                manager.save(done, args=ocp.args.StandardSave(state))
-    manager.wait_until_finished()
-    manager.close()
-    recorder.save()
-    elapsed = time.perf_counter() - t0 - eval_s
-    tps = timed_steps * tokens_per_step / elapsed if timed_steps and elapsed > 0 else 0.0
-    return RunResult(cfg, start + len(losses), losses, test_ppl, opt_bytes, tps, stopped)
+            if save:
+                if not state_is_finite(state):
+                    stopped = (f"the parameters or optimizer state became NaN/Inf at step "
+                               f"{done} (the loss was still finite): stopping without saving "
+                               "them; " + _newest(ckpts, good))
+                    log(stopped)
+                    break
+                ckpts.save(done, state, {"elapsed_s": elapsed, "timed_tokens": timed_tokens})
+                good = done
+    return RunResult(cfg, start + len(losses), losses, test_ppl, opt_bytes, tps, stopped,
+                     start_step=start)
+
+
+def _complete(cfg: TrainConfig, run_dir: pathlib.Path, opt_bytes: int) -> RunResult:
+    """The result of a run that has nothing left to train, from its metrics."""
+    rows = list(rundir.iter_metrics(run_dir))
+    ppl = next((r["test_ppl"] for r in reversed(rows) if "test_ppl" in r), None)
+    tps = float(rows[-1].get("tokens_per_s", 0.0)) if rows else 0.0
+    return RunResult(cfg, cfg.steps, [], ppl, opt_bytes, tps, start_step=cfg.steps)
+
+
+def _prior_progress(progress: dict[str, Any], rows: list[dict[str, Any]], start: int
+                    ) -> tuple[float, float]:
+    """Training seconds and timed tokens before ``start``.
+
+    From the checkpoint's manifest, else (a checkpoint of an older version) from the
+    metrics row of ``start``.
+    """
+    last = rows[-1] if rows and rows[-1]["step"] == start else {}
+    elapsed = float(progress.get("elapsed_s", last.get("elapsed_s", 0.0)))
+    tokens = float(progress.get("timed_tokens",
+                                last.get("tokens_per_s", 0.0) * last.get("elapsed_s", 0.0)))
+    return elapsed, tokens
+
+
+def _newest(ckpts: Checkpoints, step: int | None) -> str:
+    """Where a rerun would resume: the newest finite checkpoint, or nowhere."""
+    if step is None:
+        return "there is no finite checkpoint: a rerun starts from step 0"
+    return (f"the newest finite checkpoint is step {step} ({ckpts.path(step)}), where a rerun "
+            "resumes")
 
 
 def _uses_sage_embedding(cfg: TrainConfig) -> bool:
@@ -274,8 +471,22 @@ def _progress(start: int, total: int, enabled: bool) -> Callable[[int, float, fl
     return update
 
 
+def run_losses(result: RunResult) -> tuple[list[int], list[float]]:
+    """``(steps, losses)`` of the whole run behind ``result``, on its true step numbers.
+
+    From the run's ``metrics.jsonl`` (every segment, each step once); where that holds
+    nothing, the losses of this invocation, numbered from its resume step.
+    """
+    rows = [r for r in rundir.iter_metrics(pathlib.Path(result.config.run_dir))
+            if isinstance(r.get("loss"), int | float)]
+    if rows:
+        return [int(r["step"]) for r in rows], [float(r["loss"]) for r in rows]
+    first = result.start_step + 1
+    return list(range(first, first + len(result.losses))), list(result.losses)
+
+
 def save_loss_curve(results: list[RunResult], path: pathlib.Path) -> None:
-    """A PNG of training loss per step, one line per run."""
+    """A PNG of training loss per step, one line per run, each over its whole history."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -283,7 +494,8 @@ def save_loss_curve(results: list[RunResult], path: pathlib.Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        ax.plot(range(1, len(r.losses) + 1), r.losses, label=r.config.optimizer)
+        steps, losses = run_losses(r)
+        ax.plot(steps, losses, label=r.config.optimizer)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(f"LLaMA {results[0].config.model} on "

@@ -1,0 +1,112 @@
+"""Skipping steps with NaN/Inf gradients: ``sage_torch.make_optimizer(..., skip_nonfinite=N)``.
+
+The same option, with the same meaning, as :func:`sage_optax.make_optimizer`'s (which wraps
+``optax.apply_if_finite(tx, max_consecutive_errors=N)``):
+
+* a step whose gradients are not all finite is skipped: parameters and optimizer state
+  (the step counts included) are left untouched, so the run continues exactly as if that
+  step had never happened;
+* at most ``N`` consecutive non-finite steps are skipped; the next one in the same run of
+  non-finite steps (the ``(N + 1)``-th in a row) and any after it are applied, so that a
+  persistent failure surfaces as non-finite parameters instead of a silently frozen model;
+* a finite step resets the run; ``N = 0`` (the default) disables the check.
+
+Deciding whether to skip needs the gradients' finiteness on the host: one synchronisation
+per device per step (JAX decides on the device, inside the compiled step).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_torch.optim import ParamsT, RuleOptimizer
+from sage_torch.rules import Projection
+
+
+def check_skip_nonfinite(value: Any) -> int:
+    """``value`` as a count of steps to skip, or a ``ValueError`` naming ``skip_nonfinite``.
+
+    A non-negative integer (Python or NumPy); booleans, fractions and negative numbers are
+    refused (``True`` is not "skip one", ``2.7`` and ``-1`` have no meaning).
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or int(value) < 0):
+        raise ValueError(
+            f"skip_nonfinite must be a non-negative integer (the number of consecutive "
+            f"non-finite steps to skip; 0 disables skipping), got {value!r}"
+        )
+    return int(value)
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every element of every tensor is finite (one host sync per device)."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        flag = torch.isfinite(t).all()
+        if hasattr(flag, "full_tensor"):  # a DTensor (FSDP2): reduce across the ranks
+            flag = flag.full_tensor()
+        flags.setdefault(flag.device, []).append(flag)
+    return all(bool(torch.stack(fs).all()) for fs in flags.values())
+
+
+class SkipNonFinite(RuleOptimizer):
+    """A :class:`~sage_torch.RuleOptimizer` that skips steps with non-finite gradients.
+
+    See the module docstring for the exact rule.  ``nonfinite_count`` is the length of
+    the current run of non-finite steps and ``total_nonfinite`` their number since the
+    start; both are saved in ``state_dict`` (key ``"nonfinite"``) and restored by
+    ``load_state_dict``, as JAX keeps them in ``optax.ApplyIfFiniteState``.
+
+    Args:
+      params: parameters or param groups, as :class:`~sage_torch.RuleOptimizer`.
+      defaults: default group options.
+      projection: APOLLO's projection.
+      skip_nonfinite: ``N``, the number of consecutive non-finite steps to skip.
+    """
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any],
+                 projection: Projection | None = None,
+                 kinds: Mapping[str, Mapping[str, Any]] | None = None, *,
+                 skip_nonfinite: int) -> None:
+        self.skip_nonfinite = check_skip_nonfinite(skip_nonfinite)
+        self.nonfinite_count = 0
+        self.total_nonfinite = 0
+        super().__init__(params, defaults, projection=projection, kinds=kinds)
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]  # as RuleOptimizer.step
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
+        """One step, or none if the gradients are not all finite (see the class docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if all_finite(grads):
+            self.nonfinite_count = 0
+        else:
+            self.nonfinite_count += 1
+            self.total_nonfinite += 1
+            if self.nonfinite_count <= self.skip_nonfinite:
+                return loss
+        super().step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict plus the non-finite counters."""
+        state = super().state_dict()
+        state["nonfinite"] = {"count": self.nonfinite_count, "total": self.total_nonfinite}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (the counters too, when it has them)."""
+        counters = state_dict.get("nonfinite", {"count": 0, "total": 0})
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "nonfinite"})
+        self.nonfinite_count = int(counters["count"])
+        self.total_nonfinite = int(counters["total"])

@@ -1,0 +1,268 @@
+"""Checkpoints that are saved synchronously, verified by checksum and restored with fallback.
+
+Layout: ``run_dir/checkpoints/<step>/``, an orbax ``StandardCheckpointHandler`` checkpoint
+(written to a temporary directory and renamed by orbax when complete) plus
+``sage_manifest.json``: the size and SHA-256 of every file, the step and the run's
+progress (training seconds and tokens), written atomically after the checkpoint is
+complete.  So:
+
+* a save that fails raises :class:`~sage_train.errors.CheckpointError` at once, in the
+  calling thread (orbax's synchronous ``Checkpointer``: no background thread is left
+  waiting on a signal that never comes, which is what made a failed asynchronous save hang
+  for the orbax timeout of 300 s), and earlier checkpoints are untouched;
+* a state with a NaN/Inf is never saved (:func:`state_is_finite` is checked first);
+* :meth:`Checkpoints.restore_latest` verifies the newest checkpoint (checksums, then
+  orbax's restore, the shapes against the model, finiteness) and falls back to the next
+  one when it fails, reporting each unusable checkpoint in one line and moving it aside
+  to ``checkpoints/<step>.unusable`` (so it is neither used nor overwritten, and nothing
+  is deleted).  A checkpoint without manifest (written before manifests existed, or
+  interrupted between orbax's rename and the manifest) is used if it restores, with a
+  note that its bytes could not be verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sage_train.errors import CheckpointError, RunDirError
+from sage_train.rundir import atomic_write_text
+
+MANIFEST = "sage_manifest.json"
+FORMAT = 1
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+@jax.jit
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [x for x in jax.tree.leaves(tree)
+              if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.asarray(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def state_is_finite(state: Any) -> bool:
+    """Whether every floating array of ``state`` (parameters, optimizer state) is finite."""
+    return bool(_all_finite(state))
+
+
+def file_digests(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` of every file under ``directory``."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}"):
+            h = hashlib.sha256()
+            with open(p, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+            out[str(p.relative_to(directory))] = {"size": p.stat().st_size,
+                                                 "sha256": h.hexdigest()}
+    return out
+
+
+def verify_files(directory: pathlib.Path) -> tuple[str | None, dict[str, Any] | None]:
+    """``(problem, manifest)``: ``problem`` is ``None`` when every file matches the manifest.
+
+    A directory without manifest gives ``(None, None)`` (nothing to verify against).
+    """
+    path = directory / MANIFEST
+    if not path.exists():
+        return None, None
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its manifest is damaged ({type(e).__name__})", None
+    actual = file_digests(directory)
+    for name, want in files.items():
+        got = actual.get(name)
+        if got is None:
+            return f"file {name} is missing", manifest
+        if got["size"] != want["size"]:
+            return f"file {name} has {got['size']} bytes, not {want['size']}", manifest
+        if got["sha256"] != want["sha256"]:
+            return f"file {name} does not match its SHA-256 checksum", manifest
+    return None, manifest
+
+
+@dataclasses.dataclass
+class Restored:
+    """A verified checkpoint, restored."""
+
+    step: int
+    state: Any
+    progress: dict[str, Any]
+    verified: bool
+
+
+def _first_line(e: BaseException, limit: int = 160) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class Checkpoints:
+    """The checkpoints of one run (see the module docstring).
+
+    Args:
+      root: the ``checkpoints`` directory.
+      keep: how many of the newest checkpoints to keep (older ones are deleted after each
+        successful save; directories that are not checkpoints are never deleted).
+      log: where one-line reports go.
+    """
+
+    def __init__(self, root: pathlib.Path, keep: int = 2,
+                 log: Callable[[str], None] = print) -> None:
+        self.root, self.keep, self.log = pathlib.Path(root), max(1, keep), log
+        self._checkpointer: Any = None
+
+    # -- layout --------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the directory, check it is writable, clear interrupted writes.
+
+        Raises:
+          RunDirError: ``checkpoints`` exists and is not a directory, or is not writable.
+        """
+        if self.root.exists() and not self.root.is_dir():
+            raise RunDirError(
+                f"{self.root} exists and is not a directory; move it away (the run's "
+                "checkpoints live there) and run again")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".write-probe-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise RunDirError(f"cannot write checkpoints to {self.root}: {e.strerror}") from e
+        for tmp in sorted(self.root.glob(f"*{_TMP_MARK}*")):
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.log(f"removed {tmp.name}, a checkpoint write that was interrupted")
+
+    def steps(self) -> list[int]:
+        """Steps of the checkpoint directories, newest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted((int(p.name) for p in self.root.iterdir()
+                       if p.name.isdigit() and p.is_dir()), reverse=True)
+
+    def path(self, step: int) -> pathlib.Path:
+        """The directory of the checkpoint of ``step``."""
+        return self.root / str(step)
+
+    def _orbax(self) -> Any:
+        if self._checkpointer is None:
+            import orbax.checkpoint as ocp
+
+            self._checkpointer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+        return self._checkpointer
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, progress: dict[str, Any]) -> None:
+        """Save ``state`` as step ``step``, then its manifest, then drop old checkpoints.
+
+        Raises:
+          CheckpointError: the save failed (the message names the directory and the
+            cause); earlier checkpoints are intact.
+        """
+        import orbax.checkpoint as ocp
+
+        target = self.path(step)
+        try:
+            if target.exists() and jax.process_index() == 0:
+                dest = self._move_aside(step)
+                self.log(f"{target} was in the way of a new checkpoint; moved to {dest}")
+            self._orbax().save(target, args=ocp.args.StandardSave(state))
+            if jax.process_index() == 0:
+                manifest = {"format": FORMAT, "step": step, "progress": progress,
+                            "files": file_digests(target)}
+                atomic_write_text(target / MANIFEST, json.dumps(manifest, indent=1))
+        except Exception as e:  # noqa: BLE001 - reported as one line, with the cause chained
+            raise CheckpointError(
+                f"could not save the checkpoint of step {step} to {target}: {_first_line(e)}"
+            ) from e
+        if jax.process_index() == 0:
+            self._rotate()
+
+    def _rotate(self) -> None:
+        ours = [s for s in self.steps() if self._is_checkpoint(self.path(s))]
+        for s in ours[self.keep:]:
+            try:
+                shutil.rmtree(self.path(s))
+            except OSError as e:
+                self.log(f"could not delete the old checkpoint {self.path(s)}: {e.strerror}")
+
+    @staticmethod
+    def _is_checkpoint(path: pathlib.Path) -> bool:
+        return (path / MANIFEST).exists() or (path / "_CHECKPOINT_METADATA").exists()
+
+    def _move_aside(self, step: int) -> pathlib.Path:
+        dest = self.root / f"{step}.unusable"
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = self.root / f"{step}.unusable-{n}"
+        os.replace(self.path(step), dest)
+        return dest
+
+    # -- restore -------------------------------------------------------------------------
+
+    def restore_latest(self, like: Any) -> Restored | None:
+        """The newest usable checkpoint, restored with the shardings of ``like``.
+
+        Checkpoints newer than it that fail verification are reported (one line each) and
+        moved to ``<step>.unusable``.  ``None`` when no checkpoint is usable.
+        """
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        for step in self.steps():
+            problem, restored = self._try_restore(step, abstract)
+            if restored is not None:
+                if not restored.verified:
+                    self.log(f"checkpoint {self.path(step)} has no checksum manifest (written "
+                             "by an older sage-train or cut short before it): restored "
+                             "unverified")
+                return restored
+            if jax.process_index() != 0:  # one host reports and moves it
+                continue
+            dest = self._move_aside(step)
+            self.log(f"checkpoint of step {step} is unusable ({problem}); moved to {dest} "
+                     "(delete it when done inspecting); falling back to the previous one")
+        return None
+
+    def _try_restore(self, step: int, abstract: Any) -> tuple[str | None, Restored | None]:
+        import orbax.checkpoint as ocp
+
+        path = self.path(step)
+        problem, manifest = verify_files(path)
+        if problem is not None:
+            return problem, None
+        try:
+            state = self._orbax().restore(path, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:  # noqa: BLE001 - any failure means: not this checkpoint
+            return f"orbax cannot restore it: {_first_line(e)}", None
+        want = [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
+        got = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+        if jax.tree.structure(abstract) != jax.tree.structure(state) or want != got:
+            return "it holds another model or optimizer (shapes differ)", None
+        if not state_is_finite(state):
+            return "it holds NaN/Inf values", None
+        progress = dict(manifest.get("progress", {})) if manifest else {}
+        return None, Restored(step, state, progress, manifest is not None)
+
+    def close(self) -> None:
+        """Release orbax's resources (no background work is pending: saves are synchronous)."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+            self._checkpointer = None
