@@ -1,4 +1,4 @@
-"""The paper's eight optimizer configurations as Optax transformations (SPEC.md section 4).
+"""The paper's eight optimizer configurations as Optax transformations (Table 2).
 
 :func:`make_optimizer` builds any of them from the shared table in
 :mod:`sage_optim.presets`: the router (:func:`~sage_optax.route_params`) labels every leaf

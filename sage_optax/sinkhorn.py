@@ -273,7 +273,7 @@ def sinkgd(
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
 
     ``chain(scale_by_sinkhorn, scale(alpha), add_decayed_weights(w, mask),
-    scale_by_learning_rate(η))``: the decay uses ``η``, not ``η·α`` (SPEC.md section 3).
+    scale_by_learning_rate(η))``: the decay uses ``η``, not ``η·α`` (``docs/algorithms.md``).
 
     Args:
       learning_rate: a float or an optax schedule.

@@ -249,7 +249,7 @@ class RuleOptimizer(torch.optim.Optimizer):
 
 
 class SAGE(RuleOptimizer):
-    """SAGE, Sign-Adaptive GradiEnt (paper Algorithm 1, SPEC.md section 2).
+    """SAGE, Sign-Adaptive GradiEnt (paper Algorithm 1; ``docs/algorithms.md``).
 
     ``θ ← θ − η·(C ⊙ H + w·θ)`` with ``C = sign(b1·M + (1−b1)·g)`` and the damper
     ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)``; ``s`` is the mean of ``|g|`` over the fan-out dim
@@ -284,7 +284,7 @@ class SAGE(RuleOptimizer):
 
 
 class SinkGD(RuleOptimizer):
-    """SinkGD (SPEC.md section 3): ``θ ← θ − η·(α·X + w·θ)``.
+    """SinkGD (``docs/algorithms.md``): ``θ ← θ − η·(α·X + w·θ)``.
 
     ``X`` is the Sinkhorn-normalised gradient (fan-in norms, then fan-out norms,
     ``num_iters`` times).  Stateless.
@@ -345,7 +345,7 @@ class Lion(RuleOptimizer):
 
 
 class APOLLO(RuleOptimizer):
-    """APOLLO (Zhu et al. 2024) as SPEC.md pins it; defaults are APOLLO-Mini.
+    """APOLLO (Zhu et al. 2024) as ``docs/algorithms.md`` states it; defaults are APOLLO-Mini.
 
     A rank-``r`` random projection of the smaller axis carries AdamW moments whose ratio
     scales the raw gradient (``"tensor"``: one factor; ``"channel"``: one per channel),

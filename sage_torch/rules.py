@@ -4,7 +4,7 @@ Each rule works on the parameters of one param group: it creates a parameter's s
 lazily (:meth:`Rule.init_state`), validates the group's hyperparameters (raising a
 ``ValueError`` that names them) and applies one step, either tensor by tensor or with the
 ``torch._foreach_*`` kernels (``foreach=True``), which fuse the element-wise parts across
-parameters.  The math is that of :mod:`sage_optax` (SPEC.md sections 2-4), written in the
+parameters.  The math is that of :mod:`sage_optax` (``docs/algorithms.md``), written in the
 same order of floating-point operations where it matters, so both frameworks agree to
 rounding: every update is ``θ ← θ − η·(u + w·θ)`` with the rule's direction ``u``, except
 APOLLO, which decays after the step as its authors' code does.
@@ -865,7 +865,7 @@ def _one_minus_pow(b: float, t: float) -> float:
 
 
 class ApolloRule(Rule):
-    """APOLLO (Zhu et al. 2024) as SPEC.md pins it; decay is applied after the step."""
+    """APOLLO (Zhu et al. 2024, ``docs/algorithms.md``); decay is applied after the step."""
 
     name = "apollo"
 

@@ -2,7 +2,7 @@
 
 Tiny randomly initialised models from ``transformers.LlamaConfig`` (nothing is downloaded),
 with a tied and an untied output head.  The expected routing and state sizes are written
-out by hand from SPEC.md sections 2-5.
+out by hand from docs/.
 """
 
 from __future__ import annotations

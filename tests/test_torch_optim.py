@@ -28,7 +28,7 @@ import sage_torch
 from sage_torch import APOLLO, SAGE, Lion, RuleOptimizer, SinkGD
 
 STEPS = 60
-TOL = 1e-10  # float64 parity with the oracle (SPEC.md section 7)
+TOL = 1e-10  # float64 parity with the oracle (docs/configurations.md)
 FOREACH_TOL = 1e-12
 DAMPERS = ("both", "ema", "instant", "none")
 pytestmark = pytest.mark.usefixtures("torch_one_thread")

@@ -1,6 +1,6 @@
 """sage_torch's router, param groups, the eight configurations and their routing tables.
 
-The rule table and the state-size formulas below are written out by hand from SPEC.md
+The rule table and the state-size formulas below are written out by hand from docs/
 sections 2-4 (not read from :mod:`sage_optim.presets`), so a wrong preset or a wrong state
 shape shows up as a disagreement.
 """
@@ -176,7 +176,7 @@ def test_int_parameter_raises():
     """An integer ``nn.Parameter`` (a buffer registered as a parameter) cannot be trained.
 
     torch forces ``requires_grad=False`` on it, so the router must not mistake it for a
-    frozen float parameter and drop it silently (SPEC.md section 5: fail loudly).
+    frozen float parameter and drop it silently (docs/routing.md: fail loudly).
     """
     model = nn.Linear(4, 4)
     model.positions = nn.Parameter(torch.arange(4), requires_grad=False)
@@ -189,7 +189,7 @@ def test_int_parameter_raises():
 # The eight configurations: training and exact state bytes
 # ---------------------------------------------------------------------------
 
-# SPEC.md section 4, by hand: rule per (embedding, dense, vector).
+# docs/configurations.md, by hand: rule per (embedding, dense, vector).
 TABLE = {
     "adamw": ("adamw", "adamw", "adamw"),
     "lion": ("lion", "lion", "lion"),
