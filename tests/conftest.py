@@ -31,3 +31,22 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def train_corpus(tmp_path_factory):
+    """A small text corpus for the trainer tests: a few standard-library modules."""
+    import pathlib
+    import sysconfig
+
+    root = tmp_path_factory.mktemp("corpus")
+    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for name in ("argparse.py", "dataclasses.py", "textwrap.py", "json/decoder.py"):
+        (root / name.replace("/", "_")).write_text((stdlib / name).read_text())
+    return root
+
+
+@pytest.fixture
+def token_cache(tmp_path_factory, monkeypatch):
+    """A token cache private to the test session (the trainer tests share its entries)."""
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "token-cache"))

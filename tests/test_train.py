@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -14,41 +12,19 @@ import pytest
 pytest.importorskip("orbax.checkpoint")
 
 import reference_np as ref  # noqa: E402
+from train_helpers import config  # noqa: E402
 
 import sage_optax  # noqa: E402
 from sage_train.cli import main  # noqa: E402
 from sage_train.diagnostics import DamperRecorder, embedding_damper  # noqa: E402
 from sage_train.train import TrainConfig, train  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text corpus (a few standard-library modules) and a private token cache."""
-    import sysconfig
-
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for name in ("argparse.py", "dataclasses.py", "textwrap.py", "json/decoder.py"):
-        (root / name.replace("/", "_")).write_text((stdlib / name).read_text())
-    return root
+pytestmark = pytest.mark.usefixtures("token_cache")
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "token-cache"))
-
-
-def config(corpus, run_dir, **kw):
-    base = TrainConfig(model="tiny", optimizer="sage-hybrid", batch_size=8, seq_len=32,
-                       steps=8, eval_every=4, eval_batches=2, log_every=1,
-                       data=str(corpus), run_dir=str(run_dir), checkpoint_every=4,
-                       record_h_every=2, progress=False)
-    return dataclasses.replace(base, **kw)
-
-
-def test_resume_is_bit_identical(corpus, tmp_path):
-    full = train(config(corpus, tmp_path / "full"), log=lambda s: None)
-    cfg = config(corpus, tmp_path / "split")
+def test_resume_is_bit_identical(train_corpus, tmp_path):
+    full = train(config(train_corpus, tmp_path / "full"), log=lambda s: None)
+    cfg = config(train_corpus, tmp_path / "split")
     first = train(cfg, stop_after=5, log=lambda s: None)
     assert first.steps_done == 5 and first.losses == full.losses[:5]
     second = train(cfg, log=lambda s: None)
@@ -63,27 +39,27 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     assert list(h["steps"]) == [2, 4, 6, 8] and h["h"].shape == (4, 96)
 
 
-def test_runs_of_one_configuration_share_one_compiled_step(corpus, tmp_path):
+def test_runs_of_one_configuration_share_one_compiled_step(train_corpus, tmp_path):
     """Seeds share the compiled step (the cache is keyed on the step's config fields), and a
     shared step trains exactly as a freshly built one; another learning rate does not share."""
     from sage_train import train as train_mod
 
     train_mod._STEP_CACHE.clear()
-    train(config(corpus, tmp_path / "s0", steps=3, seed=0), log=lambda s: None)
-    shared = train(config(corpus, tmp_path / "s1", steps=3, seed=1), log=lambda s: None)
+    train(config(train_corpus, tmp_path / "s0", steps=3, seed=0), log=lambda s: None)
+    shared = train(config(train_corpus, tmp_path / "s1", steps=3, seed=1), log=lambda s: None)
     assert len(train_mod._STEP_CACHE) == 1
     (train_step, _), = train_mod._STEP_CACHE.values()
     assert train_step._cache_size() == 1  # compiled once for both seeds
     train_mod._STEP_CACHE.clear()
-    fresh = train(config(corpus, tmp_path / "s1b", steps=3, seed=1), log=lambda s: None)
+    fresh = train(config(train_corpus, tmp_path / "s1b", steps=3, seed=1), log=lambda s: None)
     assert shared.losses == fresh.losses
-    train(config(corpus, tmp_path / "lr", steps=3, learning_rate=1e-3), log=lambda s: None)
+    train(config(train_corpus, tmp_path / "lr", steps=3, learning_rate=1e-3), log=lambda s: None)
     assert len(train_mod._STEP_CACHE) == 2
 
 
-def test_sharded_runs_agree_with_single_device(corpus, tmp_path):
+def test_sharded_runs_agree_with_single_device(train_corpus, tmp_path):
     assert jax.device_count() == 8
-    runs = {mode: train(config(corpus, tmp_path / mode, sharding=mode, steps=4),
+    runs = {mode: train(config(train_corpus, tmp_path / mode, sharding=mode, steps=4),
                         log=lambda s: None)
             for mode in ("none", "dp", "fsdp")}
     for mode in ("dp", "fsdp"):
@@ -120,10 +96,10 @@ def test_damper_recorder_is_bounded(tmp_path):
     assert again.steps == rec.steps and again.every == rec.every
 
 
-def test_cli_trains_and_saves_a_loss_curve(corpus, tmp_path, capsys):
+def test_cli_trains_and_saves_a_loss_curve(train_corpus, tmp_path, capsys):
     code = main(["--model", "tiny", "--optimizer", "sage-hybrid", "--steps", "4",
                  "--batch-size", "8", "--seq-len", "32", "--eval-every", "4",
-                 "--eval-batches", "2", "--data", str(corpus), "--run-dir", str(tmp_path),
+                 "--eval-batches", "2", "--data", str(train_corpus), "--run-dir", str(tmp_path),
                  "--no-progress"])
     assert code == 0
     out = capsys.readouterr().out

@@ -21,6 +21,8 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
+from train_helpers import config  # noqa: E402
+
 from sage_train import rundir  # noqa: E402
 from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 from sage_train.cli import build_parser, main  # noqa: E402
@@ -30,29 +32,7 @@ from sage_train.train import TrainConfig, run_losses, train  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    import sysconfig
-
-    root = tmp_path_factory.mktemp("corpus")
-    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    for name in ("argparse.py", "dataclasses.py", "textwrap.py", "json/decoder.py"):
-        (root / name.replace("/", "_")).write_text((stdlib / name).read_text())
-    return root
-
-
-@pytest.fixture(autouse=True)
-def cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "token-cache"))
-
-
-def config(corpus, run_dir, **kw):
-    """The configuration of tests/test_train.py (so the compiled step is shared)."""
-    base = TrainConfig(model="tiny", optimizer="sage-hybrid", batch_size=8, seq_len=32,
-                       steps=8, eval_every=4, eval_batches=2, log_every=1,
-                       data=str(corpus), run_dir=str(run_dir), checkpoint_every=4,
-                       record_h_every=2, progress=False)
-    return dataclasses.replace(base, **kw)
+pytestmark = pytest.mark.usefixtures("token_cache")
 
 
 def quiet(cfg, **kw):
@@ -61,9 +41,9 @@ def quiet(cfg, **kw):
 
 
 @pytest.fixture(scope="module")
-def full_losses(corpus, tmp_path_factory):
+def full_losses(train_corpus, tmp_path_factory):
     """The losses of an uninterrupted 8-step run (the reference for every resumed one)."""
-    return quiet(config(corpus, tmp_path_factory.mktemp("full") / "run"))[0].losses
+    return quiet(config(train_corpus, tmp_path_factory.mktemp("full") / "run"))[0].losses
 
 
 def metric_steps(run_dir):
@@ -84,10 +64,10 @@ def saved_arrays(path):
 # ---------------------------------------------------------------------------
 
 
-def test_nan_stop_never_saves_a_nonfinite_state(corpus, tmp_path):
+def test_nan_stop_never_saves_a_nonfinite_state(train_corpus, tmp_path):
     """lr 1e30: the parameters turn NaN while the loss is still finite. No checkpoint may
     hold them; the message names the newest finite checkpoint; a rerun stops the same way."""
-    cfg = config(corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
+    cfg = config(train_corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
                  checkpoint_every=1, steps=6)
     result, messages = quiet(cfg)
     assert result.stopped_reason is not None and "NaN/Inf" in result.stopped_reason
@@ -105,8 +85,8 @@ def test_nan_stop_never_saves_a_nonfinite_state(corpus, tmp_path):
     assert Checkpoints(tmp_path / "nan" / "checkpoints").steps() == steps
 
 
-def test_nan_stop_without_checkpoint_says_so(corpus, tmp_path):
-    cfg = config(corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
+def test_nan_stop_without_checkpoint_says_so(train_corpus, tmp_path):
+    cfg = config(train_corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
                  checkpoint_every=100, steps=6)
     result, _ = quiet(cfg)
     assert "there is no finite checkpoint: a rerun starts from step 0" in result.stopped_reason
@@ -124,15 +104,15 @@ def test_nan_stop_without_checkpoint_says_so(corpus, tmp_path):
     {"seed": 1}, {"warmup_frac": 0.2}, {"clip": 0.5}, {"optimizer": "adamw"},
     {"model": "small"}, {"schedule": "linear"}, {"eval_batches": 3},
 ])
-def test_other_settings_are_refused_before_anything_changes(corpus, tmp_path, change):
+def test_other_settings_are_refused_before_anything_changes(train_corpus, tmp_path, change):
     run = tmp_path / "run"
     run.mkdir()
-    settings = dataclasses.asdict(config(corpus, run)) | {"learning_rate": 2e-3,
-                                                          "data": str(corpus)}
+    settings = dataclasses.asdict(config(train_corpus, run)) | {"learning_rate": 2e-3,
+                                                          "data": str(train_corpus)}
     (run / "config.json").write_text(json.dumps(settings))
     before = (run / "config.json").read_bytes()
     with pytest.raises(RunDirError, match="other settings") as e:
-        quiet(config(corpus, run, **change))
+        quiet(config(train_corpus, run, **change))
     (field, value), = change.items()
     assert f"{field} " in str(e.value) and repr(value) in str(e.value)
     assert "--allow-config-change" in str(e.value)
@@ -140,32 +120,32 @@ def test_other_settings_are_refused_before_anything_changes(corpus, tmp_path, ch
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.json"]
 
 
-def test_settings_of_an_older_version_are_read_as_such(corpus, tmp_path, monkeypatch):
+def test_settings_of_an_older_version_are_read_as_such(train_corpus, tmp_path, monkeypatch):
     """config.json written before this check (learning_rate null, a relative data path)
     is the same run; its settings open the history."""
     run = tmp_path / "run"
-    quiet(config(corpus, run), stop_after=1)
-    old = dataclasses.asdict(config(corpus.name, run))  # learning_rate None, relative data
+    quiet(config(train_corpus, run), stop_after=1)
+    old = dataclasses.asdict(config(train_corpus.name, run))  # learning_rate None, relative data
     (run / "config.json").write_text(json.dumps(old))
     (run / rundir.HISTORY).unlink()
-    monkeypatch.chdir(corpus.parent)
-    result, _ = quiet(config(corpus, run), stop_after=2)
+    monkeypatch.chdir(train_corpus.parent)
+    result, _ = quiet(config(train_corpus, run), stop_after=2)
     assert result.start_step == 1 and result.steps_done == 2
     history = [json.loads(x) for x in (run / rundir.HISTORY).read_text().splitlines()]
     assert history[0]["settings"] == old and history[1]["start_step"] == 1
 
 
-def test_allowed_change_is_a_new_segment_and_steps_below_checkpoint_fail(corpus, tmp_path):
+def test_allowed_change_is_a_new_segment_and_steps_below_checkpoint_fail(train_corpus, tmp_path):
     run = tmp_path / "run"
-    quiet(config(corpus, run), stop_after=4)
+    quiet(config(train_corpus, run), stop_after=4)
     history = [json.loads(x) for x in (run / rundir.HISTORY).read_text().splitlines()]
     assert len(history) == 1 and history[0]["start_step"] == 0
     first = history[0]["settings"]
-    assert first["learning_rate"] == 2e-3 and first["data"] == str(corpus)
+    assert first["learning_rate"] == 2e-3 and first["data"] == str(train_corpus)
     assert len(first["data_fingerprint"]) == 16
-    same, _ = quiet(config(corpus, run, learning_rate=2e-3), stop_after=5)  # = the default
+    same, _ = quiet(config(train_corpus, run, learning_rate=2e-3), stop_after=5)  # = the default
     assert same.steps_done == 5
-    result, messages = quiet(config(corpus, run, seed=3), allow_config_change=True)
+    result, messages = quiet(config(train_corpus, run, seed=3), allow_config_change=True)
     assert result.steps_done == 8 and result.start_step == 5
     assert any("settings changed at step 5: seed 0 -> 3" in m for m in messages)
     history = [json.loads(x) for x in (run / rundir.HISTORY).read_text().splitlines()]
@@ -174,9 +154,9 @@ def test_allowed_change_is_a_new_segment_and_steps_below_checkpoint_fail(corpus,
     assert json.loads((run / "config.json").read_text())["seed"] == 3
     config_before = (run / "config.json").read_bytes()
     with pytest.raises(RunDirError, match=r"steps=6 is below the newest checkpoint .*step 8"):
-        quiet(config(corpus, run, seed=3, steps=6), allow_config_change=True)
+        quiet(config(train_corpus, run, seed=3, steps=6), allow_config_change=True)
     assert (run / "config.json").read_bytes() == config_before
-    done, messages = quiet(config(corpus, run, seed=3))
+    done, messages = quiet(config(train_corpus, run, seed=3))
     assert done.steps_done == 8 and done.losses == [] and "nothing to train" in messages[-1]
 
 
@@ -205,7 +185,7 @@ sys.stdin.read()
 """
 
 
-def test_a_second_process_is_refused_and_a_stale_lock_taken_over(corpus, tmp_path):
+def test_a_second_process_is_refused_and_a_stale_lock_taken_over(train_corpus, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(run)], cwd=ROOT,
@@ -213,12 +193,12 @@ def test_a_second_process_is_refused_and_a_stale_lock_taken_over(corpus, tmp_pat
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirError, match=f"in use by process {holder.pid} on "):
-            quiet(config(corpus, run))
+            quiet(config(train_corpus, run))
         assert not (run / "config.json").exists()
     finally:
         holder.kill()  # SIGKILL: no chance to release; the kernel drops the flock
         holder.wait()
-    result, messages = quiet(config(corpus, run, steps=8), stop_after=1)
+    result, messages = quiet(config(train_corpus, run, steps=8), stop_after=1)
     assert result.steps_done == 1
     assert any(f"stale lock of process {holder.pid}" in m and "no longer running" in m
                for m in messages)
@@ -232,18 +212,18 @@ def test_a_second_process_is_refused_and_a_stale_lock_taken_over(corpus, tmp_pat
 # ---------------------------------------------------------------------------
 
 
-def test_checkpoints_that_is_a_file_is_refused_and_history_kept(corpus, tmp_path):
+def test_checkpoints_that_is_a_file_is_refused_and_history_kept(train_corpus, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "checkpoints").write_text("not a directory")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 7.0}\n')
     with pytest.raises(RunDirError, match="checkpoints exists and is not a directory"):
-        quiet(config(corpus, run))
+        quiet(config(train_corpus, run))
     assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 7.0}\n'
     assert (run / "checkpoints").read_text() == "not a directory"
 
 
-def test_a_failed_save_raises_at_once_and_keeps_history(corpus, tmp_path, monkeypatch,
+def test_a_failed_save_raises_at_once_and_keeps_history(train_corpus, tmp_path, monkeypatch,
                                                          full_losses):
     """The checkpoints directory is replaced by a file during the run: the save of step 8
     fails (a real orbax failure), the error names it, no thread is left behind, and the
@@ -261,14 +241,14 @@ def test_a_failed_save_raises_at_once_and_keeps_history(corpus, tmp_path, monkey
     threads = set(threading.enumerate())
     with pytest.raises(CheckpointError, match=r"could not save the checkpoint of step 8 to "
                        r".*Not a directory") as e:
-        quiet(config(corpus, run))
+        quiet(config(train_corpus, run))
     assert "\n" not in str(e.value)
     assert set(threading.enumerate()) <= threads  # nothing left waiting in the background
     monkeypatch.undo()
     assert metric_steps(run) == list(range(1, 9))
     (run / "checkpoints").unlink()
     os.replace(run / "moved", run / "checkpoints")
-    result, messages = quiet(config(corpus, run))
+    result, messages = quiet(config(train_corpus, run))
     assert f"resumed {run} at step 4" in messages
     assert result.losses == full_losses[4:]
     assert metric_steps(run) == list(range(1, 9))
@@ -298,10 +278,10 @@ train(TrainConfig(**json.loads(sys.argv[1])), log=lambda s: None)
 """
 
 
-def test_kill_during_a_save_resumes_from_the_last_complete_checkpoint(corpus, tmp_path,
+def test_kill_during_a_save_resumes_from_the_last_complete_checkpoint(train_corpus, tmp_path,
                                                                        full_losses):
     run = tmp_path / "run"
-    cfg = config(corpus, run)
+    cfg = config(train_corpus, run)
     jax_cache = os.environ.get("SAGE_TEST_JAX_CACHE") or str(
         pathlib.Path(__import__("tempfile").gettempdir()) / "sage-test-jax-cache")
     proc = subprocess.run(
@@ -327,9 +307,9 @@ def test_kill_during_a_save_resumes_from_the_last_complete_checkpoint(corpus, tm
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "stray"])
-def test_damaged_latest_checkpoint_falls_back(corpus, tmp_path, damage, full_losses):
+def test_damaged_latest_checkpoint_falls_back(train_corpus, tmp_path, damage, full_losses):
     run = tmp_path / "run"
-    cfg = config(corpus, run)
+    cfg = config(train_corpus, run)
     quiet(cfg)
     ckpts = Checkpoints(run / "checkpoints")
     assert ckpts.steps() == [8, 4]
@@ -359,11 +339,11 @@ def test_damaged_latest_checkpoint_falls_back(corpus, tmp_path, damage, full_los
         assert ckpts.steps() == [8, 4]
 
 
-def test_damaged_history_is_repaired_and_continues(corpus, tmp_path, full_losses):
+def test_damaged_history_is_repaired_and_continues(train_corpus, tmp_path, full_losses):
     """A metrics line cut short, rows past the checkpoint, a damaged H_t file: the resume
     repairs them; elapsed time, tokens/s and the loss curve continue over the whole run."""
     run = tmp_path / "run"
-    cfg = config(corpus, run)
+    cfg = config(train_corpus, run)
     first, _ = quiet(cfg, stop_after=3)
     rows = list(rundir.iter_metrics(run))
     with (run / "metrics.jsonl").open("a") as f:

@@ -1,0 +1,17 @@
+"""The trainer configuration the trainer tests share (so their compiled step is shared)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sage_train.train import TrainConfig
+
+
+def config(corpus: Any, run_dir: Any, **kw: Any) -> TrainConfig:
+    """The tiny sage-hybrid run of the trainer tests, with ``kw`` replaced."""
+    base = TrainConfig(model="tiny", optimizer="sage-hybrid", batch_size=8, seq_len=32,
+                       steps=8, eval_every=4, eval_batches=2, log_every=1,
+                       data=str(corpus), run_dir=str(run_dir), checkpoint_every=4,
+                       record_h_every=2, progress=False)
+    return dataclasses.replace(base, **kw)
