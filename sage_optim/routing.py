@@ -63,19 +63,24 @@ class RoutingError(ValueError):
     """
 
 
-def _as_group(value: Any, what: str) -> tuple[int, ...] | None:
+def as_axis_group(value: Any, what: str) -> tuple[int, ...] | None:
+    """``value`` (an int, a non-empty tuple of ints, or ``None``) as a tuple of axes.
+
+    Both frameworks parse axis arguments with this (``Route``, ``fan_in_dim=``).
+
+    Raises:
+      ValueError: anything else; the message names ``what``.
+    """
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int or a tuple of ints, got {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return (value,)
     try:
         group = tuple(value)
     except TypeError:
-        raise TypeError(f"{what} must be an int or a tuple of ints, got {value!r}") from None
+        raise ValueError(f"{what} must be an int or a tuple of ints, got {value!r}") from None
     if not group or not all(isinstance(a, int) and not isinstance(a, bool) for a in group):
-        raise TypeError(f"{what} must be an int or a non-empty tuple of ints, got {value!r}")
+        raise ValueError(f"{what} must be an int or a non-empty tuple of ints, got {value!r}")
     return group
 
 
@@ -119,10 +124,10 @@ class Route:
             object.__setattr__(self, "fan_out", fan_in.fan_out)
             object.__setattr__(self, "batch", fan_in.batch)
             fan_in = fan_in.fan_in
-        object.__setattr__(self, "fan_in", _as_group(fan_in, "fan_in"))
-        object.__setattr__(self, "fan_out", _as_group(self.fan_out, "fan_out"))
+        object.__setattr__(self, "fan_in", as_axis_group(fan_in, "fan_in"))
+        object.__setattr__(self, "fan_out", as_axis_group(self.fan_out, "fan_out"))
         if self.batch is not None and self.batch != ():
-            object.__setattr__(self, "batch", _as_group(self.batch, "batch"))
+            object.__setattr__(self, "batch", as_axis_group(self.batch, "batch"))
         elif self.batch == ():
             object.__setattr__(self, "batch", ())
         if (self.fan_in is None) != (self.fan_out is None):

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from sage_optim import hyperparams
 from sage_optim.presets import RULE_DEFAULTS
+from sage_optim.routing import as_axis_group
 
 Projection = Callable[[str, int, int, int], Tensor]
 """``projection(name, refresh_index, n, rank) -> P`` of shape ``(n, rank)`` (APOLLO)."""
@@ -81,13 +82,9 @@ def axis_group(value: Axes, ndim: int, what: str, name: str = "") -> tuple[int, 
     Raises:
       ValueError: not ints, empty, out of range or repeated; the message names ``what``.
     """
-    raw: Any = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
-    try:
-        group = tuple(raw)
-    except TypeError:
-        raise ValueError(f"{what} must be an int or a tuple of ints, got {value!r}") from None
-    if not group or not all(isinstance(a, int) and not isinstance(a, bool) for a in group):
-        raise ValueError(f"{what} must be an int or a non-empty tuple of ints, got {value!r}")
+    group = as_axis_group(value, what)
+    if group is None:
+        raise ValueError(f"{what} must be an int or a tuple of ints, got None")
     for a in group:
         if not -ndim <= a < ndim:
             raise ValueError(f"{what}={value!r} is out of range for parameter "
