@@ -14,6 +14,9 @@ _cache = os.environ.get("SAGE_TEST_JAX_CACHE") or os.path.join(
     tempfile.gettempdir(), "sage-test-jax-cache"
 )
 jax.config.update("jax_compilation_cache_dir", _cache)
+# Tests compare float32 matmuls with references: on a GPU, XLA would run them as TF32 by
+# default (about 1e-3 relative).  On the CPU this changes nothing.
+jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 

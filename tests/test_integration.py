@@ -457,6 +457,21 @@ def _unsharded_run(name: str):
     return out, state
 
 
+def cpu_mesh(axis_type):
+    """An 8-device mesh of CPU devices, on every machine.
+
+    The host device count flag (tests/conftest.py) gives 8 CPU devices; on a GPU machine
+    (``JAX_PLATFORMS=cuda,cpu``) the sharded tests still run, on the CPU.  Their unsharded
+    references run on the CPU too (:func:`on_cpu`), so both sides do the same arithmetic.
+    """
+    return jax.make_mesh((8,), ("d",), axis_types=(axis_type,), devices=jax.devices("cpu")[:8])
+
+
+def on_cpu():
+    """``jax.default_device`` of the first CPU device (where the sharded tests run)."""
+    return jax.default_device(jax.devices("cpu")[0])
+
+
 def _specs_equivalent(a, b) -> bool:
     return a.sharding.is_equivalent_to(b.sharding, a.ndim)
 
@@ -465,8 +480,9 @@ def _specs_equivalent(a, b) -> bool:
 def test_sharded_matches_unsharded_and_state_sharding_is_stable(name):
     # Explicit axes (jax.make_mesh's default in jax 0.10): sharding is part of the type,
     # so a state leaf whose sharding changes between init and update forces a recompile.
-    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,))
-    ref_updates, ref_state = _unsharded_run(name)
+    mesh = cpu_mesh(AxisType.Explicit)
+    with on_cpu():
+        ref_updates, ref_state = _unsharded_run(name)
     tx = sage_optax.make_optimizer(name)
     with jax.set_mesh(mesh):
         shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), _param_specs())
@@ -516,7 +532,7 @@ def _unsharded_nnx_run(name: str, steps: int):
 
 
 def _auto_mesh():
-    return jax.make_mesh((8,), ("d",), axis_types=(AxisType.Auto,))
+    return cpu_mesh(AxisType.Auto)
 
 
 @pytest.mark.parametrize("name", SHARDED_CONFIGS)
@@ -558,7 +574,8 @@ def test_nnx_optimizer_sharded_params():
     inside ``nnx.jit``, so only the numbers (and the shardings at creation) are checked.
     """
     name, steps = "sage-hybrid", 2
-    ref_losses, ref_params = _unsharded_nnx_run(name, steps)
+    with on_cpu():
+        ref_losses, ref_params = _unsharded_nnx_run(name, steps)
     with jax.set_mesh(_auto_mesh()):
         model = TinyLM(nnx.Rngs(0), sharded=True)
         emb = model.embed.embedding.get_value()
