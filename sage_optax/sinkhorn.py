@@ -42,6 +42,16 @@ from sage_optax import validation
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["sinkgd"]
+
+GROUPINGS: tuple[str, ...] = ("auto", "leaf", "stack")
+"""How :func:`scale_by_sinkhorn` runs the matrices of a tree: ``"leaf"`` one computation
+per leaf, ``"stack"`` one batched computation per group of leaves sharing a shape, dtype and
+axes (stacked in chunks of at most ``group_bytes``), ``"auto"`` stacking on an accelerator
+(where each matrix's ~25 small kernels cost more in launches than in bytes) and one leaf at
+a time on the CPU."""
+
+GROUP_BYTES: int = 128 * 2**20
+"""Default size limit of one stacked group: its copy of the gradients and its ``K``."""
 _KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 
@@ -127,24 +137,68 @@ def sinkhorn_scales(
     """
     wide = jnp.promote_types(g.dtype, jnp.float32)
     g = g.astype(wide) if g.dtype != wide else g
+    m = range_scale(g, axes)
+    return _iterate(_squares([g / m], after), m, axes, num_iters, eps, normalization)
+
+
+def stacked_sinkhorn_scales(
+    gs: list[jax.Array],
+    axes: axes_lib.ResolvedAxes,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+    after: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`sinkhorn_scales` of several leaves of one shape and ``axes``, as one batch.
+
+    Returns ``(c, r)`` stacked along a new leading axis: ``c[k]``, ``r[k]`` are exactly the
+    scales of ``gs[k]`` (the same operations, batched).  Only ``K`` is stacked (built from
+    the leaves in one fused operation) and the scales; ``X`` is then applied to each leaf
+    itself (:func:`apply_scales`), so no copy of the gradients is made.
+    """
+    wide = jnp.promote_types(gs[0].dtype, jnp.float32)
+    gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
+    ms = [range_scale(g, axes) for g in gs]
+    k = _squares([g / m for g, m in zip(gs, ms, strict=True)], after)
+    return _iterate(k, jnp.stack(ms), _stacked(axes, len(gs)), num_iters, eps, normalization)
+
+
+def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
+    """``K = (G/m)²`` of one leaf, or of several stacked along a new leading axis.
+
+    ``after``: a data dependency (the two branches are bitwise equal) that makes this K wait
+    for it, so that consecutive leaves' K are not all alive at once.
+    """
+    def stack(xs: list[jax.Array]) -> jax.Array:
+        return xs[0] if len(xs) == 1 else jnp.stack(xs)
+
+    k = stack([jnp.square(x) for x in gms])
+    if after is not None:
+        k = jnp.where(after >= 0, k, stack([jnp.abs(x) * jnp.abs(x) for x in gms]))
+    return k
+
+
+def _iterate(
+    k: jax.Array,
+    m: jax.Array,
+    axes: axes_lib.ResolvedAxes,
+    num_iters: Any,
+    eps: Any,
+    normalization: str,
+) -> tuple[jax.Array, jax.Array]:
+    """The ``L`` Sinkhorn iterations on ``K = (G/m)²``; the scales of :func:`sinkhorn_scales`."""
+    wide = k.dtype
     fi, fo = axes.fan_in, axes.fan_out  # axis groups: a merged matrix needs no reshape here
     if normalization == "unit":
         t_in = t_out = jnp.asarray(1.0, wide)
     else:
         t_in = jnp.sqrt(jnp.asarray(axes.fan_in_size, wide))
         t_out = jnp.sqrt(jnp.asarray(axes.fan_out_size, wide))
-    m = range_scale(g, axes)
-    gm = g / m  # exact: m is a power of two
-    # K = (G/m)², formed once; every half-iteration is then one (batched) matrix-vector
-    # product with it, in full float32 precision on every backend (no TF32).
-    k = jnp.square(gm)
-    if after is not None:
-        # A data dependency (the two branches are bitwise equal) that makes this K wait
-        # for ``after``, so that consecutive leaves' K are not all alive at once.
-        k = jnp.where(after >= 0, k, jnp.abs(gm) * jnp.abs(gm))
-    sub = "abcdefghijklmnopqrstuvwxyz"[: g.ndim]
-    c_sub = "".join(sub[a] for a in range(g.ndim) if a not in fo)
-    r_sub = "".join(sub[a] for a in range(g.ndim) if a not in fi)
+    # Every half-iteration is one (batched) matrix-vector product with K, in full float32
+    # precision on every backend (no TF32).
+    sub = "abcdefghijklmnopqrstuvwxyz"[: k.ndim]
+    c_sub = "".join(sub[a] for a in range(k.ndim) if a not in fo)
+    r_sub = "".join(sub[a] for a in range(k.ndim) if a not in fi)
     # Scale vectors shaped (and, under explicit sharding, sharded) like reductions of K.
     c = jnp.ones_like(jnp.sum(k, axis=fo))  # one scale per fan-in index
     r = jnp.ones_like(jnp.sum(k, axis=fi))  # one scale per output unit
@@ -202,12 +256,45 @@ def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
     return spec.resolve(tuple(x.shape), path)
 
 
+def _stacked(axes: axes_lib.ResolvedAxes, n: int) -> axes_lib.ResolvedAxes:
+    """``axes`` of a leaf, for a stack of ``n`` such leaves along a new leading batch axis."""
+
+    def shift(group: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(a + 1 for a in group)
+
+    return axes_lib.ResolvedAxes(
+        shift(axes.fan_in), shift(axes.fan_out), (0, *shift(axes.batch)), (n, *axes.shape)
+    )
+
+
+def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
+    """The matrices in computation order: one each, or stacked groups (``group_bytes > 0``).
+
+    A group is the matrices sharing shape, dtype and axes, split into chunks of at most
+    ``group_bytes``; groups come in the order of their first matrix.
+    """
+    if group_bytes <= 0:
+        return [[m] for m in matrices]
+    groups: dict[Any, list[Any]] = {}
+    for m in matrices:
+        _, g, resolved = m
+        groups.setdefault((tuple(g.shape), jnp.dtype(g.dtype), resolved), []).append(m)
+    batches = []
+    for members in groups.values():
+        g = members[0][1]
+        per_chunk = max(1, group_bytes // max(1, g.size * jnp.dtype(g.dtype).itemsize))
+        batches += [members[k:k + per_chunk] for k in range(0, len(members), per_chunk)]
+    return batches
+
+
 def scale_by_sinkhorn(
     num_iters: int = _DEFAULTS["num_iters"],
     eps: float = _DEFAULTS["eps"],
     normalization: str = _DEFAULTS["normalization"],
     *,
     axes: axes_lib.AxesSpec = _KERNEL,
+    grouping: str = "auto",
+    group_bytes: int = GROUP_BYTES,
     dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
@@ -219,6 +306,10 @@ def scale_by_sinkhorn(
       axes: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
         ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
         through unchanged) or a callable of the params.
+      grouping: :data:`GROUPINGS`; every choice computes the same numbers (each matrix
+        of a stacked group gets exactly its own iteration).
+      group_bytes: largest stacked group, in bytes of gradients (``"stack"``/``"auto"``):
+        the batched computation holds a copy of the group and its ``K``.
       dims: deprecated name of ``axes``.
 
     Returns:
@@ -229,6 +320,8 @@ def scale_by_sinkhorn(
         "sinkgd", num_iters=num_iters, eps=eps, normalization=normalization
     )
     axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
+    validation.check_choice("grouping", grouping, GROUPINGS)
+    validation.check_positive_int("group_bytes", group_bytes)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         axes_lib.map_leaves(_check_matrix, params, axes)  # fail at init, before any step
@@ -238,22 +331,32 @@ def scale_by_sinkhorn(
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
     ) -> tuple[optax.Updates, optax.EmptyState]:
         del params
-
-        previous: list[Any] = []  # per matrix done so far: a scalar of its scales
-
-        def normalize(path: str, spec: Any, g: jax.Array) -> jax.Array:
-            resolved = _check_matrix(path, spec, g)
-            if resolved is None:  # a None spec: pass through
-                return g
-            # Order the leaves: this leaf's K = G² is formed only once the previous
-            # leaf's scales are done, so one K is alive at a time (the compiled
-            # temporary memory is the largest K, not the sum of all of them).
-            after = previous[-1] if previous else None
-            c, r = sinkhorn_scales(g, resolved, num_iters, eps, normalization, after)
-            previous.append(jnp.min(r, initial=jnp.inf))  # defined for (n, 0) too
-            return apply_scales(g, resolved, c, r).astype(g.dtype)
-
-        return axes_lib.map_leaves(normalize, updates, axes), state
+        treedef, leaves = axes_lib.flatten_with_spec(updates, axes_lib.resolve_spec(axes, updates))
+        out = [x for _, _, x in leaves]
+        matrices = []
+        for i, (path, spec, g) in enumerate(leaves):
+            if not axes_lib.is_masked(g):
+                resolved = _check_matrix(path, spec, g)
+                if resolved is not None:  # a None spec: pass through
+                    matrices.append((i, g, resolved))
+        stack = grouping == "stack" or (grouping == "auto" and jax.default_backend() != "cpu")
+        after = None
+        for batch in _batches(matrices, group_bytes if stack else 0):
+            # Order the batches: this batch's K = G² is formed only once the previous
+            # one's scales are done, so one K is alive at a time (the compiled temporary
+            # memory is the largest batch's K, not the sum of all of them).
+            if len(batch) == 1:
+                (i, g, resolved), = batch
+                c, r = sinkhorn_scales(g, resolved, num_iters, eps, normalization, after)
+                out[i] = apply_scales(g, resolved, c, r).astype(g.dtype)
+            else:
+                c, r = stacked_sinkhorn_scales(
+                    [g for _, g, _ in batch], batch[0][2], num_iters, eps, normalization, after
+                )
+                for k, (i, g, resolved) in enumerate(batch):
+                    out[i] = apply_scales(g, resolved, c[k], r[k]).astype(g.dtype)
+            after = jnp.min(r, initial=jnp.inf)  # defined for (n, 0) too
+        return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -268,6 +371,8 @@ def sinkgd(
     eps: float = _DEFAULTS["eps"],
     mask: Any | None = None,
     axes: axes_lib.AxesSpec = _KERNEL,
+    grouping: str = "auto",
+    group_bytes: int = GROUP_BYTES,
     dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
@@ -284,6 +389,8 @@ def sinkgd(
       eps: ε added to every norm.
       mask: which leaves get weight decay (pytree of bools or callable).
       axes: per-leaf axes, see :func:`scale_by_sinkhorn`.
+      grouping: see :func:`scale_by_sinkhorn`.
+      group_bytes: see :func:`scale_by_sinkhorn`.
       dims: deprecated name of ``axes``.
 
     Returns:
@@ -293,7 +400,8 @@ def sinkgd(
     validation.check_hyperparameters("sinkgd", alpha=alpha, weight_decay=weight_decay)
     axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     return optax.chain(
-        scale_by_sinkhorn(num_iters, eps, normalization, axes=axes),
+        scale_by_sinkhorn(num_iters, eps, normalization, axes=axes, grouping=grouping,
+                          group_bytes=group_bytes),
         optax.scale(alpha),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
