@@ -56,7 +56,7 @@ import sage_optax
 from sage_optim.models import get_model_config
 from sage_optim.presets import resolve_preset
 from sage_repro import traffic
-from sage_repro.llama_shapes import llama_param_shapes
+from sage_repro.llama_shapes import STACKED_ROUTES, llama_param_shapes
 
 BASELINE = "optax.adamw (baseline)"
 GIB = 2.0**30
@@ -73,12 +73,13 @@ def _normal_leaf(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def materialise(shapes: Any, seed: int) -> Any:
-    """Random ``0.02 * normal`` float32 leaves, one at a time (peak = one leaf + the tree)."""
+    """Random ``0.02 * normal`` leaves in the shapes' dtypes, one at a time (peak = one leaf
+    + the tree)."""
     leaves, treedef = jax.tree.flatten(shapes)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
     for k, leaf in zip(keys, leaves, strict=True):
-        out.append(_normal_leaf(k, tuple(leaf.shape)).block_until_ready())
+        out.append(_normal_leaf(k, tuple(leaf.shape)).astype(leaf.dtype).block_until_ready())
     return jax.tree.unflatten(treedef, out)
 
 
@@ -108,10 +109,20 @@ def measure_bandwidth(mib: int, repeats: int, donate: bool) -> float:
     return 2 * n * 4 / statistics.median(times) / GIB
 
 
+ROUTES: dict[str, Any] = {}
+"""Route overrides of the tree being measured (the stacked layout declares its layer axis)."""
+
+
+def labels_of(shapes: Any) -> dict[str, str]:
+    """``{path: kind}`` as the router labels the measured tree."""
+    routed = sage_optax.route_params(shapes, ROUTES or None)
+    return dict(sage_optax.routing.iter_leaves(routed.labels))
+
+
 def make_tx(name: str) -> optax.GradientTransformation:
     if name == BASELINE:
         return optax.adamw(1e-4, b1=0.9, b2=0.99, weight_decay=0.01)
-    return sage_optax.make_optimizer(name)
+    return sage_optax.make_optimizer(name, route_overrides=ROUTES or None)
 
 
 def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
@@ -119,7 +130,7 @@ def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
     leaves = []
     if name != BASELINE:
         preset = resolve_preset(name, {})
-        labels = dict(sage_optax.routing.iter_leaves(sage_optax.route_params(shapes).labels))
+        labels = labels_of(shapes)
         for path, leaf in sage_optax.routing.iter_leaves(shapes):
             rule = preset.rule(labels[path])
             leaves.append((rule.name, rule.hyperparams, len(leaf.shape), nbytes(leaf)))
@@ -200,7 +211,7 @@ def mem_available() -> float:
 
 def kind_subtree(shapes: dict[str, Any], kind: str) -> dict[str, Any]:
     """The nested dict of the leaves the router labels ``kind`` (embedding/dense/vector)."""
-    labels = dict(sage_optax.routing.iter_leaves(sage_optax.route_params(shapes).labels))
+    labels = labels_of(shapes)
     out: dict[str, Any] = {}
     for path, leaf in sage_optax.routing.iter_leaves(shapes):
         if labels[path] != kind:
@@ -260,15 +271,24 @@ def main(argv: list[str] | None = None) -> None:
         "--breakdown", action="store_true",
         help="also time sage-hybrid on each parameter kind alone against adamw",
     )
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="parameter and gradient dtype (default float32)")
+    ap.add_argument("--layout", choices=("per-layer", "stacked"), default="per-layer",
+                    help="one leaf per layer, or layers stacked on a leading axis as an "
+                    "nnx.scan model holds them (default per-layer)")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
     ap.add_argument("--bw-repeats", type=int, default=10)
     args = ap.parse_args(argv)
 
     config = get_model_config(args.model)
-    shapes = llama_param_shapes(config)
+    shapes = llama_param_shapes(config, jnp.dtype(args.dtype), stacked=args.layout == "stacked")
+    ROUTES.clear()
+    if args.layout == "stacked":
+        ROUTES.update(STACKED_ROUTES)
     p_bytes = nbytes(shapes)
     largest = max(nbytes(x) for x in jax.tree.leaves(shapes))
-    print(f"jax {jax.__version__}, optax {optax.__version__}, devices {jax.devices()}")
+    print(f"jax {jax.__version__}, optax {optax.__version__}, devices {jax.devices()}, "
+          f"{args.dtype} parameters, {args.layout} layout")
     print(
         f"model {args.model}: {config.param_count():,} params, {p_bytes / GIB:.3f} GiB float32, "
         f"largest leaf {largest / MIB:.1f} MiB"

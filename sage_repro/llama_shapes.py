@@ -8,20 +8,37 @@ import jax
 import jax.numpy as jnp
 
 from sage_optim.models import LlamaConfig
+from sage_optim.routing import Route
+
+STACKED_ROUTES: dict[str, Route] = {
+    "layers.*.kernel": Route("dense", fan_in=-2, fan_out=-1),
+    "layers.*.scale": Route("vector", batch=0),
+}
+"""Route overrides that declare the stacked layout of :func:`llama_param_shapes`
+(``stacked=True``): a plain pytree does not say that its leading axis is the layer axis."""
 
 
-def llama_param_shapes(config: LlamaConfig, dtype: Any = jnp.float32) -> dict[str, Any]:
+def llama_param_shapes(
+    config: LlamaConfig, dtype: Any = jnp.float32, *, stacked: bool = False
+) -> dict[str, Any]:
     """The parameter tree of a LLaMA model as ``jax.ShapeDtypeStruct`` leaves.
 
     Names and layouts follow Flax NNX (``nnx.Embed.embedding`` ``(V, d)``,
     ``nnx.Linear.kernel`` ``(in, out)``, ``nnx.RMSNorm.scale`` ``(d,)``), one entry per
     layer, projections without biases; an untied model adds ``lm_head.kernel`` ``(d, V)``.
+    ``stacked=True`` gives the layout of an ``nnx.scan`` model instead: one ``layers``
+    subtree whose leaves have a leading layer axis (route it with :data:`STACKED_ROUTES`).
     """
     d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
 
     def s(*shape: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(shape, dtype)
+
+    def stack(tree: Any) -> Any:
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((config.num_layers, *x.shape), x.dtype), tree
+        )
 
     def layer() -> dict[str, Any]:
         return {
@@ -42,7 +59,8 @@ def llama_param_shapes(config: LlamaConfig, dtype: Any = jnp.float32) -> dict[st
 
     tree: dict[str, Any] = {
         "embed": {"embedding": s(v, d)},
-        "layers": {str(i): layer() for i in range(config.num_layers)},
+        "layers": (stack(layer()) if stacked
+                   else {str(i): layer() for i in range(config.num_layers)}),
         "final_norm": {"scale": s(d)},
     }
     if not config.tie_embeddings:
