@@ -247,6 +247,8 @@ def _name_route(
     leaf = parts[-1]
     if ndim < 2:
         return Route("vector", evidence=f"shape: {ndim}-D")
+    if sum(n > 1 for n in shape) <= 1:
+        return Route("vector", evidence="shape: one non-unit axis")
     if leaf in core.VECTOR_NAMES:
         return RoutingError(
             f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
@@ -285,8 +287,6 @@ def _name_route(
                     name, shape, Route("dense", tuple(range(1, ndim)), 0))
                 + " for a convolution"
             )
-    if sum(n > 1 for n in shape) <= 1:
-        return Route("vector", evidence="shape: one non-unit axis")
     if ndim == 2 and (leaf in core.TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding")):
         return Route("embedding", -1, -2, evidence=f"name {leaf!r} (token table (V, d))")
     if any("emb" in part for part in parts):

@@ -303,9 +303,11 @@ def test_torch_layout_pytree_reads_weights_as_out_in():
 
 
 def test_a_single_non_unit_axis_is_a_vector_in_both_frameworks():
-    params = {"cls_token": jnp.ones((1, 1, D)), "proj": {"kernel": jnp.ones((D, D))}}
-    r = route_params(params).routes["cls_token"]
-    assert (r.kind, r.fan_in, r.evidence) == ("vector", (), "shape: one non-unit axis")
+    params = {"cls_token": jnp.ones((1, 1, D)), "proj": {"kernel": jnp.ones((D, D))},
+              "conv": {"bias": jnp.ones((8, 1, 1))}}  # an Equinox Conv2d bias
+    for path in ("cls_token", "conv.bias"):
+        r = dict(sage_optax.routing.iter_leaves(route_params(params).routes))[path]
+        assert (r.kind, r.fan_in, r.evidence) == ("vector", (), "shape: one non-unit axis")
 
 
 def test_kind_only_overrides_place_any_leaf():
