@@ -13,9 +13,16 @@ from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
 from sage_train.errors import CheckpointError, UserError
-from sage_train.model import LAYOUTS, REMAT_POLICIES
+from sage_train.model import REMAT_POLICIES
 from sage_train.sharding import MODES
-from sage_train.train import DTYPES, PARAM_DTYPES, SCHEDULES, SETTING_CHECKS, TrainConfig
+from sage_train.train import (
+    DTYPES,
+    LAYER_CHOICES,
+    PARAM_DTYPES,
+    SCHEDULES,
+    SETTING_CHECKS,
+    TrainConfig,
+)
 
 EPILOG = """\
 Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains). Running the
@@ -119,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "loss are float32 in any case); auto: bfloat16 on a GPU, float32 on the CPU")
     p.add_argument("--param-dtype", default=d.param_dtype, choices=PARAM_DTYPES,
                    help="storage dtype of the parameters (and of the optimizer moments)")
-    p.add_argument("--layers", default=d.layers, choices=LAYOUTS,
+    p.add_argument("--layers", default=d.layers, choices=LAYER_CHOICES,
                    help="scan: the decoder layers stacked and run by one nnx.scan (fast to "
-                   "compile, the layout SAGE groups best); loop: one module per layer")
+                   "compile, the layout SAGE groups best); loop: one module per layer; "
+                   "auto: scan on a GPU, loop on the CPU (where it is faster)")
     p.add_argument("--remat", default=d.remat, choices=tuple(REMAT_POLICIES),
                    help="recompute each layer's activations in the backward pass: none; dots "
                    "(keep the weight matmuls' outputs); full (keep only each layer's input)")

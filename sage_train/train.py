@@ -70,7 +70,7 @@ class TrainConfig:
     progress: bool = True
     dtype: str = "auto"  # computation: "bfloat16", "float32", or "auto" (bf16 on a GPU)
     param_dtype: str = "float32"  # storage of the parameters (and so of optimizer moments)
-    layers: str = "scan"  # "scan": stacked layers under nnx.scan; "loop": one module each
+    layers: str = "auto"  # "scan" (stacked, nnx.scan), "loop", or "auto" (scan off the CPU)
     remat: str = "none"  # "none", "dots" or "full" (nnx.remat policy of each layer)
     deterministic: bool = False  # reproducible GPU reductions (set before the backend starts)
     peak_tflops: float | None = None  # device peak for MFU (None: from the known devices)
@@ -139,11 +139,23 @@ def compute_dtype(cfg: TrainConfig) -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+LAYER_CHOICES: tuple[str, ...] = ("auto", *LAYOUTS)
+"""``--layers`` choices (``auto``: ``scan`` on a GPU or TPU, ``loop`` on the CPU, where the
+scanned step measured ~10% slower on the ``small`` demo)."""
+
+
+def layer_layout(cfg: TrainConfig) -> str:
+    """The layout of the decoder layers of ``cfg``, ``auto`` resolved for the backend."""
+    if cfg.layers != "auto":
+        return cfg.layers
+    return "loop" if jax.default_backend() == "cpu" else "scan"
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
     """The model of ``cfg`` (vocabulary from the data)."""
     model_cfg = dataclasses.replace(get_model_config(cfg.model), vocab_size=vocab_size)
     return Llama(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=jnp.dtype(compute_dtype(cfg)),
-                 param_dtype=jnp.dtype(cfg.param_dtype), layers=cfg.layers,  # type: ignore
+                 param_dtype=jnp.dtype(cfg.param_dtype), layers=layer_layout(cfg),  # type: ignore
                  remat=cfg.remat)  # type: ignore[arg-type]
 
 
@@ -265,7 +277,7 @@ def check_config(cfg: TrainConfig) -> None:
             raise ConfigError(f"{name} must be {what}, got {value!r}")
     choices = {"model": tuple(MODEL_NAMES), "optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
                "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32"),
-               "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYOUTS,
+               "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYER_CHOICES,
                "remat": tuple(REMAT_POLICIES)}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
@@ -282,6 +294,7 @@ def settings_of(cfg: TrainConfig) -> dict[str, Any]:
         settings["learning_rate"] = get_preset(cfg.optimizer).learning_rate
     settings["data"] = rundir.normalize_data(cfg.data)
     settings["dtype"] = compute_dtype(cfg)
+    settings["layers"] = layer_layout(cfg)
     return settings
 
 

@@ -191,7 +191,7 @@ def test_bfloat16_run_trains_with_float32_state(train_corpus, tmp_path):
     import orbax.checkpoint as ocp
 
     result = train(config(train_corpus, tmp_path / "bf16", dtype="bfloat16", steps=8,
-                          learning_rate=1e-2), log=lambda s: None)
+                          learning_rate=1e-2, layers="scan"), log=lambda s: None)
     assert result.stopped_reason is None and all(np.isfinite(result.losses))
     assert result.losses[-1] < result.losses[0] - 0.3
     settings = json.loads((tmp_path / "bf16" / "config.json").read_text())
