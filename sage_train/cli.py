@@ -13,8 +13,16 @@ from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
 from sage_train.errors import CheckpointError, UserError
+from sage_train.model import REMAT_POLICIES
 from sage_train.sharding import MODES
-from sage_train.train import SCHEDULES, SETTING_CHECKS, TrainConfig
+from sage_train.train import (
+    DTYPES,
+    LAYER_CHOICES,
+    PARAM_DTYPES,
+    SCHEDULES,
+    SETTING_CHECKS,
+    TrainConfig,
+)
 
 EPILOG = """\
 Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains). Running the
@@ -113,6 +121,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "are kept)")
     p.add_argument("--sharding", default=d.sharding, choices=MODES,
                    help="data parallel (dp), fully sharded (fsdp) or one device (none)")
+    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="computation dtype of the matmuls (norm statistics, softmax and the "
+                   "loss are float32 in any case); auto: bfloat16 on a GPU, float32 on the CPU")
+    p.add_argument("--param-dtype", default=d.param_dtype, choices=PARAM_DTYPES,
+                   help="storage dtype of the parameters (and of the optimizer moments)")
+    p.add_argument("--layers", default=d.layers, choices=LAYER_CHOICES,
+                   help="scan: the decoder layers stacked and run by one nnx.scan (fast to "
+                   "compile, the layout SAGE groups best); loop: one module per layer; "
+                   "auto: scan on a GPU, loop on the CPU (where it is faster)")
+    p.add_argument("--remat", default=d.remat, choices=tuple(REMAT_POLICIES),
+                   help="recompute each layer's activations in the backward pass: none; dots "
+                   "(keep the weight matmuls' outputs); full (keep only each layer's input)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="reproducible GPU runs (XLA's --xla_gpu_deterministic_ops=true; set "
+                   "before JAX starts; costs some GPU speed)")
+    p.add_argument("--peak-tflops", type=_checked("peak_tflops", float), default=None,
+                   help="the device's peak TFLOP/s for the computation dtype, for the MFU "
+                   "column (default: from the table of known GPUs; none on the CPU)")
     p.add_argument("--record-h-every", type=_checked("record_h_every", int),
                    default=d.record_h_every,
                    help="steps between records of SAGE's embedding damper H_t, >= 1")
@@ -151,7 +177,9 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             run_dir=str(pathlib.Path(args.run_dir) / f"{args.model}-{name}"),
             checkpoint_every=args.checkpoint_every, sharding=args.sharding,
             record_h_every=args.record_h_every, h_max_records=args.h_max_records,
-            progress=not args.no_progress,
+            progress=not args.no_progress, dtype=args.dtype, param_dtype=args.param_dtype,
+            layers=args.layers, remat=args.remat, deterministic=args.deterministic,
+            peak_tflops=args.peak_tflops,
         )
         for name in args.optimizer
     ]
@@ -179,11 +207,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from sage_train.train import check_config, save_loss_curve, train
+    from sage_train.train import check_config, enable_determinism, save_loss_curve, train
 
     cfgs = configs(args)
     for cfg in cfgs:
         check_config(cfg)
+    if args.deterministic:
+        enable_determinism()  # before anything starts a JAX backend
     import jax
 
     if args.distributed:
@@ -195,8 +225,12 @@ def _main(args: argparse.Namespace) -> int:
         results.append(train(cfg, allow_config_change=args.allow_config_change))
     rows = [(r.config.optimizer, r.steps_done,
              "-" if r.final_test_ppl is None else f"{r.final_test_ppl:.2f}",
-             format_bytes(r.opt_state_bytes), f"{r.tokens_per_s:,.0f}") for r in results]
-    print(format_table(("optimizer", "steps", "test ppl", "optimizer state", "tokens/s"), rows))
+             format_bytes(r.opt_state_bytes), f"{r.tokens_per_s:,.0f}",
+             "-" if r.mfu is None else f"{100 * r.mfu:.1f}%") for r in results]
+    print(format_table(("optimizer", "steps", "test ppl", "optimizer state", "tokens/s", "MFU"),
+                       rows))
+    print("tokens/s and MFU: training steps only (compilation, evaluation and checkpoints "
+          "excluded), as in each run's metrics.jsonl")
     png = pathlib.Path(args.run_dir) / f"{args.model}-loss.png"
     save_loss_curve(results, png)
     print(f"loss curve: {png}")

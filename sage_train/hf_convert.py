@@ -3,6 +3,11 @@
 HF ``nn.Linear`` weights are ``(out, in)``, Flax kernels ``(in, out)``: projections are
 transposed, the embedding table ``(V, d)`` and the norm weights are copied as they are.
 ``torch``/``transformers`` are imported only inside the functions that need them.
+
+Either layout of the decoder layers converts: a scanned model (``layers="scan"``, leaves with
+a leading layer axis) is sliced into HF's per-layer tensors on export and restacked on
+import (:func:`sage_train.model.per_layer_params`), so the conversion happens here, at the
+boundary, and HF names are always per layer.
 """
 
 from __future__ import annotations
@@ -10,14 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from sage_optax.routing import leaf_name_path
 from sage_optim.models import LlamaConfig
-from sage_train.model import Llama
+from sage_train.model import Llama, load_per_layer_params, per_layer_params
 
 EMBED_KEY = "model.embed_tokens.weight"
 """HF name of the token embedding table."""
@@ -116,9 +118,8 @@ def from_hf_state_dict(model: Llama, state_dict: Mapping[str, Any]) -> None:
       ValueError: naming every missing or unexpected key and every shape mismatch, or when a
         tied model is given an ``lm_head.weight`` that differs from the embedding.
     """
-    params = nnx.state(model, nnx.Param)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    paths = [leaf_name_path(p) for p, _ in flat]
+    current = per_layer_params(model)
+    paths = list(current)
     expected = {hf_name(p): p for p in paths}
 
     given = {k: v for k, v in state_dict.items() if not k.endswith(IGNORED_SUFFIXES)}
@@ -139,11 +140,11 @@ def from_hf_state_dict(model: Llama, state_dict: Mapping[str, Any]) -> None:
     if unexpected:
         problems.append(f"unexpected keys: {unexpected}")
 
-    leaves = []
-    for (_, old), path in zip(flat, paths, strict=True):
+    values: dict[str, Any] = {}
+    for path, old in current.items():
         key = hf_name(path)
         if key not in given:
-            leaves.append(old)
+            values[path] = old
             continue
         value = _to_numpy(given[key])
         if _is_kernel(path):
@@ -152,15 +153,15 @@ def from_hf_state_dict(model: Llama, state_dict: Mapping[str, Any]) -> None:
             want = tuple(old.shape)[::-1] if _is_kernel(path) else tuple(old.shape)
             got = value.shape[::-1] if _is_kernel(path) else value.shape
             problems.append(f"shape mismatch for {key!r} ({path}): expected {want}, got {got}")
-            leaves.append(old)
+            values[path] = old
             continue
-        leaves.append(jnp.asarray(value, dtype=old.dtype))
+        values[path] = jnp.asarray(value, dtype=old.dtype)
     if problems:
         raise ValueError(
             "cannot load the Hugging Face state dict into Llama("
             f"{model.config.name!r}, tie_embeddings={tied}): " + "; ".join(problems)
         )
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
+    load_per_layer_params(model, values)
 
 
 def to_hf_state_dict(model: Llama) -> dict[str, Any]:
@@ -173,8 +174,7 @@ def to_hf_state_dict(model: Llama) -> dict[str, Any]:
     import torch
 
     out: dict[str, Any] = {}
-    for p, value in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
-        path = leaf_name_path(p)
+    for path, value in per_layer_params(model).items():
         array = np.asarray(jnp.asarray(value, jnp.float32))  # numpy/torch interop lacks bf16
         array = np.array(array.T if _is_kernel(path) else array, order="C")  # writable copy
         dtype = getattr(torch, jnp.dtype(value.dtype).name)

@@ -6,11 +6,22 @@ projection (the transposed embedding when tied, else ``lm_head``).  Parameter na
 layouts are those of :func:`sage_repro.llama_shapes.llama_param_shapes`, so the SAGE router
 places every leaf (``embed.embedding``/``lm_head.kernel`` → embedding, ``*.kernel`` → dense,
 ``*.scale`` → vector).
+
+Two layouts of the decoder layers: ``layers="loop"`` keeps one module per layer
+(``layers.<i>.attn.q_proj.kernel``, the layout of ``llama_param_shapes`` and of Hugging Face),
+``layers="scan"`` builds them with ``nnx.vmap`` and runs them with ``nnx.scan``, so every
+layer parameter has a leading layer axis (``layers.attn.q_proj.kernel`` of shape
+``(L, d, h)``): one compiled layer body instead of ``L``, and the layout the SAGE router
+treats as ``L`` stacked matrices when it is given the model (``make_optimizer(...,
+model=model)``).  :func:`stack_layers`/:func:`unstack_layers` convert the parameters
+between the two; :mod:`sage_train.hf_convert` accepts either.  ``remat`` recomputes each
+layer's activations in the backward pass (``"dots"``: all but the unbatched matmuls,
+``"full"``: everything), trading compute for memory.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +32,17 @@ from sage_optim.models import LlamaConfig
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of embeddings and kernels (HF ``initializer_range``)."""
+
+LAYOUTS: tuple[str, ...] = ("scan", "loop")
+"""Layouts of the decoder layers: stacked and scanned, or one module per layer."""
+
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+"""``--remat`` choices: no rematerialisation; save the weight matmuls' outputs and recompute
+the rest (norms, RoPE, attention, activations); save nothing but each layer's input."""
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
@@ -56,8 +78,26 @@ def _rms_norm(d: int, eps: float, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) 
     return nnx.RMSNorm(d, epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
+def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal grouped-query attention written out (the score matrix materialised).
+
+    ``q`` ``(B, T, H, D)``, ``k``/``v`` ``(B, T, K, D)`` with ``H`` a multiple of ``K``; logits
+    and softmax in float32.  The model uses :func:`jax.nn.dot_product_attention`; this is
+    the math it must match (tests).
+    """
+    t, h, d = q.shape[1], q.shape[2], q.shape[3]
+    repeats = h // k.shape[2]  # query head i reads kv head i // repeats
+    k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d**-0.5)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
 class Attention(nnx.Module):
-    """Causal grouped-query self-attention with RoPE; softmax in float32."""
+    """Causal grouped-query self-attention with RoPE, by :func:`jax.nn.dot_product_attention`."""
 
     def __init__(
         self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any, theta: float
@@ -78,15 +118,12 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         cos, sin = rope_tables(t, self.head_dim, self.theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeats = self.num_heads // self.num_kv_heads  # query head h reads kv head h // repeats
-        k, v = jnp.repeat(k, repeats, axis=2), jnp.repeat(v, repeats, axis=2)
-
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (self.head_dim**-0.5)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        # Grouped-query heads are native to dot_product_attention (query head h reads kv head
+        # h // (num_heads // num_kv_heads)); logits and softmax are float32 inside it.  With
+        # implementation=None it is cuDNN flash attention on a GPU where the dtype allows
+        # (bfloat16/float16), XLA otherwise.
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -135,11 +172,15 @@ class Llama(nnx.Module):
     Args:
       config: the model shape.
       rngs: initialisation randomness (``params`` stream).
-      dtype: computation dtype of the projections (norm statistics, RoPE and softmax are
-        always float32; logits are returned in float32).
+      dtype: computation dtype of the projections (norm statistics, RoPE, attention logits
+        and softmax are always float32; logits are returned in float32).
       param_dtype: storage dtype of the parameters.
       rope_theta: RoPE base.
       norm_eps: RMSNorm epsilon.
+      layers: ``"loop"`` (one module per layer) or ``"scan"`` (stacked, run by ``nnx.scan``);
+        see the module docstring.  The two compute the same function of the same
+        parameters (:func:`stack_layers`), but draw different initial values.
+      remat: ``"none"``, ``"dots"`` or ``"full"`` (:data:`REMAT_POLICIES`).
     """
 
     def __init__(
@@ -151,8 +192,15 @@ class Llama(nnx.Module):
         param_dtype: Any = jnp.float32,
         rope_theta: float = 10000.0,
         norm_eps: float = 1e-6,
+        layers: Literal["loop", "scan"] = "loop",
+        remat: Literal["none", "dots", "full"] = "none",
     ):
+        if layers not in LAYOUTS:
+            raise ValueError(f"layers must be one of {LAYOUTS}, got {layers!r}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
         self.config = config
+        self.layout, self.remat = layers, remat
         d = config.hidden_size
         self.embed = nnx.Embed(
             config.vocab_size,
@@ -162,29 +210,109 @@ class Llama(nnx.Module):
             param_dtype=param_dtype,
             rngs=rngs,
         )
-        self.layers = nnx.List(
-            Block(
-                config,
-                rngs=rngs,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                theta=rope_theta,
-                eps=norm_eps,
-            )
-            for _ in range(config.num_layers)
-        )
+
+        def block(rngs: nnx.Rngs) -> Block:
+            return Block(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                         theta=rope_theta, eps=norm_eps)
+
+        if layers == "scan":
+            stacked = nnx.split_rngs(splits=config.num_layers)(
+                nnx.vmap(block, in_axes=(0,), out_axes=0, axis_size=config.num_layers))
+            self.layers: Any = stacked(rngs)
+        else:
+            self.layers = nnx.List(block(rngs) for _ in range(config.num_layers))
         self.final_norm = _rms_norm(d, norm_eps, rngs, dtype, param_dtype)
         if not config.tie_embeddings:
             self.lm_head = _linear(d, config.vocab_size, rngs, dtype, param_dtype)
 
+    def _decoder(self, x: jax.Array) -> jax.Array:
+        def apply(layer: Block, x: jax.Array) -> jax.Array:
+            return layer(x)
+
+        if self.remat != "none":
+            # In a scan the loop boundary already keeps XLA from merging the recomputation
+            # into the forward pass, so CSE prevention is only needed unrolled.
+            apply = nnx.remat(apply, policy=REMAT_POLICIES[self.remat],
+                              prevent_cse=self.layout == "loop")
+        if self.layout == "loop":
+            for layer in self.layers:
+                x = apply(layer, x)
+            return x
+
+        def body(x: jax.Array, layer: Block) -> jax.Array:
+            return apply(layer, x)
+
+        return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Integer tokens ``(B, T)`` at positions ``0..T-1`` → float32 logits ``(B, T, V)``."""
-        x = self.embed(tokens)
-        for layer in self.layers:
-            x = layer(x)
+        x = self._decoder(self.embed(tokens))
         x = self.final_norm(x.astype(jnp.float32))
         logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
         return logits.astype(jnp.float32)
+
+
+def _split_layer_path(path: str) -> tuple[str, str] | None:
+    """``("3", "attn.q_proj.kernel")`` for ``layers.3.attn.q_proj.kernel``; else ``None``."""
+    parts = path.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
+        return parts[1], parts[2]
+    return None
+
+
+def per_layer_params(model: Llama) -> dict[str, jax.Array]:
+    """Every parameter by its per-layer dotted path (``layers.<i>.<name>``), in either layout.
+
+    The stacked leaves of a scanned model are sliced along their layer axis; the others are
+    returned as they are.  Order: the model's own leaf order, layers expanded in place.
+    """
+    out: dict[str, jax.Array] = {}
+    for p, x in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        path = _dotted(p)
+        if model.layout == "scan" and path.startswith("layers."):
+            for i in range(x.shape[0]):
+                out[f"layers.{i}.{path[len('layers.'):]}"] = x[i]
+        else:
+            out[path] = x
+    return out
+
+
+def load_per_layer_params(model: Llama, values: dict[str, Any]) -> None:
+    """Set every parameter of ``model`` from ``values`` keyed as :func:`per_layer_params`.
+
+    Values are cast to each parameter's dtype; a scanned model's layers are stacked.
+
+    Raises:
+      KeyError: a parameter of the model is missing from ``values``.
+    """
+    state = nnx.state(model, nnx.Param)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = []
+    for p, old in flat:
+        path = _dotted(p)
+        if model.layout == "scan" and path.startswith("layers."):
+            rest = path[len("layers."):]
+            value = jnp.stack([jnp.asarray(values[f"layers.{i}.{rest}"])
+                               for i in range(old.shape[0])])
+        else:
+            value = jnp.asarray(values[path])
+        leaves.append(value.astype(old.dtype))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def stack_layers(source: Llama, target: Llama) -> None:
+    """Copy the parameters of ``source`` into ``target``, whatever the layout of each."""
+    load_per_layer_params(target, per_layer_params(source))
+
+
+unstack_layers = stack_layers
+"""The same copy, named for the other direction (scanned ``source``, looped ``target``)."""
+
+
+def _dotted(key_path: Any) -> str:
+    from sage_optax.routing import leaf_name_path
+
+    return str(leaf_name_path(key_path))
 
 
 def abstract_params(config: LlamaConfig, **model_kwargs: Any) -> nnx.State:
@@ -199,4 +327,18 @@ def loss_fn(model: Llama, inputs: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-__all__ = ["INIT_STD", "Llama", "abstract_params", "apply_rope", "loss_fn", "rope_tables"]
+__all__ = [
+    "INIT_STD",
+    "LAYOUTS",
+    "REMAT_POLICIES",
+    "Llama",
+    "abstract_params",
+    "apply_rope",
+    "load_per_layer_params",
+    "loss_fn",
+    "per_layer_params",
+    "reference_attention",
+    "rope_tables",
+    "stack_layers",
+    "unstack_layers",
+]

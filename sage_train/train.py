@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -35,9 +36,10 @@ from sage_train import rundir
 from sage_train.checkpoints import Checkpoints, state_is_finite
 from sage_train.diagnostics import DamperRecorder, embedding_damper
 from sage_train.errors import ConfigError, DataError, RunDirError
-from sage_train.model import Llama, loss_fn
+from sage_train.model import LAYOUTS, REMAT_POLICIES, Llama, loss_fn
 from sage_train.sharding import MODES as SHARDING_MODES
 from sage_train.sharding import make_mesh, shard_batch, state_shardings
+from sage_train.throughput import device_peak_tflops, flops_per_token, mfu
 
 
 @dataclasses.dataclass
@@ -66,6 +68,12 @@ class TrainConfig:
     record_h_every: int = 10
     h_max_records: int = 512
     progress: bool = True
+    dtype: str = "auto"  # computation: "bfloat16", "float32", or "auto" (bf16 on a GPU)
+    param_dtype: str = "float32"  # storage of the parameters (and so of optimizer moments)
+    layers: str = "auto"  # "scan" (stacked, nnx.scan), "loop", or "auto" (scan off the CPU)
+    remat: str = "none"  # "none", "dots" or "full" (nnx.remat policy of each layer)
+    deterministic: bool = False  # reproducible GPU reductions (set before the backend starts)
+    peak_tflops: float | None = None  # device peak for MFU (None: from the known devices)
 
 
 @dataclasses.dataclass
@@ -78,8 +86,10 @@ class RunResult:
     final_test_ppl: float | None
     opt_state_bytes: int
     tokens_per_s: float  # training tokens per second over the whole run (all segments)
+    # (compilation, evaluation and checkpointing excluded; the last row of metrics.jsonl)
     stopped_reason: str | None = None
     start_step: int = 0  # the step this invocation resumed from (losses follow it)
+    mfu: float | None = None  # model FLOPs utilisation at tokens_per_s (None: no known peak)
 
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -106,22 +116,73 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def make_tx(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Gradient clipping followed by the configuration, under the run's schedule."""
-    tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg))
+def make_tx(cfg: TrainConfig, model: Llama | None = None) -> optax.GradientTransformation:
+    """Gradient clipping followed by the configuration, under the run's schedule.
+
+    ``model`` is the router's evidence: with scanned layers it is what lets the router read
+    a ``(L, in, out)`` kernel as ``L`` stacked matrices (without it such a leaf is refused).
+    """
+    tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg), model=model)
     return optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx
 
 
-def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
-    """The model (vocabulary from the data) and its optimizer."""
+DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32")
+"""``--dtype`` choices (``auto``: bfloat16 on a GPU or TPU, float32 on the CPU)."""
+
+PARAM_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+
+
+def compute_dtype(cfg: TrainConfig) -> str:
+    """The computation dtype of ``cfg``, ``auto`` resolved for the default backend."""
+    if cfg.dtype != "auto":
+        return cfg.dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+LAYER_CHOICES: tuple[str, ...] = ("auto", *LAYOUTS)
+"""``--layers`` choices (``auto``: ``scan`` on a GPU or TPU, ``loop`` on the CPU, where the
+scanned step measured ~10% slower on the ``small`` demo)."""
+
+
+def layer_layout(cfg: TrainConfig) -> str:
+    """The layout of the decoder layers of ``cfg``, ``auto`` resolved for the backend."""
+    if cfg.layers != "auto":
+        return cfg.layers
+    return "loop" if jax.default_backend() == "cpu" else "scan"
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
+    """The model of ``cfg`` (vocabulary from the data)."""
     model_cfg = dataclasses.replace(get_model_config(cfg.model), vocab_size=vocab_size)
-    model = Llama(model_cfg, rngs=nnx.Rngs(cfg.seed))
-    return model, nnx.Optimizer(model, make_tx(cfg), wrt=nnx.Param)
+    return Llama(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=jnp.dtype(compute_dtype(cfg)),
+                 param_dtype=jnp.dtype(cfg.param_dtype), layers=layer_layout(cfg),  # type: ignore
+                 remat=cfg.remat)  # type: ignore[arg-type]
+
+
+def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
+    """The model (vocabulary from the data) and its optimizer (routed with the model)."""
+    model = build_model(cfg, vocab_size)
+    return model, nnx.Optimizer(model, make_tx(cfg, model), wrt=nnx.Param)
+
+
+def enable_determinism() -> bool:
+    """Ask XLA for deterministic GPU reductions (``--xla_gpu_deterministic_ops=true``).
+
+    Takes effect only when set before JAX starts a backend: returns whether it will (it
+    is added to ``XLA_FLAGS`` in any case).  CPU results are deterministic already.
+    """
+    flag = "--xla_gpu_deterministic_ops=true"
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag not in flags.split():
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    from jax._src import xla_bridge
+
+    return not xla_bridge.backends_are_initialized()
 
 
 STEP_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
-    "clip", "sharding",
+    "clip", "sharding", "dtype", "param_dtype", "layers", "remat",
 )
 """The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
 logging do not): runs that agree on these share one compiled step in a process."""
@@ -198,6 +259,7 @@ SETTING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "checkpoint_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "record_h_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "h_max_records": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+    "peak_tflops": (lambda v: v is None or (_finite(v) and v > 0), "a number > 0"),
 }
 """What each numeric :class:`TrainConfig` field must be (checked by :func:`check_config`
 and by the ``sage-train`` options)."""
@@ -214,7 +276,9 @@ def check_config(cfg: TrainConfig) -> None:
         if not ok(value):
             raise ConfigError(f"{name} must be {what}, got {value!r}")
     choices = {"model": tuple(MODEL_NAMES), "optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
-               "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32")}
+               "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32"),
+               "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYER_CHOICES,
+               "remat": tuple(REMAT_POLICIES)}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
@@ -229,6 +293,8 @@ def settings_of(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.learning_rate is None:
         settings["learning_rate"] = get_preset(cfg.optimizer).learning_rate
     settings["data"] = rundir.normalize_data(cfg.data)
+    settings["dtype"] = compute_dtype(cfg)
+    settings["layers"] = layer_layout(cfg)
     return settings
 
 
@@ -311,6 +377,14 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | None,
                   allow_change: bool, log: Callable[[str], None]) -> RunResult:
     recorded = _normalized(rundir.read_settings(run_dir))
+    if recorded is not None and "layers" not in recorded:
+        # a run of a version before scanned layers and mixed precision: its checkpoints
+        # hold one module per layer, computed in float32; continue it as it was
+        cfg = dataclasses.replace(cfg, layers="loop", dtype="float32")
+    if cfg.deterministic and not enable_determinism():
+        log("--deterministic: JAX had already started its backend, so XLA's deterministic "
+            "GPU reductions apply only if XLA_FLAGS held --xla_gpu_deterministic_ops=true "
+            "before it did")
     settings = settings_of(cfg)
     changed = rundir.check_settings(run_dir, recorded, settings, allow_change)
     ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
@@ -369,46 +443,72 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     end = cfg.steps if stop_after is None else max(start, min(cfg.steps, stop_after))
     bar = _progress(start, cfg.steps, cfg.progress)
     tokens_per_step = cfg.batch_size * cfg.seq_len
-    t0, timed_steps, test_ppl, stopped = time.perf_counter(), 0, None, None
-    eval_s = 0.0  # evaluation time, excluded from elapsed_s and tokens/s
+    flops_token = flops_per_token(
+        dataclasses.replace(get_model_config(cfg.model), vocab_size=tokens.vocab_size),
+        cfg.seq_len)
+    peak = _peak_tflops(cfg, log)
+    # The clock: wall time from the end of the first (compiling) step, less evaluation and
+    # checkpointing; read only after a host sync, so it covers finished device work.
+    t0, excluded, timed_steps, test_ppl, stopped = _clock(), 0.0, 0, None, None
     elapsed, tps = prior_elapsed, (prior_tokens / prior_elapsed if prior_elapsed > 0 else 0.0)
+    timed_tokens = prior_tokens
     good = start if restored is not None else None  # the newest finite checkpoint
+    pending: list[tuple[int, Any, Any]] = []  # (step, loss, H_t) still on the device
     with open(run_dir / rundir.METRICS if primary else os.devnull, "a") as metrics:
         for step in range(start, end):
             inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
             state, loss, h = train_step(state, inputs, targets)
-            loss = float(loss)
             done = step + 1
-            if not math.isfinite(loss):
-                stopped = f"loss became {loss} at step {done}: stopping; " + _newest(ckpts, good)
+            keep_h = recorder is not None and done % cfg.record_h_every == 0
+            pending.append((done, loss, h if keep_h else None))
+            evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
+            save = done % cfg.checkpoint_every == 0 or done == end
+            log_now = done % cfg.log_every == 0 or evaluate_now or save
+            if not (log_now or step == start):
+                continue  # no host sync: the next step is queued behind this one
+            # the one host sync of a logging interval
+            fetched = fetch([(loss, h) for _, loss, h in pending])
+            now = _clock()
+            if step == start:  # compilation: start the clock after the first step
+                t0, excluded, timed_steps = now, 0.0, 0
+            else:
+                timed_steps += len(pending)
+            for (d, _, _), (value, h_value) in zip(pending, fetched, strict=True):
+                value = float(value)
+                if not math.isfinite(value):
+                    stopped = (f"loss became {value} at step {d}: stopping; "
+                               + _newest(ckpts, good))
+                    break
+                losses.append(value)
+                if h_value is not None and recorder is not None:
+                    recorder.add(d, np.asarray(h_value))
+            pending = []
+            if stopped is not None:
                 log(stopped)
                 break
-            losses.append(loss)
-            if step == start:  # compilation: start the clock after the first step
-                t0, timed_steps, eval_s = time.perf_counter(), 0, 0.0
-            else:
-                timed_steps += 1
-            if recorder is not None and done % cfg.record_h_every == 0:
-                recorder.add(done, np.asarray(h))
-            elapsed = prior_elapsed + time.perf_counter() - t0 - eval_s
+            loss_value = losses[-1]
+            elapsed = prior_elapsed + now - t0 - excluded
             timed_tokens = prior_tokens + timed_steps * tokens_per_step
             tps = timed_tokens / elapsed if elapsed > 0 else 0.0
-            record: dict[str, Any] = {"step": done, "loss": loss, "lr": float(sched(step)),
-                                      "tokens_per_s": tps, "elapsed_s": elapsed,
-                                      "opt_state_bytes": opt_bytes}
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                t_eval = time.perf_counter()
+            if not log_now:
+                continue
+            record: dict[str, Any] = {"step": done, "loss": loss_value,
+                                      "lr": float(sched(step)), "tokens_per_s": tps,
+                                      "elapsed_s": elapsed, "opt_state_bytes": opt_bytes}
+            if (u := mfu(tps, flops_token, peak)) is not None:
+                record["mfu"] = u
+            if evaluate_now:
+                t_eval = _clock()
                 test_ppl = evaluate(eval_step, state, eval_set, mesh, cfg.sharding)
-                eval_s += time.perf_counter() - t_eval
+                excluded += _clock() - t_eval
                 record["test_ppl"] = test_ppl
-            if (peak := peak_memory_bytes()) is not None:
-                record["peak_memory_bytes"] = peak
-            save = done % cfg.checkpoint_every == 0 or done == end
-            if done % cfg.log_every == 0 or "test_ppl" in record or save:
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-            bar(done, loss, tps)
+            if (peak_bytes := peak_memory_bytes()) is not None:
+                record["peak_memory_bytes"] = peak_bytes
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            bar(done, loss_value, tps)
             if save:
+                t_save = _clock()
                 if not state_is_finite(state):
                     stopped = (f"the parameters or optimizer state became NaN/Inf at step "
                                f"{done} (the loss was still finite): stopping without saving "
@@ -417,8 +517,34 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                     break
                 ckpts.save(done, state, {"elapsed_s": elapsed, "timed_tokens": timed_tokens})
                 good = done
+                excluded += _clock() - t_save
     return RunResult(cfg, start + len(losses), losses, test_ppl, opt_bytes, tps, stopped,
-                     start_step=start)
+                     start_step=start, mfu=mfu(tps, flops_token, peak))
+
+
+_clock = time.perf_counter
+"""The trainer's clock (a module attribute, so a test can stand in a slow checkpoint)."""
+
+
+def fetch(tree: Any) -> Any:
+    """Bring ``tree`` to the host: the trainer's only host sync of a logging interval."""
+    return jax.device_get(tree)
+
+
+def _peak_tflops(cfg: TrainConfig, log: Callable[[str], None]) -> float | None:
+    """The peak TFLOP/s MFU is measured against, said once in the log."""
+    dtype = compute_dtype(cfg)
+    if cfg.peak_tflops is not None:
+        log(f"MFU against --peak-tflops {cfg.peak_tflops:g} ({dtype})")
+        return cfg.peak_tflops
+    kind = jax.local_devices()[0].device_kind
+    known = device_peak_tflops(kind, dtype)
+    if known is None:
+        if jax.default_backend() != "cpu":
+            log(f"no known peak rate for {kind!r}: pass --peak-tflops for an MFU")
+        return None
+    log(f"MFU against {known[0]:g} TFLOP/s, the dense {dtype} peak of {known[1]} ({kind})")
+    return known[0]
 
 
 def _complete(cfg: TrainConfig, run_dir: pathlib.Path, opt_bytes: int) -> RunResult:

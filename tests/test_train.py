@@ -23,8 +23,9 @@ pytestmark = pytest.mark.usefixtures("token_cache")
 
 
 def test_resume_is_bit_identical(train_corpus, tmp_path):
-    full = train(config(train_corpus, tmp_path / "full"), log=lambda s: None)
-    cfg = config(train_corpus, tmp_path / "split")
+    """Bit-identical on a GPU too: --deterministic asks XLA for deterministic reductions."""
+    full = train(config(train_corpus, tmp_path / "full", deterministic=True), log=lambda s: None)
+    cfg = config(train_corpus, tmp_path / "split", deterministic=True)
     first = train(cfg, stop_after=5, log=lambda s: None)
     assert first.steps_done == 5 and first.losses == full.losses[:5]
     second = train(cfg, log=lambda s: None)
@@ -120,3 +121,83 @@ def test_schedules(schedule, mid, end):
     assert float(f(100)) == pytest.approx(2.0 * end, rel=1e-5)
     with pytest.raises(ValueError, match="schedule"):
         lr_schedule(TrainConfig(schedule="step"))
+
+
+def test_tokens_per_s_excludes_a_slow_checkpoint(train_corpus, tmp_path, monkeypatch):
+    """Each save takes 1000 s on the trainer's clock: neither metrics.jsonl nor the result
+    count them, and the two report the same tokens/s (the final table prints the result)."""
+    from sage_train import train as train_mod
+    from sage_train.checkpoints import Checkpoints
+
+    offset = [0.0]
+    real_clock, real_save = train_mod._clock, Checkpoints.save
+    monkeypatch.setattr(train_mod, "_clock", lambda: real_clock() + offset[0])
+
+    def slow_save(self, *args, **kwargs):
+        real_save(self, *args, **kwargs)
+        offset[0] += 1000.0
+
+    monkeypatch.setattr(Checkpoints, "save", slow_save)
+    result = train(config(train_corpus, tmp_path / "run", checkpoint_every=2, log_every=2),
+                   log=lambda s: None)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert offset[0] == 4000.0  # four saves happened, after steps 2, 4, 6 and 8
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    assert rows[-1]["elapsed_s"] < 1000.0  # no save in it
+    assert rows[-1]["tokens_per_s"] == result.tokens_per_s > 0
+    assert rows[-1]["tokens_per_s"] == pytest.approx(7 * 8 * 32 / rows[-1]["elapsed_s"])
+
+
+def test_losses_stay_on_the_device_between_log_rows(train_corpus, tmp_path, monkeypatch):
+    """One host fetch per logging interval (plus the first, compiling, step), each bringing
+    every loss of its interval: the losses are those of a run that logs every step."""
+    from sage_train import train as train_mod
+
+    fetched: list[int] = []
+    real_fetch = train_mod.fetch
+
+    def counting_fetch(tree):
+        fetched.append(len(tree))
+        return real_fetch(tree)
+
+    every_step = train(config(train_corpus, tmp_path / "each"), log=lambda s: None)
+    monkeypatch.setattr(train_mod, "fetch", counting_fetch)
+    result = train(config(train_corpus, tmp_path / "run", log_every=4, checkpoint_every=8,
+                          eval_every=8), log=lambda s: None)
+    assert fetched == [1, 3, 4]  # step 1; steps 2-4; steps 5-8
+    assert result.losses == every_step.losses
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [4, 8]
+
+
+def test_nan_stops_within_one_logging_interval(train_corpus, tmp_path):
+    """Logging every 4 steps, a run that diverges stops at the first row after the NaN,
+    names the first non-finite step, and keeps only finite checkpoints."""
+    import math
+
+    cfg = config(train_corpus, tmp_path / "nan", optimizer="lion", learning_rate=1e30, clip=0.0,
+                 log_every=4, checkpoint_every=4, eval_every=100, steps=12)
+    result = train(cfg, log=lambda s: None)
+    assert result.stopped_reason is not None
+    assert all(math.isfinite(x) for x in result.losses)
+    assert result.steps_done < 12
+    if result.stopped_reason.startswith("loss became"):
+        assert f"at step {result.steps_done + 1}:" in result.stopped_reason
+
+
+def test_bfloat16_run_trains_with_float32_state(train_corpus, tmp_path):
+    """--dtype bfloat16: the loss is finite and falls; parameters and optimizer state stay
+    float32 (checked in the checkpoint)."""
+    import orbax.checkpoint as ocp
+
+    result = train(config(train_corpus, tmp_path / "bf16", dtype="bfloat16", steps=8,
+                          learning_rate=1e-2, layers="scan"), log=lambda s: None)
+    assert result.stopped_reason is None and all(np.isfinite(result.losses))
+    assert result.losses[-1] < result.losses[0] - 0.3
+    settings = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert settings["dtype"] == "bfloat16" and settings["layers"] == "scan"
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ck:
+        saved = ck.restore(tmp_path / "bf16" / "checkpoints" / "8")
+    floats = {np.asarray(x).dtype for x in jax.tree.leaves(saved)
+              if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)}
+    assert floats == {np.dtype(np.float32)}
