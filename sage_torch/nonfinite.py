@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sage_torch.common import Projection
 from sage_torch.optim import ParamsT, RuleOptimizer
-from sage_torch.rules import Projection
 
 
 def check_skip_nonfinite(value: Any) -> int:
