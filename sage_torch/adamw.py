@@ -37,10 +37,13 @@ def _multi_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: lis
     """One AdamW step with ``torch._foreach_*`` kernels (the operations of the single path)."""
     if not params:
         return
-    bias1 = [bias_correction(beta1, t, wide(p.dtype)) for p, t in zip(params, state_steps,
-                                                                     strict=True)]
-    bias2 = [bias_correction(beta2, t, wide(p.dtype)) for p, t in zip(params, state_steps,
-                                                                     strict=True)]
+    # 1 − b^t per parameter with the operations of bias_correction, one kernel each
+    w = wide(params[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
+    steps = [t if t.dtype == w else t.to(w) for t in state_steps]
+    bias1, bias2 = list(torch._foreach_pow(beta1, steps)), list(torch._foreach_pow(beta2, steps))
+    for bias in (bias1, bias2):
+        torch._foreach_neg_(bias)
+        torch._foreach_add_(bias, 1)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

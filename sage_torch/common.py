@@ -46,8 +46,12 @@ def is_dtensor(t: Tensor) -> bool:
 
 
 def wide(dtype: torch.dtype) -> torch.dtype:
-    """Arithmetic dtype: float32, or float64 for float64 tensors."""
-    return torch.promote_types(dtype, torch.float32)
+    """Arithmetic dtype: float32, or float64 for float64 tensors.
+
+    ``torch.promote_types(dtype, torch.float32)`` for the floating dtypes, without
+    dispatching an op (this is called once per parameter and step).
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def bias_correction(b: float, step: Tensor, dtype: torch.dtype) -> Tensor:

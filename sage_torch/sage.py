@@ -53,12 +53,15 @@ def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
             return x.square().sqrt()
         return x.square().mean(dim=dims, keepdim=True).sqrt()
 
-    h = torch.ones_like(s)
+    terms = []
     if damper in ("both", "ema"):
-        h = torch.minimum(h, rms(s_hat) / (s_hat + eps))
+        terms.append(rms(s_hat) / (s_hat + eps))
     if damper in ("both", "instant"):
-        h = torch.minimum(h, rms(s) / (s + eps))
-    return h
+        terms.append(rms(s) / (s + eps))
+    if not terms:
+        return torch.ones_like(s)
+    h = terms[0].clamp_max(1)  # min(x, 1), NaN kept as torch.minimum keeps it
+    return h if len(terms) == 1 else torch.minimum(h, terms[1])
 
 
 def _broadcast_h(h: Tensor, dim: ReduceDim, shape: Sequence[int], batch: int = 0) -> Tensor:

@@ -94,12 +94,16 @@ def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
     if g.numel() == 0:
         shape = [1 if d in {x % g.dim() for x in dims} else n for d, n in enumerate(g.shape)]
         return torch.ones(shape, dtype=g.dtype, device=g.device)
-    amax = g.abs().amax(dim=dims, keepdim=True)
+    return _pow2_floor(g.abs().amax(dim=dims, keepdim=True))
+
+
+def _pow2_floor(amax: Tensor) -> Tensor:
+    """Element-wise, the power of two ``m ≤ amax < 2m`` (1 where ``amax`` is 0 or not finite)."""
     mantissa, _ = torch.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
     ok = (amax > 0) & torch.isfinite(amax)
     # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result)
     m = torch.where(ok, amax / torch.where(ok, 2 * mantissa, 1), 1)
-    return m.clamp_min(torch.finfo(g.dtype).tiny)
+    return m.clamp_min(torch.finfo(amax.dtype).tiny)
 
 
 def _pow2_sqrt_floor(m: Tensor) -> Tensor:
@@ -198,6 +202,31 @@ class _Bucket:
         return sum(self.sizes)
 
 
+def _bucketed(params: list[Tensor], axes: list[AxisGroups]) -> list[_Bucket]:
+    """The parameters' matrices grouped by ``(plain, OUT, IN)``, in order of appearance."""
+    buckets: dict[tuple[bool, int, int], _Bucket] = {}
+    for i, (p, (fan_in, fan_out)) in enumerate(zip(params, axes, strict=True)):
+        plain = p.dim() == 2 and fan_in == (1,) and fan_out == (0,)
+        mv = None if plain else MatrixView(p.shape, fan_in, fan_out)
+        out, inp = (p.shape[0], p.shape[1]) if mv is None else mv.shape[-2:]
+        b = buckets.setdefault((plain, out, inp), _Bucket(plain, out, inp))
+        b.members.append(i)
+        b.views.append(mv)
+        b.sizes.append(1 if mv is None else math.prod(mv.shape[:-2]))
+    return list(buckets.values())
+
+
+def _split_views(flat: Tensor, buckets: list[_Bucket], dim: str, shape: str) -> list[Tensor]:
+    """Per bucket, a view of ``flat`` (one entry per matrix row or column, bucket-major).
+
+    ``dim``: ``"inp"`` or ``"out"`` (entries per matrix); ``shape``: ``"col"`` for
+    ``(B, n, 1)`` (a ``torch.bmm`` operand), ``"row"`` for ``(B, 1, n)``.
+    """
+    parts = flat.split([b.batch * getattr(b, dim) for b in buckets])
+    return [x.view(b.batch, getattr(b, dim), 1) if shape == "col"
+            else x.view(b.batch, 1, getattr(b, dim)) for x, b in zip(parts, buckets, strict=True)]
+
+
 def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
                          axes: list[AxisGroups], lr: float, alpha: float, num_iters: int,
                          eps: float, normalization: str, weight_decay: float) -> None:
@@ -206,12 +235,13 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
     The matrices are bucketed by their ``(OUT, IN)`` shape (a ``Conv2d`` kernel is its
     merged matrix, a stacked tensor one matrix per batch index), each bucket stacked into
     ``K = (G/m)²`` of shape ``(B, OUT, IN)``.  The scale vectors ``c`` and ``r`` of every
-    bucket live in two flat tensors, so a half-iteration is one ``torch.bmm`` per bucket
-    (written into a view of the flat norms) and one kernel per element-wise operation for
-    all buckets together: the operations of :func:`sinkhorn_scales`, in the same order.
-    The update ``α·(c·G·r)`` and the decayed step run as ``torch._foreach_*`` kernels.  No
-    host synchronisation.  DTensors (FSDP2) take the single-tensor path.  Peak extra
-    memory: one ``K`` per bucket, about the size of all the group's gradients.
+    matrix live in two flat tensors, and so do the per-matrix scalars (``m``, ``ε/m``, the
+    final split of ``1/m``): a half-iteration is one ``torch.bmm`` per bucket (written into
+    a view of the flat norms) and one kernel per element-wise operation for all buckets
+    together, the operations of :func:`sinkhorn_scales` in the same order.  The update
+    ``α·(c·G·r)`` and the decayed step run as ``torch._foreach_*`` kernels.  No host
+    synchronisation.  DTensors (FSDP2) take the single-tensor path.  Peak extra memory:
+    one ``K`` per bucket, about the size of all the group's gradients.
     """
     if not params:
         return
@@ -222,55 +252,48 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
         return
     w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
     device = grads[0].device
-    buckets: dict[tuple[bool, int, int], _Bucket] = {}
-    for i, (p, (fan_in, fan_out)) in enumerate(zip(params, axes, strict=True)):
-        plain = p.dim() == 2 and fan_in == (1,) and fan_out == (0,)
-        mv = None if plain else MatrixView(p.shape, fan_in, fan_out)
-        out, inp = (p.shape[0], p.shape[1]) if mv is None else mv.shape[-2:]
-        b = buckets.setdefault((plain, out, inp), _Bucket(plain, out, inp))
-        b.members.append(i)
-        b.views.append(mv)
-        b.sizes.append(1 if mv is None else math.prod(mv.shape[:-2]))
-    # K per bucket, m (B, 1, 1) per bucket
-    ks, ms = [], []
-    for b in buckets.values():
+    buckets = _bucketed(params, axes)
+    # G per bucket (B, OUT, IN) and the flat max|G| per matrix
+    gs, amaxes = [], []
+    for b in buckets:
         if b.plain:
-            gs = [grads[i] for i in b.members]
-            g = gs[0].unsqueeze(0) if len(gs) == 1 else torch.stack(gs)
+            mats = [grads[i] for i in b.members]
+            g = mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
         else:
             mats = [mv.to_matrix(grads[i]).reshape(-1, b.out, b.inp)  # type: ignore[union-attr]
                     for i, mv in zip(b.members, b.views, strict=True)]
             g = mats[0] if len(mats) == 1 else torch.cat(mats)
         g = g.to(w)
-        m = range_scale(g, (1, 2))
-        ks.append(g.div(m).square_())
-        ms.append(m)
-    # flat scale vectors and norms; per bucket (B, n, 1) views into them
-    n_c = [b.batch * b.inp for b in buckets.values()]
-    n_r = [b.batch * b.out for b in buckets.values()]
-    c = torch.ones(sum(n_c), dtype=w, device=device)
-    r = torch.ones(sum(n_r), dtype=w, device=device)
-    c2, q_c = torch.empty_like(c), torch.empty_like(c)
-    r2, q_r = torch.empty_like(r), torch.empty_like(r)
-
-    def views(flat: Tensor, sizes: list[int], last: str) -> list[Tensor]:
-        out, start = [], 0
-        for b, n in zip(buckets.values(), sizes, strict=True):
-            out.append(flat[start:start + n].view(b.batch, getattr(b, last), 1))
-            start += n
-        return out
-
-    c2_v, qc_v = views(c2, n_c, "inp"), views(q_c, n_c, "inp")
-    r2_v, qr_v = views(r2, n_r, "out"), views(q_r, n_r, "out")
-    eps_first = torch.cat([(eps / m).expand(b.batch, b.out, 1).reshape(-1)
-                           for b, m in zip(buckets.values(), ms, strict=True)])
+        gs.append(g)
+        # max|G| per matrix in one kernel (the same value as g.abs().amax(dim=(1, 2)))
+        amaxes.append(torch.linalg.vector_norm(g, math.inf, dim=(1, 2)) if g.numel() else
+                      torch.zeros(b.batch, dtype=w, device=device))
+    m = _pow2_floor(amaxes[0] if len(amaxes) == 1 else torch.cat(amaxes))  # (sum B,)
+    ks = [g.div(mb.view(-1, 1, 1)).square_()
+          for g, mb in zip(gs, m.split([b.batch for b in buckets]), strict=True)]
+    del gs
+    kts = [k.transpose(1, 2) for k in ks]
+    # per-matrix scalars repeated for every entry of c (IN per matrix) and r (OUT per matrix)
+    n_c = sum(b.batch * b.inp for b in buckets)
+    n_r = sum(b.batch * b.out for b in buckets)
+    reps_c = torch.tensor([b.inp for b in buckets for _ in range(b.batch)], device=device)
+    reps_r = torch.tensor([b.out for b in buckets for _ in range(b.batch)], device=device)
+    eps_first = torch.repeat_interleave(eps / m, reps_r, output_size=n_r)
     t_in: float | Tensor = 1.0
     t_out: float | Tensor = 1.0
     if normalization != "unit":
-        t_in = torch.cat([torch.full((n,), math.sqrt(b.inp), dtype=w, device=device)
-                          for b, n in zip(buckets.values(), n_r, strict=True)])
-        t_out = torch.cat([torch.full((n,), math.sqrt(b.out), dtype=w, device=device)
-                           for b, n in zip(buckets.values(), n_c, strict=True)])
+        t_in = torch.repeat_interleave(
+            torch.tensor([math.sqrt(b.inp) for b in buckets for _ in range(b.batch)],
+                         dtype=w, device=device), reps_r, output_size=n_r)
+        t_out = torch.repeat_interleave(
+            torch.tensor([math.sqrt(b.out) for b in buckets for _ in range(b.batch)],
+                         dtype=w, device=device), reps_c, output_size=n_c)
+    c = torch.ones(n_c, dtype=w, device=device)
+    r = torch.ones(n_r, dtype=w, device=device)
+    c2, q_c = torch.empty_like(c), torch.empty_like(c)
+    r2, q_r = torch.empty_like(r), torch.empty_like(r)
+    c2_v, qc_v = _split_views(c2, buckets, "inp", "col"), _split_views(q_c, buckets, "inp", "col")
+    r2_v, qr_v = _split_views(r2, buckets, "out", "col"), _split_views(q_r, buckets, "out", "col")
 
     def scale(x: Tensor, t: float | Tensor) -> Tensor:
         return x if isinstance(t, float) else x * t  # x·1.0 is x: the same rounding
@@ -283,22 +306,23 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
         den = (r * q_r).add_(eps_first if it == 0 else eps)
         torch.where(q_r > 0, scale(r, t_in) / den, r, out=r)
         torch.square(r, out=r2)
-        for k, rv, qv in zip(ks, r2_v, qc_v, strict=True):
-            torch.bmm(k.transpose(1, 2), rv, out=qv)
+        for kt, rv, qv in zip(kts, r2_v, qc_v, strict=True):
+            torch.bmm(kt, rv, out=qv)
         q_c.sqrt_()
         den = (c * q_c).add_(eps)
         torch.where(q_c > 0, scale(c, t_out) / den, c, out=c)
+    del ks, kts
     # X = (c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉) per matrix, as sinkhorn_scales; then α·X, decayed step
+    half = _pow2_sqrt_floor(m)
+    c = c / torch.repeat_interleave(half, reps_c, output_size=n_c)
+    r = r / torch.repeat_interleave(m / half, reps_r, output_size=n_r)
     updates: list[Tensor] = [grads[0]] * len(params)  # placeholders, all replaced below
     plain_idx: list[int] = []
     plain_g: list[Tensor] = []
     plain_c: list[Tensor] = []
     plain_r: list[Tensor] = []
-    for b, m, cv, rv in zip(buckets.values(), ms, views(c, n_c, "inp"), views(r, n_r, "out"),
-                            strict=True):
-        half = _pow2_sqrt_floor(m)
-        cb = (cv / half).view(b.batch, 1, b.inp)
-        rb = rv / (m / half)
+    for b, cb, rb in zip(buckets, _split_views(c, buckets, "inp", "row"),
+                         _split_views(r, buckets, "out", "col"), strict=True):
         if b.plain:
             plain_idx += b.members
             plain_g += [grads[i] if grads[i].dtype == w else grads[i].to(w) for i in b.members]
