@@ -15,12 +15,13 @@ import torch
 from torch import Tensor
 
 from sage_torch import chunked
-from sage_torch.common import Rule, bias_correction, decayed_step, wide
+from sage_torch.common import Rule, bias_correction, decayed_step, lr_of, wide
 
 
 def _single_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                         exp_avg_sqs: list[Tensor], state_steps: list[Tensor], *, lr: float,
-                         beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                         exp_avg_sqs: list[Tensor], state_steps: list[Tensor], *,
+                         lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                         weight_decay: float) -> None:
     """One AdamW step, tensor by tensor (``state_steps``: already incremented)."""
     updates = []
     for p, g, m, v, t in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True):
@@ -32,8 +33,9 @@ def _single_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: li
 
 
 def _multi_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                        exp_avg_sqs: list[Tensor], state_steps: list[Tensor], *, lr: float,
-                        beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+                        exp_avg_sqs: list[Tensor], state_steps: list[Tensor], *,
+                        lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                        weight_decay: float) -> None:
     """One AdamW step with ``torch._foreach_*`` kernels (the operations of the single path)."""
     if not params:
         return
@@ -90,12 +92,13 @@ class AdamWRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
-        hp: dict[str, Any] = {"lr": float(group["lr"]), "beta1": b1, "beta2": b2,
+        hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "eps": group["eps"], "weight_decay": group["weight_decay"]}
-        params, grads, states = chunked.split_fast(
-            params, grads, states, ("exp_avg", "exp_avg_sq"),
-            lambda p, g, st: _chunked_adamw(p, g, st["exp_avg"], st["exp_avg_sq"], st["step"],
-                                            threads=self.cpu_threads, **hp))
+        if not group.get("capturable", False):
+            params, grads, states = chunked.split_fast(
+                params, grads, states, ("exp_avg", "exp_avg_sq"),
+                lambda p, g, st: _chunked_adamw(p, g, st["exp_avg"], st["exp_avg_sq"],
+                                                st["step"], threads=self.cpu_threads, **hp))
         fn = _multi_tensor_adamw if foreach else _single_tensor_adamw
         fn(params, grads, [st["exp_avg"] for st in states],
            [st["exp_avg_sq"] for st in states], [st["step"] for st in states], **hp)

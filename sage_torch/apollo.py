@@ -70,6 +70,12 @@ class ApolloRule(Rule):
 
     checked = ("rank", "update_proj_gap", "scale_type", "scale", "limiter_gamma", "eps")
 
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        if group.get("capturable", False):
+            raise ValueError("APOLLO does not support capturable=True: its projection and "
+                             "bias corrections are chosen by the step count on the host")
+
     def _plan(self, p: Tensor, group: dict[str, Any], name: str) -> Plan:
         """``(fan_in, fan_out, compressed, view)``: the matrix dims APOLLO works on.
 

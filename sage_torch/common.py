@@ -69,8 +69,12 @@ def check_group(group: dict[str, Any], rule: str, keys: Sequence[str]) -> None:
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError(f"lr must be a scalar, got a tensor of shape {tuple(lr.shape)}")
-        lr = float(lr)
-    hyperparams.check("lr", lr, rule)
+        if group.get("capturable") and not lr.is_floating_point():
+            raise ValueError(f"lr must be a floating tensor with capturable=True, got {lr.dtype}")
+    if isinstance(lr, Tensor) and lr.device.type != "cpu":
+        pass  # a device lr (capturable=True) is not read back to the host to be checked
+    else:
+        hyperparams.check("lr", float(lr), rule)
     hyperparams.check("weight_decay", group["weight_decay"], rule)
     if "b1" in RULE_DEFAULTS.get(rule, {}):
         betas = group["betas"]
@@ -162,12 +166,38 @@ class MatrixView:
         return x if self.identity else x.permute(self.inverse)
 
 
-def decayed_step(params: list[Tensor], updates: list[Tensor], lr: float, wd: float,
+def lr_of(group: dict[str, Any]) -> float | Tensor:
+    """The group's learning rate: a float, or the tensor itself with ``capturable=True``.
+
+    Without ``capturable`` a tensor ``lr`` is read on the host (``float``), as before; with
+    it, a tensor ``lr`` (on the parameters' device) is used as is, so the step never reads
+    it back (CUDA-graph capture).
+    """
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        return lr if group.get("capturable", False) else float(lr)
+    return float(lr)
+
+
+def decayed_step(params: list[Tensor], updates: list[Tensor], lr: float | Tensor, wd: float,
                  foreach: bool) -> None:
     """θ ← θ − η·(u + w·θ), the Optax chain ``add_decayed_weights`` → ``scale(−η)``.
 
-    ``updates`` may be overwritten (they are temporaries of the caller).
+    ``updates`` may be overwritten (they are temporaries of the caller).  A tensor ``lr``
+    (``capturable=True``) stays on the device: ``θ ← θ − (u + w·θ)·η``.
     """
+    if isinstance(lr, Tensor):
+        if foreach:
+            if wd != 0.0:
+                torch._foreach_add_(updates, params, alpha=wd)
+            torch._foreach_mul_(updates, lr)
+            torch._foreach_sub_(params, updates)
+            return
+        for p, u in zip(params, updates, strict=True):
+            if wd != 0.0:
+                u = u.add(p, alpha=wd)
+            p.sub_(u * lr)
+        return
     if foreach:
         if wd != 0.0:
             torch._foreach_add_(updates, params, alpha=wd)

@@ -15,14 +15,15 @@ from torch import Tensor
 
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked
-from sage_torch.common import Rule, copy_all, decayed_step
+from sage_torch.common import Rule, copy_all, decayed_step, lr_of
 from sage_torch.optimizer import ParamsT, RuleOptimizer
 
 _LION = RULE_DEFAULTS["lion"]
 
 
 def _single_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *,
-                        lr: float, beta1: float, beta2: float, weight_decay: float) -> None:
+                        lr: float | Tensor,
+                        beta1: float, beta2: float, weight_decay: float) -> None:
     """One Lion step, tensor by tensor."""
     updates = []
     for g, m in zip(grads, exp_avgs, strict=True):
@@ -32,7 +33,7 @@ def _single_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: lis
 
 
 def _multi_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *,
-                       lr: float, beta1: float, beta2: float, weight_decay: float) -> None:
+                       lr: float | Tensor, beta1: float, beta2: float, weight_decay: float) -> None:
     """One Lion step with ``torch._foreach_*`` kernels (the operations of the single path)."""
     if not params:
         return
@@ -71,11 +72,13 @@ class LionRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
-        hp: dict[str, Any] = {"lr": float(group["lr"]), "beta1": b1, "beta2": b2,
+        hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "weight_decay": group["weight_decay"]}
-        params, grads, states = chunked.split_fast(
-            params, grads, states, ("exp_avg",),
-            lambda p, g, st: _chunked_lion(p, g, st["exp_avg"], threads=self.cpu_threads, **hp))
+        if not group.get("capturable", False):
+            params, grads, states = chunked.split_fast(
+                params, grads, states, ("exp_avg",),
+                lambda p, g, st: _chunked_lion(p, g, st["exp_avg"], threads=self.cpu_threads,
+                                               **hp))
         fn = _multi_tensor_lion if foreach else _single_tensor_lion
         fn(params, grads, [st["exp_avg"] for st in states], **hp)
 
@@ -90,14 +93,18 @@ class Lion(RuleOptimizer):
       weight_decay: decoupled decay.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      capturable: keep the step count on the parameters' device and accept a device tensor
+        ``lr``, so the step reads nothing back to the host (CUDA graphs), as
+        ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["lion"].learning_rate,
                  betas: tuple[float, float] = (_LION["b1"], _LION["b2"]),
                  weight_decay: float = _LION["weight_decay"], *, maximize: bool = False,
-                 foreach: bool | None = None, cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, capturable: bool = False,
+                 cpu_threads: int = 1) -> None:
         super().__init__(params, {
             "rule": "lion", "lr": lr, "betas": tuple(betas), "weight_decay": weight_decay,
-            "maximize": maximize, "foreach": foreach,
+            "maximize": maximize, "foreach": foreach, "capturable": capturable,
         }, cpu_threads=cpu_threads)

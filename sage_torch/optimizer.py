@@ -21,7 +21,8 @@ from sage_torch.common import Projection, Rule
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
-_COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fan_in_dim": -1, "fan_out_dim": -2}
+_COMMON_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False, "fan_in_dim": -1,
+                    "fan_out_dim": -2}
 _MOMENTUM_KEYS = ("betas", "momentum")
 
 
@@ -235,7 +236,10 @@ class RuleOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"complex parameter {name} is not supported")
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    # on the parameter's device with capturable=True (as torch.optim.Adam)
+                    state["step"] = torch.tensor(
+                        0.0, dtype=torch.float32,
+                        device=p.device if group.get("capturable", False) else None)
                     state.update(rule.init_state(p, group, name))
                 params.append(p)
                 grads.append(-p.grad if group["maximize"] else p.grad)

@@ -28,6 +28,7 @@ from sage_torch.common import (
     copy_all,
     decayed_step,
     is_dtensor,
+    lr_of,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -77,7 +78,8 @@ def _broadcast_h(h: Tensor, dim: ReduceDim, shape: Sequence[int], batch: int = 0
 def _single_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                         scale_avgs: list[Tensor], state_steps: list[Tensor], *,
                         reduce_dims: list[ReduceDim], rms_dims: list[tuple[int, ...] | None],
-                        lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                        lr: float | Tensor,
+                        beta1: float, beta2: float, eps: float, weight_decay: float,
                         damper: str) -> None:
     """One SAGE step, tensor by tensor (``state_steps``: already incremented).
 
@@ -115,7 +117,8 @@ def _stack(xs: list[Tensor]) -> Tensor:
 def _multi_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                        scale_avgs: list[Tensor], state_steps: list[Tensor], *,
                        reduce_dims: list[ReduceDim], rms_dims: list[tuple[int, ...] | None],
-                       lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                       lr: float | Tensor,
+                       beta1: float, beta2: float, eps: float, weight_decay: float,
                        damper: str) -> None:
     """One SAGE step with ``torch._foreach_*`` kernels and batched reductions.
 
@@ -280,13 +283,13 @@ class SageRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
-        hp: dict[str, Any] = {"lr": float(group["lr"]), "beta1": b1, "beta2": b2,
+        hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "eps": group["eps"], "weight_decay": group["weight_decay"],
                               "damper": group["damper"]}
         rest = []
         for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
             dim = self._reduce_dim(p, group)
-            if (b2 != 0 and not isinstance(dim, tuple)
+            if (b2 != 0 and not isinstance(dim, tuple) and not group.get("capturable", False)
                     and chunked.use_fast_path(p, g, st["exp_avg"])):
                 _chunked_sage(p, g, st["exp_avg"], st["scale_avg"], st["step"],
                               reduce_dim=dim, rms_dims=self._rms_dims(p, group),
@@ -321,6 +324,9 @@ class SAGE(RuleOptimizer):
         element-wise for every shape.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      capturable: keep the step count on the parameters' device and accept a device tensor
+        ``lr``, so the step reads nothing back to the host (CUDA graphs), as
+        ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
     """
 
@@ -329,9 +335,11 @@ class SAGE(RuleOptimizer):
                  eps: float = _SAGE["eps"], weight_decay: float = _SAGE["weight_decay"], *,
                  damper: str = _SAGE["damper"], mu_dtype: torch.dtype | None = None,
                  fan_out_dim: Axes | None = -2, maximize: bool = False,
-                 foreach: bool | None = None, cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, capturable: bool = False,
+                 cpu_threads: int = 1) -> None:
         super().__init__(params, {
             "rule": "sage", "lr": lr, "betas": tuple(betas), "eps": eps,
             "weight_decay": weight_decay, "damper": damper, "mu_dtype": mu_dtype,
             "fan_out_dim": fan_out_dim, "maximize": maximize, "foreach": foreach,
+            "capturable": capturable,
         }, cpu_threads=cpu_threads)

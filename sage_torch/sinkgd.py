@@ -27,6 +27,7 @@ from sage_torch.common import (
     axis_group,
     decayed_step,
     is_dtensor,
+    lr_of,
     matrix_axes,
     wide,
 )
@@ -165,7 +166,7 @@ def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int
 
 
 def _single_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
-                          axes: list[AxisGroups], lr: float, alpha: float, num_iters: int,
+                          axes: list[AxisGroups], lr: float | Tensor, alpha: float, num_iters: int,
                           eps: float, normalization: str, weight_decay: float) -> None:
     """One SinkGD step, matrix by matrix (``axes[i]``: parameter ``i``'s dim groups)."""
     updates = []
@@ -228,7 +229,7 @@ def _split_views(flat: Tensor, buckets: list[_Bucket], dim: str, shape: str) -> 
 
 
 def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
-                         axes: list[AxisGroups], lr: float, alpha: float, num_iters: int,
+                         axes: list[AxisGroups], lr: float | Tensor, alpha: float, num_iters: int,
                          eps: float, normalization: str, weight_decay: float) -> None:
     """One SinkGD step, the Sinkhorn iterations of all matrices at once.
 
@@ -410,14 +411,17 @@ class SinkGDRule(Rule):
         return {}
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
-        hp: dict[str, Any] = {"lr": float(group["lr"]), "alpha": group["alpha"],
+        hp: dict[str, Any] = {"lr": lr_of(group), "alpha": group["alpha"],
                               "num_iters": group["num_iters"], "eps": group["eps"],
                               "normalization": group["normalization"],
                               "weight_decay": group["weight_decay"]}
         rest, rest_g, rest_axes, fast = [], [], [], []
+        chunk_ok = not group.get("capturable", False)
         for p, g, name in zip(params, grads, names, strict=True):
             fan_in, fan_out = matrix_axes(p, group, "SinkGD", name)
-            if len(fan_in) == 1 and len(fan_out) == 1:
+            if not chunk_ok:
+                pass
+            elif len(fan_in) == 1 and len(fan_out) == 1:
                 if p.dim() == 2 and chunked.use_fast_path(p, g):
                     fast.append((p, g, fan_in[0], fan_out[0]))
                     continue
@@ -461,6 +465,8 @@ class SinkGD(RuleOptimizer):
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path, the Sinkhorn iterations batched over
         same-shape matrices (default: on CUDA).
+      capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
+        graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
     """
 
@@ -469,10 +475,11 @@ class SinkGD(RuleOptimizer):
                  weight_decay: float = _SINK["weight_decay"],
                  normalization: str = _SINK["normalization"], *, eps: float = _SINK["eps"],
                  fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
-                 foreach: bool | None = None, cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, capturable: bool = False,
+                 cpu_threads: int = 1) -> None:
         super().__init__(params, {
             "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
             "weight_decay": weight_decay, "normalization": normalization, "eps": eps,
             "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,
-            "foreach": foreach,
+            "foreach": foreach, "capturable": capturable,
         }, cpu_threads=cpu_threads)

@@ -9,17 +9,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sage_torch.common import Rule, decayed_step
+from sage_torch.common import Rule, decayed_step, lr_of
 
 
-def _single_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: float,
+def _single_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: float | Tensor,
                              eps: float, weight_decay: float) -> None:
     """``θ ← θ − η·(g/(‖g‖₂ + ε) + w·θ)``, tensor by tensor."""
     updates = [g / (torch.linalg.vector_norm(g) + eps) for g in grads]
     decayed_step(params, updates, lr, weight_decay, False)
 
 
-def _multi_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: float,
+def _multi_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: float | Tensor,
                             eps: float, weight_decay: float) -> None:
     """The same step with ``torch._foreach_norm`` and friends."""
     if not params:
@@ -39,5 +39,5 @@ class UnitNormRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         fn = _multi_tensor_unit_norm if foreach else _single_tensor_unit_norm
-        fn(params, grads, lr=float(group["lr"]), eps=group["eps"],
+        fn(params, grads, lr=lr_of(group), eps=group["eps"],
            weight_decay=group["weight_decay"])
