@@ -230,7 +230,8 @@ def _split_views(flat: Tensor, buckets: list[_Bucket], dim: str, shape: str) -> 
 
 def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
                          axes: list[AxisGroups], lr: float | Tensor, alpha: float, num_iters: int,
-                         eps: float, normalization: str, weight_decay: float) -> None:
+                         eps: float, normalization: str, weight_decay: float,
+                         cache: dict[Any, tuple[Tensor, ...]] | None = None) -> None:
     """One SinkGD step, the Sinkhorn iterations of all matrices at once.
 
     The matrices are bucketed by their ``(OUT, IN)`` shape (a ``Conv2d`` kernel is its
@@ -243,6 +244,10 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
     ``α·(c·G·r)`` and the decayed step run as ``torch._foreach_*`` kernels.  No host
     synchronisation.  DTensors (FSDP2) take the single-tensor path.  Peak extra memory:
     one ``K`` per bucket, about the size of all the group's gradients.
+
+    ``cache``: a dict kept by the caller across steps, holding the small index tensors of
+    each bucket layout, so that a step after the first copies nothing from the host (CUDA
+    graph capture forbids such copies).
     """
     if not params:
         return
@@ -277,18 +282,27 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
     # per-matrix scalars repeated for every entry of c (IN per matrix) and r (OUT per matrix)
     n_c = sum(b.batch * b.inp for b in buckets)
     n_r = sum(b.batch * b.out for b in buckets)
-    reps_c = torch.tensor([b.inp for b in buckets for _ in range(b.batch)], device=device)
-    reps_r = torch.tensor([b.out for b in buckets for _ in range(b.batch)], device=device)
+    layout = (device, w, normalization,
+              tuple((b.plain, b.out, b.inp, b.batch) for b in buckets))
+    fixed = None if cache is None else cache.get(layout)
+    if fixed is None:
+        reps_c = torch.tensor([b.inp for b in buckets for _ in range(b.batch)], device=device)
+        reps_r = torch.tensor([b.out for b in buckets for _ in range(b.batch)], device=device)
+        fixed = (reps_c, reps_r)
+        if normalization != "unit":  # the targets √IN, √OUT per entry of r and c
+            fixed += (
+                torch.repeat_interleave(
+                    torch.tensor([math.sqrt(b.inp) for b in buckets for _ in range(b.batch)],
+                                 dtype=w, device=device), reps_r, output_size=n_r),
+                torch.repeat_interleave(
+                    torch.tensor([math.sqrt(b.out) for b in buckets for _ in range(b.batch)],
+                                 dtype=w, device=device), reps_c, output_size=n_c))
+        if cache is not None:
+            cache[layout] = fixed
+    reps_c, reps_r = fixed[:2]
     eps_first = torch.repeat_interleave(eps / m, reps_r, output_size=n_r)
-    t_in: float | Tensor = 1.0
-    t_out: float | Tensor = 1.0
-    if normalization != "unit":
-        t_in = torch.repeat_interleave(
-            torch.tensor([math.sqrt(b.inp) for b in buckets for _ in range(b.batch)],
-                         dtype=w, device=device), reps_r, output_size=n_r)
-        t_out = torch.repeat_interleave(
-            torch.tensor([math.sqrt(b.out) for b in buckets for _ in range(b.batch)],
-                         dtype=w, device=device), reps_c, output_size=n_c)
+    t_in: float | Tensor = 1.0 if normalization == "unit" else fixed[2]
+    t_out: float | Tensor = 1.0 if normalization == "unit" else fixed[3]
     c = torch.ones(n_c, dtype=w, device=device)
     r = torch.ones(n_r, dtype=w, device=device)
     c2, q_c = torch.empty_like(c), torch.empty_like(c)
@@ -406,6 +420,9 @@ class SinkGDRule(Rule):
 
     checked = ("num_iters", "eps", "normalization")
 
+    def __init__(self) -> None:
+        self._layouts: dict[Any, tuple[Tensor, ...]] = {}  # _multi_tensor_sinkgd's cache
+
     def init_state(self, p, group, name):  # noqa: D102
         matrix_axes(p, group, "SinkGD", name)
         return {}
@@ -437,8 +454,10 @@ class SinkGDRule(Rule):
             rest_axes.append((fan_in, fan_out))
         if fast:
             _chunked_sinkgd(fast, threads=self.cpu_threads, **hp)
-        fn = _multi_tensor_sinkgd if foreach else _single_tensor_sinkgd
-        fn(rest, rest_g, axes=rest_axes, **hp)
+        if foreach:
+            _multi_tensor_sinkgd(rest, rest_g, axes=rest_axes, cache=self._layouts, **hp)
+        else:
+            _single_tensor_sinkgd(rest, rest_g, axes=rest_axes, **hp)
 
 
 class SinkGD(RuleOptimizer):

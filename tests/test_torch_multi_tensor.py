@@ -22,25 +22,30 @@ from sage_torch import SAGE, RuleOptimizer, SinkGD
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 TOL = 1e-12
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="needs a CUDA device (scripts/gpu-check runs it there)")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 # several matrices per shape, a vector group, a scalar
 SAGE_SHAPES = [(12, 8), (12, 8), (12, 8), (8, 12), (8, 12), (7,), (7,), (7,), ()]
 SINK_SHAPES = [(12, 8), (12, 8), (12, 8), (8, 12), (8, 12), (5, 3)]
 
 
-def _params(rng: np.random.Generator, shapes, dtype=torch.float64) -> list[nn.Parameter]:
-    return [nn.Parameter(torch.tensor(rng.standard_normal(s) * 0.5, dtype=dtype))
+def _params(rng: np.random.Generator, shapes, dtype=torch.float64,
+            device="cpu") -> list[nn.Parameter]:
+    return [nn.Parameter(torch.tensor(rng.standard_normal(s) * 0.5, dtype=dtype, device=device))
             for s in shapes]
 
 
-def _run_pair(build, shapes, steps=10, dtype=torch.float64, seed=3):
+def _run_pair(build, shapes, steps=10, dtype=torch.float64, seed=3, device="cpu"):
     """Step a single-tensor and a foreach optimizer on the same gradients; return both."""
     rng = np.random.default_rng(seed)
-    single = _params(rng, shapes, dtype)
+    single = _params(rng, shapes, dtype, device)
     multi = [nn.Parameter(p.detach().clone()) for p in single]
     opt_s, opt_m = build(single, False), build(multi, True)
     for t in range(steps):
         for p, q in zip(single, multi, strict=True):
-            g = torch.tensor(rng.standard_normal(p.shape) * np.exp(t % 3), dtype=dtype)
+            g = torch.tensor(rng.standard_normal(p.shape) * np.exp(t % 3), dtype=dtype,
+                             device=device)
             if t == 4 and p.dim() == 2:
                 g[1] = 0.0  # an all-zero slice
             p.grad, q.grad = g, g.clone()
@@ -54,15 +59,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-300)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("damper", ["both", "ema", "instant", "none"])
-def test_multi_tensor_sage_matches_single_float64(damper):
+def test_multi_tensor_sage_matches_single_float64(damper, device):
     def build(ps, fe):
         return RuleOptimizer([
             {"params": [p for p in ps if p.dim() == 2], "rule": "sage"},
             {"params": [p for p in ps if p.dim() < 2], "rule": "sage", "fan_out_dim": None},
         ], {"lr": 1e-2, "weight_decay": 0.1, "damper": damper, "foreach": fe})
 
-    single, multi, opt_s, opt_m = _run_pair(build, SAGE_SHAPES)
+    single, multi, opt_s, opt_m = _run_pair(build, SAGE_SHAPES, device=device)
     for p, q in zip(single, multi, strict=True):
         assert _rel(q, p) <= TOL
         for key, value in opt_s.state[p].items():
@@ -86,15 +92,16 @@ def test_multi_tensor_sage_matches_reference():
         np.testing.assert_allclose(p.detach().numpy(), th, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("normalization", ["unit", "sqrt"])
-def test_multi_tensor_sinkgd_matches_single_float64(normalization):
+def test_multi_tensor_sinkgd_matches_single_float64(normalization, device):
     alpha = 10.0 if normalization == "unit" else 0.05
 
     def build(ps, fe):
         return SinkGD(ps, lr=1e-2, alpha=alpha, normalization=normalization,
                       weight_decay=0.1, foreach=fe)
 
-    single, multi, _, _ = _run_pair(build, SINK_SHAPES)
+    single, multi, _, _ = _run_pair(build, SINK_SHAPES, device=device)
     for p, q in zip(single, multi, strict=True):
         assert _rel(q, p) <= TOL
 
