@@ -149,19 +149,19 @@ def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int
     if fan_out_dim % 2 != 0:  # K as (fan_out, fan_in), a view
         k = k.t()
     t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
-    c = torch.ones(k.shape[1], dtype=w, device=g.device)
-    r = torch.ones(k.shape[0], dtype=w, device=g.device)
     # matrix-vector products as torch.bmm of one matrix: the kernel (and so the rounding)
-    # of _multi_tensor_sinkgd, which stacks same-shape matrices
+    # of _multi_tensor_sinkgd, which stacks same-shape matrices; c and r as (1, n, 1)
     kb = k.unsqueeze(0)
     kbt = kb.transpose(1, 2)
+    c = torch.ones((1, k.shape[1], 1), dtype=w, device=g.device)
+    r = torch.ones((1, k.shape[0], 1), dtype=w, device=g.device)
     for i in range(int(num_iters)):
-        q = torch.bmm(kb, c.square().view(1, -1, 1)).view(-1).sqrt_()  # per output unit
+        q = torch.bmm(kb, c.square()).sqrt_()  # one norm per output unit (over the fan-in)
         r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
-        q = torch.bmm(kbt, r.square().view(1, -1, 1)).view(-1).sqrt_()
+        q = torch.bmm(kbt, r.square()).sqrt_()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
     half = _pow2_sqrt_floor(m)
-    return c / half, r / (m / half)
+    return (c / half).view(-1), (r / (m / half)).view(-1)
 
 
 
