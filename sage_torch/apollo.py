@@ -1,9 +1,10 @@
 """APOLLO (Zhu et al. 2024) as ``docs/algorithms.md`` states it; defaults are APOLLO-Mini.
 
 The :class:`APOLLO` optimizer, its rule (:class:`ApolloRule`), the default projection
-(:func:`gaussian_projection`) and the step function :func:`_single_tensor_apollo` (keyword
-hyperparameters).  Each matrix needs its own projection product, so there is no separate
-multi-tensor path: ``foreach`` is accepted and the step runs matrix by matrix.
+(:func:`gaussian_projection`) and the step functions (keyword hyperparameters)
+:func:`_single_tensor_apollo` (matrix by matrix) and :func:`_multi_tensor_apollo`
+(same-shape matrices at once: one batched product with their stacked projections, foreach
+kernels for the moments and the step).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import torch
 from torch import Tensor
 
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
-from sage_torch.common import Axes, MatrixView, Projection, Rule, matrix_axes, wide
+from sage_torch.common import (
+    Axes,
+    MatrixView,
+    Projection,
+    Rule,
+    is_dtensor,
+    matrix_axes,
+    wide,
+)
 from sage_torch.optimizer import ParamsT, RuleOptimizer
 
 _APOLLO = RULE_DEFAULTS["apollo"]
@@ -114,15 +123,15 @@ class ApolloRule(Rule):
 
     def step(self, params, grads, states, names, group, foreach):  # noqa: D102
         b1, b2 = group["betas"]
-        _single_tensor_apollo(
-            params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-            [st["limiter_norm"] for st in states], [st["step"] for st in states],
-            plans=[self._plan(p, group, name) for p, name in zip(params, names, strict=True)],
-            names=names, projection=self.projection or gaussian_projection(int(group["seed"])),
-            lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
-            weight_decay=group["weight_decay"], rank=int(group["rank"]),
-            update_proj_gap=int(group["update_proj_gap"]), scale_type=group["scale_type"],
-            scale=group["scale"], limiter_gamma=group["limiter_gamma"])
+        fn = _multi_tensor_apollo if foreach else _single_tensor_apollo
+        fn(params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+           [st["limiter_norm"] for st in states], [st["step"] for st in states],
+           plans=[self._plan(p, group, name) for p, name in zip(params, names, strict=True)],
+           names=names, projection=self.projection or gaussian_projection(int(group["seed"])),
+           lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
+           weight_decay=group["weight_decay"], rank=int(group["rank"]),
+           update_proj_gap=int(group["update_proj_gap"]), scale_type=group["scale_type"],
+           scale=group["scale"], limiter_gamma=group["limiter_gamma"])
 
 
 def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
@@ -173,6 +182,89 @@ def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: l
             p.mul_(1 - lr * wd)
 
 
+def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                         exp_avg_sqs: list[Tensor], limiter_norms: list[Tensor],
+                         state_steps: list[Tensor], *, plans: list[Plan], names: list[str],
+                         projection: Projection, lr: float, beta1: float, beta2: float,
+                         eps: float, weight_decay: float, rank: int, update_proj_gap: int,
+                         scale_type: str, scale: float, limiter_gamma: float) -> None:
+    """One APOLLO step, same-shape matrices at once.
+
+    Matrices of one shape and plan are stacked: one ``torch.bmm`` with their stacked
+    projections, the moments updated by ``torch._foreach_*`` kernels, the scaling factors
+    and the norm-growth limiter computed on the stacked tensors, the step and the decay
+    applied by foreach kernels.  The operations of :func:`_single_tensor_apollo`, in the
+    same order.  The step counts are read on
+    the host (CPU tensors), as in the single-tensor path; grouped axes (a matrix view) and
+    DTensors take the single-tensor path.
+    """
+    kw: dict[str, Any] = {
+        "projection": projection, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+        "weight_decay": weight_decay, "rank": rank, "update_proj_gap": update_proj_gap,
+        "scale_type": scale_type, "scale": scale, "limiter_gamma": limiter_gamma}
+    single = [i for i, (p, g, plan) in enumerate(zip(params, grads, plans, strict=True))
+              if plan[3] is not None or is_dtensor(p) or is_dtensor(g)]
+    if single:
+        _single_tensor_apollo(*([xs[i] for i in single] for xs in (
+            params, grads, exp_avgs, exp_avg_sqs, limiter_norms, state_steps)),
+            plans=[plans[i] for i in single], names=[names[i] for i in single], **kw)
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    skip = set(single)
+    for i, (p, plan) in enumerate(zip(params, plans, strict=True)):
+        if i not in skip:
+            buckets.setdefault((tuple(p.shape), p.dtype, plan[:3]), []).append(i)
+    b1, b2, gamma = beta1, beta2, limiter_gamma
+    for (shape, _, (fi, fo, comp)), idx in buckets.items():
+        w = wide(grads[idx[0]].dtype)
+        device = grads[idx[0]].device
+        ts = [float(state_steps[i]) for i in idx]
+        g32 = torch.stack([grads[i] for i in idx]).to(w)  # (B, *shape)
+        n = shape[comp]
+        proj = torch.stack([projection(names[i], (int(t) - 1) // update_proj_gap, n, rank)
+                            for i, t in zip(idx, ts, strict=True)]).to(device=device, dtype=w)
+        bfi, bfo, bcomp = fi + 1, fo + 1, comp + 1
+        r = torch.matmul(g32.movedim(bcomp, -1), proj.view(len(idx), *[1] * (len(shape) - 2),
+                                                           n, rank)).movedim(-1, bcomp)
+        rs = list(r.unbind(0))
+        ms, vs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
+        torch._foreach_mul_(ms, b1)  # m·b1 + r·(1−b1)
+        torch._foreach_add_(ms, torch._foreach_mul(rs, 1 - b1))
+        torch._foreach_mul_(vs, b2)  # v·b2 + r²·(1−b2)
+        torch._foreach_add_(vs, torch._foreach_mul(torch._foreach_mul(rs, rs), 1 - b2))
+        m, v = torch.stack(ms), torch.stack(vs)
+        r_tilde = m / (v.sqrt() + eps)
+        dims = (bfi, bfo) if scale_type == "tensor" else (bcomp,)
+
+        def norm(x: Tensor, dims: tuple[int, ...] = dims) -> Tensor:
+            return x.square().sum(dim=dims, keepdim=True).sqrt()
+
+        s = norm(r_tilde) / (norm(r) + 1e-8)
+        u = g32 * (s * math.sqrt(scale))
+        norm_u = norm(u, (bfi, bfo))
+        lims = [limiter_norms[i] for i in idx]
+        prev = torch.stack(lims).reshape(norm_u.shape).to(w)
+        bound = gamma * prev
+        limit = (prev > 0) & (norm_u > bound)
+        factor = torch.where(limit, bound / torch.where(limit, norm_u, 1), 1)
+        u = (u * factor).to(params[idx[0]].dtype)
+        new_lim = (norm_u * factor).reshape(len(idx), *lims[0].shape)
+        torch._foreach_copy_(lims, list(new_lim.unbind(0)))
+        us = list(u.unbind(0))
+        ps = [params[i] for i in idx]
+        by_size: dict[float, list[int]] = {}  # one foreach kernel per step size (usually one)
+        for k, t in enumerate(ts):
+            size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+            by_size.setdefault(size, []).append(k)
+        for size, ks in by_size.items():
+            torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=-size)
+        if weight_decay != 0.0:
+            if w == ps[0].dtype:
+                torch._foreach_mul_(ps, 1 - lr * weight_decay)
+            else:  # a CPU foreach kernel rounds the scalar to bfloat16: one mul_ each
+                for q in ps:
+                    q.mul_(1 - lr * weight_decay)
+
+
 class APOLLO(RuleOptimizer):
     """APOLLO (Zhu et al. 2024) as ``docs/algorithms.md`` states it; defaults are APOLLO-Mini.
 
@@ -198,8 +290,8 @@ class APOLLO(RuleOptimizer):
       fan_in_dim: dim (or tuple of dims, merged in that order) of the fan-in axis.
       fan_out_dim: dim (or tuple of dims, merged in that order) of the fan-out axis.
       maximize: ascend instead of descend.
-      foreach: use the ``torch._foreach_*`` path for the moments (default: on CUDA);
-        the projection is one product per matrix either way.
+      foreach: the multi-tensor path (default: on CUDA): same-shape matrices stacked, one
+        batched projection product, foreach kernels for the moments and the step.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,

@@ -11,6 +11,8 @@ on the ``meta`` device) and the chunked CPU path starts no thread by default.
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -148,8 +150,34 @@ def test_multi_tensor_sinkgd_matches_reference():
         np.testing.assert_allclose(p.detach().numpy(), th, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale_type", ["tensor", "channel"])
+def test_multi_tensor_apollo_matches_single_float64(scale_type, device):
+    """Same-shape matrices batched (one bmm with stacked projections), a stacked tensor,
+    and a Conv2d kernel (grouped axes: the single-tensor path inside foreach)."""
+    def projection(name, k, n, rank):
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{name}:{k}".encode()))
+        return torch.randn(n, rank, generator=gen, dtype=torch.float64)
+
+    def build(ps, fe):
+        return RuleOptimizer([
+            {"params": ps[:4]},
+            {"params": ps[4:5], "fan_in_dim": 2, "fan_out_dim": 1},
+            {"params": ps[5:], "fan_in_dim": (1, 2, 3), "fan_out_dim": 0},
+        ], {"rule": "apollo", "lr": 1e-2, "weight_decay": 0.1, "rank": 2,
+            "update_proj_gap": 3, "scale_type": scale_type, "foreach": fe},
+            projection=projection)
+
+    shapes = [(12, 8), (12, 8), (12, 8), (8, 12), (3, 12, 8), (6, 4, 3, 3)]
+    single, multi, opt_s, opt_m = _run_pair(build, shapes, device=device)
+    for p, q in zip(single, multi, strict=True):
+        assert _rel(q, p) <= TOL, tuple(p.shape)
+        for key, value in opt_s.state[p].items():
+            assert _rel(opt_m.state[q][key], value) <= TOL, key
+
+
 @pytest.mark.parametrize("name", ["sage-hybrid", "sinkgd-pure", "lion-hybrid", "adamw",
-                                  "lion", "sage-pure", "sinkgd-hybrid"])
+                                  "lion", "sage-pure", "sinkgd-hybrid", "apollo"])
 def test_foreach_step_completes_on_meta_without_host_sync(name):
     """On ``meta`` any host read of a device value raises: the foreach step has none."""
     import sage_torch

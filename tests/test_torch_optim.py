@@ -311,8 +311,7 @@ def test_foreach_matches_single_float64(rule, monkeypatch):
         opt_s.step()
         assert len(calls) == n_before, f"{rule}: foreach=False called {calls[n_before:]}"
         opt_m.step()
-        if rule != "apollo":  # APOLLO steps matrix by matrix (foreach accepted for symmetry)
-            assert len(calls) > n_before, f"{rule}: foreach=True used no _foreach_ kernel"
+        assert len(calls) > n_before, f"{rule}: foreach=True used no _foreach_ kernel"
         for p, q in zip(single, multi, strict=True):
             worst = max(worst, float((p - q).detach().abs().max()))
     assert worst <= FOREACH_TOL, f"{rule}: foreach vs single max |Δθ| = {worst:.3e}"
