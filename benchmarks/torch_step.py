@@ -38,8 +38,21 @@ at most 31·1024 elements per extra thread) are not counted.
 Prints a markdown table and whether the target holds: ``sage-hybrid``'s step no slower than
 AdamW's (ratio ≤ 1) in each path.
 
+``--threads N`` also passes ``cpu_threads=N`` to ``sage_torch.make_optimizer`` (the chunked
+CPU path on ``N`` threads, as before issue 13; the library default is 1).
+
+``--device cuda`` times on the GPU (``torch.cuda.synchronize`` around each timing) and adds
+the baseline ``torch.optim.AdamW(fused=True)``; ``--device cpu`` (default) is the CPU run.
+
+Aten op count (any machine, no memory): ``--op-count`` steps the model on the ``meta``
+device under a ``TorchDispatchMode`` that counts every aten op of one ``opt.step()`` (the
+second; the first creates the state), for every configuration's single-tensor and foreach
+paths and ``torch.optim.AdamW`` single-tensor, foreach (and fused where the meta device
+allows it), prints that table and exits.  On a GPU every op is at least one kernel launch;
+a step that completes on ``meta`` reads no device value on the host.
+
     python benchmarks/torch_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid]
-        [--threads 2]
+        [--threads 2] [--device cpu|cuda] [--op-count]
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ from sage_optim.presets import CONFIG_NAMES, resolve_preset
 from sage_repro import traffic
 
 BASELINE = "torch.optim.AdamW (baseline)"
+FUSED = "torch.optim.AdamW(fused=True)"
 GIB = 2.0**30
 MIB = 2.0**20
 
@@ -105,8 +119,11 @@ class LlamaShapes(nn.Module):
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
 
-def build_model(config: LlamaConfig, seed: int = 0) -> nn.Module:
-    """``LlamaShapes(config)`` with float32 ``0.02·normal`` parameters and fixed gradients."""
+def build_model(config: LlamaConfig, seed: int = 0, device: str = "cpu") -> nn.Module:
+    """``LlamaShapes(config)`` with float32 ``0.02·normal`` parameters and fixed gradients.
+
+    Drawn on the CPU (the same values on every device), then moved to ``device``.
+    """
     with torch.device("meta"):
         model = LlamaShapes(config)
     model = model.to_empty(device="cpu")
@@ -115,17 +132,101 @@ def build_model(config: LlamaConfig, seed: int = 0) -> nn.Module:
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
             p.grad = torch.empty_like(p).normal_(0.0, 0.02, generator=gen)
+    if device != "cpu":
+        grads = [p.grad.to(device) for p in model.parameters()]
+        model = model.to(device)
+        for p, g in zip(model.parameters(), grads, strict=True):
+            p.grad = g
     n = sum(p.numel() for p in model.parameters())
     assert n == config.param_count(), (n, config.param_count())
     return model
 
 
-def make(name: str, model: nn.Module, lr: float, foreach: bool) -> torch.optim.Optimizer:
-    """The baseline AdamW or ``sage_torch.make_optimizer(name, model, lr, foreach=...)``."""
-    if name == BASELINE:
+def make(name: str, model: nn.Module, lr: float, foreach: bool,
+         cpu_threads: int = 1) -> torch.optim.Optimizer:
+    """The baseline AdamW (``foreach``, or ``fused`` for :data:`FUSED`) or
+    ``sage_torch.make_optimizer(name, model, lr, foreach=..., cpu_threads=...)``."""
+    if name in (BASELINE, FUSED):
+        fused = {"fused": True} if name == FUSED else {"foreach": foreach}
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99),
-                                 weight_decay=0.01, foreach=True)
-    return sage_torch.make_optimizer(name, model, lr, foreach=foreach)
+                                 weight_decay=0.01, **fused)
+    return sage_torch.make_optimizer(name, model, lr, foreach=foreach, cpu_threads=cpu_threads)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched under it (``counts``: op name -> calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        key = str(func)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        """All ops counted."""
+        return sum(self.counts.values())
+
+
+def meta_model(config: LlamaConfig) -> nn.Module:
+    """``LlamaShapes(config)`` on the ``meta`` device, with ``meta`` gradients."""
+    with torch.device("meta"):
+        model = LlamaShapes(config)
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    return model
+
+
+def count_ops(name: str, model: nn.Module, foreach: bool) -> int | None:
+    """Aten ops of the second ``opt.step()`` of ``make(name, model, 1e-4, foreach)``.
+
+    ``model`` is a :func:`meta_model`: nothing is computed, and any host read of a device
+    value raises.  ``None`` where the optimizer refuses the ``meta`` device (fused AdamW).
+    """
+    try:
+        opt = make(name, model, 1e-4, foreach)
+        opt.step()  # creates the state
+    except (RuntimeError, NotImplementedError):
+        if name == FUSED:
+            return None
+        raise
+    counter = OpCounter()
+    with counter:
+        opt.step()
+    return counter.total
+
+
+def op_count_rows(model_name: str, configs: list[str]) -> list[dict[str, Any]]:
+    """:func:`count_ops` for every configuration and path, then the AdamW baselines."""
+    model = meta_model(get_model_config(model_name))
+    rows = []
+    for name in configs:
+        for fe in (False, True):
+            rows.append({"config": name, "path": "foreach" if fe else "single-tensor",
+                         "ops": count_ops(name, model, fe)})
+    for fe in (False, True):
+        rows.append({"config": "torch.optim.AdamW", "path": "foreach" if fe else "single-tensor",
+                     "ops": count_ops(BASELINE, model, fe)})
+    rows.append({"config": "torch.optim.AdamW", "path": "fused",
+                 "ops": count_ops(FUSED, model, False)})
+    return rows
+
+
+def print_op_counts(model_name: str, rows: list[dict[str, Any]]) -> None:
+    """The op-count table as markdown."""
+    n = sum(1 for _ in meta_model(get_model_config(model_name)).parameters())
+    print(f"aten ops per opt.step() on the meta device, model {model_name} ({n} tensors), "
+          f"torch {torch.__version__}")
+    print()
+    print("| configuration | path | aten ops per step |")
+    print("|---|---|---:|")
+    for row in rows:
+        ops = "n/a (refused on meta)" if row["ops"] is None else f"{row['ops']:,}"
+        print(f"| {row['config']} | {row['path']} | {ops} |")
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -187,9 +288,9 @@ def peak_extra_bytes(opt: torch.optim.Optimizer, model: nn.Module) -> int:
     return mode.peak
 
 
-def bandwidth_kernel(mib: int) -> tuple[Callable[[], None], int]:
+def bandwidth_kernel(mib: int, device: str = "cpu") -> tuple[Callable[[], None], int]:
     """An in-place ``x.mul_(1.0001).add_(1)`` over ``mib`` MiB and the bytes it moves."""
-    x = torch.ones(mib * 2**20 // 4)
+    x = torch.ones(mib * 2**20 // 4, device=device)
 
     def run() -> None:
         x.mul_(1.0001).add_(1.0)
@@ -197,9 +298,14 @@ def bandwidth_kernel(mib: int) -> tuple[Callable[[], None], int]:
     return run, 4 * x.numel() * x.element_size()
 
 
+_SYNC: Callable[[], None] = lambda: None  # noqa: E731  # torch.cuda.synchronize on CUDA
+
+
 def timed(fn: Callable[[], Any]) -> float:
+    _SYNC()
     t0 = time.perf_counter()
     fn()
+    _SYNC()
     return time.perf_counter() - t0
 
 
@@ -230,34 +336,56 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--lr", type=float, default=1e-4, help="learning rate of every optimizer")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--op-count", action="store_true",
+                    help="print the aten op count per step on the meta device and exit")
     args = ap.parse_args(argv)
     for name in args.configs:
         resolve_preset(name, {})  # an unknown name fails before any allocation
+    if args.op_count:
+        counts = op_count_rows(args.model, args.configs)
+        print_op_counts(args.model, counts)
+        return counts
+    global _SYNC
+    device = args.device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {device}: torch {torch.__version__} sees no CUDA device")
+        _SYNC = torch.cuda.synchronize
+    elif device != "cpu":
+        raise SystemExit(f"--device must be cpu or cuda, got {device!r}")
     torch.set_num_threads(args.threads)
 
     config = get_model_config(args.model)
     repeats = args.repeats or (7 if config.param_count() > 100e6 else 41)
-    model = build_model(config)
+    model = build_model(config, device=device)
     params = list(model.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in params)
     largest = max(p.numel() * p.element_size() for p in params)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) "
-          f"(torch.set_num_threads({args.threads})), float32, CPU")
+          f"(torch.set_num_threads({args.threads})), float32, "
+          f"{torch.cuda.get_device_name() if device != 'cpu' else 'CPU'}")
     print(f"model {args.model}: {config.param_count():,} params in {len(params)} tensors, "
           f"{p_bytes / GIB:.3f} GiB, largest {largest / MIB:.1f} MiB")
-    bw_run, bw_bytes = bandwidth_kernel(args.bw_mib)
+    bw_run, bw_bytes = bandwidth_kernel(args.bw_mib, device)
 
     baseline = make(BASELINE, model, args.lr, True)
+    fused = make(FUSED, model, args.lr, False) if device != "cpu" else None
     rows: list[dict[str, Any]] = []
     base_all: list[float] = []
+    fused_all: list[float] = []
     bw_all: list[float] = []
     for name in args.configs:
-        opts = {(name, fe): make(name, model, args.lr, fe) for fe in (False, True)}
+        opts = {(name, fe): make(name, model, args.lr, fe, args.threads)
+                for fe in (False, True)}
         runners: dict[str, Callable[[], Any]] = {BASELINE: baseline.step, "bandwidth": bw_run}
+        if fused is not None:
+            runners[FUSED] = fused.step
         runners.update({f"{n}/{fe}": o.step for (n, fe), o in opts.items()})
         times = run_rounds(runners, args.warmup, repeats)
         base_med = statistics.median(times[BASELINE])
         base_all += times[BASELINE]
+        fused_all += times.get(FUSED, [])
         bw_all += times["bandwidth"]
         for (n, fe), opt in opts.items():
             med = statistics.median(times[f"{n}/{fe}"])
@@ -276,6 +404,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "bytes": bytes_moved(BASELINE, model, baseline),
         "peak": None if args.no_memory else peak_extra_bytes(baseline, model),
     })
+    if fused is not None:
+        med = statistics.median(fused_all)
+        rows.append({
+            "config": FUSED, "path": "fused", "ms": med * 1e3, "ratio": med / base_med,
+            "bytes": bytes_moved(BASELINE, model, fused),
+            "peak": None if args.no_memory else peak_extra_bytes(fused, model),
+        })
     bw = bw_bytes / statistics.median(bw_all) / GIB
 
     print()

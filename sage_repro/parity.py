@@ -188,10 +188,11 @@ def _jax_optimizer(name: str, lrs: np.ndarray, table: np.ndarray, dtype: Any) ->
     return sage_optax.make_optimizer(name, lr, **extra)
 
 
-def _torch_optimizer(name: str, model: nn.Module, table: np.ndarray) -> torch.optim.Optimizer:
+def _torch_optimizer(name: str, model: nn.Module, table: np.ndarray,
+                     foreach: bool | None = None) -> torch.optim.Optimizer:
     import sage_torch
 
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"foreach": foreach}
     if get_preset(name).dense.name == "apollo":
         p = torch.from_numpy(table)
 
@@ -204,7 +205,8 @@ def _torch_optimizer(name: str, model: nn.Module, table: np.ndarray) -> torch.op
 
 
 def run_parity(name: str, steps: int = 100, dtype: str = "float64", mode: str = "gradients",
-               seed: int = 0, peak_lr: float | None = None) -> ParityReport:
+               seed: int = 0, peak_lr: float | None = None,
+               foreach: bool | None = None) -> ParityReport:
     """Run both frameworks side by side and return the per-step differences.
 
     Args:
@@ -216,6 +218,8 @@ def run_parity(name: str, steps: int = 100, dtype: str = "float64", mode: str = 
         parameters).
       seed: seed of the initial weights and of the data.
       peak_lr: peak of the warmup + cosine schedule (default: the configuration's).
+      foreach: the torch path (``None``: torch's default, the single-tensor path on the CPU;
+        ``True``: the multi-tensor path).
     """
     import jax
     import jax.numpy as jnp
@@ -233,7 +237,7 @@ def run_parity(name: str, steps: int = 100, dtype: str = "float64", mode: str = 
         peak = min(peak, 1e-2)
     lrs = schedule(steps, peak)
     table = projection_table()
-    opt = _torch_optimizer(name, model, table)
+    opt = _torch_optimizer(name, model, table, foreach)
     rows = []
     with jax.enable_x64(dtype == "float64"):
         jdtype = jnp.dtype(dtype)
@@ -352,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama: the trainer's Flax LLaMA vs transformers' (float32)")
     parser.add_argument("--untied", action="store_true", help="llama mode: untied head")
     parser.add_argument("--every", type=int, default=10, help="print every N-th step")
+    parser.add_argument("--foreach", action="store_true",
+                        help="step sage_torch on its multi-tensor (foreach) path")
     args = parser.parse_args(argv)
     tol = TOLERANCE["float32" if args.mode == "llama" else args.dtype]
     names = CONFIG_NAMES if args.config == "all" else (args.config,)
@@ -360,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "llama":
             report = run_llama_parity(name, args.steps, tied=not args.untied)
         else:
-            report = run_parity(name, args.steps, args.dtype, args.mode)
+            report = run_parity(name, args.steps, args.dtype, args.mode,
+                                foreach=True if args.foreach else None)
         shown = [r for r in report.rows if r[0] % args.every == 0 or r[0] == 1]
         print(dataclasses.replace(report, rows=shown).table())
         verdict = "OK" if report.worst <= tol else "EXCEEDS"

@@ -11,10 +11,12 @@ every parameter (kind, fan-in/fan-out axes, evidence; :mod:`sage_torch.routing`)
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.routing import Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
+from sage_torch.apollo import gaussian_projection
 from sage_torch.configs import make_optimizer, param_groups, routing_table
 from sage_torch.optim import APOLLO, SAGE, Lion, MomentumError, RuleOptimizer, SinkGD
 from sage_torch.routing import RoutedParam, route_parameters, route_params
-from sage_torch.rules import gaussian_projection, sage_damper, sinkhorn_normalize
+from sage_torch.sage import sage_damper
+from sage_torch.sinkgd import sinkhorn_normalize
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,8 @@ from sage_torch.nonfinite import SkipNonFinite, check_skip_nonfinite
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params, state_nbytes
 
-OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach")
+OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "capturable",
+                                 "cpu_threads")
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
@@ -65,7 +66,7 @@ def _plan(model: nn.Module, name: str, lr: float | None,
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     routed = route_params(model, overrides.pop("route_overrides", None))
     extra: dict[str, Any] = {
-        k: overrides.pop(k) for k in ("maximize", "foreach") if k in overrides
+        k: overrides.pop(k) for k in ("maximize", "foreach", "capturable") if k in overrides
     }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
     layouts: dict[tuple[str, Any, Any], list[RoutedParam]] = {}
@@ -116,7 +117,11 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
         fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
-        ``maximize``, ``foreach``, ``dense_projection=`` (APOLLO's injected projection)
+        ``maximize``, ``foreach``, ``capturable`` (step counts on the device, a tensor
+        ``lr`` never read back: CUDA graphs; not with APOLLO), ``cpu_threads=N`` (spread
+        the chunked CPU path over ``N`` threads, :mod:`sage_torch.chunked`; default 1: no
+        thread is started),
+        ``dense_projection=`` (APOLLO's injected projection)
         and ``skip_nonfinite=N``: skip a step whose gradients are not all finite (params
         and state untouched), at most ``N`` in a row, as the JAX option
         (:mod:`sage_torch.nonfinite`).
@@ -134,11 +139,13 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
     for key in [k for k in overrides if k.endswith("projection")]:
         projection = overrides.pop(key)
     skip = check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
+    cpu_threads = overrides.pop("cpu_threads", 1)
     groups, _, kinds, _ = _plan(model, name, lr, overrides)
     if skip:
         return SkipNonFinite(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
-                             skip_nonfinite=skip)
-    return RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds)
+                             skip_nonfinite=skip, cpu_threads=cpu_threads)
+    return RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
+                         cpu_threads=cpu_threads)
 
 
 def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable:
@@ -150,7 +157,7 @@ def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable
     as :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
     """
     overrides = {k: v for k, v in overrides.items()
-                 if not k.endswith("projection") and k != "skip_nonfinite"}
+                 if not k.endswith("projection") and k not in ("skip_nonfinite", "cpu_threads")}
     groups, routed, _, preset = _plan(model, name, None, overrides)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})

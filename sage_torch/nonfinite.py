@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sage_torch.common import Projection
 from sage_torch.optim import ParamsT, RuleOptimizer
-from sage_torch.rules import Projection
 
 
 def check_skip_nonfinite(value: Any) -> int:
@@ -67,16 +67,18 @@ class SkipNonFinite(RuleOptimizer):
       defaults: default group options.
       projection: APOLLO's projection.
       skip_nonfinite: ``N``, the number of consecutive non-finite steps to skip.
+      cpu_threads: threads of the chunked CPU path (default 1: none started).
     """
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any],
                  projection: Projection | None = None,
                  kinds: Mapping[str, Mapping[str, Any]] | None = None, *,
-                 skip_nonfinite: int) -> None:
+                 skip_nonfinite: int, cpu_threads: int = 1) -> None:
         self.skip_nonfinite = check_skip_nonfinite(skip_nonfinite)
         self.nonfinite_count = 0
         self.total_nonfinite = 0
-        super().__init__(params, defaults, projection=projection, kinds=kinds)
+        super().__init__(params, defaults, projection=projection, kinds=kinds,
+                         cpu_threads=cpu_threads)
 
     @torch.no_grad()
     def step(  # type: ignore[override]  # as RuleOptimizer.step

@@ -44,11 +44,19 @@ def test_parity_is_not_vacuous():
 
     original = parity._torch_optimizer
     try:
-        parity._torch_optimizer = lambda name, model, table: original("lion", model, table)
+        parity._torch_optimizer = lambda name, model, table, *rest: original("lion", model,
+                                                                             table, *rest)
         report = run_parity("sage-hybrid", steps=3)
     finally:
         parity._torch_optimizer = original
     assert report.worst > 1e-6
+
+
+@pytest.mark.parametrize("name", ["sage-hybrid", "sinkgd-pure"])
+def test_foreach_path_has_parity(name):
+    """The multi-tensor path of sage_torch against sage_optax (float64)."""
+    report = run_parity(name, steps=6, foreach=True)
+    assert report.worst <= 1e-10, report.table()
 
 
 def test_command_prints_table(capsys):

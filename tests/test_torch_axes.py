@@ -55,10 +55,10 @@ CONV = (6, 4, 3, 3)  # Conv2d(4, 6, 3).weight: a 6 x 36 matrix
 
 
 def _force_fast_path(monkeypatch, on: bool) -> None:
-    from sage_torch import rules
+    from sage_torch import chunked
 
-    monkeypatch.setattr(rules, "FAST_MIN_NUMEL", 1 if on else 1 << 62)
-    monkeypatch.setattr(rules, "CHUNK_NUMEL", 40)
+    monkeypatch.setattr(chunked, "FAST_MIN_NUMEL", 1 if on else 1 << 62)
+    monkeypatch.setattr(chunked, "CHUNK_NUMEL", 40)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["whole", "in-place"])

@@ -311,8 +311,7 @@ def test_foreach_matches_single_float64(rule, monkeypatch):
         opt_s.step()
         assert len(calls) == n_before, f"{rule}: foreach=False called {calls[n_before:]}"
         opt_m.step()
-        if rule != "apollo":  # APOLLO steps matrix by matrix (foreach accepted for symmetry)
-            assert len(calls) > n_before, f"{rule}: foreach=True used no _foreach_ kernel"
+        assert len(calls) > n_before, f"{rule}: foreach=True used no _foreach_ kernel"
         for p, q in zip(single, multi, strict=True):
             worst = max(worst, float((p - q).detach().abs().max()))
     assert worst <= FOREACH_TOL, f"{rule}: foreach vs single max |Δθ| = {worst:.3e}"
@@ -390,27 +389,22 @@ FAST_FACTORIES = {
 
 def _force_fast_path(monkeypatch, on: bool) -> None:
     """Chunked path for every plain tensor (4-row chunks), or none (as for a DTensor)."""
-    from sage_torch import rules
+    from sage_torch import chunked
 
-    monkeypatch.setattr(rules, "FAST_MIN_NUMEL", 1)
-    monkeypatch.setattr(rules, "CHUNK_NUMEL", 40)
-    monkeypatch.setattr(rules, "_is_dtensor", (lambda t: False) if on else (lambda t: True))
-
-
-@pytest.fixture(params=[1, 2], ids=lambda n: f"threads={n}")
-def intra_op_threads(request):
-    """1 thread (chunks in turn) or 2 (chunks spread over two Python threads)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(n)
+    monkeypatch.setattr(chunked, "FAST_MIN_NUMEL", 1)
+    monkeypatch.setattr(chunked, "CHUNK_NUMEL", 40)
+    monkeypatch.setattr(chunked, "_is_dtensor", (lambda t: False) if on else (lambda t: True))
 
 
 @pytest.mark.parametrize("key", FAST_FACTORIES)
 @pytest.mark.parametrize("foreach", [False, True])
-def test_fast_path_matches_dtensor_path_float64(key, foreach, intra_op_threads, monkeypatch):
-    """The in-place chunked CPU path (plain tensors) = the whole-tensor path, float64."""
-    from sage_torch import rules
+@pytest.mark.parametrize("cpu_threads", [1, 2], ids=lambda n: f"cpu_threads={n}")
+def test_fast_path_matches_dtensor_path_float64(key, foreach, cpu_threads, monkeypatch):
+    """The in-place chunked CPU path (plain tensors) = the whole-tensor path, float64.
+
+    ``cpu_threads=2``: the chunks spread over two Python threads (opt-in).
+    """
+    from sage_torch import chunked as rules
 
     factory, shapes = FAST_FACTORIES[key]
     rng = np.random.default_rng(71)
@@ -418,8 +412,10 @@ def test_fast_path_matches_dtensor_path_float64(key, foreach, intra_op_threads, 
     slow = [nn.Parameter(p.detach().clone()) for p in fast]
     start = [p.detach().clone() for p in fast]
     opt_f, opt_s = factory(fast), factory(slow)
-    for group in (*opt_f.param_groups, *opt_s.param_groups):
-        group["foreach"] = foreach
+    for opt in (opt_f, opt_s):
+        for group in opt.param_groups:
+            group["foreach"] = foreach
+            opt.rule_of(group).cpu_threads = cpu_threads
     worst = 0.0
     for t in range(12):
         for p, q in zip(fast, slow, strict=True):
@@ -441,7 +437,7 @@ def test_fast_path_matches_dtensor_path_float64(key, foreach, intra_op_threads, 
 
 
 def test_fast_path_is_only_for_plain_contiguous_same_dtype_cpu_tensors(monkeypatch):
-    from sage_torch import rules
+    from sage_torch import chunked as rules
 
     monkeypatch.setattr(rules, "FAST_MIN_NUMEL", 4)
     p = torch.zeros(4, 3)

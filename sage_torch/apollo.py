@@ -1,0 +1,313 @@
+"""APOLLO (Zhu et al. 2024) as ``docs/algorithms.md`` states it; defaults are APOLLO-Mini.
+
+The :class:`APOLLO` optimizer, its rule (:class:`ApolloRule`), the default projection
+(:func:`gaussian_projection`) and the step functions (keyword hyperparameters)
+:func:`_single_tensor_apollo` (matrix by matrix) and :func:`_multi_tensor_apollo`
+(same-shape matrices at once: one batched product with their stacked projections, foreach
+kernels for the moments and the step).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim.presets import PRESETS, RULE_DEFAULTS
+from sage_torch.common import (
+    Axes,
+    MatrixView,
+    Projection,
+    Rule,
+    is_dtensor,
+    matrix_axes,
+    wide,
+)
+from sage_torch.optimizer import ParamsT, RuleOptimizer
+
+_APOLLO = RULE_DEFAULTS["apollo"]
+
+Plan = tuple[int, int, int, MatrixView | None]
+"""``(fan_in, fan_out, compressed, view)``: the matrix dims APOLLO works on."""
+
+def gaussian_projection(seed: int = 0) -> Projection:
+    """Default APOLLO projection: entries ``N(0, 1/r)``.
+
+    Drawn from a generator keyed on ``(seed, crc32(name), refresh_index)``, float32 on the
+    CPU, like :mod:`sage_optax`'s (the two frameworks' generators differ: inject one
+    projection into both for parity).
+    """
+
+    def projection(name: str, refresh_index: int, n: int, rank: int) -> Tensor:
+        key = (seed * 1_000_003 + zlib.crc32(name.encode())) * 1_000_033 + refresh_index
+        gen = torch.Generator().manual_seed(key % (2**63))
+        return torch.randn(n, rank, generator=gen, dtype=torch.float32) / math.sqrt(rank)
+
+    return projection
+
+
+def _replicated_like(x: Tensor, ref: Tensor) -> Tensor:
+    """``x`` (the same on every rank) as a replicated DTensor on ``ref``'s mesh, if any.
+
+    The one special case for distributed tensors in this module: APOLLO's projection comes
+    from a plain callable, and a DTensor gradient (FSDP2) cannot be multiplied by a plain
+    tensor.  Everything else works on DTensors as written.
+    """
+    mesh = getattr(ref, "device_mesh", None)
+    if mesh is None:
+        return x
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _one_minus_pow(b: float, t: float) -> float:
+    """``1 − b^t`` without cancellation (as :mod:`sage_optax.apollo`)."""
+    return -math.expm1(t * math.log1p(-(1 - b)))
+
+
+class ApolloRule(Rule):
+    """APOLLO (Zhu et al. 2024, ``docs/algorithms.md``); decay is applied after the step."""
+
+    name = "apollo"
+
+    def __init__(self, projection: Projection | None = None) -> None:
+        self.projection = projection
+
+    checked = ("rank", "update_proj_gap", "scale_type", "scale", "limiter_gamma", "eps")
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        if group.get("capturable", False):
+            raise ValueError("APOLLO does not support capturable=True: its projection and "
+                             "bias corrections are chosen by the step count on the host")
+
+    def _plan(self, p: Tensor, group: dict[str, Any], name: str) -> Plan:
+        """``(fan_in, fan_out, compressed, view)``: the matrix dims APOLLO works on.
+
+        The dims of ``p``, or, for grouped axes, of its ``(batch..., OUT, IN)`` matrix
+        ``view`` (each group flattened in the order it lists its dims: the order in which
+        the projection sees the merged axis).
+        """
+        fan_in, fan_out = matrix_axes(p, group, "APOLLO", name)
+        view, shape = None, tuple(p.shape)
+        if len(fan_in) == 1 and len(fan_out) == 1:
+            (fi,), (fo,) = fan_in, fan_out
+        else:
+            view = MatrixView(p.shape, fan_in, fan_out)
+            shape = view.shape
+            fi, fo = len(shape) - 1, len(shape) - 2
+        compressed = fi if shape[fo] >= shape[fi] else fo
+        return fi, fo, compressed, view
+
+    def init_state(self, p, group, name):  # noqa: D102
+        fi, fo, comp, view = self._plan(p, group, name)
+        base = p.detach() if view is None else view.to_matrix(p.detach())
+        shape = list(base.shape)
+        shape[comp] = int(group["rank"])
+        dt = wide(p.dtype)
+        # Zeros shaped like the projected gradient (p with dim `comp` of size rank) and like
+        # the limiter's norm (one per batch index), made from reductions of p, as SAGE's S, so
+        # that a sharded DTensor parameter gets states with the placements step() computes.
+        # With grouped axes they are those of p's matrix view.
+        moments = base.sum(dim=comp, keepdim=True).expand(shape)
+        return {
+            "exp_avg": torch.zeros_like(moments, dtype=dt, memory_format=torch.contiguous_format),
+            "exp_avg_sq": torch.zeros_like(moments, dtype=dt,
+                                           memory_format=torch.contiguous_format),
+            "limiter_norm": torch.zeros_like(base.sum(dim=(fi, fo)), dtype=dt),
+        }
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        fn = _multi_tensor_apollo if foreach else _single_tensor_apollo
+        fn(params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+           [st["limiter_norm"] for st in states], [st["step"] for st in states],
+           plans=[self._plan(p, group, name) for p, name in zip(params, names, strict=True)],
+           names=names, projection=self.projection or gaussian_projection(int(group["seed"])),
+           lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
+           weight_decay=group["weight_decay"], rank=int(group["rank"]),
+           update_proj_gap=int(group["update_proj_gap"]), scale_type=group["scale_type"],
+           scale=group["scale"], limiter_gamma=group["limiter_gamma"])
+
+
+def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                          exp_avg_sqs: list[Tensor], limiter_norms: list[Tensor],
+                          state_steps: list[Tensor], *, plans: list[Plan], names: list[str],
+                          projection: Projection, lr: float, beta1: float, beta2: float,
+                          eps: float, weight_decay: float, rank: int, update_proj_gap: int,
+                          scale_type: str, scale: float, limiter_gamma: float) -> None:
+    """One APOLLO step, matrix by matrix; decay after the step, as the authors' code.
+
+    ``plans[i]``: ``(fan_in, fan_out, compressed, view)`` of parameter ``i``
+    (:meth:`ApolloRule._plan`).  The step count is read on the host (a CPU tensor) to pick
+    the projection and the bias corrections.
+    """
+    b1, b2, wd, gamma = beta1, beta2, weight_decay, limiter_gamma
+    for p, g, m, v, lim, step, (fi, fo, comp, view), name in zip(
+            params, grads, exp_avgs, exp_avg_sqs, limiter_norms, state_steps, plans, names,
+            strict=True):
+        t = float(step)
+        refresh = (int(t) - 1) // update_proj_gap
+        w = wide(g.dtype)
+        g32 = g.to(w) if view is None else view.to_matrix(g).to(w)
+        proj = projection(name, refresh, g32.shape[comp], rank).to(device=g.device, dtype=w)
+        proj = _replicated_like(proj, g)
+        r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp)
+        m.copy_(m * b1 + r * (1 - b1))
+        v.copy_(v * b2 + r.square() * (1 - b2))
+        r_tilde = m / (v.sqrt() + eps)
+        dims = (fi, fo) if scale_type == "tensor" else (comp,)
+
+        def norm(x: Tensor, dims: tuple[int, ...] = dims) -> Tensor:
+            return x.square().sum(dim=dims, keepdim=True).sqrt()
+
+        s = norm(r_tilde) / (norm(r) + 1e-8)
+        u = g32 * (s * math.sqrt(scale))
+        norm_u = norm(u, (fi, fo))
+        prev = lim.reshape(norm_u.shape).to(w)
+        bound = gamma * prev
+        limit = (prev > 0) & (norm_u > bound)
+        factor = torch.where(limit, bound / torch.where(limit, norm_u, 1), 1)
+        u = u * factor
+        lim.copy_((norm_u * factor).reshape(lim.shape))
+        step_size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+        if view is not None:
+            u = view.from_matrix(u)
+        p.add_(u.to(p.dtype), alpha=-step_size)
+        if wd != 0.0:
+            p.mul_(1 - lr * wd)
+
+
+def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                         exp_avg_sqs: list[Tensor], limiter_norms: list[Tensor],
+                         state_steps: list[Tensor], *, plans: list[Plan], names: list[str],
+                         projection: Projection, lr: float, beta1: float, beta2: float,
+                         eps: float, weight_decay: float, rank: int, update_proj_gap: int,
+                         scale_type: str, scale: float, limiter_gamma: float) -> None:
+    """One APOLLO step, same-shape matrices at once.
+
+    Matrices of one shape and plan are stacked: one ``torch.bmm`` with their stacked
+    projections, the moments updated by ``torch._foreach_*`` kernels, the scaling factors
+    and the norm-growth limiter computed on the stacked tensors, the step and the decay
+    applied by foreach kernels.  The operations of :func:`_single_tensor_apollo`, in the
+    same order.  The step counts are read on
+    the host (CPU tensors), as in the single-tensor path; grouped axes (a matrix view) and
+    DTensors take the single-tensor path.
+    """
+    kw: dict[str, Any] = {
+        "projection": projection, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+        "weight_decay": weight_decay, "rank": rank, "update_proj_gap": update_proj_gap,
+        "scale_type": scale_type, "scale": scale, "limiter_gamma": limiter_gamma}
+    single = [i for i, (p, g, plan) in enumerate(zip(params, grads, plans, strict=True))
+              if plan[3] is not None or is_dtensor(p) or is_dtensor(g)]
+    if single:
+        _single_tensor_apollo(*([xs[i] for i in single] for xs in (
+            params, grads, exp_avgs, exp_avg_sqs, limiter_norms, state_steps)),
+            plans=[plans[i] for i in single], names=[names[i] for i in single], **kw)
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    skip = set(single)
+    for i, (p, plan) in enumerate(zip(params, plans, strict=True)):
+        if i not in skip:
+            buckets.setdefault((tuple(p.shape), p.dtype, plan[:3]), []).append(i)
+    b1, b2, gamma = beta1, beta2, limiter_gamma
+    for (shape, _, (fi, fo, comp)), idx in buckets.items():
+        w = wide(grads[idx[0]].dtype)
+        device = grads[idx[0]].device
+        ts = [float(state_steps[i]) for i in idx]
+        g32 = torch.stack([grads[i] for i in idx]).to(w)  # (B, *shape)
+        n = shape[comp]
+        proj = torch.stack([projection(names[i], (int(t) - 1) // update_proj_gap, n, rank)
+                            for i, t in zip(idx, ts, strict=True)]).to(device=device, dtype=w)
+        bfi, bfo, bcomp = fi + 1, fo + 1, comp + 1
+        r = torch.matmul(g32.movedim(bcomp, -1), proj.view(len(idx), *[1] * (len(shape) - 2),
+                                                           n, rank)).movedim(-1, bcomp)
+        rs = list(r.unbind(0))
+        ms, vs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
+        torch._foreach_mul_(ms, b1)  # m·b1 + r·(1−b1)
+        torch._foreach_add_(ms, torch._foreach_mul(rs, 1 - b1))
+        torch._foreach_mul_(vs, b2)  # v·b2 + r²·(1−b2)
+        torch._foreach_add_(vs, torch._foreach_mul(torch._foreach_mul(rs, rs), 1 - b2))
+        m, v = torch.stack(ms), torch.stack(vs)
+        r_tilde = m / (v.sqrt() + eps)
+        dims = (bfi, bfo) if scale_type == "tensor" else (bcomp,)
+
+        def norm(x: Tensor, dims: tuple[int, ...] = dims) -> Tensor:
+            return x.square().sum(dim=dims, keepdim=True).sqrt()
+
+        s = norm(r_tilde) / (norm(r) + 1e-8)
+        u = g32 * (s * math.sqrt(scale))
+        norm_u = norm(u, (bfi, bfo))
+        lims = [limiter_norms[i] for i in idx]
+        prev = torch.stack(lims).reshape(norm_u.shape).to(w)
+        bound = gamma * prev
+        limit = (prev > 0) & (norm_u > bound)
+        factor = torch.where(limit, bound / torch.where(limit, norm_u, 1), 1)
+        u = (u * factor).to(params[idx[0]].dtype)
+        new_lim = (norm_u * factor).reshape(len(idx), *lims[0].shape)
+        torch._foreach_copy_(lims, list(new_lim.unbind(0)))
+        us = list(u.unbind(0))
+        ps = [params[i] for i in idx]
+        by_size: dict[float, list[int]] = {}  # one foreach kernel per step size (usually one)
+        for k, t in enumerate(ts):
+            size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+            by_size.setdefault(size, []).append(k)
+        for size, ks in by_size.items():
+            torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=-size)
+        if weight_decay != 0.0:
+            if w == ps[0].dtype:
+                torch._foreach_mul_(ps, 1 - lr * weight_decay)
+            else:  # a CPU foreach kernel rounds the scalar to bfloat16: one mul_ each
+                for q in ps:
+                    q.mul_(1 - lr * weight_decay)
+
+
+class APOLLO(RuleOptimizer):
+    """APOLLO (Zhu et al. 2024) as ``docs/algorithms.md`` states it; defaults are APOLLO-Mini.
+
+    A rank-``r`` random projection of the smaller axis carries AdamW moments whose ratio
+    scales the raw gradient (``"tensor"``: one factor; ``"channel"``: one per channel),
+    times ``√scale``, through a norm-growth limiter (γ); the projection is regenerated every
+    ``update_proj_gap`` steps from ``seed`` (or taken from ``projection``) and not stored;
+    decay is applied after the step.
+
+    Args:
+      params: parameters or param groups (matrices only).
+      lr: learning rate.
+      rank: projection rank ``r``.
+      scale_type: ``"tensor"`` or ``"channel"``.
+      scale: gradient scale (its square root multiplies the update).
+      update_proj_gap: steps between projection refreshes ``T``.
+      betas: Adam ``(b1, b2)`` on the projected gradient.
+      eps: Adam ε.
+      weight_decay: decoupled decay, applied after the step.
+      limiter_gamma: norm-growth limit γ.
+      seed: seed of the default projection.
+      projection: ``projection(name, refresh_index, n, rank) -> P`` to inject ``P``.
+      fan_in_dim: dim (or tuple of dims, merged in that order) of the fan-in axis.
+      fan_out_dim: dim (or tuple of dims, merged in that order) of the fan-out axis.
+      maximize: ascend instead of descend.
+      foreach: the multi-tensor path (default: on CUDA): same-shape matrices stacked, one
+        batched projection product, foreach kernels for the moments and the step.
+    """
+
+    def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,
+                 rank: int = _APOLLO["rank"], scale_type: str = _APOLLO["scale_type"],
+                 scale: float = _APOLLO["scale"],
+                 update_proj_gap: int = _APOLLO["update_proj_gap"],
+                 betas: tuple[float, float] = (_APOLLO["b1"], _APOLLO["b2"]),
+                 eps: float = _APOLLO["eps"], weight_decay: float = _APOLLO["weight_decay"],
+                 limiter_gamma: float = _APOLLO["limiter_gamma"], seed: int = _APOLLO["seed"],
+                 *, projection: Projection | None = None, fan_in_dim: Axes = -1,
+                 fan_out_dim: Axes = -2, maximize: bool = False,
+                 foreach: bool | None = None, cpu_threads: int = 1) -> None:
+        super().__init__(params, {
+            "rule": "apollo", "lr": lr, "rank": rank, "scale_type": scale_type, "scale": scale,
+            "update_proj_gap": update_proj_gap, "betas": tuple(betas), "eps": eps,
+            "weight_decay": weight_decay, "limiter_gamma": limiter_gamma, "seed": seed,
+            "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,
+            "foreach": foreach,
+        }, projection=projection, cpu_threads=cpu_threads)

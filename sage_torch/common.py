@@ -1,0 +1,250 @@
+"""Machinery shared by the algorithm modules of :mod:`sage_torch` (``sage.py``, ``sinkgd.py``, ...).
+
+The :class:`Rule` base class (state, checks, step of one param group), the checks of a
+group's hyperparameters against the table shared with :mod:`sage_optax`, the matrix axes
+of a parameter (:func:`axis_group`, :class:`MatrixView`) and the decoupled-decay step
+``θ ← θ − η·(u + w·θ)`` that every rule but APOLLO ends with.
+
+Layout: PyTorch matrices are ``(out, in)``, so the default axes are ``fan_in_dim=-1`` and
+``fan_out_dim=-2``; ``nn.Embedding.weight`` ``(V, d)`` and a head ``nn.Linear(d, V).weight``
+``(V, d)`` therefore have the vocab axis as fan-out axis, as in :mod:`sage_optax`.  Either
+option may be a tuple of dims, merged into one matrix axis in the order listed: a ``Conv2d``
+weight ``(out, in, kh, kw)`` is ``fan_in_dim=(1, 2, 3)``, ``fan_out_dim=0``, the ``(out,
+in·kh·kw)`` matrix (:class:`MatrixView`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim import hyperparams
+from sage_optim.presets import RULE_DEFAULTS
+from sage_optim.routing import as_axis_group
+
+Axes = int | tuple[int, ...]
+"""A group option ``fan_in_dim``/``fan_out_dim``: one dim, or a group of dims merged into one
+matrix axis in the order listed (``(1, 2, 3)``: a ``Conv2d`` weight's ``in, kh, kw``)."""
+
+Projection = Callable[[str, int, int, int], Tensor]
+"""``projection(name, refresh_index, n, rank) -> P`` of shape ``(n, rank)`` (APOLLO)."""
+
+_DTensor: Any
+try:  # FSDP2 parameters are DTensors: they keep the whole-tensor path
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # pragma: no cover - torch built without torch.distributed
+    _DTensor = None
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter)."""
+    return _DTensor is not None and isinstance(t, _DTensor)
+
+
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """Arithmetic dtype: float32, or float64 for float64 tensors.
+
+    ``torch.promote_types(dtype, torch.float32)`` for the floating dtypes, without
+    dispatching an op (this is called once per parameter and step).
+    """
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bias_correction(b: float, step: Tensor, dtype: torch.dtype) -> Tensor:
+    """``1 − b^t`` as a tensor (no host sync: ``torch.compile`` traces it without a break)."""
+    return 1 - b ** step.to(dtype)
+
+
+def check_group(group: dict[str, Any], rule: str, keys: Sequence[str]) -> None:
+    """Check ``group``'s ``lr``, ``weight_decay``, ``betas`` and ``keys``.
+
+    Against the shared table (:mod:`sage_optim.hyperparams`): the messages are those of
+    :mod:`sage_optax`.
+    """
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a scalar, got a tensor of shape {tuple(lr.shape)}")
+        if group.get("capturable") and not lr.is_floating_point():
+            raise ValueError(f"lr must be a floating tensor with capturable=True, got {lr.dtype}")
+    if isinstance(lr, Tensor) and lr.device.type != "cpu":
+        pass  # a device lr (capturable=True) is not read back to the host to be checked
+    else:
+        hyperparams.check("lr", float(lr), rule)
+    hyperparams.check("weight_decay", group["weight_decay"], rule)
+    if "b1" in RULE_DEFAULTS.get(rule, {}):
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
+        hyperparams.check("b1", betas[0], rule, "betas[0] (b1)")
+        hyperparams.check("b2", betas[1], rule, "betas[1] (b2)")
+    for key in keys:
+        hyperparams.check(key, group[key], rule)
+
+
+def axis_group(value: Axes, ndim: int, what: str, name: str = "") -> tuple[int, ...]:
+    """``value`` (an int or a tuple of ints) as non-negative dims of an ``ndim``-D tensor.
+
+    Raises:
+      ValueError: not ints, empty, out of range or repeated; the message names ``what``.
+    """
+    group = as_axis_group(value, what)
+    if group is None:
+        raise ValueError(f"{what} must be an int or a tuple of ints, got None")
+    for a in group:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"{what}={value!r} is out of range for parameter "
+                             f"{name or '<unnamed>'} with {ndim} dims")
+    out = tuple(a % ndim for a in group)
+    if len(set(out)) != len(out):
+        raise ValueError(f"{what}={value!r} lists a dim twice for parameter {name or '<unnamed>'}")
+    return out
+
+
+def matrix_axes(p: Tensor, group: dict[str, Any], rule: str,
+                name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (fan_in, fan_out) dim groups of a matrix parameter, checked; errors name the size."""
+    if p.dim() < 2:
+        raise ValueError(
+            f"{rule} needs a matrix, but parameter {name or '<unnamed>'} has size "
+            f"{tuple(p.shape)}; route 1-D/0-D parameters to another rule "
+            "(sage_torch.make_optimizer does this)"
+        )
+    if group.get("fan_in_dim") is None or group.get("fan_out_dim") is None:
+        raise ValueError(
+            f"{rule} needs matrix axes, but the group of parameter {name or '<unnamed>'} "
+            f"(size {tuple(p.shape)}) has fan_in_dim={group.get('fan_in_dim')!r}, "
+            f"fan_out_dim={group.get('fan_out_dim')!r}"
+        )
+    fi = axis_group(group["fan_in_dim"], p.dim(), "fan_in_dim", name)
+    fo = axis_group(group["fan_out_dim"], p.dim(), "fan_out_dim", name)
+    if set(fi) & set(fo):
+        same = sorted(set(fi) & set(fo))
+        dims = f"dim ({same[0]})" if len(same) == 1 else f"dims {same}"
+        raise ValueError(f"fan_in_dim and fan_out_dim are the same {dims} for {name}")
+    return fi, fo
+
+
+class MatrixView:
+    """A tensor with grouped fan axes as ``(batch..., OUT, IN)`` and back.
+
+    The batch dims (neither fan-in nor fan-out) come first in their order, then the fan-out
+    dims merged in the order listed, then the fan-in dims merged in the order listed, so a
+    ``Conv2d`` weight ``(out, in, kh, kw)`` with ``fan_in=(1, 2, 3)``, ``fan_out=(0,)`` is the
+    ``(out, in·kh·kw)`` matrix of ``w.reshape(out, -1)``: PyTorch's own ``(out, in)`` layout,
+    on which the 2-D code paths run with ``fan_in_dim=-1``, ``fan_out_dim=-2``.
+    """
+
+    def __init__(self, shape: Sequence[int], fan_in: tuple[int, ...],
+                 fan_out: tuple[int, ...]) -> None:
+        shape = tuple(int(n) for n in shape)
+        batch = tuple(a for a in range(len(shape)) if a not in fan_in and a not in fan_out)
+        self.perm = (*batch, *fan_out, *fan_in)
+        self.inverse = tuple(self.perm.index(a) for a in range(len(shape)))
+        self.moved_shape = tuple(shape[a] for a in self.perm)
+        self.shape = (*(shape[a] for a in batch), math.prod(shape[a] for a in fan_out),
+                      math.prod(shape[a] for a in fan_in))
+        self.identity = self.perm == tuple(range(len(shape)))
+
+    def to_matrix(self, t: Tensor) -> Tensor:
+        """``t`` as ``(batch..., OUT, IN)`` (a view where the dims are already in order)."""
+        return (t if self.identity else t.permute(self.perm)).reshape(self.shape)
+
+    def view(self, t: Tensor) -> Tensor | None:
+        """A view of ``t`` sharing its storage (writes reach ``t``), or ``None`` if none."""
+        if not self.identity or not t.is_contiguous():
+            return None
+        return t.view(self.shape)
+
+    def from_matrix(self, x: Tensor) -> Tensor:
+        """Undo :meth:`to_matrix`: ``x`` back in the parameter's layout."""
+        x = x.reshape(self.moved_shape)
+        return x if self.identity else x.permute(self.inverse)
+
+
+def lr_of(group: dict[str, Any]) -> float | Tensor:
+    """The group's learning rate: a float, or the tensor itself with ``capturable=True``.
+
+    Without ``capturable`` a tensor ``lr`` is read on the host (``float``), as before; with
+    it, a tensor ``lr`` (on the parameters' device) is used as is, so the step never reads
+    it back (CUDA-graph capture).
+    """
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        return lr if group.get("capturable", False) else float(lr)
+    return float(lr)
+
+
+def decayed_step(params: list[Tensor], updates: list[Tensor], lr: float | Tensor, wd: float,
+                 foreach: bool) -> None:
+    """θ ← θ − η·(u + w·θ), the Optax chain ``add_decayed_weights`` → ``scale(−η)``.
+
+    ``updates`` may be overwritten (they are temporaries of the caller).  A tensor ``lr``
+    (``capturable=True``) stays on the device: ``θ ← θ − (u + w·θ)·η``.
+    """
+    if isinstance(lr, Tensor):
+        if foreach:
+            if wd != 0.0:
+                torch._foreach_add_(updates, params, alpha=wd)
+            torch._foreach_mul_(updates, lr)
+            torch._foreach_sub_(params, updates)
+            return
+        for p, u in zip(params, updates, strict=True):
+            if wd != 0.0:
+                u = u.add(p, alpha=wd)
+            p.sub_(u * lr)
+        return
+    if foreach:
+        if wd != 0.0:
+            torch._foreach_add_(updates, params, alpha=wd)
+        torch._foreach_add_(params, updates, alpha=-lr)
+        return
+    for p, u in zip(params, updates, strict=True):
+        if wd != 0.0:
+            u = u.add(p, alpha=wd)
+        p.add_(u, alpha=-lr)
+
+
+def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``dst[i].copy_(src[i])``: one ``_foreach_copy_`` for plain tensors.
+
+    DTensor has no ``_foreach_copy_`` strategy: one ``copy_`` per tensor there.
+    """
+    if any(is_dtensor(t) for t in dst):
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(dst, src)
+
+
+class Rule:
+    """Base class of an update rule: its state, its checks and its step.
+
+    ``cpu_threads``: helper threads of the chunked in-place CPU path
+    (:mod:`sage_torch.chunked`); 1, the default, runs it on the calling thread only and
+    leaves ``torch.set_num_threads`` alone.
+    """
+
+    name: str = ""
+
+    checked: tuple[str, ...] = ()
+    """Hyperparameters of the rule validated beyond ``lr``, ``weight_decay`` and ``betas``."""
+
+    cpu_threads: int = 1
+
+    def validate(self, group: dict[str, Any]) -> None:
+        """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""
+        check_group(group, self.name, self.checked)
+
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
+        """The state of a parameter before its first step (tensors only, no 'step')."""
+        return {}
+
+    def step(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
+             names: list[str], group: dict[str, Any], foreach: bool) -> None:
+        """Apply one step to ``params`` in place."""
+        raise NotImplementedError

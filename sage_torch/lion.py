@@ -1,0 +1,110 @@
+"""Lion (Chen et al. 2023): ``θ ← θ − η·(sign(b1·m + (1−b1)·g) + w·θ)``, as ``optax.lion``.
+
+The :class:`Lion` optimizer, its rule (:class:`LionRule`) and the step functions in
+``torch.optim``'s shape: :func:`_single_tensor_lion`, :func:`_multi_tensor_lion`
+(``torch._foreach_*`` over the whole group) and :func:`_chunked_lion` (the in-place CPU
+path of :mod:`sage_torch.chunked`), all taking keyword hyperparameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim.presets import PRESETS, RULE_DEFAULTS
+from sage_torch import chunked
+from sage_torch.common import Rule, copy_all, decayed_step, lr_of
+from sage_torch.optimizer import ParamsT, RuleOptimizer
+
+_LION = RULE_DEFAULTS["lion"]
+
+
+def _single_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *,
+                        lr: float | Tensor,
+                        beta1: float, beta2: float, weight_decay: float) -> None:
+    """One Lion step, tensor by tensor."""
+    updates = []
+    for g, m in zip(grads, exp_avgs, strict=True):
+        updates.append(torch.sign(g * (1.0 - beta1) + m * beta1))
+        m.copy_(g * (1 - beta2) + m * beta2)
+    decayed_step(params, updates, lr, weight_decay, False)
+
+
+def _multi_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *,
+                       lr: float | Tensor, beta1: float, beta2: float, weight_decay: float) -> None:
+    """One Lion step with ``torch._foreach_*`` kernels (the operations of the single path)."""
+    if not params:
+        return
+    c = torch._foreach_mul(grads, 1.0 - beta1)
+    torch._foreach_add_(c, torch._foreach_mul(exp_avgs, beta1))
+    updates = list(torch._foreach_sign(c))
+    new_m = torch._foreach_mul(grads, 1 - beta2)
+    torch._foreach_add_(new_m, torch._foreach_mul(exp_avgs, beta2))
+    copy_all(exp_avgs, list(new_m))
+    decayed_step(params, updates, lr, weight_decay, True)
+
+
+def _chunked_lion(p: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, beta2: float,
+                  weight_decay: float, threads: int = 1) -> None:
+    """The single-tensor step on one chunk at a time (:mod:`sage_torch.chunked`)."""
+
+    def update(k: int, i: int, j: int, u: Tensor, t: Tensor) -> None:
+        gi, mi, pi = g[i:j], m[i:j], p[i:j]
+        torch.mul(gi, 1.0 - beta1, out=u)  # sign(g·(1−b1) + m·b1)
+        torch.mul(mi, beta1, out=t)
+        u.add_(t).sign_()
+        torch.mul(gi, 1 - beta2, out=t)  # m ← g·(1−b2) + m·b2
+        mi.mul_(beta2).add_(t)
+        chunked.decay_and_apply(u, pi, lr, weight_decay)
+
+    chunked.for_chunks(p, update, threads)
+
+
+class LionRule(Rule):
+    """Lion: ``u = sign(b1·m + (1−b1)·g)``, then ``m ← b2·m + (1−b2)·g``."""
+
+    name = "lion"
+
+    def init_state(self, p, group, name):  # noqa: D102
+        return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
+                              "weight_decay": group["weight_decay"]}
+        if not group.get("capturable", False):
+            params, grads, states = chunked.split_fast(
+                params, grads, states, ("exp_avg",),
+                lambda p, g, st: _chunked_lion(p, g, st["exp_avg"], threads=self.cpu_threads,
+                                               **hp))
+        fn = _multi_tensor_lion if foreach else _single_tensor_lion
+        fn(params, grads, [st["exp_avg"] for st in states], **hp)
+
+
+class Lion(RuleOptimizer):
+    """Lion (Chen et al. 2023): ``θ ← θ − η·(sign(b1·m + (1−b1)·g) + w·θ)``, as ``optax.lion``.
+
+    Args:
+      params: parameters or param groups.
+      lr: learning rate.
+      betas: ``(b1, b2)``.
+      weight_decay: decoupled decay.
+      maximize: ascend instead of descend.
+      foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      capturable: keep the step count on the parameters' device and accept a device tensor
+        ``lr``, so the step reads nothing back to the host (CUDA graphs), as
+        ``torch.optim.Adam``'s option.
+      cpu_threads: threads of the chunked CPU path (default 1: none started).
+    """
+
+    def __init__(self, params: ParamsT, lr: float = PRESETS["lion"].learning_rate,
+                 betas: tuple[float, float] = (_LION["b1"], _LION["b2"]),
+                 weight_decay: float = _LION["weight_decay"], *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 cpu_threads: int = 1) -> None:
+        super().__init__(params, {
+            "rule": "lion", "lr": lr, "betas": tuple(betas), "weight_decay": weight_decay,
+            "maximize": maximize, "foreach": foreach, "capturable": capturable,
+        }, cpu_threads=cpu_threads)

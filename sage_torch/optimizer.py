@@ -1,0 +1,281 @@
+"""The multi-rule ``torch.optim.Optimizer``: :class:`RuleOptimizer` (the base of every class).
+
+Every class is a :class:`RuleOptimizer`: each param group carries the name of its update
+rule (``group["rule"]``) and that rule's hyperparameters, so one optimizer can run SAGE on
+the embedding and SinkGD on the dense matrices (what :func:`sage_torch.make_optimizer`
+returns) while ``torch.optim.lr_scheduler`` and ``state_dict`` work as with any optimizer.
+Defaults come from the table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim.presets import RULE_DEFAULTS
+from sage_torch.common import Projection, Rule
+
+ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
+
+_COMMON_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False, "fan_in_dim": -1,
+                    "fan_out_dim": -2}
+_MOMENTUM_KEYS = ("betas", "momentum")
+
+
+def make_rules(projection: Projection | None = None) -> dict[str, Rule]:
+    r"""One instance of every rule, by name (APOLLO's with ``projection``).
+
+    The algorithm modules import this one (their optimizer classes are
+    :class:`RuleOptimizer`\ s), so they are imported here when the first optimizer is built.
+    """
+    from sage_torch.adamw import AdamWRule
+    from sage_torch.apollo import ApolloRule
+    from sage_torch.lion import LionRule
+    from sage_torch.sage import SageRule
+    from sage_torch.sinkgd import SinkGDRule
+    from sage_torch.unit_norm import UnitNormRule
+
+    rules: list[Rule] = [SageRule(), LionRule(), AdamWRule(), SinkGDRule(), UnitNormRule(),
+                         ApolloRule(projection)]
+    out = {r.name: r for r in rules}
+    assert set(out) == set(RULE_DEFAULTS), "every shared rule has a PyTorch implementation"
+    return out
+
+
+class MomentumError(ValueError):
+    """A scheduler asked to cycle the momentum of a group whose rule has none."""
+
+
+class _Defaults(dict):
+    """``optimizer.defaults`` that answers torch's schedulers for every group.
+
+    ``OneCycleLR``/``CyclicLR`` with ``cycle_momentum=True`` ask ``"betas" in
+    optimizer.defaults`` and then rewrite ``group["betas"]`` of every group.  A rule without
+    momentum (SinkGD, unit_norm) has no ``betas``; instead of torch's ``KeyError`` half-way
+    through the groups (after changing the others' beta1), the question itself raises a
+    :class:`MomentumError` naming the group and its rule, before anything is changed.
+    """
+
+    owner: Any = None
+
+    def __contains__(self, key: object) -> bool:
+        optimizer = self.owner
+        if key not in _MOMENTUM_KEYS or optimizer is None or not optimizer.param_groups:
+            return super().__contains__(key)
+        if key == "momentum":
+            return False
+        for index, group in enumerate(optimizer.param_groups):
+            if "betas" not in group:
+                names = list(group.get("param_names") or [])
+                shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+                raise MomentumError(
+                    f"param group {index} (kind {group.get('kind', '-')!r}, rule "
+                    f"{group['rule']!r}{': ' + shown if shown else ''}) has no momentum "
+                    f"('betas'): the {group['rule']} rule keeps none, so a scheduler cannot "
+                    "cycle it. Pass cycle_momentum=False to OneCycleLR/CyclicLR (the learning "
+                    "rate of every group is still scheduled), or give that group a rule with "
+                    "betas (sage, lion, adamw, apollo)"
+                )
+        return True
+
+
+class RuleOptimizer(torch.optim.Optimizer):
+    """An optimizer whose param groups each name their update rule.
+
+    Args:
+      params: parameters or param groups; every group must have a ``"rule"`` (one of
+        ``"sage"``, ``"sinkgd"``, ``"lion"``, ``"adamw"``, ``"apollo"``, ``"unit_norm"``)
+        unless ``defaults`` gives one, and that rule's hyperparameters.
+      defaults: default group options (``lr``, ``weight_decay``, ``maximize``,
+        ``foreach``, ``fan_in_dim``, ``fan_out_dim`` and rule hyperparameters).
+      projection: APOLLO's projection, ``projection(name, refresh_index, n, rank) -> P``,
+        to inject a fixed ``P`` (parity with :mod:`sage_optax`); default Gaussian.
+      cpu_threads: threads of the chunked in-place CPU path (:mod:`sage_torch.chunked`);
+        the default 1 starts no thread and leaves ``torch.set_num_threads`` alone.
+      kinds: ``{kind: group options}`` (:func:`sage_torch.make_optimizer` passes its
+        configuration's): a group added with ``kind=`` and no ``rule`` gets that kind's rule,
+        hyperparameters and learning rate.
+
+    ``fan_in_dim``/``fan_out_dim`` are a dim or a tuple of dims (merged into one matrix axis,
+    :class:`sage_torch.common.MatrixView`); ``fan_out_dim=None`` makes SAGE element-wise.
+    Groups without ``param_names`` get generated names (``param_groups[2].params[0]``) when
+    other groups have names, so named and unnamed groups mix.  A rule with momentum keeps it
+    in ``betas``, the key torch's schedulers read; asking to cycle the momentum of a group
+    whose rule has none raises a :class:`MomentumError` naming it.
+
+    Parameter state is created lazily on the first step.  A parameter's ``state`` holds a
+    float32 ``"step"`` and the rule's tensors; floating state keeps its own dtype through
+    ``state_dict``/``load_state_dict`` (``torch.optim.Optimizer`` would cast it to the
+    parameter's dtype, turning SAGE's float32 ``S`` of a bfloat16 parameter into bfloat16).
+    """
+
+    def __init__(self, params: ParamsT, defaults: dict[str, Any],
+                 projection: Projection | None = None,
+                 kinds: Mapping[str, Mapping[str, Any]] | None = None, *,
+                 cpu_threads: int = 1) -> None:
+        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be a positive int, got {cpu_threads!r}")
+        self._rules: dict[str, Rule] = make_rules(projection)
+        for rule in self._rules.values():
+            rule.cpu_threads = cpu_threads
+        self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
+        merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
+        super().__init__(params, merged)
+        merged.owner = self
+
+    def __getstate__(self) -> dict[str, Any]:  # noqa: D105
+        return {**super().__getstate__(), "kinds": self.kinds}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # noqa: D105
+        super().__setstate__(state)
+        if not isinstance(self.defaults, _Defaults):  # unpickled as a plain dict
+            self.defaults = _Defaults(self.defaults)
+        self.defaults.owner = self
+        self.__dict__.setdefault("kinds", {})
+
+    def _name_group(self, param_group: dict[str, Any]) -> None:
+        """Generate ``param_names`` where named and unnamed groups would meet."""
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = param_group["params"] = [params]
+        elif not isinstance(params, set):
+            params = param_group["params"] = list(params)
+        named = "param_names" in param_group or any(isinstance(p, tuple) for p in params)
+        if not self.param_groups:
+            return
+        index = len(self.param_groups)
+        if "param_names" in self.param_groups[0] and not named:
+            param_group["param_names"] = [f"param_groups[{index}].params[{i}]"
+                                          for i in range(len(params))]
+        elif named and "param_names" not in self.param_groups[0]:
+            for gi, group in enumerate(self.param_groups):
+                group["param_names"] = [f"param_groups[{gi}].params[{i}]"
+                                        for i in range(len(group["params"]))]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group and validate its rule and hyperparameters (``ValueError`` names them).
+
+        The group may give ``param_names`` or not, whatever the other groups do (missing
+        names are generated).  On an optimizer with :attr:`kinds` (from
+        :func:`sage_torch.make_optimizer`), ``kind="dense"`` without a ``rule`` gives the
+        group the configuration's rule, hyperparameters and learning rate for that kind
+        (keys the group sets win); its matrix axes default to ``nn.Linear``'s ``(out, in)``.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        kind = param_group.get("kind")
+        if kind is not None and "rule" not in param_group and self.kinds:
+            if kind not in self.kinds:
+                raise ValueError(
+                    f"param group has kind {kind!r}; this optimizer's kinds: "
+                    f"{', '.join(self.kinds)} (or give a rule=)"
+                )
+            for key, value in self.kinds[kind].items():
+                param_group.setdefault(key, value)
+        self._name_group(param_group)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        rule = group.get("rule")
+        if rule not in self._rules:
+            self.param_groups.pop()
+            raise ValueError(
+                f"param group has rule {rule!r}; valid rules: {', '.join(sorted(self._rules))}"
+            )
+        for key in RULE_DEFAULTS[rule]:
+            if key in ("b1", "b2", "projection"):
+                continue
+            group.setdefault(key, RULE_DEFAULTS[rule][key])
+        if rule in ("sage", "lion", "adamw", "apollo"):
+            group.setdefault("betas", (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]))
+        try:
+            self._rules[rule].validate(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def rule_of(self, group: dict[str, Any]) -> Rule:
+        """The update rule (state layout, checks, step) that runs ``group``."""
+        return self._rules[group["rule"]]
+
+    def _names(self, group: dict[str, Any]) -> list[str]:
+        names = group.get("param_names")
+        if names:
+            return list(names)
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        return [f"param_groups[{index}].params[{i}]" for i in range(len(group["params"]))]
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
+        """Perform one optimization step (``closure`` re-evaluates the model, as usual)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            rule = self.rule_of(group)
+            params, grads, states, names = [], [], [], []
+            for p, name in zip(group["params"], self._names(group), strict=True):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    index = next(i for i, g in enumerate(self.param_groups) if g is group)
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not support sparse gradients: parameter "
+                        f"{name} of shape {tuple(p.shape)} (param group {index}, rule "
+                        f"{group['rule']!r}) has one. It comes from an nn.Embedding/"
+                        "nn.EmbeddingBag built with sparse=True: build it with sparse=False "
+                        "(sage_torch.make_optimizer refuses such a model up front)"
+                    )
+                if torch.is_complex(p):
+                    raise ValueError(f"complex parameter {name} is not supported")
+                state = self.state[p]
+                if not state:
+                    # on the parameter's device with capturable=True (as torch.optim.Adam)
+                    state["step"] = torch.tensor(
+                        0.0, dtype=torch.float32,
+                        device=p.device if group.get("capturable", False) else None)
+                    state.update(rule.init_state(p, group, name))
+                params.append(p)
+                grads.append(-p.grad if group["maximize"] else p.grad)
+                states.append(state)
+                names.append(name)
+            if not params:
+                continue
+            foreach = group["foreach"]
+            if foreach is None:
+                foreach = all(p.device.type == "cuda" for p in params)
+            steps = [st["step"] for st in states]
+            if foreach:
+                torch._foreach_add_(steps, 1)
+            else:
+                for t in steps:
+                    t += 1
+            if foreach and len({(p.device, p.dtype) for p in params}) > 1:
+                for key in sorted({(str(p.device), str(p.dtype)) for p in params}):
+                    idx = [i for i, p in enumerate(params) if (str(p.device), str(p.dtype)) == key]
+                    rule.step([params[i] for i in idx], [grads[i] for i in idx],
+                              [states[i] for i in idx], [names[i] for i in idx], group, True)
+            else:
+                rule.step(params, grads, states, names, group, bool(foreach))
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, keeping each floating state tensor's saved dtype."""
+        super().load_state_dict(state_dict)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params, strict=True):
+            for key, saved in state_dict["state"].get(pid, {}).items():
+                current = self.state[p].get(key)
+                if (isinstance(saved, Tensor) and isinstance(current, Tensor)
+                        and saved.is_floating_point() and current.dtype != saved.dtype):
+                    self.state[p][key] = saved.to(device=current.device, dtype=saved.dtype,
+                                                  copy=True)
+
+

@@ -1,0 +1,345 @@
+"""SAGE, Sign-Adaptive GradiEnt (paper Algorithm 1 with the instantaneous damper).
+
+The :class:`SAGE` optimizer, its rule (:class:`SageRule`), the damper
+(:func:`sage_damper`) and the step functions in ``torch.optim``'s shape, all taking keyword
+hyperparameters: :func:`_single_tensor_sage` (tensor by tensor), :func:`_multi_tensor_sage`
+(``torch._foreach_*`` over the group, with the reductions of ``s``, ``σ`` and ``γ`` run once
+for all parameters of the same device, dtype, shape and axes, stacked into one batched
+tensor) and :func:`_chunked_sage` (the in-place CPU path of :mod:`sage_torch.chunked`).
+``docs/algorithms.md`` states the math; it is that of :mod:`sage_optax`, in the same order
+of floating-point operations where it matters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim.presets import PRESETS, RULE_DEFAULTS
+from sage_torch import chunked
+from sage_torch.common import (
+    Axes,
+    Rule,
+    axis_group,
+    bias_correction,
+    copy_all,
+    decayed_step,
+    is_dtensor,
+    lr_of,
+    wide,
+)
+from sage_torch.optimizer import ParamsT, RuleOptimizer
+
+_SAGE = RULE_DEFAULTS["sage"]
+
+ReduceDim = int | tuple[int, ...] | None
+"""The fan-out dim(s) ``s`` averages over; ``None``: element-wise (vectors)."""
+
+
+def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
+                dims: tuple[int, ...] | None = None) -> Tensor:
+    """SAGE's ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)`` with σ, γ the RMS of ``Ŝ`` and ``s``.
+
+    ``dims``: the dims the RMS averages over (default: every entry); the others are batch
+    dims (stacked layers, or the stacked parameters of :func:`_multi_tensor_sage`), each
+    with its own σ and γ.
+    """
+    def rms(x: Tensor) -> Tensor:
+        if dims is None:
+            return x.square().mean().sqrt()
+        if not dims:  # one entry per batch index: the mean of one number is that number
+            return x.square().sqrt()
+        return x.square().mean(dim=dims, keepdim=True).sqrt()
+
+    terms = []
+    if damper in ("both", "ema"):
+        terms.append(rms(s_hat) / (s_hat + eps))
+    if damper in ("both", "instant"):
+        terms.append(rms(s) / (s + eps))
+    if not terms:
+        return torch.ones_like(s)
+    h = terms[0].clamp_max(1)  # min(x, 1), NaN kept as torch.minimum keeps it
+    return h if len(terms) == 1 else torch.minimum(h, terms[1])
+
+
+def _broadcast_h(h: Tensor, dim: ReduceDim, shape: Sequence[int], batch: int = 0) -> Tensor:
+    """``H`` (the reduced shape) broadcastable against the parameter (``batch`` leading dims)."""
+    if isinstance(dim, tuple):  # a group of fan-out dims: broadcast over all of them
+        return h.reshape([*h.shape[:batch],
+                          *(1 if a in dim else n for a, n in enumerate(shape))])
+    if dim is not None:
+        return h.unsqueeze(dim + batch)
+    return h
+
+
+def _single_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                        scale_avgs: list[Tensor], state_steps: list[Tensor], *,
+                        reduce_dims: list[ReduceDim], rms_dims: list[tuple[int, ...] | None],
+                        lr: float | Tensor,
+                        beta1: float, beta2: float, eps: float, weight_decay: float,
+                        damper: str) -> None:
+    """One SAGE step, tensor by tensor (``state_steps``: already incremented).
+
+    ``reduce_dims[i]``: the fan-out dim(s) of parameter ``i`` (``None``: element-wise);
+    ``rms_dims[i]``: the dims of its ``s`` that σ and γ average over (``None``: all).
+    """
+    updates, new_m = [], []
+    for p, g, m, S, t, dim, rdims in zip(params, grads, exp_avgs, scale_avgs, state_steps,
+                                         reduce_dims, rms_dims, strict=True):
+        w = wide(g.dtype)
+        g32, m32 = g.to(w), m.to(w)
+        s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
+        S.mul_(beta2).add_(s.to(S.dtype), alpha=1 - beta2)
+        s_hat = S.to(s.dtype) / bias_correction(beta2, t, s.dtype)
+        h = _broadcast_h(sage_damper(s, s_hat, eps, damper, rdims), dim, p.shape)
+        m_new = g32 * (1 - beta2) + m32 * beta2
+        # sign(b1·M_{t−1} + (1−b1)·g), read from M_t as sage_optax.lion_direction does
+        # (the same rounding in both frameworks).
+        arg = (g32 * (1.0 - beta1) + m32 * beta1 if beta2 == 0
+               else m_new * beta1 + g32 * (beta2 - beta1))
+        updates.append((torch.sign(arg) * h).to(p.dtype))
+        new_m.append(m_new)
+    # One copy_ per tensor: DTensor has no _foreach_copy_ strategy.
+    for m, n in zip(exp_avgs, new_m, strict=True):
+        m.copy_(n)
+    if params:
+        decayed_step(params, updates, lr, weight_decay, False)
+
+
+def _stack(xs: list[Tensor]) -> Tensor:
+    """``xs`` stacked on a new dim 0 (a view for a single tensor: no copy)."""
+    return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
+
+
+def _multi_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                       scale_avgs: list[Tensor], state_steps: list[Tensor], *,
+                       reduce_dims: list[ReduceDim], rms_dims: list[tuple[int, ...] | None],
+                       lr: float | Tensor,
+                       beta1: float, beta2: float, eps: float, weight_decay: float,
+                       damper: str) -> None:
+    """One SAGE step with ``torch._foreach_*`` kernels and batched reductions.
+
+    The parameters are bucketed by device, dtype, shape and axes; each bucket's ``s``,
+    ``Ŝ`` and damper are computed once on the stacked ``(B, ...)`` tensors, and the
+    element-wise parts (``M``, the sign, ``H``, the decayed step) run as foreach kernels
+    over the whole list.  No host synchronisation: the bias corrections are computed from
+    the step tensors (``torch._foreach_pow``) as in :func:`_single_tensor_sage`, with the
+    same operations, so both paths agree to rounding.  DTensors (FSDP2) take the
+    single-tensor path.
+    """
+    if not params:
+        return
+    if any(is_dtensor(p) or is_dtensor(g) for p, g in zip(params, grads, strict=True)):
+        _single_tensor_sage(params, grads, exp_avgs, scale_avgs, state_steps,
+                            reduce_dims=reduce_dims, rms_dims=rms_dims, lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=weight_decay, damper=damper)
+        return
+    w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
+    g32 = [g if g.dtype == w else g.to(w) for g in grads]
+    m32 = [m if m.dtype == w else m.to(w) for m in exp_avgs]
+    # M_t = g·(1−b2) + M·b2 and the sign's argument, as _single_tensor_sage
+    m_new = list(torch._foreach_mul(g32, 1 - beta2))
+    torch._foreach_add_(m_new, torch._foreach_mul(m32, beta2))
+    if beta2 == 0:
+        arg = list(torch._foreach_mul(g32, 1.0 - beta1))
+        torch._foreach_add_(arg, torch._foreach_mul(m32, beta1))
+    else:
+        arg = list(torch._foreach_mul(m_new, beta1))
+        torch._foreach_add_(arg, torch._foreach_mul(g32, beta2 - beta1))
+    updates = list(torch._foreach_sign(arg))
+    # 1 − b2^t per parameter, as bias_correction (float32 steps; cast for float64)
+    steps = [t if t.dtype == w else t.to(w) for t in state_steps]
+    bias2 = list(torch._foreach_pow(beta2, steps))
+    torch._foreach_neg_(bias2)
+    torch._foreach_add_(bias2, 1)
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, S) in enumerate(zip(params, scale_avgs, strict=True)):
+        key = (tuple(p.shape), reduce_dims[i], rms_dims[i], S.dtype)
+        buckets.setdefault(key, []).append(i)
+    h_all: list[Tensor] = [updates[0]] * len(params)  # placeholders, all replaced below
+    for (shape, dim, rdims, s_dtype), idx in buckets.items():
+        gb = _stack([g32[i] for i in idx])
+        a = gb.abs()
+        if dim is None:
+            s = a
+        else:
+            s = a.mean(dim=tuple(d + 1 for d in dim) if isinstance(dim, tuple) else dim + 1)
+        S_list = [scale_avgs[i] for i in idx]
+        torch._foreach_mul_(S_list, beta2)
+        s_parts = list(s.to(s_dtype).unbind(0))
+        torch._foreach_add_(S_list, s_parts, alpha=1 - beta2)
+        bc = _stack([bias2[i] for i in idx]).to(device=s.device)
+        bc = bc.view([len(idx)] + [1] * (s.dim() - 1))
+        s_hat = _stack(S_list).to(s.dtype) / bc
+        dims = (tuple(range(1, s.dim())) if rdims is None
+                else tuple(d + 1 for d in rdims))
+        h = _broadcast_h(sage_damper(s, s_hat, eps, damper, dims), dim, shape, batch=1)
+        for i, hi in zip(idx, h.unbind(0), strict=True):
+            h_all[i] = hi
+    torch._foreach_mul_(updates, h_all)
+    updates = [u if u.dtype == p.dtype else u.to(p.dtype)
+               for u, p in zip(updates, params, strict=True)]
+    copy_all(exp_avgs, m_new)
+    decayed_step(params, updates, lr, weight_decay, True)
+
+
+def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
+                  reduce_dim: int | None, rms_dims: tuple[int, ...] | None, lr: float,
+                  beta1: float, beta2: float, eps: float, weight_decay: float, damper: str,
+                  threads: int = 1) -> None:
+    """One step of one plain CPU parameter, chunk by chunk (:mod:`sage_torch.chunked`).
+
+    Pass 1 reduces ``|g|`` over the vocab dim (``s``: a partial sum per chunk, then their
+    sum, as ``mean``); pass 2 updates ``M``, forms ``sign(b1·M_t + (b2−b1)·g)·H`` and
+    applies it with the decay, all on one chunk at a time, with the operations (and so the
+    rounding) of the whole-tensor path.
+    """
+    dim = reduce_dim
+    if dim is None:
+        s = g.abs()
+    elif dim == 0:
+        n_chunks = len(chunked.chunks(p))
+        partial = torch.empty((n_chunks, *p.shape[1:]), dtype=p.dtype)
+
+        def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
+            torch.abs(g[i:j], out=a)
+            torch.sum(a, dim=0, out=partial[k])
+
+        chunked.for_chunks(p, reduce, threads)
+        s = partial.sum(dim=0).div_(p.shape[0])
+    else:
+        s = torch.empty((*p.shape[:dim], *p.shape[dim + 1:]), dtype=p.dtype)
+
+        def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
+            torch.abs(g[i:j], out=a)
+            torch.mean(a, dim=dim, out=s[i:j])
+
+        chunked.for_chunks(p, reduce, threads)
+    S.mul_(beta2).add_(s.to(S.dtype), alpha=1 - beta2)
+    s_hat = S.to(s.dtype) / bias_correction(beta2, step, s.dtype)
+    h = _broadcast_h(sage_damper(s, s_hat, eps, damper, rms_dims), dim, p.shape)
+
+    def update(k: int, i: int, j: int, u: Tensor, t: Tensor) -> None:
+        gi, mi, pi = g[i:j], m[i:j], p[i:j]
+        hi = h if h.shape[0] == 1 else h[i:j]
+        torch.mul(gi, 1 - beta2, out=t)  # M_t = g·(1−b2) + M·b2
+        mi.mul_(beta2).add_(t)
+        torch.mul(mi, beta1, out=u)  # b1·M_t + (b2−b1)·g
+        torch.mul(gi, beta2 - beta1, out=t)
+        u.add_(t).sign_().mul_(hi)
+        chunked.decay_and_apply(u, pi, lr, weight_decay)
+
+    chunked.for_chunks(p, update, threads)
+
+
+class SageRule(Rule):
+    """SAGE (Algorithm 1 + instantaneous damper): ``u = sign(b1·M + (1−b1)·g) ⊙ H``."""
+
+    name = "sage"
+
+    checked = ("eps", "damper")
+
+    def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> ReduceDim:
+        """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
+
+        Element-wise for 0-D/1-D parameters and for groups with ``fan_out_dim=None`` (the
+        ``vector`` groups of :func:`sage_torch.param_groups`, whatever the shape).
+        """
+        if p.dim() < 2 or group.get("fan_out_dim") is None:
+            return None
+        dims = axis_group(group["fan_out_dim"], p.dim(), "fan_out_dim")
+        return dims[0] if len(dims) == 1 else dims
+
+    def _rms_dims(self, p: Tensor, group: dict[str, Any]) -> tuple[int, ...] | None:
+        """The dims of ``s`` that σ and γ average over: its fan-in dims, not batch dims.
+
+        ``None`` (every entry) unless the parameter has batch dims (neither fan-in nor
+        fan-out), which are averaged separately, as :mod:`sage_optax` does.
+        """
+        dim = self._reduce_dim(p, group)
+        if dim is None:
+            return None
+        fan_out = dim if isinstance(dim, tuple) else (dim,)
+        fan_in = axis_group(group["fan_in_dim"], p.dim(), "fan_in_dim")
+        kept = [a for a in range(p.dim()) if a not in fan_out]
+        if len(kept) == len(fan_in):
+            return None
+        return tuple(kept.index(a) for a in fan_in)
+
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:  # noqa: D102
+        mu_dtype = group.get("mu_dtype") or p.dtype
+        dim = self._reduce_dim(p, group)
+        # S is created from the reduction of the parameter itself, so that its layout (and,
+        # for a sharded DTensor parameter, its placement) is that of what step() computes.
+        reduced = p.detach().to(wide(p.dtype))
+        reduced = reduced if dim is None else reduced.mean(dim=dim)
+        return {
+            "exp_avg": torch.zeros_like(p, dtype=mu_dtype, memory_format=torch.preserve_format),
+            "scale_avg": torch.zeros_like(reduced),
+        }
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        b1, b2 = group["betas"]
+        hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
+                              "eps": group["eps"], "weight_decay": group["weight_decay"],
+                              "damper": group["damper"]}
+        rest = []
+        for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
+            dim = self._reduce_dim(p, group)
+            if (b2 != 0 and not isinstance(dim, tuple) and not group.get("capturable", False)
+                    and chunked.use_fast_path(p, g, st["exp_avg"])):
+                _chunked_sage(p, g, st["exp_avg"], st["scale_avg"], st["step"],
+                              reduce_dim=dim, rms_dims=self._rms_dims(p, group),
+                              threads=self.cpu_threads, **hp)
+            else:
+                rest.append(i)
+        if len(rest) < len(params):
+            params, grads, states = ([xs[i] for i in rest] for xs in (params, grads, states))
+        fn = _multi_tensor_sage if foreach else _single_tensor_sage
+        fn(params, grads, [st["exp_avg"] for st in states], [st["scale_avg"] for st in states],
+           [st["step"] for st in states], reduce_dims=[self._reduce_dim(p, group) for p in params],
+           rms_dims=[self._rms_dims(p, group) for p in params], **hp)
+
+
+class SAGE(RuleOptimizer):
+    """SAGE, Sign-Adaptive GradiEnt (paper Algorithm 1; ``docs/algorithms.md``).
+
+    ``θ ← θ − η·(C ⊙ H + w·θ)`` with ``C = sign(b1·M + (1−b1)·g)`` and the damper
+    ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)``; ``s`` is the mean of ``|g|`` over the fan-out dim
+    (dim 0 of ``nn.Embedding.weight`` ``(V, d)``: the vocab axis) for matrices and ``|g|``
+    for vectors.  State: ``exp_avg`` (``M``) and ``scale_avg`` (``S``, float32 or wider).
+
+    Args:
+      params: parameters or param groups.
+      lr: learning rate (paper: 2e-3 with cosine and 10% warmup).
+      betas: ``(b1, b2)``; ``b1=0.891`` reproduces the authors' public code.
+      eps: ε of the dampers.
+      weight_decay: decoupled decay ``w``.
+      damper: ``"both"`` (default), ``"ema"``, ``"instant"`` or ``"none"`` (Lion).
+      mu_dtype: dtype of ``M`` (default: the parameter's).
+      fan_out_dim: dim (or tuple of dims) ``s`` averages over for matrices; ``None``:
+        element-wise for every shape.
+      maximize: ascend instead of descend.
+      foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      capturable: keep the step count on the parameters' device and accept a device tensor
+        ``lr``, so the step reads nothing back to the host (CUDA graphs), as
+        ``torch.optim.Adam``'s option.
+      cpu_threads: threads of the chunked CPU path (default 1: none started).
+    """
+
+    def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
+                 betas: tuple[float, float] = (_SAGE["b1"], _SAGE["b2"]),
+                 eps: float = _SAGE["eps"], weight_decay: float = _SAGE["weight_decay"], *,
+                 damper: str = _SAGE["damper"], mu_dtype: torch.dtype | None = None,
+                 fan_out_dim: Axes | None = -2, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 cpu_threads: int = 1) -> None:
+        super().__init__(params, {
+            "rule": "sage", "lr": lr, "betas": tuple(betas), "eps": eps,
+            "weight_decay": weight_decay, "damper": damper, "mu_dtype": mu_dtype,
+            "fan_out_dim": fan_out_dim, "maximize": maximize, "foreach": foreach,
+            "capturable": capturable,
+        }, cpu_threads=cpu_threads)

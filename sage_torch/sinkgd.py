@@ -1,0 +1,504 @@
+"""SinkGD: Sinkhorn-normalised gradient descent, ``θ ← θ − η·(α·X + w·θ)`` (stateless).
+
+The :class:`SinkGD` optimizer, its rule (:class:`SinkGDRule`), the normalisation
+(:func:`sinkhorn_normalize`, :func:`sinkhorn_scales`, :func:`range_scale`) and the step
+functions in ``torch.optim``'s shape, all taking keyword hyperparameters:
+:func:`_single_tensor_sinkgd` (matrix by matrix), :func:`_multi_tensor_sinkgd` (the
+Sinkhorn iterations of every same-shape matrix at once, as one batched ``torch.bmm`` per
+shape and half-iteration, the scale vectors of all shapes updated by one kernel per
+operation; the update by ``torch._foreach_*``) and :func:`_chunked_sinkgd` (the in-place
+CPU path of :mod:`sage_torch.chunked`).  ``docs/algorithms.md`` states the math.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sage_optim.presets import PRESETS, RULE_DEFAULTS
+from sage_torch import chunked
+from sage_torch.common import (
+    Axes,
+    MatrixView,
+    Rule,
+    axis_group,
+    decayed_step,
+    is_dtensor,
+    lr_of,
+    matrix_axes,
+    wide,
+)
+from sage_torch.optimizer import ParamsT, RuleOptimizer
+
+_SINK = RULE_DEFAULTS["sinkgd"]
+
+AxisGroups = tuple[tuple[int, ...], tuple[int, ...]]
+"""A parameter's ``(fan_in, fan_out)`` dim groups (non-negative)."""
+
+
+def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters: int = 5,
+                       eps: float = 1e-8, normalization: str = "unit", *,
+                       matvec: bool | None = None) -> Tensor:
+    """Sinkhorn-normalise ``g``: fan-in norms then fan-out norms, ``num_iters`` times.
+
+    Kept as ``X = c ⊙ G ⊙ r`` with two scale vectors, as in :mod:`sage_optax.sinkhorn`:
+    each half-iteration is one reduction of ``G²`` weighted by the other vector: a
+    matrix-vector product (:func:`sinkhorn_scales`) when ``matvec`` (default: for a plain
+    2-D tensor), else an element-wise product and a sum, which works on any number of dims
+    and on FSDP2 DTensors (the two differ only in the order of summation).
+
+    ``fan_in_dim``/``fan_out_dim`` may be groups of dims (tuples): ``g`` is then normalised
+    as one matrix per batch index, each group merged into one axis (:class:`MatrixView`);
+    the dims of neither group are batch dims.
+    """
+    if not isinstance(fan_in_dim, int) or not isinstance(fan_out_dim, int):
+        fan_in = axis_group(fan_in_dim, g.dim(), "fan_in_dim")
+        fan_out = axis_group(fan_out_dim, g.dim(), "fan_out_dim")
+        if len(fan_in) > 1 or len(fan_out) > 1:
+            mv = MatrixView(g.shape, fan_in, fan_out)
+            x = sinkhorn_normalize(mv.to_matrix(g), -1, -2, num_iters, eps, normalization,
+                                   matvec=matvec)
+            return mv.from_matrix(x)
+        fan_in_dim, fan_out_dim = fan_in[0], fan_out[0]
+    w = wide(g.dtype)
+    g = g.to(w)
+    if matvec is None:
+        matvec = g.dim() == 2 and not is_dtensor(g)
+    if matvec:
+        c, r = sinkhorn_scales(g, fan_in_dim, fan_out_dim, num_iters, eps, normalization)
+        return c.unsqueeze(fan_out_dim % 2) * g * r.unsqueeze(fan_in_dim % 2)
+    m = range_scale(g, (fan_in_dim, fan_out_dim))
+    g2 = (g / m).square()  # g / m is exact: m is a power of two
+    c = torch.ones_like(g2.sum(dim=fan_out_dim, keepdim=True))
+    r = torch.ones_like(g2.sum(dim=fan_in_dim, keepdim=True))
+    t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
+    for i in range(int(num_iters)):
+        q = (g2 * c.square()).sum(dim=fan_in_dim, keepdim=True).sqrt()
+        r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
+        q = (g2 * r.square()).sum(dim=fan_out_dim, keepdim=True).sqrt()
+        c = torch.where(q > 0, c * t_out / (c * q + eps), c)
+    half = _pow2_sqrt_floor(m)
+    return (c / half) * g * (r / (m / half))
+
+
+def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """``m``: a power of two with ``m ≤ max|g| < 2m`` over ``dims`` (kept, size 1).
+
+    As :func:`sage_optax.sinkhorn.range_scale`: 1 for an all-zero, zero-size or non-finite
+    matrix, and at least the dtype's smallest normal number.  The Sinkhorn iteration runs
+    on ``g / m``, whose squares are in range for any finite ``g``; dividing by a power of
+    two is exact, so in-range gradients give bit-for-bit the plain computation's result.
+    """
+    if g.numel() == 0:
+        shape = [1 if d in {x % g.dim() for x in dims} else n for d, n in enumerate(g.shape)]
+        return torch.ones(shape, dtype=g.dtype, device=g.device)
+    return _pow2_floor(g.abs().amax(dim=dims, keepdim=True))
+
+
+def _pow2_floor(amax: Tensor) -> Tensor:
+    """Element-wise, the power of two ``m ≤ amax < 2m`` (1 where ``amax`` is 0 or not finite)."""
+    mantissa, _ = torch.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
+    ok = (amax > 0) & torch.isfinite(amax)
+    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result)
+    m = torch.where(ok, amax / torch.where(ok, 2 * mantissa, 1), 1)
+    return m.clamp_min(torch.finfo(amax.dtype).tiny)
+
+
+def _pow2_sqrt_floor(m: Tensor) -> Tensor:
+    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact).
+
+    ``X = c·(G/m)·r`` is returned as ``(c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉)``: both scales and every
+    partial product stay in range for any finite ``G``.
+    """
+    _, e = torch.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
+    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
+    return torch.where(e % 2 == 0, (m / 2).sqrt(), m.sqrt())
+
+
+def _sinkhorn_targets(g: Tensor, fan_in_dim: int, fan_out_dim: int,
+                      normalization: str) -> tuple[float, float]:
+    if normalization == "unit":
+        return 1.0, 1.0
+    return math.sqrt(g.shape[fan_in_dim]), math.sqrt(g.shape[fan_out_dim])
+
+
+def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int = 5,
+                    eps: float = 1e-8, normalization: str = "unit", *,
+                    buffer: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The scale vectors ``(c, r)`` of a plain 2-D ``g``: ``X = c ⊙ G ⊙ r``.
+
+    ``c`` has one entry per fan-in index and ``r`` one per fan-out index (1-D, float32 or
+    wider).  ``K = (G/m)²`` is formed once (``m``: :func:`range_scale`, so that the squares
+    are in range for any finite ``G``; the first half-iteration then uses ``eps/m``, and
+    ``1/m`` is split between ``c`` and ``r``, as in :mod:`sage_optax.sinkhorn`); every
+    half-iteration is one matrix-vector product of ``K`` (``torch.bmm`` of one matrix, the
+    kernel of :func:`_multi_tensor_sinkgd`) with the other vector's square (a layer's
+    ``K`` stays in the CPU's last-level cache across the ``2L`` products).  ``buffer``: a
+    tensor of ``g``'s wide dtype with at least ``g.numel()`` elements to hold ``K``
+    (reused across matrices: no fresh allocation, and so no page faults, per matrix).
+    """
+    w = wide(g.dtype)
+    m = range_scale(g.to(w), (0, 1)).reshape(())
+    if buffer is not None and buffer.dtype == w and buffer.numel() >= g.numel():
+        k = torch.div(g.to(w), m, out=buffer[: g.numel()].view(g.shape)).square_()
+    else:
+        k = g.to(w).div(m).square_()
+    if fan_out_dim % 2 != 0:  # K as (fan_out, fan_in), a view
+        k = k.t()
+    t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
+    # matrix-vector products as torch.bmm of one matrix: the kernel (and so the rounding)
+    # of _multi_tensor_sinkgd, which stacks same-shape matrices; c and r as (1, n, 1)
+    kb = k.unsqueeze(0)
+    kbt = kb.transpose(1, 2)
+    c = torch.ones((1, k.shape[1], 1), dtype=w, device=g.device)
+    r = torch.ones((1, k.shape[0], 1), dtype=w, device=g.device)
+    for i in range(int(num_iters)):
+        q = torch.bmm(kb, c.square()).sqrt_()  # one norm per output unit (over the fan-in)
+        r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
+        q = torch.bmm(kbt, r.square()).sqrt_()
+        c = torch.where(q > 0, c * t_out / (c * q + eps), c)
+    half = _pow2_sqrt_floor(m)
+    return (c / half).view(-1), (r / (m / half)).view(-1)
+
+
+
+def _single_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
+                          axes: list[AxisGroups], lr: float | Tensor, alpha: float, num_iters: int,
+                          eps: float, normalization: str, weight_decay: float) -> None:
+    """One SinkGD step, matrix by matrix (``axes[i]``: parameter ``i``'s dim groups)."""
+    updates = []
+    for p, g, (fan_in, fan_out) in zip(params, grads, axes, strict=True):
+        if len(fan_in) == 1 and len(fan_out) == 1:
+            x = sinkhorn_normalize(g, fan_in[0], fan_out[0], num_iters, eps, normalization)
+            updates.append(x.to(p.dtype) * alpha)
+            continue
+        # grouped axes: the (batch..., OUT, IN) matrix
+        mv = MatrixView(p.shape, fan_in, fan_out)
+        x = sinkhorn_normalize(mv.to_matrix(g), -1, -2, num_iters, eps, normalization)
+        updates.append(mv.from_matrix(x.to(p.dtype) * alpha))
+    if params:
+        decayed_step(params, updates, lr, weight_decay, False)
+
+
+class _Bucket:
+    """Same-shape matrices of one multi-tensor step: ``B`` stacked ``(OUT, IN)`` matrices.
+
+    ``plain``: 2-D parameters in PyTorch's ``(out, in)`` layout, stepped on the gradients
+    themselves; otherwise each member's ``(batch..., OUT, IN)`` matrix (:class:`MatrixView`)
+    contributes its batch indices.
+    """
+
+    def __init__(self, plain: bool, out: int, inp: int) -> None:
+        self.plain, self.out, self.inp = plain, out, inp
+        self.members: list[int] = []
+        self.views: list[MatrixView | None] = []
+        self.sizes: list[int] = []  # batch indices per member
+
+    @property
+    def batch(self) -> int:
+        """``B``, the number of ``(OUT, IN)`` matrices."""
+        return sum(self.sizes)
+
+
+def _bucketed(params: list[Tensor], axes: list[AxisGroups]) -> list[_Bucket]:
+    """The parameters' matrices grouped by ``(plain, OUT, IN)``, in order of appearance."""
+    buckets: dict[tuple[bool, int, int], _Bucket] = {}
+    for i, (p, (fan_in, fan_out)) in enumerate(zip(params, axes, strict=True)):
+        plain = p.dim() == 2 and fan_in == (1,) and fan_out == (0,)
+        mv = None if plain else MatrixView(p.shape, fan_in, fan_out)
+        out, inp = (p.shape[0], p.shape[1]) if mv is None else mv.shape[-2:]
+        b = buckets.setdefault((plain, out, inp), _Bucket(plain, out, inp))
+        b.members.append(i)
+        b.views.append(mv)
+        b.sizes.append(1 if mv is None else math.prod(mv.shape[:-2]))
+    return list(buckets.values())
+
+
+def _split_views(flat: Tensor, buckets: list[_Bucket], dim: str, shape: str) -> list[Tensor]:
+    """Per bucket, a view of ``flat`` (one entry per matrix row or column, bucket-major).
+
+    ``dim``: ``"inp"`` or ``"out"`` (entries per matrix); ``shape``: ``"col"`` for
+    ``(B, n, 1)`` (a ``torch.bmm`` operand), ``"row"`` for ``(B, 1, n)``.
+    """
+    parts = flat.split([b.batch * getattr(b, dim) for b in buckets])
+    return [x.view(b.batch, getattr(b, dim), 1) if shape == "col"
+            else x.view(b.batch, 1, getattr(b, dim)) for x, b in zip(parts, buckets, strict=True)]
+
+
+def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
+                         axes: list[AxisGroups], lr: float | Tensor, alpha: float, num_iters: int,
+                         eps: float, normalization: str, weight_decay: float,
+                         cache: dict[Any, tuple[Tensor, ...]] | None = None) -> None:
+    """One SinkGD step, the Sinkhorn iterations of all matrices at once.
+
+    The matrices are bucketed by their ``(OUT, IN)`` shape (a ``Conv2d`` kernel is its
+    merged matrix, a stacked tensor one matrix per batch index), each bucket stacked into
+    ``K = (G/m)²`` of shape ``(B, OUT, IN)``.  The scale vectors ``c`` and ``r`` of every
+    matrix live in two flat tensors, and so do the per-matrix scalars (``m``, ``ε/m``, the
+    final split of ``1/m``): a half-iteration is one ``torch.bmm`` per bucket (written into
+    a view of the flat norms) and one kernel per element-wise operation for all buckets
+    together, the operations of :func:`sinkhorn_scales` in the same order.  The update
+    ``α·(c·G·r)`` and the decayed step run as ``torch._foreach_*`` kernels.  No host
+    synchronisation.  DTensors (FSDP2) take the single-tensor path.  Peak extra memory:
+    one ``K`` per bucket, about the size of all the group's gradients.
+
+    ``cache``: a dict kept by the caller across steps, holding the small index tensors of
+    each bucket layout, so that a step after the first copies nothing from the host (CUDA
+    graph capture forbids such copies).
+    """
+    if not params:
+        return
+    if any(is_dtensor(p) or is_dtensor(g) for p, g in zip(params, grads, strict=True)):
+        _single_tensor_sinkgd(params, grads, axes=axes, lr=lr, alpha=alpha,
+                              num_iters=num_iters, eps=eps, normalization=normalization,
+                              weight_decay=weight_decay)
+        return
+    w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
+    device = grads[0].device
+    buckets = _bucketed(params, axes)
+    # G per bucket (B, OUT, IN) and the flat max|G| per matrix
+    gs, amaxes = [], []
+    for b in buckets:
+        if b.plain:
+            mats = [grads[i] for i in b.members]
+            g = mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
+        else:
+            mats = [mv.to_matrix(grads[i]).reshape(-1, b.out, b.inp)  # type: ignore[union-attr]
+                    for i, mv in zip(b.members, b.views, strict=True)]
+            g = mats[0] if len(mats) == 1 else torch.cat(mats)
+        g = g.to(w)
+        gs.append(g)
+        # max|G| per matrix in one kernel (the same value as g.abs().amax(dim=(1, 2)))
+        amaxes.append(torch.linalg.vector_norm(g, math.inf, dim=(1, 2)) if g.numel() else
+                      torch.zeros(b.batch, dtype=w, device=device))
+    m = _pow2_floor(amaxes[0] if len(amaxes) == 1 else torch.cat(amaxes))  # (sum B,)
+    ks = [g.div(mb.view(-1, 1, 1)).square_()
+          for g, mb in zip(gs, m.split([b.batch for b in buckets]), strict=True)]
+    del gs
+    kts = [k.transpose(1, 2) for k in ks]
+    # per-matrix scalars repeated for every entry of c (IN per matrix) and r (OUT per matrix)
+    n_c = sum(b.batch * b.inp for b in buckets)
+    n_r = sum(b.batch * b.out for b in buckets)
+    layout = (device, w, normalization,
+              tuple((b.plain, b.out, b.inp, b.batch) for b in buckets))
+    fixed = None if cache is None else cache.get(layout)
+    if fixed is None:
+        reps_c = torch.tensor([b.inp for b in buckets for _ in range(b.batch)], device=device)
+        reps_r = torch.tensor([b.out for b in buckets for _ in range(b.batch)], device=device)
+        fixed = (reps_c, reps_r)
+        if normalization != "unit":  # the targets √IN, √OUT per entry of r and c
+            fixed += (
+                torch.repeat_interleave(
+                    torch.tensor([math.sqrt(b.inp) for b in buckets for _ in range(b.batch)],
+                                 dtype=w, device=device), reps_r, output_size=n_r),
+                torch.repeat_interleave(
+                    torch.tensor([math.sqrt(b.out) for b in buckets for _ in range(b.batch)],
+                                 dtype=w, device=device), reps_c, output_size=n_c))
+        if cache is not None:
+            cache[layout] = fixed
+    reps_c, reps_r = fixed[:2]
+    eps_first = torch.repeat_interleave(eps / m, reps_r, output_size=n_r)
+    t_in: float | Tensor = 1.0 if normalization == "unit" else fixed[2]
+    t_out: float | Tensor = 1.0 if normalization == "unit" else fixed[3]
+    c = torch.ones(n_c, dtype=w, device=device)
+    r = torch.ones(n_r, dtype=w, device=device)
+    c2, q_c = torch.empty_like(c), torch.empty_like(c)
+    r2, q_r = torch.empty_like(r), torch.empty_like(r)
+    c2_v, qc_v = _split_views(c2, buckets, "inp", "col"), _split_views(q_c, buckets, "inp", "col")
+    r2_v, qr_v = _split_views(r2, buckets, "out", "col"), _split_views(q_r, buckets, "out", "col")
+
+    def scale(x: Tensor, t: float | Tensor) -> Tensor:
+        return x if isinstance(t, float) else x * t  # x·1.0 is x: the same rounding
+
+    for it in range(int(num_iters)):
+        torch.square(c, out=c2)
+        for k, cv, qv in zip(ks, c2_v, qr_v, strict=True):
+            torch.bmm(k, cv, out=qv)  # one norm per output unit (over the fan-in)
+        q_r.sqrt_()
+        den = (r * q_r).add_(eps_first if it == 0 else eps)
+        torch.where(q_r > 0, scale(r, t_in) / den, r, out=r)
+        torch.square(r, out=r2)
+        for kt, rv, qv in zip(kts, r2_v, qc_v, strict=True):
+            torch.bmm(kt, rv, out=qv)
+        q_c.sqrt_()
+        den = (c * q_c).add_(eps)
+        torch.where(q_c > 0, scale(c, t_out) / den, c, out=c)
+    del ks, kts
+    # X = (c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉) per matrix, as sinkhorn_scales; then α·X, decayed step
+    half = _pow2_sqrt_floor(m)
+    c = c / torch.repeat_interleave(half, reps_c, output_size=n_c)
+    r = r / torch.repeat_interleave(m / half, reps_r, output_size=n_r)
+    updates: list[Tensor] = [grads[0]] * len(params)  # placeholders, all replaced below
+    plain_idx: list[int] = []
+    plain_g: list[Tensor] = []
+    plain_c: list[Tensor] = []
+    plain_r: list[Tensor] = []
+    for b, cb, rb in zip(buckets, _split_views(c, buckets, "inp", "row"),
+                         _split_views(r, buckets, "out", "col"), strict=True):
+        if b.plain:
+            plain_idx += b.members
+            plain_g += [grads[i] if grads[i].dtype == w else grads[i].to(w) for i in b.members]
+            plain_c += cb.unbind(0)
+            plain_r += rb.unbind(0)
+            continue
+        for i, mv, cs, rs in zip(b.members, b.views, cb.split(b.sizes), rb.split(b.sizes),
+                                 strict=True):
+            assert mv is not None
+            gm = mv.to_matrix(grads[i]).to(w)
+            x = (cs.view(*gm.shape[:-2], 1, b.inp) * gm) * rs.view(*gm.shape[:-2], b.out, 1)
+            updates[i] = mv.from_matrix(x.to(params[i].dtype) * alpha)
+    if plain_idx:
+        xs = list(torch._foreach_mul(plain_g, plain_c))
+        torch._foreach_mul_(xs, plain_r)
+        xs = [x if x.dtype == params[i].dtype else x.to(params[i].dtype)
+              for x, i in zip(xs, plain_idx, strict=True)]
+        torch._foreach_mul_(xs, alpha)
+        for i, x in zip(plain_idx, xs, strict=True):
+            updates[i] = x
+    decayed_step(params, updates, lr, weight_decay, True)
+
+
+def _chunked_sinkgd(items: list[tuple[Tensor, Tensor, int, int]], *, lr: float, alpha: float,
+                    num_iters: int, eps: float, normalization: str, weight_decay: float,
+                    threads: int = 1) -> None:
+    """Step plain CPU matrices ``(p, g, fan_in_dim, fan_out_dim)`` in place, chunk by chunk.
+
+    A matrix's Sinkhorn loop is ``2L`` products and a few vector operations: split over
+    threads, each would end on a barrier.  With ``threads > 1`` (opt-in) every matrix runs
+    on one thread (:func:`chunked.parallel`), the matrices balanced by size over the
+    threads, each thread reusing one buffer for ``K``.
+    """
+    n = max(1, min(threads, len(items)))
+    bins: list[list[tuple[Tensor, Tensor, int, int]]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for item in sorted(items, key=lambda it: -it[0].numel()):
+        k = loads.index(min(loads))
+        bins[k].append(item)
+        loads[k] += item[0].numel()
+
+    def run(batch: list[tuple[Tensor, Tensor, int, int]]) -> None:
+        p0 = batch[0][0]  # the largest of the batch
+        k_buf = torch.empty(p0.numel(), dtype=p0.dtype, device=p0.device)
+        for p, g, fi, fo in batch:
+            _chunked_matrix(p, g, fi, fo, k_buf, lr=lr, alpha=alpha, num_iters=num_iters,
+                            eps=eps, normalization=normalization, weight_decay=weight_decay)
+
+    chunked.parallel(run, [b for b in bins if b], n)
+
+
+def _chunked_matrix(p: Tensor, g: Tensor, fi: int, fo: int, k_buf: Tensor | None, *,
+                    lr: float, alpha: float, num_iters: int, eps: float, normalization: str,
+                    weight_decay: float) -> None:
+    """One plain CPU matrix: scales from :func:`sinkhorn_scales`, then the update by chunks.
+
+    ``θ ← θ − η·(α·(c·G·r) + w·θ)`` one chunk of rows at a time, with the operations of
+    the whole-tensor path (``c·G``, then ``·r``, then ``·α``), on the calling thread.
+    """
+    c, r = sinkhorn_scales(g, fi, fo, num_iters, eps, normalization, buffer=k_buf)
+    # X = c·G·r with c one scale per fan-in index, r one per fan-out index (2-D here)
+    rows, cols = (r, c) if fo == 0 else (c, r)
+    rows, cols = rows.unsqueeze(1), cols.unsqueeze(0)
+
+    def update(k: int, i: int, j: int, u: Tensor, _: Tensor) -> None:
+        if fo == 0:
+            torch.mul(cols, g[i:j], out=u).mul_(rows[i:j])
+        else:
+            torch.mul(rows[i:j], g[i:j], out=u).mul_(cols)
+        u.mul_(alpha)
+        chunked.decay_and_apply(u, p[i:j], lr, weight_decay)
+
+    chunked.for_chunks(p, update)
+
+
+class SinkGDRule(Rule):
+    """SinkGD: ``u = α·X`` with ``X`` the Sinkhorn normalisation of the gradient (stateless)."""
+
+    name = "sinkgd"
+
+    checked = ("num_iters", "eps", "normalization")
+
+    def __init__(self) -> None:
+        self._layouts: dict[Any, tuple[Tensor, ...]] = {}  # _multi_tensor_sinkgd's cache
+
+    def init_state(self, p, group, name):  # noqa: D102
+        matrix_axes(p, group, "SinkGD", name)
+        return {}
+
+    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+        hp: dict[str, Any] = {"lr": lr_of(group), "alpha": group["alpha"],
+                              "num_iters": group["num_iters"], "eps": group["eps"],
+                              "normalization": group["normalization"],
+                              "weight_decay": group["weight_decay"]}
+        rest, rest_g, rest_axes, fast = [], [], [], []
+        chunk_ok = not group.get("capturable", False)
+        for p, g, name in zip(params, grads, names, strict=True):
+            fan_in, fan_out = matrix_axes(p, group, "SinkGD", name)
+            if not chunk_ok:
+                pass
+            elif len(fan_in) == 1 and len(fan_out) == 1:
+                if p.dim() == 2 and chunked.use_fast_path(p, g):
+                    fast.append((p, g, fan_in[0], fan_out[0]))
+                    continue
+            else:  # grouped axes: the (OUT, IN) matrix, a view of p where one exists
+                mv = MatrixView(p.shape, fan_in, fan_out)
+                pv, gv = mv.view(p), mv.view(g)
+                if (pv is not None and gv is not None and pv.dim() == 2
+                        and chunked.use_fast_path(pv, gv)):
+                    fast.append((pv, gv, 1, 0))
+                    continue
+            rest.append(p)
+            rest_g.append(g)
+            rest_axes.append((fan_in, fan_out))
+        if fast:
+            _chunked_sinkgd(fast, threads=self.cpu_threads, **hp)
+        if foreach:
+            _multi_tensor_sinkgd(rest, rest_g, axes=rest_axes, cache=self._layouts, **hp)
+        else:
+            _single_tensor_sinkgd(rest, rest_g, axes=rest_axes, **hp)
+
+
+class SinkGD(RuleOptimizer):
+    """SinkGD (``docs/algorithms.md``): ``θ ← θ − η·(α·X + w·θ)``.
+
+    ``X`` is the Sinkhorn-normalised gradient (fan-in norms, then fan-out norms,
+    ``num_iters`` times).  Stateless.
+
+    ``normalization="unit"`` is the SAGE paper's Unit-Norm SinkGD (α = 10); ``"sqrt"`` is
+    Scetbon et al.'s SR-Sinkhorn (α = 0.05).  Parameters with fewer than two dims are
+    rejected with an error naming their size.
+
+    Args:
+      params: parameters or param groups.
+      lr: learning rate.
+      alpha: update scale α.
+      num_iters: Sinkhorn iterations.
+      weight_decay: decoupled decay ``w`` (multiplied by ``lr``, not ``lr·α``).
+      normalization: ``"unit"`` or ``"sqrt"``.
+      eps: ε added to every norm.
+      fan_in_dim: dim of the fan-in axis (``-1`` for ``nn.Linear.weight`` ``(out, in)``),
+        or a tuple of dims merged into one (``(1, 2, 3)`` for a ``Conv2d`` weight).
+      fan_out_dim: dim (or tuple of dims) of the fan-out axis.
+      maximize: ascend instead of descend.
+      foreach: use the ``torch._foreach_*`` path, the Sinkhorn iterations batched over
+        same-shape matrices (default: on CUDA).
+      capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
+        graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
+      cpu_threads: threads of the chunked CPU path (default 1: none started).
+    """
+
+    def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
+                 alpha: float = _SINK["alpha"], num_iters: int = _SINK["num_iters"],
+                 weight_decay: float = _SINK["weight_decay"],
+                 normalization: str = _SINK["normalization"], *, eps: float = _SINK["eps"],
+                 fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 cpu_threads: int = 1) -> None:
+        super().__init__(params, {
+            "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
+            "weight_decay": weight_decay, "normalization": normalization, "eps": eps,
+            "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,
+            "foreach": foreach, "capturable": capturable,
+        }, cpu_threads=cpu_threads)
