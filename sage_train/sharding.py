@@ -23,8 +23,13 @@ def make_mesh(mode: str = "dp") -> Mesh:
     """
     if mode not in MODES:
         raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
-    devices = jax.devices()[:1] if mode == "none" else jax.devices()
-    return Mesh(np.array(devices), (AXIS,))
+    devices = mesh_devices()
+    return Mesh(np.array(devices[:1] if mode == "none" else devices), (AXIS,))
+
+
+def mesh_devices() -> list[Any]:
+    """The devices a run's mesh spans: every device of the default backend."""
+    return list(jax.devices())
 
 
 def leaf_spec(shape: tuple[int, ...], n: int, mode: str) -> P:

@@ -58,8 +58,13 @@ def test_runs_of_one_configuration_share_one_compiled_step(train_corpus, tmp_pat
     assert len(train_mod._STEP_CACHE) == 2
 
 
-def test_sharded_runs_agree_with_single_device(train_corpus, tmp_path):
-    assert jax.device_count() == 8
+def test_sharded_runs_agree_with_single_device(train_corpus, tmp_path, monkeypatch):
+    # The 8 host devices of tests/conftest.py, also on a GPU machine (JAX_PLATFORMS=cuda,cpu).
+    from sage_train import sharding
+
+    cpus = jax.devices("cpu")
+    assert len(cpus) == 8
+    monkeypatch.setattr(sharding, "mesh_devices", lambda: cpus)
     runs = {mode: train(config(train_corpus, tmp_path / mode, sharding=mode, steps=4),
                         log=lambda s: None)
             for mode in ("none", "dp", "fsdp")}

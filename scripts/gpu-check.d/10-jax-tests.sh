@@ -5,6 +5,8 @@
 set -uo pipefail
 out="$1"
 export JAX_PLATFORMS="cuda,cpu"
+# The torch CUDA tests run in the same processes: JAX must not take 75% of the GPU up front.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=8"
 export SAGE_TEST_JAX_CACHE="$out/jax-cache"
 if ! python3 -c "import jax; assert jax.default_backend() == 'gpu'" 2>/dev/null; then
