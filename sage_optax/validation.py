@@ -43,26 +43,6 @@ def check_learning_rate(learning_rate: Any, name: str = "learning_rate") -> None
     )
 
 
-def check_range(
-    name: str,
-    value: Any,
-    low: float,
-    high: float,
-    *,
-    low_inclusive: bool = True,
-    high_inclusive: bool = False,
-) -> None:
-    """Check a concrete hyperparameter lies in a range; traced values are not checked."""
-    if not is_static_number(value):
-        return
-    lo_ok = value >= low if low_inclusive else value > low
-    hi_ok = value <= high if high_inclusive else value < high
-    if not (lo_ok and hi_ok):
-        lb = "[" if low_inclusive else "("
-        hb = "]" if high_inclusive else ")"
-        raise ValueError(f"{name} must be in {lb}{low}, {high}{hb}, got {value}")
-
-
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     """Check a string option is one of ``choices``."""
     if value not in choices:

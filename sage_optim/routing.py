@@ -51,10 +51,6 @@ HEAD_MARKERS: tuple[str, ...] = ("lm_head", "head", "output", "unembed", "embed_
 """Path components that name an output head.  A name alone never makes a head: the leaf must
 also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
 
-EVIDENCE_ORDER: tuple[str, ...] = ("override", "model API", "module", "name", "shape")
-"""The kinds of evidence, strongest first; every route records which one placed it."""
-
-
 class RoutingError(ValueError):
     """A parameter the router cannot place, or an override that does not apply.
 
