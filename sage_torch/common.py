@@ -15,7 +15,10 @@ in·kh·kw)`` matrix (:class:`MatrixView`).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -221,6 +224,77 @@ def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
+FUSED_RULES: tuple[str, ...] = ("sage", "sinkgd", "lion")
+"""The rules with a fused (Triton) path, ``fused=True`` (:mod:`sage_torch.triton_kernels`)."""
+
+FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
+"""Parameter dtypes the fused kernels support."""
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether ``triton`` can be imported (it ships with CUDA builds of torch on Linux)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """Whether ``TRITON_INTERPRET=1`` is set: fused steps of CPU tensors then run under
+    Triton's interpreter (the CPU tests; read at every step, not at import)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def fused_unsupported(t: Tensor, name: str) -> str | None:
+    """Why parameter ``name`` (tensor ``t``) cannot take the fused path, or ``None`` if it can.
+
+    It can when ``triton`` is installed, ``t`` is a float32/float64 tensor (not a DTensor)
+    on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1``.
+    """
+    if not triton_available():
+        return (f"fused=True needs the triton package (it ships with CUDA builds of torch), "
+                f"which is not installed (parameter {name})")
+    if is_dtensor(t):
+        return f"fused=True does not take DTensor (FSDP2) parameters: parameter {name} is one"
+    if not (t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())):
+        return (f"fused=True needs CUDA tensors, but parameter {name} is on {t.device} (on "
+                "the CPU the kernels run only under TRITON_INTERPRET=1, Triton's interpreter)")
+    if t.dtype not in FUSED_DTYPES:
+        return (f"fused=True supports float32 and float64 parameters, but parameter {name} "
+                f"is {t.dtype} (use foreach=True for it)")
+    return None
+
+
+class ConstCache:
+    """Small constant tensors of the fused kernels, made once per device, dtype and values.
+
+    A fused kernel reads its hyperparameters from a tensor of the parameters' dtype (so
+    that float64 keeps them exact); making it on the first step only keeps later steps
+    free of host-to-device copies (CUDA graph capture forbids them).
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[tuple[Any, ...], Tensor] = {}
+
+    def get(self, values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The 1-D tensor of ``values`` (rounded to ``dtype`` as torch rounds a scalar)."""
+        key = (tuple(float(v) for v in values), dtype, str(device))
+        t = self._tensors.get(key)
+        if t is None:
+            t = self._tensors[key] = torch.tensor(key[0], dtype=dtype, device=device)
+        return t
+
+
+def lr_tensor(lr: float | Tensor, like: Tensor) -> Tensor:
+    """The learning rate as a one-element tensor on ``like``'s device (for a fused kernel).
+
+    A tensor ``lr`` (``capturable=True``) is used as is when on that device; a float
+    becomes a 0-D tensor of ``like``'s dtype (``torch.full``, a fill on the device: no
+    host-to-device copy).
+    """
+    if isinstance(lr, Tensor):
+        return lr if lr.device == like.device else lr.to(like.device)
+    return torch.full((), lr, dtype=like.dtype, device=like.device)
+
+
 class Rule:
     """Base class of an update rule: its state, its checks and its step.
 
@@ -236,6 +310,9 @@ class Rule:
 
     cpu_threads: int = 1
 
+    has_fused: bool = False
+    """Whether the rule has a fused (Triton) path (:data:`FUSED_RULES`)."""
+
     def validate(self, group: dict[str, Any]) -> None:
         """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""
         check_group(group, self.name, self.checked)
@@ -245,6 +322,7 @@ class Rule:
         return {}
 
     def step(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],
-             names: list[str], group: dict[str, Any], foreach: bool) -> None:
-        """Apply one step to ``params`` in place."""
+             names: list[str], group: dict[str, Any], foreach: bool,
+             fused: bool = False) -> None:
+        """Apply one step to ``params`` in place (``fused``: the Triton path, where it has one)."""
         raise NotImplementedError

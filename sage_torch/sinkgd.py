@@ -23,11 +23,13 @@ from sage_torch import chunked
 from sage_torch.common import (
     Axes,
     MatrixView,
+    ConstCache,
     Rule,
     axis_group,
     decayed_step,
     is_dtensor,
     lr_of,
+    lr_tensor,
     matrix_axes,
     wide,
 )
@@ -359,6 +361,78 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
         for i, x in zip(plain_idx, xs, strict=True):
             updates[i] = x
     decayed_step(params, updates, lr, weight_decay, True)
+
+
+def _fused_view(t: Tensor, mv: MatrixView) -> Tensor | None:
+    """``t`` as a ``(B, OUT, IN)`` view sharing its storage (any strides), or ``None``."""
+    try:
+        return t.permute(mv.perm).view(-1, *mv.shape[-2:])
+    except RuntimeError:  # the permuted dims cannot be merged without a copy
+        return None
+
+
+def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisGroups],
+                  lr: float | Tensor, alpha: float, num_iters: int, eps: float,
+                  normalization: str, weight_decay: float,
+                  consts: ConstCache | None = None) -> None:
+    """One SinkGD step with the Triton kernels of :mod:`sage_torch.triton_kernels`.
+
+    Each matrix is used in place as a ``(B, OUT, IN)`` strided view of its gradient and
+    parameter (PyTorch's ``(out, in)``, the transposed ``(in, out)``, a ``Conv2d`` kernel's
+    ``(out, in·kh·kw)``, stacked layers ``(L, out, in)``): no stacking, no copy, no ``K``.
+    ``m`` (the range scale of each matrix) and ``ε/m`` are computed for all matrices at
+    once; then per matrix ``2·num_iters`` launches (per-row sums then per-column sums of
+    ``(G/m)²`` weighted by the other scale's square, each with its scale update, as
+    :func:`sinkhorn_scales`) and one launch of the update ``θ ← θ − η·(α·c·G·r + w·θ)``.
+    Parameters whose matrix is not such a view (a permutation that cannot be merged), or
+    whose gradient has another dtype, or DTensors, take :func:`_multi_tensor_sinkgd`.
+    ``consts``: the cache of the kernels' hyperparameter tensors (kept by the rule).
+    """
+    from sage_torch import triton_kernels as tk
+
+    consts = ConstCache() if consts is None else consts
+    hp = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
+          "normalization": normalization, "weight_decay": weight_decay}
+    mats: list[tuple[Tensor, Tensor, Tensor]] = []  # (param, p view, g view)
+    rest: list[int] = []
+    for i, (p, g, (fan_in, fan_out)) in enumerate(zip(params, grads, axes, strict=True)):
+        if p.numel() == 0:
+            continue  # nothing to update
+        mv = MatrixView(p.shape, fan_in, fan_out)
+        pv = None if is_dtensor(p) or is_dtensor(g) or g.dtype != p.dtype else _fused_view(p, mv)
+        gv = None if pv is None else _fused_view(g, mv)
+        if pv is None or gv is None:
+            rest.append(i)
+            continue
+        mats.append((p, pv, gv))
+    if rest:
+        _multi_tensor_sinkgd([params[i] for i in rest], [grads[i] for i in rest],
+                             axes=[axes[i] for i in rest], **hp)
+    if not mats:
+        return
+    device, dtype = mats[0][0].device, mats[0][0].dtype
+    amax = [torch.linalg.vector_norm(gv, math.inf, dim=(1, 2)) for _, _, gv in mats]
+    m = _pow2_floor(amax[0] if len(amax) == 1 else torch.cat(amax))  # (sum B,)
+    eps_first = eps / m
+    sizes = [gv.shape[0] for _, _, gv in mats]
+    c = torch.ones(sum(b * gv.shape[2] for b, (_, _, gv) in zip(sizes, mats, strict=True)),
+                   dtype=dtype, device=device)
+    r = torch.ones(sum(b * gv.shape[1] for b, (_, _, gv) in zip(sizes, mats, strict=True)),
+                   dtype=dtype, device=device)
+    half = _pow2_sqrt_floor(m)  # X = (c/half)·G·(r/(m/half)), as sinkhorn_scales
+    m_half = m / half
+    lr_t = lr_tensor(lr, mats[0][0])
+    oc = orr = ob = 0
+    for (_, pv, gv), b in zip(mats, sizes, strict=True):
+        out, inp = gv.shape[1], gv.shape[2]
+        cv = c[oc:oc + b * inp].view(b, inp)
+        rv = r[orr:orr + b * out].view(b, out)
+        mb, eb = m[ob:ob + b], eps_first[ob:ob + b]
+        t_in, t_out = (1.0, 1.0) if normalization == "unit" else (math.sqrt(inp), math.sqrt(out))
+        hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), dtype, device)
+        tk.sinkhorn_iterations(gv, cv, rv, mb, eb, hpt, num_iters)
+        tk.sinkgd_update(pv, gv, cv, rv, half[ob:ob + b], m_half[ob:ob + b], hpt, lr_t)
+        oc, orr, ob = oc + b * inp, orr + b * out, ob + b
 
 
 def _chunked_sinkgd(items: list[tuple[Tensor, Tensor, int, int]], *, lr: float, alpha: float,

@@ -1,0 +1,308 @@
+"""Triton kernels of the fused path (``fused=True``): SinkGD scales and update, SAGE, Lion.
+
+Imported lazily (only by a fused step): :mod:`sage_torch` imports without ``triton``.  The
+kernels are plain functions wrapped on first use, for the device of the tensors they run
+on: compiled by Triton (``triton.runtime.jit.JITFunction``) for CUDA tensors, or run by
+Triton's interpreter (``triton.runtime.interpreter.InterpretedFunction``) for CPU tensors,
+which :func:`sage_torch.common.fused_unsupported` allows only under
+``TRITON_INTERPRET=1`` (the CPU tests).
+Both wrappers of a kernel are built directly, so the choice is made per call and does not
+depend on the environment at import time.
+
+Every kernel computes in the parameters' dtype (float32 or float64, :data:`DTYPES`); the
+hyperparameters come from a small tensor of that dtype (``hp``, rounded by torch exactly
+as torch rounds a Python scalar in the reference paths), and the learning rate from a
+one-element device tensor (``lr``), so a fused step reads nothing back to the host and
+can be captured in a CUDA graph (``capturable=True``).  ``docs/algorithms.md`` states the
+math; the kernels follow the operations of the single-tensor functions in the same order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+from sage_torch.common import FUSED_DTYPES as DTYPES
+
+constexpr = Any
+"""The annotation of a kernel's compile-time arguments: Triton reads the string
+``"constexpr"`` (``from __future__ import annotations``), as it reads ``tl.constexpr``."""
+
+ELEMENTWISE_BLOCK = 1024
+"""Elements per program of the element-wise kernels."""
+
+SINKHORN_BLOCKS = {"rows": (16, 256), "cols": (64, 64)}
+"""``(BLOCK_R, BLOCK_C)`` tiles of the per-row and per-column Sinkhorn reductions."""
+
+
+# --- kernel bodies (wrapped by _kernel) -------------------------------------------------
+
+
+def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C,
+                   s_gb, s_gr, s_gc, IS_F32: constexpr, BLOCK_R: constexpr,
+                   BLOCK_C: constexpr):  # pragma: no cover - Triton
+    """Per row ``i`` of matrix ``b``: ``q = sqrt(Σ_j (G_ij/m)²·c_j²)``, then ``r_i``'s update.
+
+    ``r ← where(q > 0, r·t_in / (r·q + ε_b), r)`` with ``ε_b = eps_ptr[b·eps_stride]``:
+    ``ε/m`` in the first half-iteration, ``ε`` (stride 0) after it; ``hp[0] = t_in``.
+    """
+    b = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    m = tl.load(m_ptr + b)
+    acc = tl.zeros((BLOCK_R,), dtype=g_ptr.dtype.element_ty)
+    for j0 in range(0, C, BLOCK_C):
+        cols = j0 + tl.arange(0, BLOCK_C)
+        col_ok = cols < C
+        g = tl.load(g_ptr + b * s_gb + rows[:, None] * s_gr + cols[None, :] * s_gc,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if IS_F32:
+            x = tl.div_rn(g, m)  # exact: m is a power of two
+        else:
+            x = g / m
+        c = tl.load(c_ptr + b * C + cols, mask=col_ok, other=0.0)
+        acc += tl.sum((x * x) * (c * c)[None, :], axis=1)
+    if IS_F32:
+        q = tl.sqrt_rn(acc)
+    else:
+        q = tl.sqrt(acc)
+    r = tl.load(r_ptr + b * R + rows, mask=row_ok, other=1.0)
+    eps = tl.load(eps_ptr + b * eps_stride)
+    t_in = tl.load(hp_ptr)
+    den = tl.where(q > 0, r * q + eps, 1.0)  # the kept entries divide by nothing
+    if IS_F32:
+        new = tl.div_rn(r * t_in, den)
+    else:
+        new = (r * t_in) / den
+    tl.store(r_ptr + b * R + rows, tl.where(q > 0, new, r), mask=row_ok)
+
+
+def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
+                   IS_F32: constexpr, BLOCK_R: constexpr, BLOCK_C: constexpr):  # pragma: no cover - Triton
+    """Per column ``j`` of matrix ``b``: ``q = sqrt(Σ_i (G_ij/m)²·r_i²)``, then ``c_j``'s update.
+
+    ``c ← where(q > 0, c·t_out / (c·q + ε), c)``; ``hp[1:3] = (t_out, ε)``.
+    """
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    m = tl.load(m_ptr + b)
+    acc = tl.zeros((BLOCK_C,), dtype=g_ptr.dtype.element_ty)
+    for i0 in range(0, R, BLOCK_R):
+        rows = i0 + tl.arange(0, BLOCK_R)
+        row_ok = rows < R
+        g = tl.load(g_ptr + b * s_gb + rows[:, None] * s_gr + cols[None, :] * s_gc,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if IS_F32:
+            x = tl.div_rn(g, m)
+        else:
+            x = g / m
+        r = tl.load(r_ptr + b * R + rows, mask=row_ok, other=0.0)
+        acc += tl.sum((x * x) * (r * r)[:, None], axis=0)
+    if IS_F32:
+        q = tl.sqrt_rn(acc)
+    else:
+        q = tl.sqrt(acc)
+    c = tl.load(c_ptr + b * C + cols, mask=col_ok, other=1.0)
+    t_out = tl.load(hp_ptr + 1)
+    eps = tl.load(hp_ptr + 2)
+    den = tl.where(q > 0, c * q + eps, 1.0)  # the kept entries divide by nothing
+    if IS_F32:
+        new = tl.div_rn(c * t_out, den)
+    else:
+        new = (c * t_out) / den
+    tl.store(c_ptr + b * C + cols, tl.where(q > 0, new, c), mask=col_ok)
+
+
+def _sinkgd_update(p_ptr, g_ptr, r_ptr, c_ptr, half_ptr, mh_ptr, hp_ptr, lr_ptr, N, R, C,
+                   s_pb, s_pr, s_pc, s_gb, s_gr, s_gc, IS_F32: constexpr,
+                   BLOCK: constexpr):  # pragma: no cover - Triton
+    """``θ ← θ − η·(α·((c_j/h)·G_ij·(r_i/(m/h))) + w·θ)`` element-wise; ``hp[3:5] = (α, w)``.
+
+    ``h = half_ptr[b]`` and ``m/h = mh_ptr[b]`` split ``1/m`` between the scales (powers of
+    two: the divisions are exact).
+    """
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    b = idx // (R * C)
+    rem = idx % (R * C)
+    i = rem // C
+    j = rem % C
+    g = tl.load(g_ptr + b * s_gb + i * s_gr + j * s_gc, mask=ok, other=0.0)
+    c = tl.load(c_ptr + b * C + j, mask=ok, other=0.0)
+    r = tl.load(r_ptr + b * R + i, mask=ok, other=0.0)
+    half = tl.load(half_ptr + b, mask=ok, other=1.0)
+    mh = tl.load(mh_ptr + b, mask=ok, other=1.0)
+    if IS_F32:
+        c = tl.div_rn(c, half)
+        r = tl.div_rn(r, mh)
+    else:
+        c = c / half
+        r = r / mh
+    p_off = b * s_pb + i * s_pr + j * s_pc
+    p = tl.load(p_ptr + p_off, mask=ok, other=0.0)
+    alpha = tl.load(hp_ptr + 3)
+    wd = tl.load(hp_ptr + 4)
+    lr = tl.load(lr_ptr).to(p.dtype)
+    u = ((c * g) * r) * alpha
+    tl.store(p_ptr + p_off, p - lr * (u + wd * p), mask=ok)
+
+
+def _sage_update(p_ptr, g_ptr, m_ptr, h_ptr, hp_ptr, lr_ptr, N, C, s_hr, s_hc,
+                 B2_ZERO: constexpr, BLOCK: constexpr):  # pragma: no cover - Triton
+    """SAGE's element-wise part on a contiguous ``(N/C, C)`` tensor, ``H`` broadcast by strides.
+
+    ``M ← g·(1−b2) + M·b2``; ``u = sign(M·b1 + g·(b2−b1))·H`` (``sign(g·(1−b1) + M·b1)``
+    with the old ``M`` when ``b2 = 0``); ``θ ← θ − η·(u + w·θ)``.
+    ``hp = (1−b2, b2, b1, b2−b1, 1−b1, w)``.
+    """
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    g = tl.load(g_ptr + idx, mask=ok, other=0.0)
+    m = tl.load(m_ptr + idx, mask=ok, other=0.0)
+    p = tl.load(p_ptr + idx, mask=ok, other=0.0)
+    h = tl.load(h_ptr + (idx // C) * s_hr + (idx % C) * s_hc, mask=ok, other=0.0)
+    one_b2 = tl.load(hp_ptr)
+    b2 = tl.load(hp_ptr + 1)
+    b1 = tl.load(hp_ptr + 2)
+    b2_b1 = tl.load(hp_ptr + 3)
+    one_b1 = tl.load(hp_ptr + 4)
+    wd = tl.load(hp_ptr + 5)
+    lr = tl.load(lr_ptr).to(p.dtype)
+    m_new = g * one_b2 + m * b2
+    if B2_ZERO:
+        arg = g * one_b1 + m * b1
+    else:
+        arg = m_new * b1 + g * b2_b1
+    sign = tl.where(arg > 0, 1.0, tl.where(arg < 0, -1.0, 0.0)).to(p.dtype)
+    sign = tl.where(arg != arg, arg, sign)  # NaN stays NaN, as torch.sign
+    u = sign * h
+    tl.store(m_ptr + idx, m_new, mask=ok)
+    tl.store(p_ptr + idx, p - lr * (u + wd * p), mask=ok)
+
+
+def _lion_update(p_ptr, g_ptr, m_ptr, hp_ptr, lr_ptr, N,
+                 BLOCK: constexpr):  # pragma: no cover - Triton
+    """Lion element-wise: ``u = sign(g·(1−b1) + m·b1)``, ``m ← g·(1−b2) + m·b2``, decayed step.
+
+    ``hp = (1−b1, b1, 1−b2, b2, w)``.
+    """
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < N
+    g = tl.load(g_ptr + idx, mask=ok, other=0.0)
+    m = tl.load(m_ptr + idx, mask=ok, other=0.0)
+    p = tl.load(p_ptr + idx, mask=ok, other=0.0)
+    one_b1 = tl.load(hp_ptr)
+    b1 = tl.load(hp_ptr + 1)
+    one_b2 = tl.load(hp_ptr + 2)
+    b2 = tl.load(hp_ptr + 3)
+    wd = tl.load(hp_ptr + 4)
+    lr = tl.load(lr_ptr).to(p.dtype)
+    arg = g * one_b1 + m * b1
+    u = tl.where(arg > 0, 1.0, tl.where(arg < 0, -1.0, 0.0)).to(p.dtype)
+    u = tl.where(arg != arg, arg, u)
+    tl.store(m_ptr + idx, g * one_b2 + m * b2, mask=ok)
+    tl.store(p_ptr + idx, p - lr * (u + wd * p), mask=ok)
+
+
+_LOOP_BOUNDS: dict[str, tuple[str, ...]] = {"_sinkhorn_rows": ("R", "C"),
+                                             "_sinkhorn_cols": ("R", "C")}
+"""Integer arguments a kernel loops up to: compile-time values under the interpreter only."""
+
+
+@functools.cache
+def _kernel(fn: Callable[..., Any], interpret: bool) -> Any:
+    """``fn`` as a Triton kernel: interpreted (CPU tensors) or compiled (CUDA).
+
+    The interpreter of Triton 3.6 takes ``range(0, C, ...)`` with a run-time ``C`` through
+    ``int()`` of a one-element array, which NumPy ≥ 2.4 refuses; so for the interpreter
+    only, the interpreter's copy of ``fn`` marks its loop bounds (:data:`_LOOP_BOUNDS`) as ``constexpr``
+    (plain Python ints there; the compiled kernel keeps them run-time arguments).
+    """
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        bounds = _LOOP_BOUNDS.get(fn.__name__, ())
+
+        class Interpreted(InterpretedFunction):  # type: ignore[misc]
+            def rewrite(self) -> Any:
+                out = super().rewrite()  # the interpreter's rewritten copy of fn (cached)
+                out.__annotations__ = {**out.__annotations__,
+                                       **dict.fromkeys(bounds, "constexpr")}
+                return out
+
+        return Interpreted(fn)
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
+
+
+def _launch(fn: Callable[..., Any], device: torch.device, grid: tuple[int, ...],
+            *args: constexpr, **meta: constexpr) -> None:
+    _kernel(fn, device.type == "cpu")[grid](*args, **meta)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def sinkhorn_iterations(g: Tensor, c: Tensor, r: Tensor, m: Tensor, eps_first: Tensor,
+                        hp: Tensor, num_iters: int) -> None:
+    """Run ``num_iters`` Sinkhorn iterations of the ``(B, R, C)`` matrices ``g`` (any strides).
+
+    ``c`` ``(B, C)`` and ``r`` ``(B, R)`` are the scale vectors (contiguous, ``g``'s dtype,
+    updated in place), ``m`` ``(B,)`` the range scales, ``eps_first`` ``(B,)`` the ε of the
+    first row half-iteration (``ε/m``), ``hp`` ``(t_in, t_out, ε, α, w)``.  Two launches
+    per iteration: the rows (a reduction over the fan-in), then the columns (over the
+    fan-out), each program looping over the whole other axis (deterministic, no atomics);
+    ``(G/m)²`` is formed tile by tile on chip, never stored.
+    """
+    bsz, rows, cols = g.shape
+    is_f32 = g.dtype == torch.float32
+    br, bc = SINKHORN_BLOCKS["rows"]
+    cr, cc = SINKHORN_BLOCKS["cols"]
+    strides = g.stride()
+    for it in range(int(num_iters)):
+        eps, eps_stride = (eps_first, 1) if it == 0 else (hp[2:], 0)
+        _launch(_sinkhorn_rows, g.device, (bsz, _cdiv(rows, br)), g, r, c, m, eps, eps_stride,
+                hp, rows, cols, *strides, IS_F32=is_f32, BLOCK_R=br, BLOCK_C=bc)
+        _launch(_sinkhorn_cols, g.device, (bsz, _cdiv(cols, cc)), g, r, c, m, hp, rows, cols,
+                *strides, IS_F32=is_f32, BLOCK_R=cr, BLOCK_C=cc)
+
+
+def sinkgd_update(p: Tensor, g: Tensor, c: Tensor, r: Tensor, half: Tensor, m_half: Tensor,
+                  hp: Tensor, lr: Tensor) -> None:
+    """``p ← p − lr·(α·((c/h)·g·(r/(m/h))) + w·p)`` for ``(B, R, C)`` views (any strides).
+
+    ``c`` ``(B, C)``, ``r`` ``(B, R)``: the scales of :func:`sinkhorn_iterations`;
+    ``half``, ``m_half`` ``(B,)``: the split of ``1/m``; ``hp[3:5] = (α, w)``.
+    """
+    bsz, rows, cols = g.shape
+    n = bsz * rows * cols
+    _launch(_sinkgd_update, g.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, r, c, half, m_half,
+            hp, lr, n, rows, cols, *p.stride(), *g.stride(), IS_F32=g.dtype == torch.float32,
+            BLOCK=ELEMENTWISE_BLOCK)
+
+
+def sage_update(p: Tensor, g: Tensor, m: Tensor, h: Tensor, h_strides: tuple[int, int],
+                cols: int, hp: Tensor, lr: Tensor, b2_zero: bool) -> None:
+    """SAGE's element-wise update of contiguous ``p``, ``g``, ``m`` (``M`` updated in place).
+
+    ``h``: the damper, read at ``(k // cols)·h_strides[0] + (k % cols)·h_strides[1]`` for
+    the flat index ``k``; ``hp = (1−b2, b2, b1, b2−b1, 1−b1, w)``.
+    """
+    n = p.numel()
+    _launch(_sage_update, p.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, m, h, hp, lr, n,
+            cols, h_strides[0], h_strides[1], B2_ZERO=b2_zero, BLOCK=ELEMENTWISE_BLOCK)
+
+
+def lion_update(p: Tensor, g: Tensor, m: Tensor, hp: Tensor, lr: Tensor) -> None:
+    """Lion's update of contiguous ``p``, ``g``, ``m``; ``hp = (1−b1, b1, 1−b2, b2, w)``."""
+    n = p.numel()
+    _launch(_lion_update, p.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, m, hp, lr, n,
+            BLOCK=ELEMENTWISE_BLOCK)
