@@ -90,7 +90,7 @@ class AdamWRule(Rule):
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
         }
 
-    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+    def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
         b1, b2 = group["betas"]
         hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "eps": group["eps"], "weight_decay": group["weight_decay"]}

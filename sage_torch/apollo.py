@@ -121,7 +121,7 @@ class ApolloRule(Rule):
             "limiter_norm": torch.zeros_like(base.sum(dim=(fi, fo)), dtype=dt),
         }
 
-    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+    def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
         b1, b2 = group["betas"]
         fn = _multi_tensor_apollo if foreach else _single_tensor_apollo
         fn(params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],

@@ -238,8 +238,10 @@ def triton_available() -> bool:
 
 
 def triton_interpreting() -> bool:
-    """Whether ``TRITON_INTERPRET=1`` is set: fused steps of CPU tensors then run under
-    Triton's interpreter (the CPU tests; read at every step, not at import)."""
+    """Whether ``TRITON_INTERPRET=1`` is set (read at every step, not at import).
+
+    Fused steps of CPU tensors then run under Triton's interpreter (the CPU tests).
+    """
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 

@@ -15,7 +15,15 @@ from torch import Tensor
 
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked
-from sage_torch.common import Rule, copy_all, decayed_step, lr_of
+from sage_torch.common import (
+    ConstCache,
+    Rule,
+    copy_all,
+    decayed_step,
+    is_dtensor,
+    lr_of,
+    lr_tensor,
+)
 from sage_torch.optimizer import ParamsT, RuleOptimizer
 
 _LION = RULE_DEFAULTS["lion"]
@@ -46,6 +54,39 @@ def _multi_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list
     decayed_step(params, updates, lr, weight_decay, True)
 
 
+def _fused_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], *,
+                lr: float | Tensor, beta1: float, beta2: float, weight_decay: float,
+                consts: ConstCache | None = None) -> None:
+    """One Lion step, one Triton kernel per tensor (:mod:`sage_torch.triton_kernels`).
+
+    The kernel reads ``g``, ``m`` and ``θ`` once and writes ``m ← g·(1−b2) + m·b2`` and
+    ``θ ← θ − η·(sign(g·(1−b1) + m·b1) + w·θ)``, the operations of
+    :func:`_single_tensor_lion`.  Tensors that are not contiguous, or whose gradient or
+    ``m`` has another dtype or shape, take :func:`_multi_tensor_lion`.
+    """
+    from sage_torch import triton_kernels as tk
+
+    consts = ConstCache() if consts is None else consts
+    ok: list[int] = []
+    rest: list[int] = []
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs, strict=True)):
+        same = all(t.dtype == p.dtype and t.shape == p.shape and t.is_contiguous()
+                   and not is_dtensor(t) for t in (p, g, m))
+        (ok if same else rest).append(i)
+    if rest:
+        _multi_tensor_lion([params[i] for i in rest], [grads[i] for i in rest],
+                           [exp_avgs[i] for i in rest], lr=lr, beta1=beta1, beta2=beta2,
+                           weight_decay=weight_decay)
+    if not ok:
+        return
+    p0 = params[ok[0]]
+    hpt = consts.get((1.0 - beta1, beta1, 1 - beta2, beta2, weight_decay), p0.dtype, p0.device)
+    lr_t = lr_tensor(lr, p0)
+    for i in ok:
+        if params[i].numel():
+            tk.lion_update(params[i], grads[i], exp_avgs[i], hpt, lr_t)
+
+
 def _chunked_lion(p: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, beta2: float,
                   weight_decay: float, threads: int = 1) -> None:
     """The single-tensor step on one chunk at a time (:mod:`sage_torch.chunked`)."""
@@ -67,13 +108,22 @@ class LionRule(Rule):
 
     name = "lion"
 
+    has_fused = True
+
+    def __init__(self) -> None:
+        self._consts = ConstCache()  # _fused_lion's hyperparameter tensors
+
     def init_state(self, p, group, name):  # noqa: D102
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
-    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+    def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
         b1, b2 = group["betas"]
         hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "weight_decay": group["weight_decay"]}
+        if fused:
+            _fused_lion(params, grads, [st["exp_avg"] for st in states], consts=self._consts,
+                        **hp)
+            return
         if not group.get("capturable", False):
             params, grads, states = chunked.split_fast(
                 params, grads, states, ("exp_avg",),
@@ -93,6 +143,10 @@ class Lion(RuleOptimizer):
       weight_decay: decoupled decay.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      fused: use the Triton kernels (:mod:`sage_torch.triton_kernels`; default: on CUDA
+        when ``triton`` is installed, every parameter is float32/float64 and neither
+        ``foreach`` nor ``fused`` is set).  ``fused=True`` with ``foreach=True``, or on a
+        parameter the kernels cannot take, raises a ``ValueError`` naming it.
       capturable: keep the step count on the parameters' device and accept a device tensor
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.
@@ -102,9 +156,9 @@ class Lion(RuleOptimizer):
     def __init__(self, params: ParamsT, lr: float = PRESETS["lion"].learning_rate,
                  betas: tuple[float, float] = (_LION["b1"], _LION["b2"]),
                  weight_decay: float = _LION["weight_decay"], *, maximize: bool = False,
-                 foreach: bool | None = None, capturable: bool = False,
-                 cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, cpu_threads: int = 1) -> None:
         super().__init__(params, {
             "rule": "lion", "lr": lr, "betas": tuple(betas), "weight_decay": weight_decay,
-            "maximize": maximize, "foreach": foreach, "capturable": capturable,
+            "maximize": maximize, "foreach": foreach, "fused": fused, "capturable": capturable,
         }, cpu_threads=cpu_threads)

@@ -17,12 +17,12 @@ import torch
 from torch import Tensor
 
 from sage_optim.presets import RULE_DEFAULTS
-from sage_torch.common import Projection, Rule
+from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported, triton_available
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
-_COMMON_DEFAULTS = {"maximize": False, "foreach": None, "capturable": False, "fan_in_dim": -1,
-                    "fan_out_dim": -2}
+_COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fused": None, "capturable": False,
+                    "fan_in_dim": -1, "fan_out_dim": -2}
 _MOMENTUM_KEYS = ("betas", "momentum")
 
 
@@ -193,9 +193,38 @@ class RuleOptimizer(torch.optim.Optimizer):
             group.setdefault("betas", (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]))
         try:
             self._rules[rule].validate(group)
+            self._check_fused(group)
         except ValueError:
             self.param_groups.pop()
             raise
+
+    def _check_fused(self, group: dict[str, Any]) -> None:
+        """Check the group's ``fused``/``foreach`` options, as ``torch.optim`` does.
+
+        ``fused=True`` is refused with ``foreach=True``, for a rule without a fused path
+        (:data:`~sage_torch.common.FUSED_RULES`) and for a parameter the kernels cannot
+        take (not CUDA, not float32/float64, or no ``triton``); the message names it.
+        """
+        fused = group.get("fused")
+        if fused is None:
+            return
+        index = len(self.param_groups) - 1
+        if not isinstance(fused, bool):
+            raise ValueError(f"fused must be True, False or None, got {fused!r} "
+                             f"(param group {index})")
+        if fused and group.get("foreach"):
+            raise ValueError(f"fused=True and foreach=True cannot both be set (param group "
+                             f"{index}, rule {group['rule']!r}): pick one path")
+        if fused and not self._rules[group["rule"]].has_fused:
+            raise ValueError(
+                f"fused=True: the {group['rule']} rule of param group {index} has no fused "
+                f"path (rules with one: {', '.join(FUSED_RULES)}); use foreach=True for it"
+            )
+        if fused:
+            for p, name in zip(group["params"], self._names(group), strict=True):
+                reason = fused_unsupported(p, name)
+                if reason is not None:
+                    raise ValueError(f"{reason} (param group {index})")
 
     def rule_of(self, group: dict[str, Any]) -> Rule:
         """The update rule (state layout, checks, step) that runs ``group``."""
@@ -247,23 +276,47 @@ class RuleOptimizer(torch.optim.Optimizer):
                 names.append(name)
             if not params:
                 continue
-            foreach = group["foreach"]
-            if foreach is None:
-                foreach = all(p.device.type == "cuda" for p in params)
+            foreach, fused = self._paths(group, rule, params, names)
             steps = [st["step"] for st in states]
-            if foreach:
+            if foreach or fused:
                 torch._foreach_add_(steps, 1)
             else:
                 for t in steps:
                     t += 1
-            if foreach and len({(p.device, p.dtype) for p in params}) > 1:
+            if (foreach or fused) and len({(p.device, p.dtype) for p in params}) > 1:
                 for key in sorted({(str(p.device), str(p.dtype)) for p in params}):
                     idx = [i for i, p in enumerate(params) if (str(p.device), str(p.dtype)) == key]
                     rule.step([params[i] for i in idx], [grads[i] for i in idx],
-                              [states[i] for i in idx], [names[i] for i in idx], group, True)
+                              [states[i] for i in idx], [names[i] for i in idx], group,
+                              foreach, fused=fused)
             else:
-                rule.step(params, grads, states, names, group, bool(foreach))
+                rule.step(params, grads, states, names, group, foreach, fused=fused)
         return loss
+
+    @staticmethod
+    def _paths(group: dict[str, Any], rule: Rule, params: list[Tensor],
+               names: list[str]) -> tuple[bool, bool]:
+        """``(foreach, fused)`` for this step of ``group``, as ``torch.optim`` defaults them.
+
+        Neither set: fused where the rule has a fused path, ``triton`` is installed and every
+        parameter is a float32/float64 CUDA tensor; else foreach on CUDA, else single-tensor.
+        ``fused=True`` is checked again (a parameter moved since the optimizer was built):
+        a parameter the kernels cannot take raises a ``ValueError`` naming it.
+        """
+        fused, foreach = group.get("fused"), group["foreach"]
+        on_cuda = all(p.device.type == "cuda" for p in params)
+        if fused:
+            for p, name in zip(params, names, strict=True):
+                reason = fused_unsupported(p, name)
+                if reason is not None:
+                    raise ValueError(reason)
+            return False, True
+        if (fused is None and foreach is None and rule.has_fused and on_cuda
+                and triton_available()
+                and all(fused_unsupported(p, n) is None
+                        for p, n in zip(params, names, strict=True))):
+            return False, True
+        return (on_cuda if foreach is None else bool(foreach)), False
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping each floating state tensor's saved dtype."""

@@ -22,6 +22,7 @@ from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked
 from sage_torch.common import (
     Axes,
+    ConstCache,
     Rule,
     axis_group,
     bias_correction,
@@ -29,6 +30,7 @@ from sage_torch.common import (
     decayed_step,
     is_dtensor,
     lr_of,
+    lr_tensor,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -114,6 +116,51 @@ def _stack(xs: list[Tensor]) -> Tensor:
     return xs[0].unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
 
 
+def _dampers(params: list[Tensor], g32: list[Tensor], scale_avgs: list[Tensor],
+             state_steps: list[Tensor], *, reduce_dims: list[ReduceDim],
+             rms_dims: list[tuple[int, ...] | None], beta2: float, eps: float,
+             damper: str) -> list[Tensor]:
+    """Update every ``S`` in place and return each parameter's damper ``H`` (broadcastable).
+
+    The reductions of the multi-tensor and fused paths: the parameters are bucketed by
+    shape, axes and ``S``'s dtype, each bucket's ``s``, ``Ŝ`` and damper computed once on
+    the stacked ``(B, ...)`` tensors; the bias corrections ``1 − b2^t`` come from the step
+    tensors (``torch._foreach_pow``), so no host synchronisation.  ``g32``: the gradients
+    in the wide dtype.
+    """
+    w = g32[0].dtype
+    # 1 − b2^t per parameter, as bias_correction (float32 steps; cast for float64)
+    steps = [t if t.dtype == w else t.to(w) for t in state_steps]
+    bias2 = list(torch._foreach_pow(beta2, steps))
+    torch._foreach_neg_(bias2)
+    torch._foreach_add_(bias2, 1)
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, S) in enumerate(zip(params, scale_avgs, strict=True)):
+        key = (tuple(p.shape), reduce_dims[i], rms_dims[i], S.dtype)
+        buckets.setdefault(key, []).append(i)
+    h_all: list[Tensor] = [g32[0]] * len(params)  # placeholders, all replaced below
+    for (shape, dim, rdims, s_dtype), idx in buckets.items():
+        gb = _stack([g32[i] for i in idx])
+        a = gb.abs()
+        if dim is None:
+            s = a
+        else:
+            s = a.mean(dim=tuple(d + 1 for d in dim) if isinstance(dim, tuple) else dim + 1)
+        S_list = [scale_avgs[i] for i in idx]
+        torch._foreach_mul_(S_list, beta2)
+        s_parts = list(s.to(s_dtype).unbind(0))
+        torch._foreach_add_(S_list, s_parts, alpha=1 - beta2)
+        bc = _stack([bias2[i] for i in idx]).to(device=s.device)
+        bc = bc.view([len(idx)] + [1] * (s.dim() - 1))
+        s_hat = _stack(S_list).to(s.dtype) / bc
+        dims = (tuple(range(1, s.dim())) if rdims is None
+                else tuple(d + 1 for d in rdims))
+        h = _broadcast_h(sage_damper(s, s_hat, eps, damper, dims), dim, shape, batch=1)
+        for i, hi in zip(idx, h.unbind(0), strict=True):
+            h_all[i] = hi
+    return h_all
+
+
 def _multi_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                        scale_avgs: list[Tensor], state_steps: list[Tensor], *,
                        reduce_dims: list[ReduceDim], rms_dims: list[tuple[int, ...] | None],
@@ -150,40 +197,69 @@ def _multi_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list
         arg = list(torch._foreach_mul(m_new, beta1))
         torch._foreach_add_(arg, torch._foreach_mul(g32, beta2 - beta1))
     updates = list(torch._foreach_sign(arg))
-    # 1 − b2^t per parameter, as bias_correction (float32 steps; cast for float64)
-    steps = [t if t.dtype == w else t.to(w) for t in state_steps]
-    bias2 = list(torch._foreach_pow(beta2, steps))
-    torch._foreach_neg_(bias2)
-    torch._foreach_add_(bias2, 1)
-    buckets: dict[tuple[Any, ...], list[int]] = {}
-    for i, (p, S) in enumerate(zip(params, scale_avgs, strict=True)):
-        key = (tuple(p.shape), reduce_dims[i], rms_dims[i], S.dtype)
-        buckets.setdefault(key, []).append(i)
-    h_all: list[Tensor] = [updates[0]] * len(params)  # placeholders, all replaced below
-    for (shape, dim, rdims, s_dtype), idx in buckets.items():
-        gb = _stack([g32[i] for i in idx])
-        a = gb.abs()
-        if dim is None:
-            s = a
-        else:
-            s = a.mean(dim=tuple(d + 1 for d in dim) if isinstance(dim, tuple) else dim + 1)
-        S_list = [scale_avgs[i] for i in idx]
-        torch._foreach_mul_(S_list, beta2)
-        s_parts = list(s.to(s_dtype).unbind(0))
-        torch._foreach_add_(S_list, s_parts, alpha=1 - beta2)
-        bc = _stack([bias2[i] for i in idx]).to(device=s.device)
-        bc = bc.view([len(idx)] + [1] * (s.dim() - 1))
-        s_hat = _stack(S_list).to(s.dtype) / bc
-        dims = (tuple(range(1, s.dim())) if rdims is None
-                else tuple(d + 1 for d in rdims))
-        h = _broadcast_h(sage_damper(s, s_hat, eps, damper, dims), dim, shape, batch=1)
-        for i, hi in zip(idx, h.unbind(0), strict=True):
-            h_all[i] = hi
+    h_all = _dampers(params, g32, scale_avgs, state_steps, reduce_dims=reduce_dims,
+                     rms_dims=rms_dims, beta2=beta2, eps=eps, damper=damper)
     torch._foreach_mul_(updates, h_all)
     updates = [u if u.dtype == p.dtype else u.to(p.dtype)
                for u, p in zip(updates, params, strict=True)]
     copy_all(exp_avgs, m_new)
     decayed_step(params, updates, lr, weight_decay, True)
+
+
+def _fused_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                scale_avgs: list[Tensor], state_steps: list[Tensor], *,
+                reduce_dims: list[ReduceDim], rms_dims: list[tuple[int, ...] | None],
+                lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                weight_decay: float, damper: str, consts: ConstCache | None = None) -> None:
+    """One SAGE step whose element-wise part is one Triton kernel per tensor.
+
+    The reductions (``s``, ``S``, ``σ``, ``γ``, the damper ``H``) run as in
+    :func:`_multi_tensor_sage` (:func:`_dampers`); then one kernel per parameter reads
+    ``g``, ``M``, ``θ`` and ``H`` once and writes ``M ← g·(1−b2) + M·b2`` and
+    ``θ ← θ − η·(sign(b1·M + (b2−b1)·g)·H + w·θ)``, the operations of
+    :func:`_single_tensor_sage` (:mod:`sage_torch.triton_kernels`).  Contiguous
+    parameters of at most two dims (or element-wise ones of any shape) whose gradient and
+    ``M`` share their dtype take the kernel; the others (grouped fan-out dims, batch dims,
+    ``mu_dtype``, non-contiguous) take :func:`_multi_tensor_sage`.
+    """
+    from sage_torch import triton_kernels as tk
+
+    consts = ConstCache() if consts is None else consts
+    hp: dict[str, Any] = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
+                          "weight_decay": weight_decay, "damper": damper}
+    ok: list[int] = []
+    rest: list[int] = []
+    for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs, strict=True)):
+        dim = reduce_dims[i]
+        fits = (dim is None or (p.dim() == 2 and dim in (0, 1))) and rms_dims[i] is None
+        same = all(t.dtype == p.dtype and t.shape == p.shape and t.is_contiguous()
+                   and not is_dtensor(t) for t in (p, g, m))
+        (ok if fits and same else rest).append(i)
+    if rest:
+        _multi_tensor_sage(*([xs[i] for i in rest] for xs in (params, grads, exp_avgs,
+                                                                scale_avgs, state_steps)),
+                           reduce_dims=[reduce_dims[i] for i in rest],
+                           rms_dims=[rms_dims[i] for i in rest], **hp)
+    if not ok:
+        return
+    ps, gs = [params[i] for i in ok], [grads[i] for i in ok]
+    h_all = _dampers(ps, gs, [scale_avgs[i] for i in ok], [state_steps[i] for i in ok],
+                     reduce_dims=[reduce_dims[i] for i in ok], rms_dims=[rms_dims[i] for i in ok],
+                     beta2=beta2, eps=eps, damper=damper)
+    p0 = ps[0]
+    hpt = consts.get((1 - beta2, beta2, beta1, beta2 - beta1, 1.0 - beta1, weight_decay),
+                     p0.dtype, p0.device)
+    lr_t = lr_tensor(lr, p0)
+    for i, p, g, h in zip(ok, ps, gs, h_all, strict=True):
+        if p.numel() == 0:
+            continue
+        h = h.to(p.dtype)
+        if reduce_dims[i] is None:  # H has p's shape: read it flat
+            h, strides, cols = h.contiguous(), (0, 1), p.numel()
+        else:  # (1, C) or (R, 1): broadcast by a zero stride
+            he = h.expand(p.shape)
+            strides, cols = (he.stride(0), he.stride(1)), p.shape[1]
+        tk.sage_update(p, g, exp_avgs[i], h, strides, cols, hpt, lr_t, beta2 == 0)
 
 
 def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
@@ -242,6 +318,11 @@ class SageRule(Rule):
 
     checked = ("eps", "damper")
 
+    has_fused = True
+
+    def __init__(self) -> None:
+        self._consts = ConstCache()  # _fused_sage's hyperparameter tensors
+
     def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> ReduceDim:
         """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
 
@@ -281,11 +362,18 @@ class SageRule(Rule):
             "scale_avg": torch.zeros_like(reduced),
         }
 
-    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+    def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
         b1, b2 = group["betas"]
         hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "eps": group["eps"], "weight_decay": group["weight_decay"],
                               "damper": group["damper"]}
+        if fused:
+            _fused_sage(params, grads, [st["exp_avg"] for st in states],
+                        [st["scale_avg"] for st in states], [st["step"] for st in states],
+                        reduce_dims=[self._reduce_dim(p, group) for p in params],
+                        rms_dims=[self._rms_dims(p, group) for p in params],
+                        consts=self._consts, **hp)
+            return
         rest = []
         for i, (p, g, st) in enumerate(zip(params, grads, states, strict=True)):
             dim = self._reduce_dim(p, group)
@@ -324,6 +412,10 @@ class SAGE(RuleOptimizer):
         element-wise for every shape.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      fused: use the Triton kernels (:mod:`sage_torch.triton_kernels`; default: on CUDA
+        when ``triton`` is installed, every parameter is float32/float64 and neither
+        ``foreach`` nor ``fused`` is set).  ``fused=True`` with ``foreach=True``, or on a
+        parameter the kernels cannot take, raises a ``ValueError`` naming it.
       capturable: keep the step count on the parameters' device and accept a device tensor
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.
@@ -335,11 +427,11 @@ class SAGE(RuleOptimizer):
                  eps: float = _SAGE["eps"], weight_decay: float = _SAGE["weight_decay"], *,
                  damper: str = _SAGE["damper"], mu_dtype: torch.dtype | None = None,
                  fan_out_dim: Axes | None = -2, maximize: bool = False,
-                 foreach: bool | None = None, capturable: bool = False,
-                 cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, cpu_threads: int = 1) -> None:
         super().__init__(params, {
             "rule": "sage", "lr": lr, "betas": tuple(betas), "eps": eps,
             "weight_decay": weight_decay, "damper": damper, "mu_dtype": mu_dtype,
             "fan_out_dim": fan_out_dim, "maximize": maximize, "foreach": foreach,
-            "capturable": capturable,
+            "fused": fused, "capturable": capturable,
         }, cpu_threads=cpu_threads)

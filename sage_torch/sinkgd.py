@@ -22,8 +22,8 @@ from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked
 from sage_torch.common import (
     Axes,
-    MatrixView,
     ConstCache,
+    MatrixView,
     Rule,
     axis_group,
     decayed_step,
@@ -391,8 +391,8 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
     from sage_torch import triton_kernels as tk
 
     consts = ConstCache() if consts is None else consts
-    hp = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
-          "normalization": normalization, "weight_decay": weight_decay}
+    hp: dict[str, Any] = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
+                          "normalization": normalization, "weight_decay": weight_decay}
     mats: list[tuple[Tensor, Tensor, Tensor]] = []  # (param, p view, g view)
     rest: list[int] = []
     for i, (p, g, (fan_in, fan_out)) in enumerate(zip(params, grads, axes, strict=True)):
@@ -494,18 +494,26 @@ class SinkGDRule(Rule):
 
     checked = ("num_iters", "eps", "normalization")
 
+    has_fused = True
+
     def __init__(self) -> None:
         self._layouts: dict[Any, tuple[Tensor, ...]] = {}  # _multi_tensor_sinkgd's cache
+        self._consts = ConstCache()  # _fused_sinkgd's hyperparameter tensors
 
     def init_state(self, p, group, name):  # noqa: D102
         matrix_axes(p, group, "SinkGD", name)
         return {}
 
-    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+    def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
         hp: dict[str, Any] = {"lr": lr_of(group), "alpha": group["alpha"],
                               "num_iters": group["num_iters"], "eps": group["eps"],
                               "normalization": group["normalization"],
                               "weight_decay": group["weight_decay"]}
+        if fused:
+            _fused_sinkgd(params, grads, consts=self._consts, **hp,
+                          axes=[matrix_axes(p, group, "SinkGD", n)
+                                for p, n in zip(params, names, strict=True)])
+            return
         rest, rest_g, rest_axes, fast = [], [], [], []
         chunk_ok = not group.get("capturable", False)
         for p, g, name in zip(params, grads, names, strict=True):
@@ -558,6 +566,10 @@ class SinkGD(RuleOptimizer):
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path, the Sinkhorn iterations batched over
         same-shape matrices (default: on CUDA).
+      fused: use the Triton kernels (:mod:`sage_torch.triton_kernels`; default: on CUDA
+        when ``triton`` is installed, every parameter is float32/float64 and neither
+        ``foreach`` nor ``fused`` is set).  ``fused=True`` with ``foreach=True``, or on a
+        parameter the kernels cannot take, raises a ``ValueError`` naming it.
       capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
@@ -568,11 +580,11 @@ class SinkGD(RuleOptimizer):
                  weight_decay: float = _SINK["weight_decay"],
                  normalization: str = _SINK["normalization"], *, eps: float = _SINK["eps"],
                  fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
-                 foreach: bool | None = None, capturable: bool = False,
-                 cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, cpu_threads: int = 1) -> None:
         super().__init__(params, {
             "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
             "weight_decay": weight_decay, "normalization": normalization, "eps": eps,
             "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,
-            "foreach": foreach, "capturable": capturable,
+            "foreach": foreach, "fused": fused, "capturable": capturable,
         }, cpu_threads=cpu_threads)

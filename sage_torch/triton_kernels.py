@@ -27,8 +27,6 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from sage_torch.common import FUSED_DTYPES as DTYPES
-
 constexpr = Any
 """The annotation of a kernel's compile-time arguments: Triton reads the string
 ``"constexpr"`` (``from __future__ import annotations``), as it reads ``tl.constexpr``."""
@@ -83,7 +81,8 @@ def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C
 
 
 def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
-                   IS_F32: constexpr, BLOCK_R: constexpr, BLOCK_C: constexpr):  # pragma: no cover - Triton
+                   IS_F32: constexpr, BLOCK_R: constexpr,
+                   BLOCK_C: constexpr):  # pragma: no cover - Triton
     """Per column ``j`` of matrix ``b``: ``q = sqrt(Σ_i (G_ij/m)²·r_i²)``, then ``c_j``'s update.
 
     ``c ← where(q > 0, c·t_out / (c·q + ε), c)``; ``hp[1:3] = (t_out, ε)``.
@@ -221,15 +220,16 @@ def _kernel(fn: Callable[..., Any], interpret: bool) -> Any:
 
     The interpreter of Triton 3.6 takes ``range(0, C, ...)`` with a run-time ``C`` through
     ``int()`` of a one-element array, which NumPy ≥ 2.4 refuses; so for the interpreter
-    only, the interpreter's copy of ``fn`` marks its loop bounds (:data:`_LOOP_BOUNDS`) as ``constexpr``
-    (plain Python ints there; the compiled kernel keeps them run-time arguments).
+    only, the interpreter's copy of ``fn`` marks its loop bounds (:data:`_LOOP_BOUNDS`)
+    as ``constexpr`` (plain Python ints there; the compiled kernel keeps them run-time
+    arguments).
     """
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
         bounds = _LOOP_BOUNDS.get(fn.__name__, ())
 
-        class Interpreted(InterpretedFunction):  # type: ignore[misc]
+        class Interpreted(InterpretedFunction):
             def rewrite(self) -> Any:
                 out = super().rewrite()  # the interpreter's rewritten copy of fn (cached)
                 out.__annotations__ = {**out.__annotations__,

@@ -37,7 +37,7 @@ class UnitNormRule(Rule):
 
     checked = ("eps",)
 
-    def step(self, params, grads, states, names, group, foreach):  # noqa: D102
+    def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
         fn = _multi_tensor_unit_norm if foreach else _single_tensor_unit_norm
         fn(params, grads, lr=lr_of(group), eps=group["eps"],
            weight_decay=group["weight_decay"])
