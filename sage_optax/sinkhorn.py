@@ -39,6 +39,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import validation
+from sage_optim import hyperparams
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["sinkgd"]
@@ -50,8 +51,9 @@ axes (stacked in chunks of at most ``group_bytes``), ``"auto"`` stacking on an a
 (where each matrix's ~25 small kernels cost more in launches than in bytes) and one leaf at
 a time on the CPU."""
 
-GROUP_BYTES: int = 128 * 2**20
-"""Default size limit of one stacked group: its copy of the gradients and its ``K``."""
+GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
+"""Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
+with :mod:`sage_torch`: :data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`)."""
 _KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 

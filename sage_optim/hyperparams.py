@@ -22,6 +22,12 @@ NORMALIZATIONS: tuple[str, ...] = ("unit", "sqrt")
 """SinkGD's target norms: ``unit`` (the SAGE paper's Unit-Norm SinkGD) or ``sqrt`` (Scetbon et
 al.'s SR-Sinkhorn)."""
 
+SINKHORN_GROUP_BYTES: int = 128 * 2**20
+"""Default size limit of one stacked group of same-shape matrices in the batched Sinkhorn
+iterations (``group_bytes`` of :func:`sage_optax.scale_by_sinkhorn` and of the multi-tensor
+SinkGD of :mod:`sage_torch`): the bytes of its ``K = (G/m)²``, about those of its copy of
+the gradients."""
+
 SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
 """APOLLO's gradient scaling: one factor per matrix, or one per uncompressed channel."""
 

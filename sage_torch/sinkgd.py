@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sage_optim.hyperparams import SINKHORN_GROUP_BYTES
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked
 from sage_torch.common import (
@@ -233,7 +234,8 @@ def _split_views(flat: Tensor, buckets: list[_Bucket], dim: str, shape: str) -> 
 def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
                          axes: list[AxisGroups], lr: float | Tensor, alpha: float, num_iters: int,
                          eps: float, normalization: str, weight_decay: float,
-                         cache: dict[Any, tuple[Tensor, ...]] | None = None) -> None:
+                         cache: dict[Any, tuple[Tensor, ...]] | None = None,
+                         group_bytes: int = SINKHORN_GROUP_BYTES) -> None:
     """One SinkGD step, the Sinkhorn iterations of all matrices at once.
 
     The matrices are bucketed by their ``(OUT, IN)`` shape (a ``Conv2d`` kernel is its
@@ -244,8 +246,16 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
     a view of the flat norms) and one kernel per element-wise operation for all buckets
     together, the operations of :func:`sinkhorn_scales` in the same order.  The update
     ``α·(c·G·r)`` and the decayed step run as ``torch._foreach_*`` kernels.  No host
-    synchronisation.  DTensors (FSDP2) take the single-tensor path.  Peak extra memory:
-    one ``K`` per bucket, about the size of all the group's gradients.
+    synchronisation.  DTensors (FSDP2) take the single-tensor path.
+
+    Memory: a bucket is split into chunks whose ``K`` has at most ``group_bytes`` bytes
+    (at least one matrix each), as :mod:`sage_optax`'s ``group_bytes``
+    (:data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`, 128 MiB), and the chunks run in
+    rounds of at most ``group_bytes`` of ``K`` together: the peak extra memory is about
+    ``2·group_bytes`` (a round's ``K`` and stacked gradients) or one matrix's, not the sum
+    of all the group's gradients.  Every matrix sees the same operations whatever the
+    chunking (element-wise kernels and one ``torch.bmm`` batch entry each), so the result
+    does not depend on ``group_bytes``.
 
     ``cache``: a dict kept by the caller across steps, holding the small index tensors of
     each bucket layout, so that a step after the first copies nothing from the host (CUDA
@@ -258,9 +268,52 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
                               num_iters=num_iters, eps=eps, normalization=normalization,
                               weight_decay=weight_decay)
         return
+    buckets = _bucketed(params, axes)
+    for round_ in _rounds(buckets, wide(grads[0].dtype).itemsize, group_bytes):
+        _sinkgd_round(params, grads, round_, lr=lr, alpha=alpha, num_iters=num_iters,
+                      eps=eps, normalization=normalization, weight_decay=weight_decay,
+                      cache=cache)
+
+
+def _rounds(buckets: list[_Bucket], itemsize: int, group_bytes: int) -> list[list[_Bucket]]:
+    """The buckets split into chunks of at most ``group_bytes`` of ``K``, packed into rounds.
+
+    A chunk holds at least one matrix; a round holds chunks (in bucket order) while their
+    ``K`` together stays within ``group_bytes`` (at least one chunk).
+    """
+    chunks: list[_Bucket] = []
+    for b in buckets:
+        per_matrix = max(1, b.out * b.inp * itemsize)
+        cap = max(1, group_bytes // per_matrix)
+        cur = _Bucket(b.plain, b.out, b.inp)
+        for i, mv, n in zip(b.members, b.views, b.sizes, strict=True):
+            if cur.members and cur.batch + n > cap:
+                chunks.append(cur)
+                cur = _Bucket(b.plain, b.out, b.inp)
+            cur.members.append(i)
+            cur.views.append(mv)
+            cur.sizes.append(n)
+        chunks.append(cur)
+    rounds: list[list[_Bucket]] = []
+    used = 0
+    for c in chunks:
+        size = c.batch * c.out * c.inp * itemsize
+        if rounds and used + size <= group_bytes:
+            rounds[-1].append(c)
+            used += size
+        else:
+            rounds.append([c])
+            used = size
+    return rounds
+
+
+def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Bucket], *,
+                  lr: float | Tensor, alpha: float, num_iters: int, eps: float,
+                  normalization: str, weight_decay: float,
+                  cache: dict[Any, tuple[Tensor, ...]] | None) -> None:
+    """The multi-tensor SinkGD step of the matrices of ``buckets`` (one round, see above)."""
     w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
     device = grads[0].device
-    buckets = _bucketed(params, axes)
     # G per bucket (B, OUT, IN) and the flat max|G| per matrix
     gs, amaxes = [], []
     for b in buckets:
@@ -333,7 +386,7 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
     half = _pow2_sqrt_floor(m)
     c = c / torch.repeat_interleave(half, reps_c, output_size=n_c)
     r = r / torch.repeat_interleave(m / half, reps_r, output_size=n_r)
-    updates: list[Tensor] = [grads[0]] * len(params)  # placeholders, all replaced below
+    updates: dict[int, Tensor] = {}
     plain_idx: list[int] = []
     plain_g: list[Tensor] = []
     plain_c: list[Tensor] = []
@@ -360,7 +413,9 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
         torch._foreach_mul_(xs, alpha)
         for i, x in zip(plain_idx, xs, strict=True):
             updates[i] = x
-    decayed_step(params, updates, lr, weight_decay, True)
+    order = [i for b in buckets for i in b.members]
+    decayed_step([params[i] for i in order], [updates[i] for i in order], lr, weight_decay,
+                 True)
 
 
 def _fused_view(t: Tensor, mv: MatrixView) -> Tensor | None:
@@ -500,6 +555,12 @@ class SinkGDRule(Rule):
         self._layouts: dict[Any, tuple[Tensor, ...]] = {}  # _multi_tensor_sinkgd's cache
         self._consts = ConstCache()  # _fused_sinkgd's hyperparameter tensors
 
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        gb = group.get("group_bytes", SINKHORN_GROUP_BYTES)
+        if isinstance(gb, bool) or not isinstance(gb, int) or gb < 1:
+            raise ValueError(f"group_bytes must be a positive int (bytes), got {gb!r}")
+
     def init_state(self, p, group, name):  # noqa: D102
         matrix_axes(p, group, "SinkGD", name)
         return {}
@@ -537,7 +598,9 @@ class SinkGDRule(Rule):
         if fast:
             _chunked_sinkgd(fast, threads=self.cpu_threads, **hp)
         if foreach:
-            _multi_tensor_sinkgd(rest, rest_g, axes=rest_axes, cache=self._layouts, **hp)
+            _multi_tensor_sinkgd(rest, rest_g, axes=rest_axes, cache=self._layouts,
+                                 group_bytes=group.get("group_bytes", SINKHORN_GROUP_BYTES),
+                                 **hp)
         else:
             _single_tensor_sinkgd(rest, rest_g, axes=rest_axes, **hp)
 
@@ -573,6 +636,9 @@ class SinkGD(RuleOptimizer):
       capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
+      group_bytes: the foreach path stacks same-shape matrices in chunks whose ``K`` holds
+        at most this many bytes (default 128 MiB, as :mod:`sage_optax`'s ``group_bytes``);
+        the result does not depend on it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
@@ -581,8 +647,9 @@ class SinkGD(RuleOptimizer):
                  normalization: str = _SINK["normalization"], *, eps: float = _SINK["eps"],
                  fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool = False, cpu_threads: int = 1) -> None:
-        super().__init__(params, {
+                 capturable: bool = False, cpu_threads: int = 1,
+                 group_bytes: int = SINKHORN_GROUP_BYTES) -> None:
+        super().__init__(params, {"group_bytes": group_bytes,
             "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
             "weight_decay": weight_decay, "normalization": normalization, "eps": eps,
             "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,
