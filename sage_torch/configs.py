@@ -10,12 +10,13 @@ from torch import nn
 from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
 from sage_optim.routing import ResolvedRoute, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
+from sage_torch.common import FUSED_RULES
 from sage_torch.nonfinite import SkipNonFinite, check_skip_nonfinite
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params, state_nbytes
 
-OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "capturable",
-                                 "cpu_threads")
+OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
+                                 "capturable", "cpu_threads")
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
@@ -45,6 +46,8 @@ def _kind_options(preset: Preset, kind: str, lr: float | None,
                   extra: dict[str, Any]) -> dict[str, Any]:
     options = {"kind": kind, "lr": preset.learning_rate if lr is None else lr,
                **group_options(preset.rule(kind)), **extra}
+    if options.get("fused") and options["rule"] not in FUSED_RULES:
+        options["fused"] = None  # fused=True reaches only the rules that have a fused path
     if kind == "vector":
         options.update(fan_in_dim=None, fan_out_dim=None)
     return options
@@ -66,7 +69,8 @@ def _plan(model: nn.Module, name: str, lr: float | None,
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     routed = route_params(model, overrides.pop("route_overrides", None))
     extra: dict[str, Any] = {
-        k: overrides.pop(k) for k in ("maximize", "foreach", "capturable") if k in overrides
+        k: overrides.pop(k) for k in ("maximize", "foreach", "fused", "capturable")
+        if k in overrides
     }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
     layouts: dict[tuple[str, Any, Any], list[RoutedParam]] = {}
@@ -117,7 +121,9 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
         fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
-        ``maximize``, ``foreach``, ``capturable`` (step counts on the device, a tensor
+        ``maximize``, ``foreach``, ``fused`` (the Triton kernels of the rules that have
+        them, SAGE, Lion and SinkGD; the other groups keep their default path),
+        ``capturable`` (step counts on the device, a tensor
         ``lr`` never read back: CUDA graphs; not with APOLLO), ``cpu_threads=N`` (spread
         the chunked CPU path over ``N`` threads, :mod:`sage_torch.chunked`; default 1: no
         thread is started),

@@ -1,0 +1,288 @@
+"""The fused (Triton) path of sage_torch against the single-tensor and foreach paths.
+
+On the CPU the kernels run under Triton's interpreter: ``TRITON_INTERPRET=1`` is set for
+each test (and restored after it) by an autouse fixture; :mod:`sage_torch` reads it at
+every step and wraps each kernel for the interpreter directly, so the variable does not
+leak into other tests.  Shapes are small: the interpreter runs a kernel in NumPy.  Every
+case is skipped, with the reason, where the ``triton`` package is not installed.
+
+Also here: the multi-tensor SinkGD's ``group_bytes`` chunking gives bit for bit the
+unchunked result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import sage_torch
+from sage_torch import SAGE, Lion, SinkGD
+from sage_torch.common import triton_available
+from sage_torch.sinkgd import _multi_tensor_sinkgd, _single_tensor_sinkgd
+from tests.reference_np import sinkhorn_ref
+
+needs_triton = pytest.mark.skipif(
+    not triton_available(),
+    reason="the triton package is not installed (pip install triton==3.6.0 on Linux x86-64; "
+           "it ships with CUDA builds of torch): the fused kernels cannot run, not even "
+           "under Triton's CPU interpreter",
+)
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the kernels of CPU tensors under Triton's interpreter for this test only."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max|a − b| / max|b|`` (0 for two zero tensors)."""
+    scale = b.abs().max().item() if b.numel() else 0.0
+    diff = (a - b).abs().max().item() if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def run_paths(make: Callable[[list[nn.Parameter], dict], torch.optim.Optimizer],
+              params: list[torch.Tensor], grads: list[list[torch.Tensor]],
+              paths: tuple[str, ...] = ("single", "foreach", "fused"),
+              lr_tensor: bool = False) -> dict[str, list[torch.Tensor]]:
+    """Step each path from the same parameters with the same gradients and lr schedule."""
+    out = {}
+    for path in paths:
+        ps = [nn.Parameter(p.clone()) for p in params]
+        kw = {"fused": True} if path == "fused" else {"foreach": path == "foreach"}
+        if lr_tensor:
+            kw["capturable"] = True
+        opt = make(ps, kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + t))
+        for gs in grads:
+            for p, g in zip(ps, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+            sched.step()
+        out[path] = [p.detach() for p in ps]
+    return out
+
+
+def check(out: dict[str, list[torch.Tensor]], dtype: torch.dtype) -> None:
+    for path in out:
+        for i, (a, b) in enumerate(zip(out[path], out["single"], strict=True)):
+            assert torch.isfinite(a).all(), (path, i)
+            assert rel(a, b) <= TOL[dtype], (path, i, tuple(a.shape), rel(a, b))
+
+
+def sinkgd_case(dtype: torch.dtype, steps: int = 3) -> tuple[list, list]:
+    """Odd shapes, a zero matrix, a zero row, huge and tiny magnitudes, stacked matrices."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(37, 50), (1, 7), (5, 3), (6, 9), (4, 5), (4, 5), (3, 4, 5)]
+    big, small = (1e30, 1e-30) if dtype == torch.float32 else (1e250, 1e-250)
+    params = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = []
+    for _ in range(steps):
+        gs = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+        gs[2].zero_()  # an all-zero matrix keeps its scales
+        gs[3][2].zero_()  # a zero row
+        gs[4] *= big
+        gs[5] *= small
+        grads.append(gs)
+    return params, grads
+
+
+@needs_triton
+@pytest.mark.parametrize("normalization", ["unit", "sqrt"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinkgd_fused_matches_single_and_foreach(normalization, dtype):
+    params, grads = sinkgd_case(dtype)
+    out = run_paths(lambda ps, kw: SinkGD(ps, lr=0.05, weight_decay=0.1,
+                                          normalization=normalization, **kw), params, grads)
+    check(out, dtype)
+    assert not torch.equal(out["fused"][0], params[0])  # it stepped
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinkgd_fused_other_layouts(dtype):
+    """``(in, out)`` (fan_in_dim=0) and a Conv2d kernel are strided views: no copy."""
+    gen = torch.Generator().manual_seed(1)
+    for fan_in, fan_out, shape in [(0, 1, (11, 6)), ((1, 2, 3), 0, (4, 3, 2, 2))]:
+        params = [torch.randn(shape, generator=gen, dtype=dtype)]
+        grads = [[torch.randn(shape, generator=gen, dtype=dtype)] for _ in range(2)]
+        out = run_paths(lambda ps, kw, fi=fan_in, fo=fan_out: SinkGD(
+            ps, lr=0.05, weight_decay=0.1, fan_in_dim=fi, fan_out_dim=fo, **kw), params, grads)
+        check(out, dtype)
+
+
+@needs_triton
+def test_sinkgd_fused_falls_back_where_no_view():
+    """A layout that is no strided (B, OUT, IN) view takes the foreach path, no error."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (3, 4, 5)  # fan_in=(0, 2): dims 0 and 2 cannot be merged without a copy
+    params = [torch.randn(shape, generator=gen, dtype=torch.float64)]
+    grads = [[torch.randn(shape, generator=gen, dtype=torch.float64)]]
+    out = run_paths(lambda ps, kw: SinkGD(ps, lr=0.05, fan_in_dim=(0, 2), fan_out_dim=1, **kw),
+                    params, grads, paths=("single", "foreach", "fused"))
+    assert torch.equal(out["fused"][0], out["foreach"][0])
+    check(out, torch.float64)
+
+
+@needs_triton
+@pytest.mark.parametrize("normalization", ["unit", "sqrt"])
+def test_sinkgd_fused_against_numpy_reference(normalization):
+    """One fused step against tests/reference_np.py (float64, the direct Sinkhorn)."""
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(9, 13, generator=gen, dtype=torch.float64)
+    g = torch.randn(9, 13, generator=gen, dtype=torch.float64)
+    p = nn.Parameter(p0.clone())
+    p.grad = g.clone()
+    SinkGD([p], lr=0.1, alpha=2.0, weight_decay=0.01, normalization=normalization,
+           fused=True).step()
+    x = sinkhorn_ref(g.numpy(), 5, 1e-8, normalization, fan_in_axis=1, fan_out_axis=0)
+    want = p0.numpy() - 0.1 * (2.0 * x + 0.01 * p0.numpy())
+    np.testing.assert_allclose(p.detach().numpy(), want, rtol=1e-6, atol=1e-9)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("betas", [(0.9, 0.99), (0.9, 0.0)])
+def test_sage_fused_matches_single_and_foreach(dtype, betas):
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(37, 50), (1, 7), (7,), (), (6, 5)]
+    params = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(3)]
+    for gs in grads:
+        gs[4][1].zero_()
+    out = run_paths(lambda ps, kw: SAGE(ps, lr=1e-2, betas=betas, weight_decay=0.1, **kw),
+                    params, grads)
+    check(out, dtype)
+
+
+@needs_triton
+def test_sage_fused_dim1_and_elementwise_groups():
+    """``fan_out_dim=-1`` (H per row) and ``fan_out_dim=None`` (element-wise) matrices."""
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(8, 6, generator=gen, dtype=torch.float64)]
+    grads = [[torch.randn(8, 6, generator=gen, dtype=torch.float64)] for _ in range(3)]
+    for fo in (-1, None):
+        out = run_paths(lambda ps, kw, fo=fo: SAGE(ps, lr=1e-2, weight_decay=0.1,
+                                                   fan_out_dim=fo, **kw), params, grads)
+        check(out, torch.float64)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lion_fused_matches_single_and_foreach(dtype):
+    gen = torch.Generator().manual_seed(6)
+    shapes = [(37, 50), (7,), (), (3, 4, 5)]
+    params = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=dtype) for s in shapes] for _ in range(3)]
+    out = run_paths(lambda ps, kw: Lion(ps, lr=1e-2, weight_decay=0.1, **kw), params, grads)
+    check(out, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("cls", [SAGE, Lion, SinkGD])
+def test_fused_capturable_tensor_lr(cls):
+    """capturable=True: the lr is a tensor the kernels read on the device."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(5, 8), (3, 3)]
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    grads = [[torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+             for _ in range(3)]
+    out = {}
+    for path in ("single", "fused"):
+        ps = [nn.Parameter(p.clone()) for p in params]
+        lr = torch.tensor(0.01, dtype=torch.float64)
+        kw = {"fused": True} if path == "fused" else {"foreach": False}
+        opt = cls(ps, lr=lr, weight_decay=0.1, capturable=True, **kw)
+        for k, gs in enumerate(grads):
+            lr.fill_(0.01 / (1 + k))  # a schedule written into the tensor in place
+            for p, g in zip(ps, gs, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        out[path] = [p.detach() for p in ps]
+    check(out, torch.float64)
+
+
+@needs_triton
+def test_make_optimizer_fused_runs_the_rules_that_have_it():
+    """fused=True reaches SAGE and SinkGD groups; AdamW (vectors) keeps its default path."""
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.LayerNorm(5)).double()
+    ref = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.LayerNorm(5)).double()
+    ref.load_state_dict(model.state_dict())
+    opt = sage_torch.make_optimizer("sinkgd-hybrid", model, lr=1e-2, fused=True)
+    assert {g["rule"]: g["fused"] for g in opt.param_groups}["sinkgd"] is True
+    assert all(g["fused"] is None for g in opt.param_groups if g["rule"] == "adamw")
+    opt_ref = sage_torch.make_optimizer("sinkgd-hybrid", ref, lr=1e-2, foreach=False)
+    for _ in range(2):
+        for m in (model, ref):
+            for p in m.parameters():
+                p.grad = torch.ones_like(p) * 0.1 + p.detach() * 0.01
+        opt.step()
+        opt_ref.step()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert rel(a.detach(), b.detach()) <= 1e-10
+
+
+@needs_triton
+def test_fused_errors_name_the_problem(monkeypatch):
+    p = nn.Parameter(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="fused=True and foreach=True"):
+        SinkGD([p], fused=True, foreach=True)
+    with pytest.raises(ValueError, match="adamw rule .* has no fused path"):
+        sage_torch.RuleOptimizer([{"params": [p], "rule": "adamw"}], {"lr": 1e-3, "fused": True})
+    with pytest.raises(ValueError, match=r"float32 and float64 .* torch.bfloat16"):
+        Lion([nn.Parameter(torch.randn(3, dtype=torch.bfloat16))], fused=True)
+    with pytest.raises(ValueError, match="fused must be True, False or None"):
+        SAGE([p], fused="yes")  # type: ignore[arg-type]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs CUDA tensors, but parameter .* is on cpu"):
+        SAGE([p], fused=True)
+
+
+def test_fused_is_not_the_cpu_default(monkeypatch):
+    """Without fused/foreach the CPU takes the single-tensor path (fused only on CUDA)."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    opt = SinkGD([nn.Parameter(torch.randn(3, 4))])
+    rule = opt.rule_of(opt.param_groups[0])
+    assert opt._paths(opt.param_groups[0], rule, opt.param_groups[0]["params"],
+                      ["w"]) == (False, False)
+
+
+@pytest.mark.parametrize("normalization", ["unit", "sqrt"])
+def test_multi_tensor_sinkgd_chunks_are_bitwise_unchunked(normalization):
+    """group_bytes splits the stacked K without changing a bit of the result."""
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(6, 7)] * 5 + [(2, 6, 7), (3, 4), (3, 4), (9, 2)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    axes = [((p.dim() - 1,), (p.dim() - 2,)) for p in params]
+    kw = {"lr": 0.1, "alpha": 10.0, "num_iters": 5, "eps": 1e-8,
+          "normalization": normalization, "weight_decay": 0.1}
+    whole = [p.clone() for p in params]
+    _multi_tensor_sinkgd(whole, grads, axes=axes, **kw)
+    itemsize = 4
+    for limit in (1, 6 * 7 * itemsize * 2, 6 * 7 * itemsize * 3 + 1):
+        chunked = [p.clone() for p in params]
+        _multi_tensor_sinkgd(chunked, grads, axes=axes, group_bytes=limit, **kw)
+        for a, b in zip(chunked, whole, strict=True):
+            assert torch.equal(a, b), limit
+    ref = [p.clone() for p in params]
+    _single_tensor_sinkgd(ref, grads, axes=axes, **kw)
+    for a, b in zip(whole, ref, strict=True):
+        assert rel(a, b) <= 1e-5
+
+
+def test_group_bytes_option_is_checked():
+    with pytest.raises(ValueError, match="group_bytes must be a positive int"):
+        SinkGD([nn.Parameter(torch.randn(3, 4))], group_bytes=0)
+    assert math.isfinite(SinkGD([nn.Parameter(torch.randn(3, 4))],
+                                group_bytes=1).param_groups[0]["group_bytes"])
