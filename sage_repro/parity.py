@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -189,10 +190,13 @@ def _jax_optimizer(name: str, lrs: np.ndarray, table: np.ndarray, dtype: Any) ->
 
 
 def _torch_optimizer(name: str, model: nn.Module, table: np.ndarray,
-                     foreach: bool | None = None) -> torch.optim.Optimizer:
+                     foreach: bool | None = None,
+                     fused: bool | None = None) -> torch.optim.Optimizer:
     import sage_torch
 
     extra: dict[str, Any] = {"foreach": foreach}
+    if fused:
+        extra["fused"] = True
     if get_preset(name).dense.name == "apollo":
         p = torch.from_numpy(table)
 
@@ -206,7 +210,7 @@ def _torch_optimizer(name: str, model: nn.Module, table: np.ndarray,
 
 def run_parity(name: str, steps: int = 100, dtype: str = "float64", mode: str = "gradients",
                seed: int = 0, peak_lr: float | None = None,
-               foreach: bool | None = None) -> ParityReport:
+               foreach: bool | None = None, fused: bool = False) -> ParityReport:
     """Run both frameworks side by side and return the per-step differences.
 
     Args:
@@ -220,7 +224,28 @@ def run_parity(name: str, steps: int = 100, dtype: str = "float64", mode: str = 
       peak_lr: peak of the warmup + cosine schedule (default: the configuration's).
       foreach: the torch path (``None``: torch's default, the single-tensor path on the CPU;
         ``True``: the multi-tensor path).
+      fused: step sage_torch's SAGE, Lion and SinkGD groups on the fused (Triton) path;
+        on the CPU its kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` is
+        set for the run and restored after it).  Needs ``triton``.
     """
+    if fused:
+        if foreach:
+            raise ValueError("fused and foreach are two paths: pass one of them")
+        previous = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1"
+        try:
+            return _run_parity(name, steps, dtype, mode, seed, peak_lr, None, True)
+        finally:
+            if previous is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = previous
+    return _run_parity(name, steps, dtype, mode, seed, peak_lr, foreach, False)
+
+
+def _run_parity(name: str, steps: int, dtype: str, mode: str, seed: int,
+                peak_lr: float | None, foreach: bool | None, fused: bool) -> ParityReport:
+    """:func:`run_parity` with the torch path settled."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -237,7 +262,7 @@ def run_parity(name: str, steps: int = 100, dtype: str = "float64", mode: str = 
         peak = min(peak, 1e-2)
     lrs = schedule(steps, peak)
     table = projection_table()
-    opt = _torch_optimizer(name, model, table, foreach)
+    opt = _torch_optimizer(name, model, table, foreach, fused)
     rows = []
     with jax.enable_x64(dtype == "float64"):
         jdtype = jnp.dtype(dtype)
@@ -358,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=10, help="print every N-th step")
     parser.add_argument("--foreach", action="store_true",
                         help="step sage_torch on its multi-tensor (foreach) path")
+    parser.add_argument("--fused", action="store_true",
+                        help="step sage_torch's SAGE/Lion/SinkGD groups on the fused (Triton) "
+                             "path; on the CPU under Triton's interpreter (slow; needs triton)")
     args = parser.parse_args(argv)
     tol = TOLERANCE["float32" if args.mode == "llama" else args.dtype]
     names = CONFIG_NAMES if args.config == "all" else (args.config,)
@@ -367,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run_llama_parity(name, args.steps, tied=not args.untied)
         else:
             report = run_parity(name, args.steps, args.dtype, args.mode,
-                                foreach=True if args.foreach else None)
+                                foreach=True if args.foreach else None, fused=args.fused)
         shown = [r for r in report.rows if r[0] % args.every == 0 or r[0] == 1]
         print(dataclasses.replace(report, rows=shown).table())
         verdict = "OK" if report.worst <= tol else "EXCEEDS"

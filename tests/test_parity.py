@@ -66,3 +66,22 @@ def test_command_prints_table(capsys):
     assert "beyond tol" in out and "OK" in out
     rows = [line for line in out.splitlines() if line.strip().startswith(("4 ", "8 ", "12 "))]
     assert len(rows) == 3
+
+
+@pytest.mark.skipif(not __import__("sage_torch.common").common.triton_available(),
+                    reason="the triton package is not installed: the fused kernels cannot run "
+                           "under Triton's CPU interpreter")
+@pytest.mark.parametrize("name", ["sage-hybrid", "lion-hybrid"])
+def test_fused_path_has_parity(name):
+    """The fused (Triton, interpreted on the CPU) path against sage_optax (float64)."""
+    import os
+
+    before = os.environ.get("TRITON_INTERPRET")
+    report = run_parity(name, steps=3, fused=True)
+    assert report.worst <= 1e-10, report.table()
+    assert os.environ.get("TRITON_INTERPRET") == before  # restored
+
+
+def test_fused_and_foreach_are_exclusive():
+    with pytest.raises(ValueError, match="fused and foreach"):
+        run_parity("sage-hybrid", steps=1, foreach=True, fused=True)
