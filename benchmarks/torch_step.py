@@ -42,7 +42,9 @@ AdamW's (ratio ≤ 1) in each path.
 CPU path on ``N`` threads, as before issue 13; the library default is 1).
 
 ``--device cuda`` times on the GPU (``torch.cuda.synchronize`` around each timing) and adds
-the baseline ``torch.optim.AdamW(fused=True)``; ``--device cpu`` (default) is the CPU run.
+the baseline ``torch.optim.AdamW(fused=True)`` and, where ``triton`` is installed, a third
+row per configuration for sage_torch's fused (Triton) path (``make_optimizer(...,
+fused=True)``) next to its foreach path; ``--device cpu`` (default) is the CPU run.
 
 Aten op count (any machine, no memory): ``--op-count`` steps the model on the ``meta``
 device under a ``TorchDispatchMode`` that counts every aten op of one ``opt.step()`` (the
@@ -143,14 +145,30 @@ def build_model(config: LlamaConfig, seed: int = 0, device: str = "cpu") -> nn.M
 
 
 def make(name: str, model: nn.Module, lr: float, foreach: bool,
-         cpu_threads: int = 1) -> torch.optim.Optimizer:
+         cpu_threads: int = 1, fused: bool = False) -> torch.optim.Optimizer:
     """The baseline AdamW (``foreach``, or ``fused`` for :data:`FUSED`) or
-    ``sage_torch.make_optimizer(name, model, lr, foreach=..., cpu_threads=...)``."""
+    ``sage_torch.make_optimizer(name, model, lr, foreach=..., cpu_threads=...)``.
+
+    ``fused``: sage_torch's fused (Triton) path, ``make_optimizer(..., fused=True)``: the
+    SAGE, Lion and SinkGD groups run the kernels, the others their default (CUDA: foreach)
+    path.
+    """
     if name in (BASELINE, FUSED):
-        fused = {"fused": True} if name == FUSED else {"foreach": foreach}
+        opts = {"fused": True} if name == FUSED else {"foreach": foreach}
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99),
-                                 weight_decay=0.01, **fused)
+                                 weight_decay=0.01, **opts)
+    if fused:
+        return sage_torch.make_optimizer(name, model, lr, fused=True, cpu_threads=cpu_threads)
     return sage_torch.make_optimizer(name, model, lr, foreach=foreach, cpu_threads=cpu_threads)
+
+
+def sage_paths(device: str) -> tuple[str, ...]:
+    """The sage_torch paths timed on ``device``: the fused one on CUDA when triton is there."""
+    from sage_torch.common import triton_available
+
+    if device != "cpu" and triton_available():
+        return ("single-tensor", "foreach", "fused")
+    return ("single-tensor", "foreach")
 
 
 class OpCounter(TorchDispatchMode):
@@ -376,21 +394,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     fused_all: list[float] = []
     bw_all: list[float] = []
     for name in args.configs:
-        opts = {(name, fe): make(name, model, args.lr, fe, args.threads)
-                for fe in (False, True)}
+        opts = {(name, path): make(name, model, args.lr, path == "foreach", args.threads,
+                                   fused=path == "fused")
+                for path in sage_paths(device)}
         runners: dict[str, Callable[[], Any]] = {BASELINE: baseline.step, "bandwidth": bw_run}
         if fused is not None:
             runners[FUSED] = fused.step
-        runners.update({f"{n}/{fe}": o.step for (n, fe), o in opts.items()})
+        runners.update({f"{n}/{path}": o.step for (n, path), o in opts.items()})
         times = run_rounds(runners, args.warmup, repeats)
         base_med = statistics.median(times[BASELINE])
         base_all += times[BASELINE]
         fused_all += times.get(FUSED, [])
         bw_all += times["bandwidth"]
-        for (n, fe), opt in opts.items():
-            med = statistics.median(times[f"{n}/{fe}"])
+        for (n, path), opt in opts.items():
+            med = statistics.median(times[f"{n}/{path}"])
             rows.append({
-                "config": n, "path": "foreach" if fe else "single-tensor", "ms": med * 1e3,
+                "config": n, "path": path, "ms": med * 1e3,
                 "ratio": med / base_med, "bytes": bytes_moved(n, model, opt),
                 "peak": None if args.no_memory else peak_extra_bytes(opt, model),
             })

@@ -116,3 +116,13 @@ def test_gpu_check_part_skips_cleanly_without_cuda(tmp_path):
                               text=True, timeout=120, env={**os.environ, "PYTHON": python})
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("skipped:") and why in done.stdout, done.stdout
+
+
+def test_fused_path_is_timed_on_cuda_only():
+    """The fused rows join the CUDA timings (when triton is there), never the CPU's."""
+    from sage_torch.common import triton_available
+
+    assert torch_step.sage_paths("cpu") == ("single-tensor", "foreach")
+    cuda = torch_step.sage_paths("cuda")
+    assert cuda == (("single-tensor", "foreach", "fused") if triton_available()
+                    else ("single-tensor", "foreach"))
