@@ -9,6 +9,11 @@ which :func:`sage_torch.common.fused_unsupported` allows only under
 Both wrappers of a kernel are built directly, so the choice is made per call and does not
 depend on the environment at import time.
 
+The kernels call only Triton builtins (``tl.full``, ``tl.reduce`` with ``tl.sum``'s own
+combine function, not the ``@jit`` helpers ``tl.zeros``/``tl.sum``): Triton 3.6 builds those
+helpers for the interpreter or the compiler when ``triton`` is first imported, and in a
+process where ``torch.compile`` imported it first they cannot be interpreted.
+
 Every kernel computes in the parameters' dtype (float32 or float64, :data:`DTYPES`); the
 hyperparameters come from a small tensor of that dtype (``hp``, rounded by torch exactly
 as torch rounds a Python scalar in the reference paths), and the learning rate from a
@@ -53,7 +58,7 @@ def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C
     rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     m = tl.load(m_ptr + b)
-    acc = tl.zeros((BLOCK_R,), dtype=g_ptr.dtype.element_ty)
+    acc = tl.full((BLOCK_R,), 0.0, g_ptr.dtype.element_ty)
     for j0 in range(0, C, BLOCK_C):
         cols = j0 + tl.arange(0, BLOCK_C)
         col_ok = cols < C
@@ -64,7 +69,7 @@ def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C
         else:
             x = g / m
         c = tl.load(c_ptr + b * C + cols, mask=col_ok, other=0.0)
-        acc += tl.sum((x * x) * (c * c)[None, :], axis=1)
+        acc += tl.reduce((x * x) * (c * c)[None, :], 1, tl.standard._sum_combine)
     if IS_F32:
         q = tl.sqrt_rn(acc)
     else:
@@ -91,7 +96,7 @@ def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     m = tl.load(m_ptr + b)
-    acc = tl.zeros((BLOCK_C,), dtype=g_ptr.dtype.element_ty)
+    acc = tl.full((BLOCK_C,), 0.0, g_ptr.dtype.element_ty)
     for i0 in range(0, R, BLOCK_R):
         rows = i0 + tl.arange(0, BLOCK_R)
         row_ok = rows < R
@@ -102,7 +107,7 @@ def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
         else:
             x = g / m
         r = tl.load(r_ptr + b * R + rows, mask=row_ok, other=0.0)
-        acc += tl.sum((x * x) * (r * r)[:, None], axis=0)
+        acc += tl.reduce((x * x) * (r * r)[:, None], 0, tl.standard._sum_combine)
     if IS_F32:
         q = tl.sqrt_rn(acc)
     else:
