@@ -32,10 +32,6 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-constexpr = Any
-"""The annotation of a kernel's compile-time arguments: Triton reads the string
-``"constexpr"`` (``from __future__ import annotations``), as it reads ``tl.constexpr``."""
-
 ELEMENTWISE_BLOCK = 1024
 """Elements per program of the element-wise kernels."""
 
@@ -47,8 +43,8 @@ SINKHORN_BLOCKS = {"rows": (16, 256), "cols": (64, 64)}
 
 
 def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C,
-                   s_gb, s_gr, s_gc, IS_F32: constexpr, BLOCK_R: constexpr,
-                   BLOCK_C: constexpr):  # pragma: no cover - Triton
+                   s_gb, s_gr, s_gc, IS_F32: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr):  # pragma: no cover - Triton
     """Per row ``i`` of matrix ``b``: ``q = sqrt(Σ_j (G_ij/m)²·c_j²)``, then ``r_i``'s update.
 
     ``r ← where(q > 0, r·t_in / (r·q + ε_b), r)`` with ``ε_b = eps_ptr[b·eps_stride]``:
@@ -86,8 +82,8 @@ def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C
 
 
 def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
-                   IS_F32: constexpr, BLOCK_R: constexpr,
-                   BLOCK_C: constexpr):  # pragma: no cover - Triton
+                   IS_F32: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_C: tl.constexpr):  # pragma: no cover - Triton
     """Per column ``j`` of matrix ``b``: ``q = sqrt(Σ_i (G_ij/m)²·r_i²)``, then ``c_j``'s update.
 
     ``c ← where(q > 0, c·t_out / (c·q + ε), c)``; ``hp[1:3] = (t_out, ε)``.
@@ -124,8 +120,8 @@ def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
 
 
 def _sinkgd_update(p_ptr, g_ptr, r_ptr, c_ptr, half_ptr, mh_ptr, hp_ptr, lr_ptr, N, R, C,
-                   s_pb, s_pr, s_pc, s_gb, s_gr, s_gc, IS_F32: constexpr,
-                   BLOCK: constexpr):  # pragma: no cover - Triton
+                   s_pb, s_pr, s_pc, s_gb, s_gr, s_gc, IS_F32: tl.constexpr,
+                   BLOCK: tl.constexpr):  # pragma: no cover - Triton
     """``θ ← θ − η·(α·((c_j/h)·G_ij·(r_i/(m/h))) + w·θ)`` element-wise; ``hp[3:5] = (α, w)``.
 
     ``h = half_ptr[b]`` and ``m/h = mh_ptr[b]`` split ``1/m`` between the scales (powers of
@@ -158,7 +154,7 @@ def _sinkgd_update(p_ptr, g_ptr, r_ptr, c_ptr, half_ptr, mh_ptr, hp_ptr, lr_ptr,
 
 
 def _sage_update(p_ptr, g_ptr, m_ptr, h_ptr, hp_ptr, lr_ptr, N, C, s_hr, s_hc,
-                 B2_ZERO: constexpr, BLOCK: constexpr):  # pragma: no cover - Triton
+                 B2_ZERO: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - Triton
     """SAGE's element-wise part on a contiguous ``(N/C, C)`` tensor, ``H`` broadcast by strides.
 
     ``M ← g·(1−b2) + M·b2``; ``u = sign(M·b1 + g·(b2−b1))·H`` (``sign(g·(1−b1) + M·b1)``
@@ -191,7 +187,7 @@ def _sage_update(p_ptr, g_ptr, m_ptr, h_ptr, hp_ptr, lr_ptr, N, C, s_hr, s_hc,
 
 
 def _lion_update(p_ptr, g_ptr, m_ptr, hp_ptr, lr_ptr, N,
-                 BLOCK: constexpr):  # pragma: no cover - Triton
+                 BLOCK: tl.constexpr):  # pragma: no cover - Triton
     """Lion element-wise: ``u = sign(g·(1−b1) + m·b1)``, ``m ← g·(1−b2) + m·b2``, decayed step.
 
     ``hp = (1−b1, b1, 1−b2, b2, w)``.
@@ -248,7 +244,7 @@ def _kernel(fn: Callable[..., Any], interpret: bool) -> Any:
 
 
 def _launch(fn: Callable[..., Any], device: torch.device, grid: tuple[int, ...],
-            *args: constexpr, **meta: constexpr) -> None:
+            *args: tl.constexpr, **meta: tl.constexpr) -> None:
     _kernel(fn, device.type == "cpu")[grid](*args, **meta)
 
 
