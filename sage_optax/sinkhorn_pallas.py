@@ -70,7 +70,8 @@ _NUM_STAGES = 3
 
 
 def _pow2_at_least(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    """The smallest power of two ``>= n``, at least 16 (no degenerate 1-wide Triton tiles)."""
+    return 1 << (max(n, 16) - 1).bit_length()
 
 
 def matrix_view(axes: axes_lib.ResolvedAxes) -> tuple[int, int, int, bool] | None:
