@@ -26,6 +26,10 @@ of 1e19 would make ``G²`` infinite) nor underflow; the first normalisation then
 Dividing by a power of two is exact, so for gradients whose squares are in range the
 result is bit-for-bit that of the plain computation: the rescaling changes no number, it
 only keeps every finite gradient finite.  An all-zero matrix stays zero.
+
+On a GPU, :func:`scale_by_sinkhorn` computes the scales with the Pallas kernel of
+:mod:`sage_optax.sinkhorn_pallas` instead (``kernel="auto"``): the same iteration without
+forming ``K``; this module stays the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -358,19 +362,20 @@ def scale_by_sinkhorn(
         pallas: Any = None
         if kernel == "pallas" or (kernel == "auto" and gpu):
             from sage_optax import sinkhorn_pallas as pallas  # imports Pallas only when used
-        on_kernel = [m for m in matrices if pallas is not None and pallas.supports(m[1], m[2])]
-        on_jnp = [m for m in matrices if not any(m is k for k in on_kernel)]
+        by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in matrices]
+        on_kernel = [m for m, k in zip(matrices, by_kernel, strict=True) if k]
+        on_jnp = [m for m, k in zip(matrices, by_kernel, strict=True) if not k]
         kernel_bytes = min(group_bytes, pallas.KERNEL_GROUP_BYTES) if on_kernel else 0
         batches = [(b, True) for b in _batches(on_kernel, kernel_bytes if stack else 0)]
         batches += [(b, False) for b in _batches(on_jnp, group_bytes if stack else 0)]
         after = None
-        for batch, by_kernel in batches:
+        for batch, kernel_batch in batches:
             # Order the batches: this batch's K = G² (the kernel path: its stacked
             # gradients) is formed only once the previous one's scales are done, so one
             # is alive at a time (the compiled temporary memory is the largest batch's,
             # not the sum of all of them).
             gs, resolved = [g for _, g, _ in batch], batch[0][2]
-            if by_kernel:
+            if kernel_batch:
                 c, r = pallas.sinkhorn_scales(gs, resolved, num_iters, eps, normalization,
                                               after, interpret=not gpu)
             elif len(batch) == 1:
