@@ -154,6 +154,16 @@ def test_matrix_view_and_support():
         assert not sinkhorn_pallas.supports(jnp.zeros((4, 3, 5), jnp.float64), res)
 
 
+def test_float64_leaves_use_the_jnp_path():
+    """x64: the kernel is float32 arithmetic, so float64 leaves keep the jnp path exactly."""
+    with jax.enable_x64(True):
+        g = {"w": jnp.asarray(np.random.default_rng(12).standard_normal((9, 5)), jnp.float64)}
+        out = {k: jax.jit(sage_optax.scale_by_sinkhorn(kernel=k).update)(g, optax.EmptyState())[0]
+               for k in ("jnp", "pallas")}
+        assert out["pallas"]["w"].dtype == jnp.float64
+        assert np.array_equal(out["pallas"]["w"], out["jnp"]["w"])
+
+
 def _tree():
     rng = np.random.default_rng(9)
     return {
