@@ -34,6 +34,10 @@ the largest single parameter.
     python benchmarks/jax_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid lion]
                                   [--breakdown]
 
+``--kernel auto|pallas|jnp`` chooses how SinkGD computes its scales (``auto``: the Pallas
+kernel on a GPU, jnp on the CPU); ``--compare-kernels sage-hybrid sinkgd-pure`` times the
+named configurations twice, as ``"<name> [pallas]"`` and ``"<name> [jnp]"``.
+
 ``--breakdown`` then times ``sage-hybrid`` on each parameter kind alone (embedding, dense,
 vector) against ``optax.adamw`` on the same leaves, to show where its time goes.
 """
@@ -112,6 +116,17 @@ def measure_bandwidth(mib: int, repeats: int, donate: bool) -> float:
 ROUTES: dict[str, Any] = {}
 """Route overrides of the tree being measured (the stacked layout declares its layer axis)."""
 
+KERNEL: dict[str, str] = {"default": "auto"}
+"""SinkGD's scale computation for entries that do not name one (``--kernel``)."""
+
+
+def split_entry(entry: str) -> tuple[str, str]:
+    """``(configuration, kernel)`` of a table entry: ``"sinkgd-pure [jnp]"`` or a plain name."""
+    if entry.endswith("]") and " [" in entry:
+        name, kernel = entry[:-1].split(" [")
+        return name, kernel
+    return entry, KERNEL["default"]
+
 
 def labels_of(shapes: Any) -> dict[str, str]:
     """``{path: kind}`` as the router labels the measured tree."""
@@ -119,17 +134,18 @@ def labels_of(shapes: Any) -> dict[str, str]:
     return dict(sage_optax.routing.iter_leaves(routed.labels))
 
 
-def make_tx(name: str) -> optax.GradientTransformation:
-    if name == BASELINE:
+def make_tx(entry: str) -> optax.GradientTransformation:
+    if entry == BASELINE:
         return optax.adamw(1e-4, b1=0.9, b2=0.99, weight_decay=0.01)
-    return sage_optax.make_optimizer(name, route_overrides=ROUTES or None)
+    name, kernel = split_entry(entry)
+    return sage_optax.make_optimizer(name, route_overrides=ROUTES or None, kernel=kernel)
 
 
 def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
     """The analytic byte count of :mod:`sage_repro.traffic`."""
     leaves = []
     if name != BASELINE:
-        preset = resolve_preset(name, {})
+        preset = resolve_preset(split_entry(name)[0], {})
         labels = labels_of(shapes)
         for path, leaf in sage_optax.routing.iter_leaves(shapes):
             rule = preset.rule(labels[path])
@@ -276,9 +292,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", choices=("per-layer", "stacked"), default="per-layer",
                     help="one leaf per layer, or layers stacked on a leading axis as an "
                     "nnx.scan model holds them (default per-layer)")
+    ap.add_argument("--kernel", choices=sage_optax.sinkhorn.KERNELS, default="auto",
+                    help="SinkGD's scale computation (auto: the Pallas kernel on a GPU, jnp "
+                    "on the CPU)")
+    ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",
+                    help="time these configurations with both SinkGD kernels, pallas and jnp")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
     ap.add_argument("--bw-repeats", type=int, default=10)
     args = ap.parse_args(argv)
+    KERNEL["default"] = args.kernel
+    entries = []
+    for n in args.configs:
+        both = n in args.compare_kernels
+        entries += [f"{n} [pallas]", f"{n} [jnp]"] if both else [n]
 
     config = get_model_config(args.model)
     shapes = llama_param_shapes(config, jnp.dtype(args.dtype), stacked=args.layout == "stacked")
@@ -301,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         f"in place (donated, the reference below), {bw_fresh:.2f} GiB/s into a fresh buffer"
     )
 
-    names = [BASELINE, *args.configs]
+    names = [BASELINE, *entries]
     state_total = sum(nbytes(jax.eval_shape(make_tx(n).init, shapes)) for n in names)
     estimate = p_bytes * (len(names) + 1) + state_total  # every config's params + grads
     avail = mem_available()
@@ -319,7 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     print(baseline.memory_line())
     if schedule == "all":
         runners = [baseline]
-        for n in args.configs:
+        for n in entries:
             runners.append(Runner(n, shapes, grads, seed=0))
             print(runners[-1].memory_line())
         interleave(runners, args.warmup, args.repeats)
@@ -328,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
             results[r.name] = (r, base_med)
     else:
         all_base: list[float] = []
-        for n in args.configs:
+        for n in entries:
             r = Runner(n, shapes, grads, seed=0)
             print(r.memory_line())
             baseline.times = []
@@ -360,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
         "| fraction of bandwidth | temp (MiB) | temp / largest param |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    order = [*args.configs, BASELINE]
+    order = [*entries, BASELINE]
     for n in order:
         r, base_med = results[n]
         med = statistics.median(r.times)
@@ -370,16 +396,16 @@ def main(argv: list[str] | None = None) -> None:
             f"| {gibs:.2f} | {gibs / bw:.2f} | {r.temp_bytes / MIB:.1f} "
             f"| {r.temp_bytes / largest:.2f} |"
         )
-    if "sage-hybrid" in results:
-        r, base_med = results["sage-hybrid"]
+    for n in [e for e in entries if split_entry(e)[0] == "sage-hybrid"]:
+        r, base_med = results[n]
         ratio = statistics.median(r.times) / base_med
         print()
         print(
-            f"target 1 (sage-hybrid update no slower than adamw): ratio {ratio:.2f} -> "
+            f"target 1 ({n} update no slower than adamw): ratio {ratio:.2f} -> "
             f"{'MET' if ratio <= 1.0 else 'NOT MET'}"
         )
         print(
-            f"target 2 (sage-hybrid temp memory <= largest parameter): "
+            f"target 2 ({n} temp memory <= largest parameter): "
             f"{r.temp_bytes / MIB:.1f} MiB vs {largest / MIB:.1f} MiB -> "
             f"{'MET' if r.temp_bytes <= largest else 'NOT MET'}"
         )

@@ -17,13 +17,13 @@ from sage_optax import axes as axes_lib
 from sage_optax import memory, routing, validation
 from sage_optax.apollo import apollo
 from sage_optax.sage import sage
-from sage_optax.sinkhorn import sinkgd
+from sage_optax.sinkhorn import KERNELS, sinkgd
 from sage_optax.unit_norm import unit_norm_descent
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
-    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite"
+    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "kernel"
 )
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
@@ -38,6 +38,7 @@ def build_rule(
     learning_rate: optax.ScalarOrSchedule,
     axes: Any,
     mask: Any | None = None,
+    kernel: str = "auto",
 ) -> optax.GradientTransformation:
     """The Optax transformation of one rule with its hyperparameters.
 
@@ -46,6 +47,7 @@ def build_rule(
       learning_rate: float or schedule.
       axes: per-leaf :class:`~sage_optax.LeafAxes` (pytree or callable of the params).
       mask: weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
+      kernel: SinkGD's scale computation (:data:`sage_optax.sinkhorn.KERNELS`).
     """
     hp = rule.hyperparams
     if rule.name == "adamw":
@@ -60,7 +62,7 @@ def build_rule(
     if rule.name == "sage":
         return sage(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "sinkgd":
-        return sinkgd(learning_rate, **hp, mask=mask, axes=axes)
+        return sinkgd(learning_rate, **hp, mask=mask, axes=axes, kernel=kernel)
     if rule.name == "apollo":
         return apollo(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "unit_norm":
@@ -106,6 +108,9 @@ def make_optimizer(
           recommended for models with ``nnx.Conv``, ``nnx.LinearGeneral``,
           ``nnx.MultiHeadAttention`` or ``nnx.Einsum``);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
+        * ``kernel=``: how SinkGD computes its scales, ``"auto"`` (default: the Pallas
+          kernel on a GPU, jnp elsewhere), ``"pallas"`` or ``"jnp"``
+          (:func:`~sage_optax.scale_by_sinkhorn`);
         * ``skip_nonfinite=N``: a non-negative integer; wrap in
           ``optax.apply_if_finite(tx, max_consecutive_errors=N)`` so a step with a NaN/Inf
           gradient is skipped (zero update, state untouched), at most ``N`` in a row: the
@@ -131,6 +136,8 @@ def make_optimizer(
     validation.check_learning_rate(lr)
     router = _router(overrides)
     mask = overrides.pop("mask", None)
+    kernel = overrides.pop("kernel", "auto")
+    validation.check_choice("kernel", kernel, KERNELS)
     skip_nonfinite = validation.check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
     assert not overrides, overrides  # every key was consumed
 
@@ -141,7 +148,7 @@ def make_optimizer(
         return router(params).labels
 
     tx = optax.partition(
-        {kind: build_rule(preset.rule(kind), lr, axes_fn, mask) for kind in KINDS},
+        {kind: build_rule(preset.rule(kind), lr, axes_fn, mask, kernel) for kind in KINDS},
         labels_fn,
     )
     if skip_nonfinite:

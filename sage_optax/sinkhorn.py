@@ -26,6 +26,10 @@ of 1e19 would make ``G²`` infinite) nor underflow; the first normalisation then
 Dividing by a power of two is exact, so for gradients whose squares are in range the
 result is bit-for-bit that of the plain computation: the rescaling changes no number, it
 only keeps every finite gradient finite.  An all-zero matrix stays zero.
+
+On a GPU, :func:`scale_by_sinkhorn` computes the scales with the Pallas kernel of
+:mod:`sage_optax.sinkhorn_pallas` instead (``kernel="auto"``): the same iteration without
+forming ``K``; this module stays the reference and the CPU path.
 """
 
 from __future__ import annotations
@@ -54,6 +58,14 @@ a time on the CPU."""
 GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
 """Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
 with :mod:`sage_torch`: :data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`)."""
+
+KERNELS: tuple[str, ...] = ("auto", "pallas", "jnp")
+"""Which code computes the scales in :func:`scale_by_sinkhorn`: ``"jnp"`` this module (the
+reference), ``"pallas"`` the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` (compiled
+with Triton on a GPU, run by Pallas's interpreter on any other backend), ``"auto"`` the
+kernel on a GPU and this module elsewhere.  Leaves the kernel does not support
+(:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, zero-size, explicit
+sharding) use this module whatever the choice."""
 _KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 
@@ -297,6 +309,7 @@ def scale_by_sinkhorn(
     axes: axes_lib.AxesSpec = _KERNEL,
     grouping: str = "auto",
     group_bytes: int = GROUP_BYTES,
+    kernel: str = "auto",
     dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
@@ -311,7 +324,11 @@ def scale_by_sinkhorn(
       grouping: :data:`GROUPINGS`; every choice computes the same numbers (each matrix
         of a stacked group gets exactly its own iteration).
       group_bytes: largest stacked group, in bytes of gradients (``"stack"``/``"auto"``):
-        the batched computation holds a copy of the group and its ``K``.
+        the batched computation holds a copy of the group and its ``K``.  The kernel path
+        caps it at :data:`~sage_optax.sinkhorn_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's
+        ``2L`` passes stay in an H100's L2).
+      kernel: :data:`KERNELS`; ``"auto"`` runs the Pallas kernel on a GPU and the jnp path
+        elsewhere.  Both compute the same math (float32 within rounding, not bit for bit).
       dims: deprecated name of ``axes``.
 
     Returns:
@@ -324,6 +341,7 @@ def scale_by_sinkhorn(
     axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     validation.check_choice("grouping", grouping, GROUPINGS)
     validation.check_positive_int("group_bytes", group_bytes)
+    validation.check_choice("kernel", kernel, KERNELS)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         axes_lib.map_leaves(_check_matrix, params, axes)  # fail at init, before any step
@@ -342,20 +360,36 @@ def scale_by_sinkhorn(
                 if resolved is not None:  # a None spec: pass through
                     matrices.append((i, g, resolved))
         stack = grouping == "stack" or (grouping == "auto" and jax.default_backend() != "cpu")
+        gpu = jax.default_backend() == "gpu"
+        pallas: Any = None
+        if kernel == "pallas" or (kernel == "auto" and gpu):
+            from sage_optax import sinkhorn_pallas as pallas  # imports Pallas only when used
+        by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in matrices]
+        on_kernel = [m for m, k in zip(matrices, by_kernel, strict=True) if k]
+        on_jnp = [m for m, k in zip(matrices, by_kernel, strict=True) if not k]
+        kernel_bytes = min(group_bytes, pallas.KERNEL_GROUP_BYTES) if on_kernel else 0
+        batches = [(b, True) for b in _batches(on_kernel, kernel_bytes if stack else 0)]
+        batches += [(b, False) for b in _batches(on_jnp, group_bytes if stack else 0)]
         after = None
-        for batch in _batches(matrices, group_bytes if stack else 0):
-            # Order the batches: this batch's K = G² is formed only once the previous
-            # one's scales are done, so one K is alive at a time (the compiled temporary
-            # memory is the largest batch's K, not the sum of all of them).
+        for batch, kernel_batch in batches:
+            # Order the batches: this batch's K = G² (the kernel path: its stacked
+            # gradients) is formed only once the previous one's scales are done, so one
+            # is alive at a time (the compiled temporary memory is the largest batch's,
+            # not the sum of all of them).
+            gs, resolved = [g for _, g, _ in batch], batch[0][2]
+            if kernel_batch:
+                c, r = pallas.sinkhorn_scales(gs, resolved, num_iters, eps, normalization,
+                                              after, interpret=not gpu)
+            elif len(batch) == 1:
+                c, r = sinkhorn_scales(gs[0], resolved, num_iters, eps, normalization, after)
+            else:
+                c, r = stacked_sinkhorn_scales(gs, resolved, num_iters, eps, normalization,
+                                               after)
             if len(batch) == 1:
-                (i, g, resolved), = batch
-                c, r = sinkhorn_scales(g, resolved, num_iters, eps, normalization, after)
+                (i, g, _), = batch
                 out[i] = apply_scales(g, resolved, c, r).astype(g.dtype)
             else:
-                c, r = stacked_sinkhorn_scales(
-                    [g for _, g, _ in batch], batch[0][2], num_iters, eps, normalization, after
-                )
-                for k, (i, g, resolved) in enumerate(batch):
+                for k, (i, g, _) in enumerate(batch):
                     out[i] = apply_scales(g, resolved, c[k], r[k]).astype(g.dtype)
             after = jnp.min(r, initial=jnp.inf)  # defined for (n, 0) too
         return jax.tree_util.tree_unflatten(treedef, out), state
@@ -375,6 +409,7 @@ def sinkgd(
     axes: axes_lib.AxesSpec = _KERNEL,
     grouping: str = "auto",
     group_bytes: int = GROUP_BYTES,
+    kernel: str = "auto",
     dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
@@ -393,6 +428,7 @@ def sinkgd(
       axes: per-leaf axes, see :func:`scale_by_sinkhorn`.
       grouping: see :func:`scale_by_sinkhorn`.
       group_bytes: see :func:`scale_by_sinkhorn`.
+      kernel: see :func:`scale_by_sinkhorn` (``"auto"``: the Pallas kernel on a GPU).
       dims: deprecated name of ``axes``.
 
     Returns:
@@ -403,7 +439,7 @@ def sinkgd(
     axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     return optax.chain(
         scale_by_sinkhorn(num_iters, eps, normalization, axes=axes, grouping=grouping,
-                          group_bytes=group_bytes),
+                          group_bytes=group_bytes, kernel=kernel),
         optax.scale(alpha),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The sage_optax update against optax.adamw on the GPU: 270M and 1.3B, float32 and bfloat16,
-# per-layer and stacked (nnx.scan) trees, as long as the budget lasts.
+# per-layer and stacked (nnx.scan) trees, as long as the budget lasts.  SinkGD runs its Pallas
+# kernel (kernel="auto" on a GPU); on 270M, sage-hybrid and sinkgd-pure are also timed with the
+# jnp path (--compare-kernels), so the report shows what the kernel buys.
 set -uo pipefail
 out="$1"
 export JAX_PLATFORMS="cuda"
@@ -18,9 +20,12 @@ for run in "270m float32 per-layer" "270m float32 stacked" "270m bfloat16 per-la
   if [ "$(left)" -lt 90 ]; then echo "- $run: skipped (budget)"; continue; fi
   echo "### $run"
   log="$out/jax-step-$1-$2-$3.txt"
+  compare=()
+  if [ "$1" = "270m" ]; then compare=(--compare-kernels sage-hybrid sinkgd-pure); fi
   timeout "$(( $(left) - 30 ))" python3 benchmarks/jax_step.py --model "$1" --dtype "$2" \
     --layout "$3" --repeats 9 --warmup 2 --bw-mib 1024 \
-    --configs sage-hybrid lion-hybrid sinkgd-hybrid sinkgd-pure sage-pure >"$log" 2>&1 || rc=1
+    --configs sage-hybrid lion-hybrid sinkgd-hybrid sinkgd-pure sage-pure ${compare[@]+"${compare[@]}"} \
+    >"$log" 2>&1 || rc=1
   sed -n '/^| configuration/,$p' "$log"
   echo
 done
