@@ -524,11 +524,10 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
         hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), g.dtype, g.device)
         cv, rv = c.view(ch.batch, ch.inp), r.view(ch.batch, ch.out)
         tk.sinkhorn_iterations(g, cv, rv, m, eps_first, hpt, num_iters)
-        o = 0
-        for (pv, _), n in zip(views, ch.sizes, strict=True):
-            s = slice(o, o + n)
-            tk.sinkgd_update(pv, g[s], cv[s], rv[s], half[s], m_half[s], hpt, lr_t)
-            o += n
+        parts = zip(views, *(x.split(ch.sizes) for x in (g, cv, rv, half, m_half)),
+                    strict=True)  # one split per tensor, not one slice per parameter
+        for (pv, _), gs, cs, rs, hs, mhs in parts:
+            tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t)
         del g  # the chunk's stack (if any) is freed before the next chunk's
 
 
