@@ -690,8 +690,9 @@ class SinkGD(RuleOptimizer):
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
       group_bytes: the foreach path stacks same-shape matrices in chunks whose ``K`` holds
-        at most this many bytes (default 128 MiB, as :mod:`sage_optax`'s ``group_bytes``);
-        the result does not depend on it.
+        at most this many bytes (default 128 MiB, as :mod:`sage_optax`'s ``group_bytes``),
+        the fused path in chunks of at most this many bytes of gradients; the result does
+        not depend on it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
