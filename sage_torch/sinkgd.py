@@ -450,8 +450,8 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
     chunks of at most ``group_bytes`` of stacked gradients by :func:`_chunks`, the
     chunking of :func:`_multi_tensor_sinkgd`.  A chunk of one parameter runs on its views
     in place (no copy).  A chunk of several is stacked once into a contiguous
-    ``(ΣB, OUT, IN)`` gradient (the one matrix-sized temporary, at most ``group_bytes``
-    or one parameter's gradient, freed before the next chunk), whose ``m`` (the range
+    ``(ΣB, OUT, IN)`` gradient (the one matrix-sized temporary, at most ``group_bytes``,
+    freed before the next chunk's), whose ``m`` (the range
     scale of each matrix) is one reduction.  Per chunk, ``2·num_iters`` launches (per-row
     then per-column sums of ``(G/m)²`` weighted by the other scale's square, each with its
     scale update, as :func:`sinkhorn_scales`) for all its matrices at once, then one
@@ -524,11 +524,11 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
         hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), g.dtype, g.device)
         cv, rv = c.view(ch.batch, ch.inp), r.view(ch.batch, ch.out)
         tk.sinkhorn_iterations(g, cv, rv, m, eps_first, hpt, num_iters)
-        parts = zip(views, *(x.split(ch.sizes) for x in (g, cv, rv, half, m_half)),
-                    strict=True)  # one split per tensor, not one slice per parameter
-        for (pv, _), gs, cs, rs, hs, mhs in parts:
+        # one split per tensor, not one slice per parameter
+        for (pv, _), gs, cs, rs, hs, mhs in zip(
+                views, *(x.split(ch.sizes) for x in (g, cv, rv, half, m_half)), strict=True):
             tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t)
-        del g  # the chunk's stack (if any) is freed before the next chunk's
+        del g, gs  # the chunk's stack (if any) is freed before the next chunk's
 
 
 def _fused_scalars(amax: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:

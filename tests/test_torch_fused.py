@@ -188,6 +188,33 @@ def test_sinkgd_fused_batches_same_shape_matrices(monkeypatch, dtype):
 
 
 @needs_triton
+def test_sinkgd_fused_keeps_one_stack_alive(monkeypatch):
+    """A chunk's stacked gradient is freed before the next chunk's is made (meta tensors)."""
+    import weakref
+
+    from sage_torch import triton_kernels as tk
+    from sage_torch.sinkgd import _fused_sinkgd
+
+    stacks: list[weakref.ref] = []
+    iterations = tk.sinkhorn_iterations
+
+    def watched(g, *args):
+        assert all(s() is None for s in stacks), "two stacks alive at once"
+        if g._base is None:  # a stack (a chunk of one runs on a view of its gradient)
+            stacks.append(weakref.ref(g))
+        return iterations(g, *args)
+
+    monkeypatch.setattr(tk, "_launch", lambda *args, **kw: None)
+    monkeypatch.setattr(tk, "sinkhorn_iterations", watched)
+    shapes = [(64, 32)] * 5 + [(32, 64)] * 3 + [(16, 16)]
+    ps = [torch.empty(s, device="meta") for s in shapes]
+    _fused_sinkgd(ps, [torch.empty_like(p) for p in ps], axes=[((1,), (0,))] * len(ps),
+                  lr=0.1, alpha=10.0, num_iters=2, eps=1e-8, normalization="unit",
+                  weight_decay=0.0, group_bytes=64 * 32 * 4 * 2)
+    assert len(stacks) == 3  # (64, 32): {0, 1} {2, 3} {4}; (32, 64): {5, 6} {7}; (16, 16)
+
+
+@needs_triton
 @pytest.mark.parametrize("normalization", ["unit", "sqrt"])
 def test_sinkgd_fused_against_numpy_reference(normalization):
     """One fused step against tests/reference_np.py (float64, the direct Sinkhorn)."""
