@@ -275,11 +275,12 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
                       cache=cache)
 
 
-def _rounds(buckets: list[_Bucket], itemsize: int, group_bytes: int) -> list[list[_Bucket]]:
-    """The buckets split into chunks of at most ``group_bytes`` of ``K``, packed into rounds.
+def _chunks(buckets: list[_Bucket], itemsize: int, group_bytes: int) -> list[_Bucket]:
+    """The buckets split, in order, into chunks of at most ``group_bytes`` of stacked matrices.
 
-    A chunk holds at least one matrix; a round holds chunks (in bucket order) while their
-    ``K`` together stays within ``group_bytes`` (at least one chunk).
+    ``itemsize``: bytes per element of the stack (``K`` in :func:`_multi_tensor_sinkgd`, the
+    stacked gradient in :func:`_fused_sinkgd`).  A chunk holds at least one member (a
+    member with more matrices than fit is alone in its chunk) and never splits a member.
     """
     chunks: list[_Bucket] = []
     for b in buckets:
@@ -294,9 +295,18 @@ def _rounds(buckets: list[_Bucket], itemsize: int, group_bytes: int) -> list[lis
             cur.views.append(mv)
             cur.sizes.append(n)
         chunks.append(cur)
+    return chunks
+
+
+def _rounds(buckets: list[_Bucket], itemsize: int, group_bytes: int) -> list[list[_Bucket]]:
+    """The buckets split into chunks of at most ``group_bytes`` of ``K``, packed into rounds.
+
+    The chunks of :func:`_chunks`; a round holds chunks (in bucket order) while their ``K``
+    together stays within ``group_bytes`` (at least one chunk).
+    """
     rounds: list[list[_Bucket]] = []
     used = 0
-    for c in chunks:
+    for c in _chunks(buckets, itemsize, group_bytes):
         size = c.batch * c.out * c.inp * itemsize
         if rounds and used + size <= group_bytes:
             rounds[-1].append(c)
@@ -429,16 +439,27 @@ def _fused_view(t: Tensor, mv: MatrixView) -> Tensor | None:
 def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisGroups],
                   lr: float | Tensor, alpha: float, num_iters: int, eps: float,
                   normalization: str, weight_decay: float,
-                  consts: ConstCache | None = None) -> None:
+                  consts: ConstCache | None = None,
+                  group_bytes: int = SINKHORN_GROUP_BYTES) -> None:
     """One SinkGD step with the Triton kernels of :mod:`sage_torch.triton_kernels`.
 
-    Each matrix is used in place as a ``(B, OUT, IN)`` strided view of its gradient and
-    parameter (PyTorch's ``(out, in)``, the transposed ``(in, out)``, a ``Conv2d`` kernel's
-    ``(out, in·kh·kw)``, stacked layers ``(L, out, in)``): no stacking, no copy, no ``K``.
-    ``m`` (the range scale of each matrix) and ``ε/m`` are computed for all matrices at
-    once; then per matrix ``2·num_iters`` launches (per-row sums then per-column sums of
-    ``(G/m)²`` weighted by the other scale's square, each with its scale update, as
-    :func:`sinkhorn_scales`) and one launch of the update ``θ ← θ − η·(α·c·G·r + w·θ)``.
+    Each matrix is a ``(B, OUT, IN)`` strided view of its gradient and parameter
+    (PyTorch's ``(out, in)``, the transposed ``(in, out)``, a ``Conv2d`` kernel's
+    ``(out, in·kh·kw)``, stacked layers ``(L, out, in)``; no ``K`` is ever formed).  The
+    views are grouped by device, dtype and ``(OUT, IN)``, and each group is split into
+    chunks of at most ``group_bytes`` of stacked gradients by :func:`_chunks`, the
+    chunking of :func:`_multi_tensor_sinkgd`.  A chunk of one parameter runs on its views
+    in place (no copy).  A chunk of several is stacked once into a contiguous
+    ``(ΣB, OUT, IN)`` gradient (the one matrix-sized temporary, at most ``group_bytes``,
+    freed before the next chunk's), whose ``m`` (the range
+    scale of each matrix) is one reduction.  Per chunk, ``2·num_iters`` launches (per-row
+    then per-column sums of ``(G/m)²`` weighted by the other scale's square, each with its
+    scale update, as :func:`sinkhorn_scales`) for all its matrices at once, then one
+    launch per parameter of the update ``θ ← θ − η·(α·c·G·r + w·θ)``, reading its slice
+    of the stack and of the scales and writing the parameter in place.  The kernels treat
+    every batch index alone, so the result does not depend on the chunking (bit for bit
+    under the interpreter).  No host synchronisation: the learning rate is a device
+    tensor (``capturable``).
     Parameters whose matrix is not such a view (a permutation that cannot be merged), or
     whose gradient has another dtype, or DTensors, take :func:`_multi_tensor_sinkgd`.
     ``consts``: the cache of the kernels' hyperparameter tensors (kept by the rule).
@@ -448,8 +469,9 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
     consts = ConstCache() if consts is None else consts
     hp: dict[str, Any] = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
                           "normalization": normalization, "weight_decay": weight_decay}
-    mats: list[tuple[Tensor, Tensor, Tensor]] = []  # (param, p view, g view)
+    mats: list[tuple[Tensor, Tensor]] = []  # (p view, g view)
     rest: list[int] = []
+    buckets: dict[tuple[Any, ...], _Bucket] = {}
     for i, (p, g, (fan_in, fan_out)) in enumerate(zip(params, grads, axes, strict=True)):
         if p.numel() == 0:
             continue  # nothing to update
@@ -459,35 +481,65 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
         if pv is None or gv is None:
             rest.append(i)
             continue
-        mats.append((p, pv, gv))
+        out, inp = gv.shape[1], gv.shape[2]
+        b = buckets.setdefault((p.device, p.dtype, out, inp), _Bucket(False, out, inp))
+        b.members.append(len(mats))
+        b.views.append(None)
+        b.sizes.append(gv.shape[0])
+        mats.append((pv, gv))
     if rest:
         _multi_tensor_sinkgd([params[i] for i in rest], [grads[i] for i in rest],
-                             axes=[axes[i] for i in rest], **hp)
+                             axes=[axes[i] for i in rest], group_bytes=group_bytes, **hp)
     if not mats:
         return
+    chunks = [ch for (_, dtype, _, _), b in buckets.items()
+              for ch in _chunks([b], dtype.itemsize, group_bytes)]
+    single = [ch for ch in chunks if len(ch.members) == 1]
     device, dtype = mats[0][0].device, mats[0][0].dtype
-    amax = [torch.linalg.vector_norm(gv, math.inf, dim=(1, 2)) for _, _, gv in mats]
-    m = _pow2_floor(amax[0] if len(amax) == 1 else torch.cat(amax))  # (sum B,)
-    eps_first = eps / m
-    sizes = [gv.shape[0] for _, _, gv in mats]
-    c = torch.ones(sum(b * gv.shape[2] for b, (_, _, gv) in zip(sizes, mats, strict=True)),
-                   dtype=dtype, device=device)
-    r = torch.ones(sum(b * gv.shape[1] for b, (_, _, gv) in zip(sizes, mats, strict=True)),
-                   dtype=dtype, device=device)
-    half = _pow2_sqrt_floor(m)  # X = (c/half)·G·(r/(m/half)), as sinkhorn_scales
-    m_half = m / half
     lr_t = lr_tensor(lr, mats[0][0])
-    oc = orr = ob = 0
-    for (_, pv, gv), b in zip(mats, sizes, strict=True):
-        out, inp = gv.shape[1], gv.shape[2]
-        cv = c[oc:oc + b * inp].view(b, inp)
-        rv = r[orr:orr + b * out].view(b, out)
-        mb, eb = m[ob:ob + b], eps_first[ob:ob + b]
-        t_in, t_out = (1.0, 1.0) if normalization == "unit" else (math.sqrt(inp), math.sqrt(out))
-        hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), dtype, device)
-        tk.sinkhorn_iterations(gv, cv, rv, mb, eb, hpt, num_iters)
-        tk.sinkgd_update(pv, gv, cv, rv, half[ob:ob + b], m_half[ob:ob + b], hpt, lr_t)
-        oc, orr, ob = oc + b * inp, orr + b * out, ob + b
+    c_all = torch.ones(sum(ch.batch * ch.inp for ch in chunks), dtype=dtype, device=device)
+    r_all = torch.ones(sum(ch.batch * ch.out for ch in chunks), dtype=dtype, device=device)
+    c_parts = c_all.split([ch.batch * ch.inp for ch in chunks])
+    r_parts = r_all.split([ch.batch * ch.out for ch in chunks])
+    scalars: dict[int, tuple[Tensor, ...]] = {}  # id(chunk) -> (m, ε/m, h, m/h)
+    if single:  # the in-place chunks: their m in one batch of small kernels
+        amax = [torch.linalg.vector_norm(mats[ch.members[0]][1], math.inf, dim=(1, 2))
+                for ch in single]
+        sizes = [ch.batch for ch in single]
+        split = [x.split(sizes) for x in
+                 _fused_scalars(amax[0] if len(amax) == 1 else torch.cat(amax), eps)]
+        for k, ch in enumerate(single):
+            scalars[id(ch)] = tuple(x[k] for x in split)
+    for ch, c, r in zip(chunks, c_parts, r_parts, strict=True):
+        views = [mats[k] for k in ch.members]
+        if len(views) == 1:
+            g = views[0][1]
+            m, eps_first, half, m_half = scalars[id(ch)]
+        else:  # one contiguous (ΣB, OUT, IN) copy of the chunk's gradients
+            g = torch.cat([gv for _, gv in views])
+            m, eps_first, half, m_half = _fused_scalars(
+                torch.linalg.vector_norm(g, math.inf, dim=(1, 2)), eps)
+        t_in, t_out = ((1.0, 1.0) if normalization == "unit"
+                       else (math.sqrt(ch.inp), math.sqrt(ch.out)))
+        hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), g.dtype, g.device)
+        cv, rv = c.view(ch.batch, ch.inp), r.view(ch.batch, ch.out)
+        tk.sinkhorn_iterations(g, cv, rv, m, eps_first, hpt, num_iters)
+        # one split per tensor, not one slice per parameter
+        for (pv, _), gs, cs, rs, hs, mhs in zip(
+                views, *(x.split(ch.sizes) for x in (g, cv, rv, half, m_half)), strict=True):
+            tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t)
+        del g, gs  # the chunk's stack (if any) is freed before the next chunk's
+
+
+def _fused_scalars(amax: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per matrix, from ``max|G|``: ``m``, ``ε/m`` and the split ``(h, m/h)`` of ``1/m``.
+
+    ``X = (c/h)·G·(r/(m/h))``, as :func:`sinkhorn_scales`; element-wise, so the values do
+    not depend on which matrices are computed together.
+    """
+    m = _pow2_floor(amax)
+    half = _pow2_sqrt_floor(m)
+    return m, eps / m, half, m / half
 
 
 def _chunked_sinkgd(items: list[tuple[Tensor, Tensor, int, int]], *, lr: float, alpha: float,
@@ -572,6 +624,7 @@ class SinkGDRule(Rule):
                               "weight_decay": group["weight_decay"]}
         if fused:
             _fused_sinkgd(params, grads, consts=self._consts, **hp,
+                          group_bytes=group.get("group_bytes", SINKHORN_GROUP_BYTES),
                           axes=[matrix_axes(p, group, "SinkGD", n)
                                 for p, n in zip(params, names, strict=True)])
             return
@@ -637,8 +690,9 @@ class SinkGD(RuleOptimizer):
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
       group_bytes: the foreach path stacks same-shape matrices in chunks whose ``K`` holds
-        at most this many bytes (default 128 MiB, as :mod:`sage_optax`'s ``group_bytes``);
-        the result does not depend on it.
+        at most this many bytes (default 128 MiB, as :mod:`sage_optax`'s ``group_bytes``),
+        the fused path in chunks of at most this many bytes of gradients; the result does
+        not depend on it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,

@@ -134,6 +134,87 @@ def test_sinkgd_fused_falls_back_where_no_view():
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinkgd_fused_batches_same_shape_matrices(monkeypatch, dtype):
+    """Same-shape matrices share their Sinkhorn launches, chunked by ``group_bytes``.
+
+    Counts the Triton launches of one step (``2·num_iters`` per chunk, one update per
+    parameter), so that the batching cannot silently regress, and checks that the
+    chunking changes no bit of the result (each batch index is computed alone).
+    """
+    from collections import Counter
+
+    from sage_torch import triton_kernels as tk
+
+    counts: Counter[str] = Counter()
+    launch = tk._launch
+
+    def counting(fn, *args, **kw):
+        counts[fn.__name__] += 1
+        return launch(fn, *args, **kw)
+
+    monkeypatch.setattr(tk, "_launch", counting)
+    gen = torch.Generator().manual_seed(10)
+    shapes = [(6, 5)] * 4 + [(3, 6, 5), (4, 7)]  # one (OUT, IN) = (6, 5) group of 7 matrices
+    params = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads[1][2].zero_()  # a zero row inside a stack
+    grads[2] *= 1e30 if dtype == torch.float32 else 1e250
+    iters, item = 3, dtype.itemsize
+    # group_bytes -> chunks: all same-shape matrices together; three (6, 5) matrices at
+    # most ({0, 1, 2}, {3}, {4}: the stacked parameter is never split); one per parameter
+    results = {}
+    for group_bytes, chunks in [(1 << 30, 2), (6 * 5 * item * 3, 4), (1, len(shapes))]:
+        ps = [nn.Parameter(p.clone()) for p in params]
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = g.clone()
+        opt = SinkGD(ps, lr=0.05, weight_decay=0.1, num_iters=iters, fused=True,
+                     group_bytes=group_bytes)
+        counts.clear()
+        opt.step()
+        assert counts == {"_sinkhorn_rows": iters * chunks, "_sinkhorn_cols": iters * chunks,
+                          "_sinkgd_update": len(shapes)}, (group_bytes, counts)
+        results[group_bytes] = [p.detach() for p in ps]
+    for a, b in zip(results[1 << 30], results[1], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(results[6 * 5 * item * 3], results[1], strict=True):
+        assert torch.equal(a, b)
+    ref = [nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ref, grads, strict=True):
+        p.grad = g.clone()
+    SinkGD(ref, lr=0.05, weight_decay=0.1, num_iters=iters, foreach=False).step()
+    for a, b in zip(results[1 << 30], ref, strict=True):
+        assert rel(a, b.detach()) <= TOL[dtype]
+
+
+@needs_triton
+def test_sinkgd_fused_keeps_one_stack_alive(monkeypatch):
+    """A chunk's stacked gradient is freed before the next chunk's is made (meta tensors)."""
+    import weakref
+
+    from sage_torch import triton_kernels as tk
+    from sage_torch.sinkgd import _fused_sinkgd
+
+    stacks: list[weakref.ref] = []
+    iterations = tk.sinkhorn_iterations
+
+    def watched(g, *args):
+        assert all(s() is None for s in stacks), "two stacks alive at once"
+        if g._base is None:  # a stack (a chunk of one runs on a view of its gradient)
+            stacks.append(weakref.ref(g))
+        return iterations(g, *args)
+
+    monkeypatch.setattr(tk, "_launch", lambda *args, **kw: None)
+    monkeypatch.setattr(tk, "sinkhorn_iterations", watched)
+    shapes = [(64, 32)] * 5 + [(32, 64)] * 3 + [(16, 16)]
+    ps = [torch.empty(s, device="meta") for s in shapes]
+    _fused_sinkgd(ps, [torch.empty_like(p) for p in ps], axes=[((1,), (0,))] * len(ps),
+                  lr=0.1, alpha=10.0, num_iters=2, eps=1e-8, normalization="unit",
+                  weight_decay=0.0, group_bytes=64 * 32 * 4 * 2)
+    assert len(stacks) == 3  # (64, 32): {0, 1} {2, 3} {4}; (32, 64): {5, 6} {7}; (16, 16)
+
+
+@needs_triton
 @pytest.mark.parametrize("normalization", ["unit", "sqrt"])
 def test_sinkgd_fused_against_numpy_reference(normalization):
     """One fused step against tests/reference_np.py (float64, the direct Sinkhorn)."""
