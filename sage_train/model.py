@@ -17,10 +17,19 @@ model=model)``).  :func:`stack_layers`/:func:`unstack_layers` convert the parame
 between the two; :mod:`sage_train.hf_convert` accepts either.  ``remat`` recomputes each
 layer's activations in the backward pass (``"dots"``: all but the unbatched matmuls,
 ``"full"``: everything), trading compute for memory.
+
+The loss (:func:`loss_fn`) can be computed over chunks of tokens (``loss_chunk``): the
+vocabulary projection, log-softmax and cross-entropy of one chunk at a time in a
+``jax.lax.scan`` whose body is rematerialised, so that only one chunk's float32 logits (and
+their gradient) are ever alive instead of ``batch x seq x vocab`` of them: 7.8 GiB each for
+16 x 1024 tokens of a 128,256-token vocabulary (:func:`chunked_cross_entropy`).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -181,6 +190,9 @@ class Llama(nnx.Module):
         see the module docstring.  The two compute the same function of the same
         parameters (:func:`stack_layers`), but draw different initial values.
       remat: ``"none"``, ``"dots"`` or ``"full"`` (:data:`REMAT_POLICIES`).
+      loss_chunk: tokens per chunk of :func:`loss_fn`'s chunked cross-entropy, an integer
+        ``>= 0``; 0 computes the loss over all the logits at once.  It changes no value
+        beyond float32 summation order; only the memory the loss needs.
     """
 
     def __init__(
@@ -194,13 +206,15 @@ class Llama(nnx.Module):
         norm_eps: float = 1e-6,
         layers: Literal["loop", "scan"] = "loop",
         remat: Literal["none", "dots", "full"] = "none",
+        loss_chunk: int = 0,
     ):
         if layers not in LAYOUTS:
             raise ValueError(f"layers must be one of {LAYOUTS}, got {layers!r}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+        check_loss_chunk(loss_chunk)
         self.config = config
-        self.layout, self.remat = layers, remat
+        self.layout, self.remat, self.loss_chunk = layers, remat, int(loss_chunk)
         d = config.hidden_size
         self.embed = nnx.Embed(
             config.vocab_size,
@@ -244,12 +258,31 @@ class Llama(nnx.Module):
 
         return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
 
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """Integer tokens ``(B, T)`` → the final-normed hidden states ``(B, T, d)``.
+
+        In the computation dtype; :meth:`head` of them is :meth:`__call__`.
+        """
+        x = self._decoder(self.embed(tokens))
+        return self.final_norm(x.astype(jnp.float32))
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Hidden states ``(..., d)`` → float32 logits ``(..., V)``.
+
+        The transposed embedding when tied, else ``lm_head``: the matmul's operands in the
+        computation dtype, its products accumulated and returned in float32 (never rounded
+        to bfloat16), the same however many tokens ``x`` holds.
+        """
+        if self.config.tie_embeddings:
+            w, dtype = self.embed.embedding[...].T, self.embed.dtype
+        else:
+            w, dtype = self.lm_head.kernel[...], self.lm_head.dtype
+        dtype = dtype if dtype is not None else jnp.result_type(x, w)
+        return jnp.dot(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Integer tokens ``(B, T)`` at positions ``0..T-1`` → float32 logits ``(B, T, V)``."""
-        x = self._decoder(self.embed(tokens))
-        x = self.final_norm(x.astype(jnp.float32))
-        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32)
+        return self.head(self.hidden(tokens))
 
 
 def _split_layer_path(path: str) -> tuple[str, str] | None:
@@ -321,10 +354,85 @@ def abstract_params(config: LlamaConfig, **model_kwargs: Any) -> nnx.State:
     return nnx.state(model, nnx.Param)
 
 
+def check_loss_chunk(loss_chunk: Any) -> None:
+    """Refuse a ``loss_chunk`` that is not an integer ``>= 0``.
+
+    Raises:
+      ValueError: naming ``loss_chunk`` and the value.
+    """
+    if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, numbers.Integral) \
+            or loss_chunk < 0:
+        raise ValueError(f"loss_chunk must be an integer >= 0 (0: unchunked), "
+                         f"got {loss_chunk!r}")
+
+
+def chunked_cross_entropy(head: Callable[[jax.Array], jax.Array], x: jax.Array,
+                          targets: jax.Array, chunk: int) -> jax.Array:
+    """Mean cross-entropy of ``head(x)`` against ``targets``, ``chunk`` tokens at a time.
+
+    The same value as ``optax.softmax_cross_entropy_with_integer_labels(head(x),
+    targets).mean()`` (each token's loss is computed by exactly that function, in float32;
+    only the order of the final sum differs), but the logits of only one chunk exist at a
+    time: a ``jax.lax.scan`` over the chunks whose body is a ``jax.checkpoint``, so the
+    backward pass recomputes each chunk's logits (one more ``head`` matmul) instead of
+    keeping them all.  The gradient of the head's weights is accumulated over the chunks.
+
+    Chunk ``i`` holds the tokens ``i, i + n, i + 2n, ...`` of the flattened batch (``n``
+    chunks), so a batch sharded over its leading axis stays sharded inside every chunk; a
+    token count that ``chunk`` does not divide is padded with tokens that count for nothing.
+
+    Args:
+      head: hidden states ``(m, d)`` → float32 logits ``(m, V)``.
+      x: hidden states ``(..., d)``.
+      targets: integer labels of the shape of ``x`` without its last axis.
+      chunk: tokens per chunk, ``>= 1``.
+
+    Returns:
+      The float32 scalar mean over every token.
+    """
+    check_loss_chunk(chunk)
+    if chunk < 1:
+        raise ValueError(f"chunked_cross_entropy needs loss_chunk >= 1, got {chunk}")
+    d = x.shape[-1]
+    x, targets = x.reshape(-1, d), targets.reshape(-1)
+    total = x.shape[0]
+    n = math.ceil(total / chunk)
+    pad = n * chunk - total
+    valid = jnp.ones((total,), jnp.bool_)
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad, d), x.dtype)])
+        targets = jnp.concatenate([targets, jnp.zeros((pad,), targets.dtype)])
+        valid = jnp.concatenate([valid, jnp.zeros((pad,), jnp.bool_)])
+    # token j * n + i goes to chunk i: the leading (batch) axis stays the leading axis of
+    # every chunk
+    xs = jnp.swapaxes(x.reshape(chunk, n, d), 0, 1)
+    ts = targets.reshape(chunk, n).T
+    vs = valid.reshape(chunk, n).T
+
+    @jax.checkpoint
+    def chunk_sum(xc: jax.Array, tc: jax.Array, vc: jax.Array) -> jax.Array:
+        losses = optax.softmax_cross_entropy_with_integer_labels(head(xc), tc)
+        return jnp.sum(jnp.where(vc, losses, 0.0), dtype=jnp.float32)
+
+    def body(acc: jax.Array, chunk_in: tuple[jax.Array, jax.Array, jax.Array]
+             ) -> tuple[jax.Array, None]:
+        return acc + chunk_sum(*chunk_in), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, vs))
+    return acc / total
+
+
 def loss_fn(model: Llama, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (float32) of ``model(inputs)`` against ``targets``."""
-    logits = model(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean next-token cross-entropy (float32) of ``model(inputs)`` against ``targets``.
+
+    Over chunks of ``model.loss_chunk`` tokens (:func:`chunked_cross_entropy`) when that is
+    set and smaller than the batch; else over all the logits at once.
+    """
+    chunk = model.loss_chunk
+    if chunk == 0 or chunk >= inputs.size:
+        logits = model(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return chunked_cross_entropy(model.head, model.hidden(inputs), targets, chunk)
 
 
 __all__ = [
@@ -334,6 +442,8 @@ __all__ = [
     "Llama",
     "abstract_params",
     "apply_rope",
+    "check_loss_chunk",
+    "chunked_cross_entropy",
     "load_per_layer_params",
     "loss_fn",
     "per_layer_params",
