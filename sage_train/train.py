@@ -264,9 +264,19 @@ def evaluate(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh
 
 
 def peak_memory_bytes() -> int | None:
-    """Peak device memory, where the backend reports it (GPUs/TPUs; not the CPU)."""
-    stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+    """The device allocator's high-water mark in this process, in bytes.
+
+    The largest ``peak_bytes_in_use`` over the process's local devices (with one device,
+    that device's), as XLA's allocator reports it: the bytes of live buffers at their
+    peak, not the memory pool it reserved.  It is never reset, so it covers everything
+    since the process started: compilation, evaluation, and every earlier run of the same
+    process (with several ``--optimizer`` names in one command, a later run's figure
+    includes the earlier ones'; one process per run measures each alone).  ``None`` where
+    the backend reports no memory statistics (the CPU).
+    """
+    peaks = [int(stats.get("peak_bytes_in_use", 0))
+             for d in jax.local_devices() if (stats := d.memory_stats())]
+    return (max(peaks) or None) if peaks else None
 
 
 def _finite(x: Any) -> bool:
@@ -417,8 +427,9 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | Non
         # a run of a version before scanned layers and mixed precision: its checkpoints
         # hold one module per layer, computed in float32; continue it as it was
         cfg = dataclasses.replace(cfg, layers="loop", dtype="float32")
-    if recorded is not None and "loss_chunk" not in recorded:
+    if recorded is not None and "loss_chunk" not in recorded and cfg.loss_chunk is None:
         # a run of a version before the chunked loss computed it unchunked: continue so
+        # (unless --loss-chunk says otherwise)
         cfg = dataclasses.replace(cfg, loss_chunk=0)
     if cfg.deterministic and not enable_determinism():
         log("--deterministic: JAX had already started its backend, so XLA's deterministic "
