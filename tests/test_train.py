@@ -230,3 +230,23 @@ def test_bfloat16_run_trains_with_float32_state(train_corpus, tmp_path):
     floats = {np.asarray(x).dtype for x in jax.tree.leaves(saved)
               if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)}
     assert floats == {np.dtype(np.float32)}
+
+
+def test_peak_memory_is_the_highest_over_the_local_devices(monkeypatch):
+    """peak_memory_bytes: the largest allocator peak over the process's local devices;
+    None where no device reports memory statistics (the CPU)."""
+    from sage_train import train as train_mod
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    devices = [Device({"peak_bytes_in_use": 5, "bytes_in_use": 50}),
+               Device({"peak_bytes_in_use": 9}), Device(None)]
+    monkeypatch.setattr(jax, "local_devices", lambda: devices)
+    assert train_mod.peak_memory_bytes() == 9
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(None), Device({})])
+    assert train_mod.peak_memory_bytes() is None

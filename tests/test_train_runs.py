@@ -152,9 +152,9 @@ def test_loss_chunk_reaches_the_loss_is_recorded_and_older_runs_continue_unchunk
     chunks: list[int] = []
     real = model_mod.chunked_cross_entropy
 
-    def spy(head, x, targets, chunk):
+    def spy(x, w, targets, chunk, dtype=None):
         chunks.append(chunk)
-        return real(head, x, targets, chunk)
+        return real(x, w, targets, chunk, dtype)
 
     monkeypatch.setattr(model_mod, "chunked_cross_entropy", spy)
     run = tmp_path / "run"
