@@ -438,3 +438,26 @@ def test_chunked_loss_matches_the_unchunked_model(tie, layers, dtype):
         for g in (g_c, g_w):
             np.testing.assert_allclose(g[name], g_ref[name], atol=tol * scale, rtol=0,
                                        err_msg=name)
+
+
+def test_chunked_cross_entropy_on_a_batch_sharded_over_8_devices():
+    """The 8 host devices of tests/conftest.py: the batch sharded over its leading axis
+    (data parallelism) gives the single-device loss and gradients."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    cpus = jax.devices("cpu")
+    assert len(cpus) == 8
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (8, 16, 6))
+    w = jax.random.normal(keys[1], (50, 6))
+    targets = jax.random.randint(keys[2], (8, 16), 0, 50)
+    step = jax.jit(jax.value_and_grad(
+        lambda w, x, t: chunked_cross_entropy(x, w, t, 32), argnums=(0, 1)))
+    with jax.default_matmul_precision("highest"):
+        want, (gw_want, gx_want) = step(w, x, targets)
+        batch = NamedSharding(Mesh(np.array(cpus), ("data",)), P("data"))
+        value, (gw, gx) = step(w, jax.device_put(x, batch), jax.device_put(targets, batch))
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    np.testing.assert_allclose(gw, gw_want, atol=1e-7, rtol=1e-5)
+    np.testing.assert_allclose(gx, gx_want, atol=1e-7, rtol=1e-5)
