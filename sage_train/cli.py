@@ -241,8 +241,8 @@ def _main(args: argparse.Namespace) -> int:
              "-" if r.mfu is None else f"{100 * r.mfu:.1f}%") for r in results]
     print(format_table(("optimizer", "steps", "test ppl", "optimizer state", "tokens/s", "MFU"),
                        rows))
-    print("tokens/s and MFU: training steps only (compilation, evaluation and checkpoints "
-          "excluded), as in each run's metrics.jsonl")
+    print("tokens/s and MFU: training steps only (compilation, evaluation, checkpoints and "
+          "the host's logging excluded), as in each run's metrics.jsonl")
     png = pathlib.Path(args.run_dir) / f"{args.model}-loss.png"
     save_loss_curve(results, png)
     print(f"loss curve: {png}")

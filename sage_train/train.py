@@ -87,7 +87,8 @@ class RunResult:
     final_test_ppl: float | None
     opt_state_bytes: int
     tokens_per_s: float  # training tokens per second over the whole run (all segments)
-    # (compilation, evaluation and checkpointing excluded; the last row of metrics.jsonl)
+    # (compilation, evaluation, checkpointing and the host's logging and H_t records
+    # excluded; the last row of metrics.jsonl)
     stopped_reason: str | None = None
     start_step: int = 0  # the step this invocation resumed from (losses follow it)
     mfu: float | None = None  # model FLOPs utilisation at tokens_per_s (None: no known peak)
