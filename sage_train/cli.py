@@ -62,6 +62,11 @@ def _checked(field: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _loss_chunk(text: str) -> int | None:
+    """``--loss-chunk``: ``auto`` (``None``) or an integer."""
+    return None if text.strip().lower() == "auto" else int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (defaults: ``small`` with ``sage-hybrid`` on the embedded corpus).
 
@@ -133,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default=d.remat, choices=tuple(REMAT_POLICIES),
                    help="recompute each layer's activations in the backward pass: none; dots "
                    "(keep the weight matmuls' outputs); full (keep only each layer's input)")
+    p.add_argument("--loss-chunk", type=_checked("loss_chunk", _loss_chunk), default=None,
+                   metavar="N|auto",
+                   help="compute the output layer, log-softmax and loss N tokens at a time, so "
+                   "that only one chunk's float32 logits (and their gradient) are alive; 0: "
+                   "all at once (default: auto, unchunked while a batch's logits take at most "
+                   "1 GiB, else chunks of at most 0.5 GiB of logits: 1024 tokens of a "
+                   "128,256-token vocabulary)")
     p.add_argument("--deterministic", action="store_true",
                    help="reproducible GPU runs (XLA's --xla_gpu_deterministic_ops=true; set "
                    "before JAX starts; costs some GPU speed)")
@@ -179,7 +191,7 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             record_h_every=args.record_h_every, h_max_records=args.h_max_records,
             progress=not args.no_progress, dtype=args.dtype, param_dtype=args.param_dtype,
             layers=args.layers, remat=args.remat, deterministic=args.deterministic,
-            peak_tflops=args.peak_tflops,
+            peak_tflops=args.peak_tflops, loss_chunk=args.loss_chunk,
         )
         for name in args.optimizer
     ]
@@ -229,8 +241,8 @@ def _main(args: argparse.Namespace) -> int:
              "-" if r.mfu is None else f"{100 * r.mfu:.1f}%") for r in results]
     print(format_table(("optimizer", "steps", "test ppl", "optimizer state", "tokens/s", "MFU"),
                        rows))
-    print("tokens/s and MFU: training steps only (compilation, evaluation and checkpoints "
-          "excluded), as in each run's metrics.jsonl")
+    print("tokens/s and MFU: training steps only (compilation, evaluation, checkpoints and "
+          "the host's logging excluded), as in each run's metrics.jsonl")
     png = pathlib.Path(args.run_dir) / f"{args.model}-loss.png"
     save_loss_curve(results, png)
     print(f"loss curve: {png}")

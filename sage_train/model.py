@@ -17,14 +17,24 @@ model=model)``).  :func:`stack_layers`/:func:`unstack_layers` convert the parame
 between the two; :mod:`sage_train.hf_convert` accepts either.  ``remat`` recomputes each
 layer's activations in the backward pass (``"dots"``: all but the unbatched matmuls,
 ``"full"``: everything), trading compute for memory.
+
+The loss (:func:`loss_fn`) can be computed over chunks of tokens (``loss_chunk``): the
+vocabulary projection, log-softmax and cross-entropy of one chunk at a time in a
+``jax.lax.scan`` that also forms the chunk's gradients, so that only one chunk's float32
+logits (and their gradient) are ever alive instead of ``batch x seq x vocab`` of them: 7.8
+GiB each for 16 x 1024 tokens of a 128,256-token vocabulary (:func:`chunked_cross_entropy`).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import numbers
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -181,6 +191,9 @@ class Llama(nnx.Module):
         see the module docstring.  The two compute the same function of the same
         parameters (:func:`stack_layers`), but draw different initial values.
       remat: ``"none"``, ``"dots"`` or ``"full"`` (:data:`REMAT_POLICIES`).
+      loss_chunk: tokens per chunk of :func:`loss_fn`'s chunked cross-entropy, an integer
+        ``>= 0``; 0 computes the loss over all the logits at once.  It changes no value
+        beyond float32 summation order; only the memory the loss needs.
     """
 
     def __init__(
@@ -194,13 +207,15 @@ class Llama(nnx.Module):
         norm_eps: float = 1e-6,
         layers: Literal["loop", "scan"] = "loop",
         remat: Literal["none", "dots", "full"] = "none",
+        loss_chunk: int = 0,
     ):
         if layers not in LAYOUTS:
             raise ValueError(f"layers must be one of {LAYOUTS}, got {layers!r}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
+        check_loss_chunk(loss_chunk)
         self.config = config
-        self.layout, self.remat = layers, remat
+        self.layout, self.remat, self.loss_chunk = layers, remat, int(loss_chunk)
         d = config.hidden_size
         self.embed = nnx.Embed(
             config.vocab_size,
@@ -244,12 +259,32 @@ class Llama(nnx.Module):
 
         return nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
 
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """Integer tokens ``(B, T)`` → the final-normed hidden states ``(B, T, d)``.
+
+        In the computation dtype; :meth:`head` of them is :meth:`__call__`.
+        """
+        x = self._decoder(self.embed(tokens))
+        return self.final_norm(x.astype(jnp.float32))
+
+    def head_weights(self) -> tuple[jax.Array, Any]:
+        """The output layer ``(W, dtype)`` of :meth:`head`.
+
+        ``W`` ``(V, d)`` is the embedding when tied, else ``lm_head``'s kernel transposed;
+        ``dtype`` is the computation dtype of its matmul.
+        """
+        if self.config.tie_embeddings:
+            return self.embed.embedding[...], self.embed.dtype
+        return self.lm_head.kernel[...].T, self.lm_head.dtype
+
+    def head(self, x: jax.Array) -> jax.Array:
+        """Hidden states ``(..., d)`` → float32 logits ``(..., V)`` (:func:`head_logits`)."""
+        w, dtype = self.head_weights()
+        return head_logits(x, w, dtype)
+
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Integer tokens ``(B, T)`` at positions ``0..T-1`` → float32 logits ``(B, T, V)``."""
-        x = self._decoder(self.embed(tokens))
-        x = self.final_norm(x.astype(jnp.float32))
-        logits = self.embed.attend(x) if self.config.tie_embeddings else self.lm_head(x)
-        return logits.astype(jnp.float32)
+        return self.head(self.hidden(tokens))
 
 
 def _split_layer_path(path: str) -> tuple[str, str] | None:
@@ -321,10 +356,158 @@ def abstract_params(config: LlamaConfig, **model_kwargs: Any) -> nnx.State:
     return nnx.state(model, nnx.Param)
 
 
+def check_loss_chunk(loss_chunk: Any) -> None:
+    """Refuse a ``loss_chunk`` that is not an integer ``>= 0``.
+
+    Raises:
+      ValueError: naming ``loss_chunk`` and the value.
+    """
+    if isinstance(loss_chunk, bool) or not isinstance(loss_chunk, numbers.Integral) \
+            or loss_chunk < 0:
+        raise ValueError(f"loss_chunk must be an integer >= 0 (0: unchunked), "
+                         f"got {loss_chunk!r}")
+
+
+def head_logits(x: jax.Array, w: jax.Array, dtype: Any = None) -> jax.Array:
+    """Float32 logits ``x @ w.T`` of hidden states ``(..., d)`` and an output layer ``(V, d)``.
+
+    The operands in ``dtype`` (default: their common dtype), the products accumulated and
+    returned in float32 (never rounded to bfloat16).
+    """
+    dtype = dtype if dtype is not None else jnp.result_type(x, w)
+    return jnp.einsum("...d,vd->...v", x.astype(dtype), w.astype(dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def chunked_cross_entropy(x: jax.Array, w: jax.Array, targets: jax.Array, chunk: int,
+                          dtype: Any = None) -> jax.Array:
+    """Mean cross-entropy of the logits ``head_logits(x, w, dtype)``, ``chunk`` tokens at a time.
+
+    The value of ``optax.softmax_cross_entropy_with_integer_labels(head_logits(x, w, dtype),
+    targets).mean()`` (float32 log-softmax; only the order of the sums differs), but the
+    logits of only one chunk exist at a time: a ``jax.lax.scan`` over the chunks.  Under
+    differentiation (a ``jax.custom_vjp``) the same scan also forms each chunk's gradient
+    (``softmax - onehot``) and from it the gradients of ``x`` and ``w`` (accumulated over the
+    chunks in float32), which the backward pass only scales: no logits are stored and none
+    are recomputed, so the matmuls are those of the unchunked loss and its gradient.  (Not
+    differentiable twice.)
+
+    Chunk ``i`` holds the tokens ``i, i + n, i + 2n, ...`` of the flattened batch (``n``
+    chunks), so a batch sharded over its leading axis stays sharded inside every chunk; a
+    token count that ``chunk`` does not divide is padded with tokens that count for nothing.
+
+    Args:
+      x: hidden states ``(..., d)``.
+      w: the output layer ``(V, d)``.
+      targets: integer labels of the shape of ``x`` without its last axis.
+      chunk: tokens per chunk, ``>= 1``.
+      dtype: computation dtype of the matmuls (:func:`head_logits`).
+
+    Returns:
+      The float32 scalar mean over every token.
+
+    Raises:
+      ValueError: ``chunk`` is not an integer ``>= 1``.
+    """
+    check_loss_chunk(chunk)
+    if chunk < 1:
+        raise ValueError(f"chunked_cross_entropy needs loss_chunk >= 1, got {chunk}")
+    dtype = jnp.dtype(dtype if dtype is not None else jnp.result_type(x, w))
+    return _chunked_ce(x, w, targets, int(chunk), dtype)
+
+
+def _chunks(x: jax.Array, targets: jax.Array, chunk: int
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(n, chunk, d)`` hidden states, ``(n, chunk)`` targets and validity of ``n`` chunks."""
+    d = x.shape[-1]
+    x, targets = x.reshape(-1, d), targets.reshape(-1)
+    total = x.shape[0]
+    n = math.ceil(total / chunk)
+    pad = n * chunk - total
+    valid = jnp.ones((total,), jnp.bool_)
+    if pad:
+        x = jnp.concatenate([x, jnp.zeros((pad, d), x.dtype)])
+        targets = jnp.concatenate([targets, jnp.zeros((pad,), targets.dtype)])
+        valid = jnp.concatenate([valid, jnp.zeros((pad,), jnp.bool_)])
+    # token j * n + i goes to chunk i: the leading (batch) axis stays the leading axis of
+    # every chunk
+    return (jnp.swapaxes(x.reshape(chunk, n, d), 0, 1), targets.reshape(chunk, n).T,
+            valid.reshape(chunk, n).T)
+
+
+def _unchunk(xs: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """The inverse of :func:`_chunks` for ``(n, chunk, d)`` values of the hidden states."""
+    n, chunk, d = xs.shape
+    total = math.prod(shape[:-1])
+    return jnp.swapaxes(xs, 0, 1).reshape(n * chunk, d)[:total].reshape(shape)
+
+
+def _chunk_losses(logits: jax.Array, targets: jax.Array, valid: jax.Array) -> jax.Array:
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(jnp.where(valid, losses, 0.0), dtype=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_ce(x: jax.Array, w: jax.Array, targets: jax.Array, chunk: int,
+                dtype: Any) -> jax.Array:
+    xs, ts, vs = _chunks(x, targets, chunk)
+
+    def body(acc: jax.Array, c: tuple[jax.Array, jax.Array, jax.Array]
+             ) -> tuple[jax.Array, None]:
+        return acc + _chunk_losses(head_logits(c[0], w, dtype), c[1], c[2]), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ts, vs))
+    return acc / targets.size
+
+
+def _chunked_ce_fwd(x: jax.Array, w: jax.Array, targets: jax.Array, chunk: int,
+                    dtype: Any) -> tuple[jax.Array, Any]:
+    xs, ts, vs = _chunks(x, targets, chunk)
+    total = targets.size
+    wc = w.astype(dtype)
+
+    def body(carry: tuple[jax.Array, jax.Array], c: tuple[jax.Array, jax.Array, jax.Array]
+             ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+        acc, gw = carry
+        xc, tc, vc = c
+        xc = xc.astype(dtype)
+        logits = jnp.einsum("cd,vd->cv", xc, wc, preferred_element_type=jnp.float32)
+        acc = acc + _chunk_losses(logits, tc, vc)
+        # d(mean loss)/d(logits) of this chunk: (softmax - onehot) / tokens, padding zero
+        g = jax.nn.softmax(logits, axis=-1) - jax.nn.one_hot(tc, logits.shape[-1],
+                                                             dtype=jnp.float32)
+        g = (jnp.where(vc[:, None], g, 0.0) / total).astype(dtype)
+        gx = jnp.einsum("cv,vd->cd", g, wc, preferred_element_type=jnp.float32)
+        gw = gw + jnp.einsum("cv,cd->vd", g, xc, preferred_element_type=jnp.float32)
+        return (acc, gw), gx.astype(x.dtype)
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros(w.shape, jnp.float32))
+    (acc, gw), gxs = jax.lax.scan(body, init, (xs, ts, vs))
+    return acc / total, (_unchunk(gxs, x.shape), gw.astype(w.dtype), targets)
+
+
+def _chunked_ce_bwd(chunk: int, dtype: Any, res: Any, g: jax.Array
+                    ) -> tuple[jax.Array, jax.Array, Any]:
+    gx, gw, targets = res
+    zero_targets = np.zeros(targets.shape, jax.dtypes.float0)
+    return (g * gx).astype(gx.dtype), (g * gw).astype(gw.dtype), zero_targets
+
+
+_chunked_ce.defvjp(_chunked_ce_fwd, _chunked_ce_bwd)
+
+
 def loss_fn(model: Llama, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (float32) of ``model(inputs)`` against ``targets``."""
-    logits = model(inputs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean next-token cross-entropy (float32) of ``model(inputs)`` against ``targets``.
+
+    Over chunks of ``model.loss_chunk`` tokens (:func:`chunked_cross_entropy`) when that is
+    set and smaller than the batch; else over all the logits at once.
+    """
+    chunk = model.loss_chunk
+    if chunk == 0 or chunk >= inputs.size:
+        logits = model(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    w, dtype = model.head_weights()
+    return chunked_cross_entropy(model.hidden(inputs), w, targets, chunk, dtype)
 
 
 __all__ = [
@@ -334,6 +517,9 @@ __all__ = [
     "Llama",
     "abstract_params",
     "apply_rope",
+    "check_loss_chunk",
+    "chunked_cross_entropy",
+    "head_logits",
     "load_per_layer_params",
     "loss_fn",
     "per_layer_params",

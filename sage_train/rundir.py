@@ -33,6 +33,7 @@ MATH_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
     "batch_size", "seq_len", "seed", "clip", "data", "token_dtype", "eval_batches",
     "dtype", "param_dtype", "layers",  # the arithmetic, and the layout of the checkpoints
+    "loss_chunk",  # the loss's summation order (float32 rounding of the gradients)
 )
 """Settings that change the math, the data order or the evaluation of a run: a rerun with
 other values is refused unless the change is allowed (and then recorded)."""

@@ -74,6 +74,7 @@ class TrainConfig:
     remat: str = "none"  # "none", "dots" or "full" (nnx.remat policy of each layer)
     deterministic: bool = False  # reproducible GPU reductions (set before the backend starts)
     peak_tflops: float | None = None  # device peak for MFU (None: from the known devices)
+    loss_chunk: int | None = None  # tokens per chunk of the loss; 0: unchunked; None: auto
 
 
 @dataclasses.dataclass
@@ -86,7 +87,8 @@ class RunResult:
     final_test_ppl: float | None
     opt_state_bytes: int
     tokens_per_s: float  # training tokens per second over the whole run (all segments)
-    # (compilation, evaluation and checkpointing excluded; the last row of metrics.jsonl)
+    # (compilation, evaluation, checkpointing and the host's logging and H_t records
+    # excluded; the last row of metrics.jsonl)
     stopped_reason: str | None = None
     start_step: int = 0  # the step this invocation resumed from (losses follow it)
     mfu: float | None = None  # model FLOPs utilisation at tokens_per_s (None: no known peak)
@@ -151,12 +153,43 @@ def layer_layout(cfg: TrainConfig) -> str:
     return "loop" if jax.default_backend() == "cpu" else "scan"
 
 
+LOSS_CHUNK_AUTO_BYTES = 1 << 30
+"""``--loss-chunk auto`` computes the loss unchunked while the float32 logits of a batch
+take at most this many bytes (every CPU demo and test size), else in chunks."""
+
+LOSS_CHUNK_TARGET_BYTES = 1 << 29
+"""``--loss-chunk auto``: the float32 logits of one chunk take at most this many bytes
+(1,024 tokens of a 128,256-token vocabulary: 0.49 GiB)."""
+
+
+def loss_chunk_tokens(cfg: TrainConfig, vocab_size: int | None = None) -> int:
+    """Tokens per chunk of the loss of ``cfg`` (0: unchunked), ``auto`` resolved.
+
+    ``auto`` (``None``): unchunked while the float32 logits of a batch fit in
+    :data:`LOSS_CHUNK_AUTO_BYTES`; else the fewest chunks that divide the batch's tokens
+    with at most :data:`LOSS_CHUNK_TARGET_BYTES` of logits each (or, where no such count
+    is near, chunks of that size, the last one padded).  ``vocab_size`` defaults to the
+    model's.
+    """
+    if cfg.loss_chunk is not None:
+        return cfg.loss_chunk
+    vocab = vocab_size if vocab_size is not None else get_model_config(cfg.model).vocab_size
+    tokens = cfg.batch_size * cfg.seq_len
+    if tokens * vocab * 4 <= LOSS_CHUNK_AUTO_BYTES:
+        return 0
+    most = max(1, LOSS_CHUNK_TARGET_BYTES // (4 * vocab))
+    fewest = math.ceil(tokens / most)
+    # a chunk that divides the tokens (no padding), unless that means much smaller chunks
+    chunks = next((n for n in range(fewest, 2 * fewest + 1) if tokens % n == 0), None)
+    return tokens // chunks if chunks is not None else most
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
     """The model of ``cfg`` (vocabulary from the data)."""
     model_cfg = dataclasses.replace(get_model_config(cfg.model), vocab_size=vocab_size)
     return Llama(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=jnp.dtype(compute_dtype(cfg)),
                  param_dtype=jnp.dtype(cfg.param_dtype), layers=layer_layout(cfg),  # type: ignore
-                 remat=cfg.remat)  # type: ignore[arg-type]
+                 remat=cfg.remat, loss_chunk=loss_chunk_tokens(cfg))  # type: ignore[arg-type]
 
 
 def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
@@ -182,7 +215,7 @@ def enable_determinism() -> bool:
 
 STEP_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
-    "clip", "sharding", "dtype", "param_dtype", "layers", "remat",
+    "clip", "sharding", "dtype", "param_dtype", "layers", "remat", "loss_chunk",
 )
 """The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
 logging do not): runs that agree on these share one compiled step in a process."""
@@ -198,7 +231,8 @@ def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: boo
     (the optimizer holds fresh closures), so the cache is keyed on the configuration instead:
     several seeds, a resumed run or the same configuration again compile once per process.
     """
-    key = (*(getattr(cfg, f) for f in STEP_FIELDS), vocab_size, record_h)
+    key = (*(getattr(cfg, f) for f in STEP_FIELDS), loss_chunk_tokens(cfg), vocab_size,
+           record_h)
     if key not in _STEP_CACHE:
         if len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
@@ -231,9 +265,19 @@ def evaluate(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh
 
 
 def peak_memory_bytes() -> int | None:
-    """Peak device memory, where the backend reports it (GPUs/TPUs; not the CPU)."""
-    stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+    """The device allocator's high-water mark in this process, in bytes.
+
+    The largest ``peak_bytes_in_use`` over the process's local devices (with one device,
+    that device's), as XLA's allocator reports it: the bytes of live buffers at their
+    peak, not the memory pool it reserved.  It is never reset, so it covers everything
+    since the process started: compilation, evaluation, and every earlier run of the same
+    process (with several ``--optimizer`` names in one command, a later run's figure
+    includes the earlier ones'; one process per run measures each alone).  ``None`` where
+    the backend reports no memory statistics (the CPU).
+    """
+    peaks = [int(stats.get("peak_bytes_in_use", 0))
+             for d in jax.local_devices() if (stats := d.memory_stats())]
+    return (max(peaks) or None) if peaks else None
 
 
 def _finite(x: Any) -> bool:
@@ -260,6 +304,8 @@ SETTING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "record_h_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
     "h_max_records": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
     "peak_tflops": (lambda v: v is None or (_finite(v) and v > 0), "a number > 0"),
+    "loss_chunk": (lambda v: v is None or (_is_int(v) and v >= 0),
+                   "an integer >= 0 (0: unchunked) or auto"),
 }
 """What each numeric :class:`TrainConfig` field must be (checked by :func:`check_config`
 and by the ``sage-train`` options)."""
@@ -295,6 +341,7 @@ def settings_of(cfg: TrainConfig) -> dict[str, Any]:
     settings["data"] = rundir.normalize_data(cfg.data)
     settings["dtype"] = compute_dtype(cfg)
     settings["layers"] = layer_layout(cfg)
+    settings["loss_chunk"] = loss_chunk_tokens(cfg)
     return settings
 
 
@@ -381,6 +428,10 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | Non
         # a run of a version before scanned layers and mixed precision: its checkpoints
         # hold one module per layer, computed in float32; continue it as it was
         cfg = dataclasses.replace(cfg, layers="loop", dtype="float32")
+    if recorded is not None and "loss_chunk" not in recorded and cfg.loss_chunk is None:
+        # a run of a version before the chunked loss computed it unchunked: continue so
+        # (unless --loss-chunk says otherwise)
+        cfg = dataclasses.replace(cfg, loss_chunk=0)
     if cfg.deterministic and not enable_determinism():
         log("--deterministic: JAX had already started its backend, so XLA's deterministic "
             "GPU reductions apply only if XLA_FLAGS held --xla_gpu_deterministic_ops=true "
@@ -447,8 +498,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
         dataclasses.replace(get_model_config(cfg.model), vocab_size=tokens.vocab_size),
         cfg.seq_len)
     peak = _peak_tflops(cfg, log)
-    # The clock: wall time from the end of the first (compiling) step, less evaluation and
-    # checkpointing; read only after a host sync, so it covers finished device work.
+    # The clock: wall time from the end of the first (compiling) step, less evaluation,
+    # checkpointing and the host's logging and H_t records; read only after a host sync, so
+    # it covers finished device work.
     t0, excluded, timed_steps, test_ppl, stopped = _clock(), 0.0, 0, None, None
     elapsed, tps = prior_elapsed, (prior_tokens / prior_elapsed if prior_elapsed > 0 else 0.0)
     timed_tokens = prior_tokens
@@ -473,6 +525,7 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                 t0, excluded, timed_steps = now, 0.0, 0
             else:
                 timed_steps += len(pending)
+            kept_h = []
             for (d, _, _), (value, h_value) in zip(pending, fetched, strict=True):
                 value = float(value)
                 if not math.isfinite(value):
@@ -480,16 +533,22 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                                + _newest(ckpts, good))
                     break
                 losses.append(value)
-                if h_value is not None and recorder is not None:
-                    recorder.add(d, np.asarray(h_value))
+                if h_value is not None:
+                    kept_h.append((d, h_value))
             pending = []
             if stopped is not None:
+                _record_h(recorder, kept_h)  # the finite steps' H_t
                 log(stopped)
                 break
             loss_value = losses[-1]
             elapsed = prior_elapsed + now - t0 - excluded
             timed_tokens = prior_tokens + timed_steps * tokens_per_step
             tps = timed_tokens / elapsed if elapsed > 0 else 0.0
+            # host-side diagnostics and logging are off the tokens/s clock (the device idles
+            # while they run: the next step is dispatched after them)
+            t_host = _clock()
+            _record_h(recorder, kept_h)
+            excluded += _clock() - t_host
             if not log_now:
                 continue
             record: dict[str, Any] = {"step": done, "loss": loss_value,
@@ -504,9 +563,11 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                 record["test_ppl"] = test_ppl
             if (peak_bytes := peak_memory_bytes()) is not None:
                 record["peak_memory_bytes"] = peak_bytes
+            t_host = _clock()
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             bar(done, loss_value, tps)
+            excluded += _clock() - t_host
             if save:
                 t_save = _clock()
                 if not state_is_finite(state):
@@ -520,6 +581,13 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                 excluded += _clock() - t_save
     return RunResult(cfg, start + len(losses), losses, test_ppl, opt_bytes, tps, stopped,
                      start_step=start, mfu=mfu(tps, flops_token, peak))
+
+
+def _record_h(recorder: DamperRecorder | None, rows: list[tuple[int, Any]]) -> None:
+    """Add the fetched ``H_t`` rows to the record (each add rewrites ``damper_h.npz``)."""
+    if recorder is not None:
+        for step, h in rows:
+            recorder.add(step, np.asarray(h))
 
 
 _clock = time.perf_counter

@@ -153,6 +153,30 @@ def test_tokens_per_s_excludes_a_slow_checkpoint(train_corpus, tmp_path, monkeyp
     assert rows[-1]["tokens_per_s"] == pytest.approx(7 * 8 * 32 / rows[-1]["elapsed_s"])
 
 
+def test_tokens_per_s_excludes_slow_h_t_records(train_corpus, tmp_path, monkeypatch):
+    """Recording H_t (a host-side rewrite of damper_h.npz) takes 1000 s a row on the
+    trainer's clock: the tokens/s clock does not count it."""
+    from sage_train import train as train_mod
+
+    offset = [0.0]
+    real_clock, real_add = train_mod._clock, DamperRecorder.add
+    monkeypatch.setattr(train_mod, "_clock", lambda: real_clock() + offset[0])
+
+    def slow_add(self, *args, **kwargs):
+        real_add(self, *args, **kwargs)
+        offset[0] += 1000.0
+
+    monkeypatch.setattr(DamperRecorder, "add", slow_add)
+    result = train(config(train_corpus, tmp_path / "run", log_every=2, checkpoint_every=8,
+                          eval_every=8), log=lambda s: None)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert offset[0] == 4000.0  # H_t recorded after steps 2, 4, 6 and 8
+    assert list(np.load(tmp_path / "run" / "damper_h.npz")["steps"]) == [2, 4, 6, 8]
+    assert [r["step"] for r in rows] == [2, 4, 6, 8]
+    assert rows[-1]["elapsed_s"] < 1000.0
+    assert rows[-1]["tokens_per_s"] == result.tokens_per_s > 0
+
+
 def test_losses_stay_on_the_device_between_log_rows(train_corpus, tmp_path, monkeypatch):
     """One host fetch per logging interval (plus the first, compiling, step), each bringing
     every loss of its interval: the losses are those of a run that logs every step."""
@@ -206,3 +230,23 @@ def test_bfloat16_run_trains_with_float32_state(train_corpus, tmp_path):
     floats = {np.asarray(x).dtype for x in jax.tree.leaves(saved)
               if jnp.issubdtype(np.asarray(x).dtype, jnp.floating)}
     assert floats == {np.dtype(np.float32)}
+
+
+def test_peak_memory_is_the_highest_over_the_local_devices(monkeypatch):
+    """peak_memory_bytes: the largest allocator peak over the process's local devices;
+    None where no device reports memory statistics (the CPU)."""
+    from sage_train import train as train_mod
+
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    devices = [Device({"peak_bytes_in_use": 5, "bytes_in_use": 50}),
+               Device({"peak_bytes_in_use": 9}), Device(None)]
+    monkeypatch.setattr(jax, "local_devices", lambda: devices)
+    assert train_mod.peak_memory_bytes() == 9
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(None), Device({})])
+    assert train_mod.peak_memory_bytes() is None

@@ -17,6 +17,7 @@ from sage_train import hf_convert  # noqa: E402
 from sage_train.model import (  # noqa: E402
     Llama,
     abstract_params,
+    chunked_cross_entropy,
     loss_fn,
     per_layer_params,
     reference_attention,
@@ -351,3 +352,112 @@ def test_bfloat16_computation_keeps_float32_params_and_logits():
     err = float(jnp.abs(ours - ref).max())
     # bfloat16 rounding (8 bits of mantissa) at logit scale ~1, not a different function
     assert 0 < err < 0.05, err
+
+
+# --- chunked cross-entropy ------------------------------------------------------------
+
+
+def _np_cross_entropy(logits, targets):
+    """Mean cross-entropy and its gradient w.r.t. the logits, in float64 NumPy."""
+    z = np.asarray(logits, np.float64).reshape(-1, logits.shape[-1])
+    t = np.asarray(targets).reshape(-1)
+    z = z - z.max(axis=-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    onehot = np.eye(z.shape[-1])[t]
+    return -(logp * onehot).sum(-1).mean(), (np.exp(logp) - onehot) / len(t)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 40])  # 5: the last chunk padded; 40: one chunk
+def test_chunked_cross_entropy_against_float64(chunk):
+    """A linear head over 40 tokens: the chunked loss and its gradients (w.r.t. the head's
+    weights, accumulated over chunks, and the hidden states) are the float64 values."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(keys[0], (4, 10, 6))
+    w = 2 * jax.random.normal(keys[1], (50, 6))  # (V, d)
+    targets = jax.random.randint(keys[2], (4, 10), 0, 50)
+
+    def loss(w, x):
+        return chunked_cross_entropy(x, w, targets, chunk)
+
+    with jax.default_matmul_precision("highest"):
+        value, (gw, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
+        forward_only = jax.jit(loss)(w, x)
+    xs, ws = np.asarray(x, np.float64).reshape(-1, 6), np.asarray(w, np.float64)
+    want, dlogits = _np_cross_entropy(xs @ ws.T, targets)
+    np.testing.assert_allclose(value, want, rtol=2e-6)
+    np.testing.assert_allclose(forward_only, want, rtol=2e-6)
+    np.testing.assert_allclose(gw, dlogits.T @ xs, atol=1e-6, rtol=1e-5)
+    np.testing.assert_allclose(gx.reshape(-1, 6), dlogits @ ws, atol=1e-6, rtol=1e-5)
+    assert value.dtype == jnp.float32 and gx.shape == x.shape and gw.shape == w.shape
+
+
+def test_chunked_cross_entropy_refuses_bad_chunks():
+    x, w, t = jnp.zeros((4, 3)), jnp.zeros((5, 3)), jnp.zeros((4,), jnp.int32)
+    for bad in (-1, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="loss_chunk must be an integer >= 0"):
+            chunked_cross_entropy(x, w, t, bad)
+    with pytest.raises(ValueError, match="loss_chunk >= 1"):
+        chunked_cross_entropy(x, w, t, 0)
+    with pytest.raises(ValueError, match="loss_chunk must be an integer >= 0.*-3"):
+        Llama(TINY, rngs=nnx.Rngs(0), loss_chunk=-3)
+
+
+@pytest.mark.parametrize("tie,layers,dtype", [
+    ("tied", "loop", jnp.float32), ("untied", "scan", jnp.float32),
+    ("tied", "scan", jnp.bfloat16),
+])
+def test_chunked_loss_matches_the_unchunked_model(tie, layers, dtype):
+    """loss_fn over chunks of 12 tokens (32 tokens: the last chunk padded): the loss is the
+    float64 cross-entropy of the model's logits and the unchunked loss; in float32 every
+    gradient is the unchunked one's, tied (the embedding is also the output layer) or
+    untied; in bfloat16 the gradients are as close to the float32 ones as the unchunked
+    bfloat16 gradients are (bfloat16 rounding)."""
+    config = CONFIGS[tie]
+    whole = Llama(config, rngs=nnx.Rngs(0), layers=layers, dtype=dtype)
+    chunked = Llama(config, rngs=nnx.Rngs(0), layers=layers, dtype=dtype, loss_chunk=12)
+    assert chunked.loss_chunk == 12 and whole.loss_chunk == 0
+    stream = jax.random.randint(jax.random.key(1), (B, T + 1), 0, config.vocab_size)
+    inputs, targets = stream[:, :-1], stream[:, 1:]
+    with jax.default_matmul_precision("highest"):
+        loss_w, g_w = nnx.jit(_loss_and_grads)(whole, inputs, targets)
+        loss_c, g_c = nnx.jit(_loss_and_grads)(chunked, inputs, targets)
+        logits = nnx.jit(lambda m, x: m(x))(whole, inputs)
+        if dtype == jnp.float32:
+            g_ref, tol = g_w, 1e-5
+        else:  # the float32 model's gradients, which bfloat16 gets within ~1.3%
+            _, g_ref = nnx.jit(_loss_and_grads)(
+                Llama(config, rngs=nnx.Rngs(0), layers=layers), inputs, targets)
+            tol = 2**-5
+    want, _ = _np_cross_entropy(logits, targets)
+    np.testing.assert_allclose(loss_c, want, rtol=2e-6)
+    np.testing.assert_allclose(loss_c, loss_w, rtol=2e-6)
+    assert sorted(g_c) == sorted(g_ref)
+    for name in g_ref:
+        scale = float(jnp.abs(g_ref[name]).max())
+        assert scale > 0, name
+        for g in (g_c, g_w):
+            np.testing.assert_allclose(g[name], g_ref[name], atol=tol * scale, rtol=0,
+                                       err_msg=name)
+
+
+def test_chunked_cross_entropy_on_a_batch_sharded_over_8_devices():
+    """The 8 host devices of tests/conftest.py: the batch sharded over its leading axis
+    (data parallelism) gives the single-device loss and gradients."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    cpus = jax.devices("cpu")
+    assert len(cpus) == 8
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (8, 16, 6))
+    w = jax.random.normal(keys[1], (50, 6))
+    targets = jax.random.randint(keys[2], (8, 16), 0, 50)
+    step = jax.jit(jax.value_and_grad(
+        lambda w, x, t: chunked_cross_entropy(x, w, t, 32), argnums=(0, 1)))
+    with jax.default_matmul_precision("highest"):
+        want, (gw_want, gx_want) = step(w, x, targets)
+        batch = NamedSharding(Mesh(np.array(cpus), ("data",)), P("data"))
+        value, (gw, gx) = step(w, jax.device_put(x, batch), jax.device_put(targets, batch))
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    np.testing.assert_allclose(gw, gw_want, atol=1e-7, rtol=1e-5)
+    np.testing.assert_allclose(gx, gx_want, atol=1e-7, rtol=1e-5)

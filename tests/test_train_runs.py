@@ -127,7 +127,7 @@ def test_settings_of_an_older_version_are_read_as_such(train_corpus, tmp_path, m
     run = tmp_path / "run"
     quiet(config(train_corpus, run), stop_after=1)
     old = dataclasses.asdict(config(train_corpus.name, run))  # learning_rate None, relative data
-    for newer in ("dtype", "param_dtype", "layers"):  # settings of later versions
+    for newer in ("dtype", "param_dtype", "layers", "loss_chunk"):  # of later versions
         old.pop(newer)
     (run / "config.json").write_text(json.dumps(old))
     (run / rundir.HISTORY).unlink()
@@ -136,6 +136,40 @@ def test_settings_of_an_older_version_are_read_as_such(train_corpus, tmp_path, m
     assert result.start_step == 1 and result.steps_done == 2
     history = [json.loads(x) for x in (run / rundir.HISTORY).read_text().splitlines()]
     assert history[0]["settings"] == old and history[1]["start_step"] == 1
+
+
+def test_loss_chunk_reaches_the_loss_is_recorded_and_older_runs_continue_unchunked(
+        train_corpus, tmp_path, monkeypatch, full_losses):
+    """--loss-chunk auto with its thresholds lowered to this run's size: the loss is chunked
+    (64 tokens of 256), recorded resolved in config.json, the losses are the unchunked
+    run's; a rerun with another chunk is refused; a run recorded by a version without the
+    setting continues unchunked."""
+    from sage_train import model as model_mod
+    from sage_train import train as train_mod
+
+    monkeypatch.setattr(train_mod, "LOSS_CHUNK_AUTO_BYTES", 1 << 18)
+    monkeypatch.setattr(train_mod, "LOSS_CHUNK_TARGET_BYTES", 1 << 18)  # 64 x 1024 x 4 B
+    chunks: list[int] = []
+    real = model_mod.chunked_cross_entropy
+
+    def spy(x, w, targets, chunk, dtype=None):
+        chunks.append(chunk)
+        return real(x, w, targets, chunk, dtype)
+
+    monkeypatch.setattr(model_mod, "chunked_cross_entropy", spy)
+    run = tmp_path / "run"
+    result, _ = quiet(config(train_corpus, run), stop_after=2)
+    assert chunks == [64]  # traced once, in the train step
+    np.testing.assert_allclose(result.losses, full_losses[:2], rtol=1e-5)
+    settings = json.loads((run / "config.json").read_text())
+    assert settings["loss_chunk"] == 64
+    with pytest.raises(RunDirError, match="loss_chunk 64 -> 0"):
+        quiet(config(train_corpus, run, loss_chunk=0))
+    del settings["loss_chunk"]  # as a version before the chunked loss wrote it
+    (run / "config.json").write_text(json.dumps(settings))
+    result, _ = quiet(config(train_corpus, run), stop_after=3)
+    assert result.start_step == 2 and chunks == [64]  # unchunked: no chunked loss traced
+    assert json.loads((run / "config.json").read_text())["loss_chunk"] == 0
 
 
 def test_allowed_change_is_a_new_segment_and_steps_below_checkpoint_fail(train_corpus, tmp_path):
@@ -399,6 +433,7 @@ def test_resume_metrics_keeps_each_step_once(tmp_path):
     (["--checkpoint-every", "0"], "--checkpoint-every"), (["--log-every", "0"], "--log-every"),
     (["--record-h-every", "0"], "--record-h-every"), (["--clip", "-1"], "--clip"),
     (["--seed", "-1"], "--seed"), (["--token-dtype", "int8"], "--token-dtype"),
+    (["--loss-chunk", "-1"], "--loss-chunk"), (["--loss-chunk", "1.5"], "--loss-chunk"),
 ])
 def test_cli_refuses_bad_numbers_in_one_line(tmp_path, capsys, args, option):
     with pytest.raises(SystemExit) as e:
@@ -414,6 +449,8 @@ def test_check_config_refuses_what_the_cli_refuses():
         train(TrainConfig(learning_rate=-1.0, run_dir="/nonexistent/never-created"))
     with pytest.raises(ConfigError, match="warmup_frac must be"):
         train(TrainConfig(warmup_frac=2.0, run_dir="/nonexistent/never-created"))
+    with pytest.raises(ConfigError, match=r"loss_chunk must be an integer >= 0 .*-8"):
+        train(TrainConfig(loss_chunk=-8, run_dir="/nonexistent/never-created"))
     assert not pathlib.Path("/nonexistent").exists()
 
 
