@@ -48,7 +48,11 @@ fused=True)``) next to its foreach path; ``--device cpu`` (default) is the CPU r
 
 Aten op count (any machine, no memory): ``--op-count`` steps the model on the ``meta``
 device under a ``TorchDispatchMode`` that counts every aten op of one ``opt.step()`` (the
-second; the first creates the state), for every configuration's single-tensor and foreach
+second; the first creates the state) and another that measures its peak extra memory (the
+storages the step creates, alive at once, as ``peak extra`` above but of ``meta`` tensors:
+the bytes the same ops would allocate on a GPU), and, where ``triton`` is installed, the
+fused path of every configuration that has one with its kernel launches counted instead of
+run (:func:`count_fused`), for every configuration's single-tensor and foreach
 paths and ``torch.optim.AdamW`` single-tensor, foreach (and fused where the meta device
 allows it), prints that table and exits.  On a GPU every op is at least one kernel launch;
 a step that completes on ``meta`` reads no device value on the host.
@@ -199,11 +203,14 @@ def meta_model(config: LlamaConfig) -> nn.Module:
     return model
 
 
-def count_ops(name: str, model: nn.Module, foreach: bool) -> int | None:
-    """Aten ops of the second ``opt.step()`` of ``make(name, model, 1e-4, foreach)``.
+def count_ops(name: str, model: nn.Module, foreach: bool) -> tuple[int, int] | None:
+    """Aten ops and peak extra bytes of the second ``opt.step()`` of ``make(name, model, ...)``.
 
     ``model`` is a :func:`meta_model`: nothing is computed, and any host read of a device
-    value raises.  ``None`` where the optimizer refuses the ``meta`` device (fused AdamW).
+    value raises.  The bytes are those of :func:`peak_extra_bytes` (storages the step
+    creates, alive at once), counted on ``meta`` tensors: what the same ops would allocate
+    on a GPU, before the caching allocator's rounding.  ``None`` where the optimizer
+    refuses the ``meta`` device (fused AdamW).
     """
     try:
         opt = make(name, model, 1e-4, foreach)
@@ -212,10 +219,51 @@ def count_ops(name: str, model: nn.Module, foreach: bool) -> int | None:
         if name == FUSED:
             return None
         raise
-    counter = OpCounter()
-    with counter:
+    counter, peak = OpCounter(), _peak_mode(opt, model)
+    with counter, peak:
         opt.step()
-    return counter.total
+    gc.collect()
+    return counter.total, peak.peak
+
+
+def count_fused(name: str, model: nn.Module) -> tuple[int, int, int] | None:
+    """Aten ops, peak extra bytes and Triton launches of a fused step, on the ``meta`` device.
+
+    The step of ``make(name, model, 1e-4, False, fused=True)`` (its groups without a fused
+    rule on the foreach path, as on CUDA) with the kernel launches counted, not run, and
+    the fused path's device check lifted for ``meta`` tensors: every other operation of the
+    step (reductions, stacking, the hyperparameter tensors) runs as on a GPU.  ``None``
+    without ``triton`` or when no group of ``name`` has a fused rule.
+    """
+    from unittest import mock
+
+    from sage_torch import optimizer as optimizer_mod
+    from sage_torch.common import FUSED_RULES, triton_available
+
+    if not triton_available():
+        return None
+    from sage_torch import triton_kernels
+
+    launches = [0]
+
+    def launch(*args: Any, **kwargs: Any) -> None:
+        launches[0] += 1
+
+    with (mock.patch.object(triton_kernels, "_launch", launch),
+          mock.patch.object(optimizer_mod, "fused_unsupported", lambda t, n: None)):
+        opt = make(name, model, 1e-4, False, fused=True)
+        if not any(g["rule"] in FUSED_RULES for g in opt.param_groups):
+            return None
+        for group in opt.param_groups:
+            if group["rule"] not in FUSED_RULES:
+                group["foreach"] = True
+        opt.step()  # creates the state
+        launches[0] = 0
+        counter, peak = OpCounter(), _peak_mode(opt, model)
+        with counter, peak:
+            opt.step()
+    gc.collect()
+    return counter.total, peak.peak, launches[0]
 
 
 def op_count_rows(model_name: str, configs: list[str]) -> list[dict[str, Any]]:
@@ -226,6 +274,10 @@ def op_count_rows(model_name: str, configs: list[str]) -> list[dict[str, Any]]:
         for fe in (False, True):
             rows.append({"config": name, "path": "foreach" if fe else "single-tensor",
                          "ops": count_ops(name, model, fe)})
+        fused = count_fused(name, model)
+        if fused is not None:
+            rows.append({"config": name, "path": "fused", "ops": fused[:2],
+                         "launches": fused[2]})
     for fe in (False, True):
         rows.append({"config": "torch.optim.AdamW", "path": "foreach" if fe else "single-tensor",
                      "ops": count_ops(BASELINE, model, fe)})
@@ -240,11 +292,15 @@ def print_op_counts(model_name: str, rows: list[dict[str, Any]]) -> None:
     print(f"aten ops per opt.step() on the meta device, model {model_name} ({n} tensors), "
           f"torch {torch.__version__}")
     print()
-    print("| configuration | path | aten ops per step |")
-    print("|---|---|---:|")
+    print("| configuration | path | aten ops per step | Triton launches | peak extra (MiB) |")
+    print("|---|---|---:|---:|---:|")
     for row in rows:
-        ops = "n/a (refused on meta)" if row["ops"] is None else f"{row['ops']:,}"
-        print(f"| {row['config']} | {row['path']} | {ops} |")
+        if row["ops"] is None:
+            print(f"| {row['config']} | {row['path']} | n/a (refused on meta) | | n/a |")
+            continue
+        ops, peak = row["ops"]
+        launches = f"{row['launches']:,}" if "launches" in row else ""
+        print(f"| {row['config']} | {row['path']} | {ops:,} | {launches} | {peak / MIB:.1f} |")
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -263,6 +319,12 @@ def bytes_moved(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return traffic.step_bytes(p_bytes, state_bytes(opt), leaves)
 
 
+def _storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage, the same for every view of it (also on ``meta``,
+    where every storage's ``data_ptr`` is 0)."""
+    return int(t.untyped_storage()._cdata)
+
+
 class _PeakMemory(TorchDispatchMode):
     """Peak bytes of storages created by the operations run under this mode."""
 
@@ -272,34 +334,38 @@ class _PeakMemory(TorchDispatchMode):
         self.live = 0
         self.peak = 0
 
-    def _release(self, ptr: int, nbytes: int) -> None:
+    def _release(self, key: int, nbytes: int) -> None:
         self.live -= nbytes
-        self.known.discard(ptr)
+        self.known.discard(key)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (list, tuple)) else (out,):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not isinstance(t, torch.Tensor):
                 continue
-            storage = t.untyped_storage()
-            ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            if ptr in self.known or nbytes == 0:
+            key, nbytes = _storage_key(t), t.untyped_storage().nbytes()
+            if key in self.known or nbytes == 0:
                 continue
-            self.known.add(ptr)
+            self.known.add(key)
             self.live += nbytes
             self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._release, ptr, nbytes)
+            weakref.finalize(t, self._release, key, nbytes)
         return out
+
+
+def _peak_mode(opt: torch.optim.Optimizer, model: nn.Module) -> _PeakMemory:
+    """A :class:`_PeakMemory` that knows the parameters, gradients and state of ``opt``."""
+    known = {_storage_key(p) for p in model.parameters()}
+    known |= {_storage_key(p.grad) for p in model.parameters() if p.grad is not None}
+    known |= {_storage_key(v) for st in opt.state.values()
+              for v in st.values() if isinstance(v, torch.Tensor)}
+    return _PeakMemory(known)
 
 
 def peak_extra_bytes(opt: torch.optim.Optimizer, model: nn.Module) -> int:
     """Peak bytes of new storages alive at once during one ``opt.step()`` (see docstring)."""
-    known = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    known |= {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
-    known |= {v.untyped_storage().data_ptr() for st in opt.state.values()
-              for v in st.values() if isinstance(v, torch.Tensor)}
-    mode = _PeakMemory(known)
+    mode = _peak_mode(opt, model)
     with mode:
         opt.step()
     gc.collect()

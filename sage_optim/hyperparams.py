@@ -24,9 +24,10 @@ al.'s SR-Sinkhorn)."""
 
 SINKHORN_GROUP_BYTES: int = 128 * 2**20
 """Default size limit of one stacked group of same-shape matrices in the batched Sinkhorn
-iterations (``group_bytes`` of :func:`sage_optax.scale_by_sinkhorn` and of the multi-tensor
-SinkGD of :mod:`sage_torch`): the bytes of its ``K = (G/m)²``, about those of its copy of
-the gradients."""
+iterations (``group_bytes`` of :func:`sage_optax.scale_by_sinkhorn` and of the fused
+SinkGD of :mod:`sage_torch`, and the least default of its multi-tensor path, which scales
+with the model): the bytes of its ``K = (G/m)²``, about those of its copy of the
+gradients."""
 
 SCALE_TYPES: tuple[str, ...] = ("tensor", "channel")
 """APOLLO's gradient scaling: one factor per matrix, or one per uncompressed channel."""

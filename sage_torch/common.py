@@ -315,6 +315,11 @@ class Rule:
     has_fused: bool = False
     """Whether the rule has a fused (Triton) path (:data:`FUSED_RULES`)."""
 
+    largest_param_bytes: int = 0
+    """Bytes of the optimizer's largest parameter, over all param groups (set by
+    :class:`~sage_torch.RuleOptimizer` before each step): the multi-tensor steps hold a few
+    temporaries of that size, a scale a rule's batching can use (SinkGD's ``group_bytes``)."""
+
     def validate(self, group: dict[str, Any]) -> None:
         """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""
         check_group(group, self.name, self.checked)

@@ -246,6 +246,10 @@ class RuleOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        largest = max((p.numel() * p.element_size() for group in self.param_groups
+                       for p in group["params"]), default=0)
+        for rule in self._rules.values():
+            rule.largest_param_bytes = largest
         for group in self.param_groups:
             rule = self.rule_of(group)
             params, grads, states, names = [], [], [], []

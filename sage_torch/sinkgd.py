@@ -38,6 +38,10 @@ from sage_torch.optimizer import ParamsT, RuleOptimizer
 
 _SINK = RULE_DEFAULTS["sinkgd"]
 
+FOREACH_ROUND_PARAMS: int = 4
+"""The multi-tensor SinkGD's default round limit, in parameters: rounds of ``K`` up to this
+many times the optimizer's largest parameter (see :meth:`SinkGDRule.group_bytes`)."""
+
 AxisGroups = tuple[tuple[int, ...], tuple[int, ...]]
 """A parameter's ``(fan_in, fan_out)`` dim groups (non-negative)."""
 
@@ -249,8 +253,8 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
     synchronisation.  DTensors (FSDP2) take the single-tensor path.
 
     Memory: a bucket is split into chunks whose ``K`` has at most ``group_bytes`` bytes
-    (at least one matrix each), as :mod:`sage_optax`'s ``group_bytes``
-    (:data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`, 128 MiB), and the chunks run in
+    (at least one matrix each; :class:`SinkGD`'s default is :meth:`SinkGDRule.group_bytes`,
+    4 times the optimizer's largest parameter, at least 128 MiB), and the chunks run in
     rounds of at most ``group_bytes`` of ``K`` together: the peak extra memory is about
     ``2·group_bytes`` (a round's ``K`` and stacked gradients) or one matrix's, not the sum
     of all the group's gradients.  Every matrix sees the same operations whatever the
@@ -609,9 +613,28 @@ class SinkGDRule(Rule):
 
     def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
         super().validate(group)
-        gb = group.get("group_bytes", SINKHORN_GROUP_BYTES)
-        if isinstance(gb, bool) or not isinstance(gb, int) or gb < 1:
-            raise ValueError(f"group_bytes must be a positive int (bytes), got {gb!r}")
+        gb = group.get("group_bytes")
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int) or gb < 1):
+            raise ValueError(f"group_bytes must be None or a positive int (bytes), got {gb!r}")
+
+    def group_bytes(self, group: dict[str, Any], fused: bool) -> int:
+        """The stacking limit of ``group``'s step (``group_bytes``, or its default).
+
+        Default (``None``): :data:`~sage_optim.hyperparams.SINKHORN_GROUP_BYTES` on the
+        fused path (its one stacked copy of gradients); on the multi-tensor path the larger
+        of that and :data:`FOREACH_ROUND_PARAMS` times the optimizer's largest parameter.
+        The multi-tensor steps of the other rules hold about that much at once already
+        (``python benchmarks/torch_step.py --op-count``, peak column), so rounds that size
+        do not raise the step's peak, while every further round repeats the ``2L``
+        iterations' element-wise kernels (at 270M: one round, 298 aten ops per
+        sage-hybrid step; 128 MiB rounds: 970, for the same peak).
+        """
+        gb = group.get("group_bytes")
+        if gb is not None:
+            return int(gb)
+        if fused:
+            return SINKHORN_GROUP_BYTES
+        return max(SINKHORN_GROUP_BYTES, FOREACH_ROUND_PARAMS * self.largest_param_bytes)
 
     def init_state(self, p, group, name):  # noqa: D102
         matrix_axes(p, group, "SinkGD", name)
@@ -624,7 +647,7 @@ class SinkGDRule(Rule):
                               "weight_decay": group["weight_decay"]}
         if fused:
             _fused_sinkgd(params, grads, consts=self._consts, **hp,
-                          group_bytes=group.get("group_bytes", SINKHORN_GROUP_BYTES),
+                          group_bytes=self.group_bytes(group, True),
                           axes=[matrix_axes(p, group, "SinkGD", n)
                                 for p, n in zip(params, names, strict=True)])
             return
@@ -652,7 +675,7 @@ class SinkGDRule(Rule):
             _chunked_sinkgd(fast, threads=self.cpu_threads, **hp)
         if foreach:
             _multi_tensor_sinkgd(rest, rest_g, axes=rest_axes, cache=self._layouts,
-                                 group_bytes=group.get("group_bytes", SINKHORN_GROUP_BYTES),
+                                 group_bytes=self.group_bytes(group, False),
                                  **hp)
         else:
             _single_tensor_sinkgd(rest, rest_g, axes=rest_axes, **hp)
@@ -690,9 +713,11 @@ class SinkGD(RuleOptimizer):
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
       group_bytes: the foreach path stacks same-shape matrices in chunks whose ``K`` holds
-        at most this many bytes (default 128 MiB, as :mod:`sage_optax`'s ``group_bytes``),
-        the fused path in chunks of at most this many bytes of gradients; the result does
-        not depend on it.
+        at most this many bytes, the fused path in chunks of at most this many bytes of
+        gradients; the result does not depend on it.  Default ``None``: 128 MiB on the
+        fused path (as :mod:`sage_optax`'s ``group_bytes``), and on the foreach path the
+        larger of 128 MiB and 4 times the optimizer's largest parameter
+        (:meth:`SinkGDRule.group_bytes`).
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
@@ -702,7 +727,7 @@ class SinkGD(RuleOptimizer):
                  fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, cpu_threads: int = 1,
-                 group_bytes: int = SINKHORN_GROUP_BYTES) -> None:
+                 group_bytes: int | None = None) -> None:
         super().__init__(params, {"group_bytes": group_bytes,
             "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
             "weight_decay": weight_decay, "normalization": normalization, "eps": eps,

@@ -60,7 +60,10 @@ def test_optax_and_torch_defaults_are_equal(rule):
     torch_side = defaults(TORCH[rule].__init__)
     if "betas" in torch_side:
         torch_side["b1"], torch_side["b2"] = torch_side.pop("betas")
-    for name in set(jax_side) & set(torch_side) - {"learning_rate", "lr"}:
+    # group_bytes is an execution limit, not math (the result does not depend on it), and
+    # differs on purpose: sage_torch's foreach default scales with the model
+    # (SinkGDRule.group_bytes; its fused default is sage_optax's, tested in test_torch_fused).
+    for name in set(jax_side) & set(torch_side) - {"learning_rate", "lr", "group_bytes"}:
         assert jax_side[name] == torch_side[name], name
 
 

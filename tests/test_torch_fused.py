@@ -363,10 +363,38 @@ def test_multi_tensor_sinkgd_chunks_are_bitwise_unchunked(normalization):
 
 
 def test_group_bytes_option_is_checked():
-    with pytest.raises(ValueError, match="group_bytes must be a positive int"):
-        SinkGD([nn.Parameter(torch.randn(3, 4))], group_bytes=0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="group_bytes must be None or a positive int"):
+            SinkGD([nn.Parameter(torch.randn(3, 4))], group_bytes=bad)
     assert math.isfinite(SinkGD([nn.Parameter(torch.randn(3, 4))],
                                 group_bytes=1).param_groups[0]["group_bytes"])
+
+
+def test_group_bytes_default_scales_with_the_largest_parameter():
+    """Default: 128 MiB fused; foreach, the larger of that and 4 x the largest parameter."""
+    from sage_optim.hyperparams import SINKHORN_GROUP_BYTES
+    from sage_torch.sinkgd import FOREACH_ROUND_PARAMS
+
+    emb = nn.Parameter(torch.zeros(2, 3))  # only its size matters here
+    opt = SinkGD([nn.Parameter(torch.randn(3, 4))])
+    opt.add_param_group({"params": [emb]})
+    rule, group = opt.rule_of(opt.param_groups[0]), opt.param_groups[0]
+    assert group["group_bytes"] is None
+    rule.largest_param_bytes = 2**30
+    assert rule.group_bytes(group, fused=False) == FOREACH_ROUND_PARAMS * 2**30
+    assert rule.group_bytes(group, fused=True) == SINKHORN_GROUP_BYTES
+    rule.largest_param_bytes = 1
+    assert rule.group_bytes(group, fused=False) == SINKHORN_GROUP_BYTES
+    group["group_bytes"] = 77
+    assert rule.group_bytes(group, fused=False) == rule.group_bytes(group, fused=True) == 77
+    # the optimizer sets the size over all its groups before each step
+    for p in opt.param_groups[0]["params"] + [emb]:
+        p.grad = torch.ones_like(p)
+    big = nn.Parameter(torch.randn(40, 50))
+    opt.add_param_group({"params": [big]})
+    big.grad = torch.ones_like(big)
+    opt.step()
+    assert rule.largest_param_bytes == big.numel() * big.element_size()
 
 
 SIGNATURES = {
