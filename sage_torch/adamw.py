@@ -49,11 +49,14 @@ def _multi_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: lis
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-    m_hat = torch._foreach_div(exp_avgs, bias1)
-    v_hat = torch._foreach_div(exp_avg_sqs, bias2)
-    denom = torch._foreach_sqrt(v_hat)
+    # (m / c1) / (sqrt(v / c2) + eps) with two temporaries per tensor, computed in place
+    # (the same operations, so the same rounding, as the single path)
+    updates = list(torch._foreach_div(exp_avgs, bias1))
+    denom = torch._foreach_div(exp_avg_sqs, bias2)
+    torch._foreach_sqrt_(denom)
     torch._foreach_add_(denom, eps)
-    updates = list(torch._foreach_div(m_hat, denom))
+    torch._foreach_div_(updates, denom)
+    del denom
     decayed_step(params, updates, lr, weight_decay, True)
 
 

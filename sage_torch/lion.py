@@ -45,12 +45,23 @@ def _multi_tensor_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list
     """One Lion step with ``torch._foreach_*`` kernels (the operations of the single path)."""
     if not params:
         return
-    c = torch._foreach_mul(grads, 1.0 - beta1)
-    torch._foreach_add_(c, torch._foreach_mul(exp_avgs, beta1))
-    updates = list(torch._foreach_sign(c))
-    new_m = torch._foreach_mul(grads, 1 - beta2)
-    torch._foreach_add_(new_m, torch._foreach_mul(exp_avgs, beta2))
-    copy_all(exp_avgs, list(new_m))
+    # Memory: at most two temporaries of each tensor alive at once (the sign's argument,
+    # turned into the update in place, and one product); the same operations and rounding
+    # as the single path (M·b2 + g·(1−b2) is g·(1−b2) + M·b2: addition commutes).
+    updates = list(torch._foreach_mul(grads, 1.0 - beta1))
+    torch._foreach_add_(updates, torch._foreach_mul(exp_avgs, beta1))
+    torch._foreach_sign_(updates)
+    # In place only in float32/float64: an in-place product of a bfloat16 M with β2 rounds
+    # β2 to bfloat16 first (0.98828125 for 0.99), the out-of-place one does not.
+    if all(m.dtype == g.dtype and m.dtype in (torch.float32, torch.float64)
+           for m, g in zip(exp_avgs, grads, strict=True)):
+        torch._foreach_mul_(exp_avgs, beta2)
+        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta2))
+    else:  # form M_t out of place, then store it (in M's dtype)
+        new_m = torch._foreach_mul(grads, 1 - beta2)
+        torch._foreach_add_(new_m, torch._foreach_mul(exp_avgs, beta2))
+        copy_all(exp_avgs, list(new_m))
+        del new_m
     decayed_step(params, updates, lr, weight_decay, True)
 
 

@@ -246,8 +246,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        largest = max((p.numel() * p.element_size() for group in self.param_groups
-                       for p in group["params"]), default=0)
+        sizes = [p.numel() * p.element_size() for group in self.param_groups
+                 for p in group["params"]]
+        largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))
         for rule in self._rules.values():
             rule.largest_param_bytes = largest
         for group in self.param_groups:

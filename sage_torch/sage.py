@@ -186,23 +186,32 @@ def _multi_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list
         return
     w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
     g32 = [g if g.dtype == w else g.to(w) for g in grads]
+    in_place = all(m.dtype == w for m in exp_avgs)  # else M is kept in another dtype
     m32 = [m if m.dtype == w else m.to(w) for m in exp_avgs]
-    # M_t = g·(1−b2) + M·b2 and the sign's argument, as _single_tensor_sage
-    m_new = list(torch._foreach_mul(g32, 1 - beta2))
-    torch._foreach_add_(m_new, torch._foreach_mul(m32, beta2))
+    # The sign's argument, as _single_tensor_sage (M_{t−1} for b2 = 0, else M_t), and
+    # M_t = g·(1−b2) + M·b2, in place when M has the wide dtype (M·b2 + g·(1−b2), the same
+    # number since addition commutes): at most two temporaries of each tensor at once.
     if beta2 == 0:
         arg = list(torch._foreach_mul(g32, 1.0 - beta1))
         torch._foreach_add_(arg, torch._foreach_mul(m32, beta1))
+    if in_place:
+        torch._foreach_mul_(exp_avgs, beta2)
+        torch._foreach_add_(exp_avgs, torch._foreach_mul(g32, 1 - beta2))
+        m_new = exp_avgs
     else:
+        m_new = list(torch._foreach_mul(g32, 1 - beta2))
+        torch._foreach_add_(m_new, torch._foreach_mul(m32, beta2))
+    if beta2 != 0:
         arg = list(torch._foreach_mul(m_new, beta1))
         torch._foreach_add_(arg, torch._foreach_mul(g32, beta2 - beta1))
-    updates = list(torch._foreach_sign(arg))
+    torch._foreach_sign_(arg)
     h_all = _dampers(params, g32, scale_avgs, state_steps, reduce_dims=reduce_dims,
                      rms_dims=rms_dims, beta2=beta2, eps=eps, damper=damper)
-    torch._foreach_mul_(updates, h_all)
+    torch._foreach_mul_(arg, h_all)
     updates = [u if u.dtype == p.dtype else u.to(p.dtype)
-               for u, p in zip(updates, params, strict=True)]
-    copy_all(exp_avgs, m_new)
+               for u, p in zip(arg, params, strict=True)]
+    if not in_place:
+        copy_all(exp_avgs, m_new)
     decayed_step(params, updates, lr, weight_decay, True)
 
 

@@ -38,7 +38,7 @@ from sage_torch.optimizer import ParamsT, RuleOptimizer
 
 _SINK = RULE_DEFAULTS["sinkgd"]
 
-FOREACH_ROUND_PARAMS: int = 4
+FOREACH_ROUND_PARAMS: int = 2
 """The multi-tensor SinkGD's default round limit, in parameters: rounds of ``K`` up to this
 many times the optimizer's largest parameter (see :meth:`SinkGDRule.group_bytes`)."""
 
@@ -254,7 +254,7 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
 
     Memory: a bucket is split into chunks whose ``K`` has at most ``group_bytes`` bytes
     (at least one matrix each; :class:`SinkGD`'s default is :meth:`SinkGDRule.group_bytes`,
-    4 times the optimizer's largest parameter, at least 128 MiB), and the chunks run in
+    twice the optimizer's largest parameter, at least 128 MiB), and the chunks run in
     rounds of at most ``group_bytes`` of ``K`` together: the peak extra memory is about
     ``2·group_bytes`` (a round's ``K`` and stacked gradients) or one matrix's, not the sum
     of all the group's gradients.  Every matrix sees the same operations whatever the
@@ -624,10 +624,11 @@ class SinkGDRule(Rule):
         fused path (its one stacked copy of gradients); on the multi-tensor path the larger
         of that and :data:`FOREACH_ROUND_PARAMS` times the optimizer's largest parameter.
         The multi-tensor steps of the other rules hold about that much at once already
-        (``python benchmarks/torch_step.py --op-count``, peak column), so rounds that size
-        do not raise the step's peak, while every further round repeats the ``2L``
-        iterations' element-wise kernels (at 270M: one round, 298 aten ops per
-        sage-hybrid step; 128 MiB rounds: 970, for the same peak).
+        (two temporaries of each tensor; ``python benchmarks/torch_step.py --op-count``,
+        peak column), so rounds that size add little to the step's peak, while every
+        further round repeats the ``2L`` iterations' element-wise kernels (at 270M: one
+        round, 296 aten ops and 1,092 MiB per sage-hybrid step; 128 MiB rounds: 968 ops
+        and 1,002 MiB).
         """
         gb = group.get("group_bytes")
         if gb is not None:
@@ -716,7 +717,7 @@ class SinkGD(RuleOptimizer):
         at most this many bytes, the fused path in chunks of at most this many bytes of
         gradients; the result does not depend on it.  Default ``None``: 128 MiB on the
         fused path (as :mod:`sage_optax`'s ``group_bytes``), and on the foreach path the
-        larger of 128 MiB and 4 times the optimizer's largest parameter
+        larger of 128 MiB and twice the optimizer's largest parameter
         (:meth:`SinkGDRule.group_bytes`).
     """
 

@@ -371,7 +371,7 @@ def test_group_bytes_option_is_checked():
 
 
 def test_group_bytes_default_scales_with_the_largest_parameter():
-    """Default: 128 MiB fused; foreach, the larger of that and 4 x the largest parameter."""
+    """Default: 128 MiB fused; foreach, the larger of that and 2 x the largest parameter."""
     from sage_optim.hyperparams import SINKHORN_GROUP_BYTES
     from sage_torch.sinkgd import FOREACH_ROUND_PARAMS
 
