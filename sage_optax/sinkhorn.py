@@ -63,9 +63,9 @@ KERNELS: tuple[str, ...] = ("auto", "pallas", "jnp")
 """Which code computes the scales in :func:`scale_by_sinkhorn`: ``"jnp"`` this module (the
 reference), ``"pallas"`` the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` (compiled
 with Triton on a GPU, run by Pallas's interpreter on any other backend), ``"auto"`` the
-kernel on a GPU and this module elsewhere.  Leaves the kernel does not support
-(:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, zero-size, explicit
-sharding) use this module whatever the choice."""
+kernel on a single GPU and this module elsewhere (:func:`use_kernel`).  Leaves the
+kernel does not support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other
+layouts, zero-size, explicit sharding) use this module whatever the choice."""
 _KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 
@@ -301,6 +301,19 @@ def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
     return batches
 
 
+def use_kernel(kernel: str, backend: str, device_count: int) -> bool:
+    """Whether ``kernel`` (:data:`KERNELS`) runs the Pallas kernel on this backend.
+
+    ``"auto"`` does on a single GPU only: a Pallas call is one device's computation, so
+    under sharding over several devices (FSDP) XLA would gather a sharded gradient to run
+    it, and the jnp path partitions instead.  ``kernel="pallas"`` forces the kernel (where
+    the gradients are replicated, say).
+    """
+    if kernel == "auto":
+        return backend == "gpu" and device_count == 1
+    return kernel == "pallas"
+
+
 def scale_by_sinkhorn(
     num_iters: int = _DEFAULTS["num_iters"],
     eps: float = _DEFAULTS["eps"],
@@ -327,8 +340,9 @@ def scale_by_sinkhorn(
         the batched computation holds a copy of the group and its ``K``.  The kernel path
         caps it at :data:`~sage_optax.sinkhorn_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's
         ``2L`` passes stay in an H100's L2).
-      kernel: :data:`KERNELS`; ``"auto"`` runs the Pallas kernel on a GPU and the jnp path
-        elsewhere.  Both compute the same math (float32 within rounding, not bit for bit).
+      kernel: :data:`KERNELS`; ``"auto"`` runs the Pallas kernel on a single GPU and the
+        jnp path elsewhere, several devices included (:func:`use_kernel`).  Both compute
+        the same math (float32 within rounding, not bit for bit).
       dims: deprecated name of ``axes``.
 
     Returns:
@@ -360,9 +374,9 @@ def scale_by_sinkhorn(
                 if resolved is not None:  # a None spec: pass through
                     matrices.append((i, g, resolved))
         stack = grouping == "stack" or (grouping == "auto" and jax.default_backend() != "cpu")
-        gpu = jax.default_backend() == "gpu"
         pallas: Any = None
-        if kernel == "pallas" or (kernel == "auto" and gpu):
+        gpu = jax.default_backend() == "gpu"  # else the kernel runs in Pallas's interpreter
+        if use_kernel(kernel, jax.default_backend(), jax.device_count()):
             from sage_optax import sinkhorn_pallas as pallas  # imports Pallas only when used
         by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in matrices]
         on_kernel = [m for m, k in zip(matrices, by_kernel, strict=True) if k]

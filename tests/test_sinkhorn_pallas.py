@@ -205,6 +205,18 @@ def test_make_optimizer_with_the_kernel():
             np.max(np.abs(y))), err_msg=jax.tree_util.keystr(path))
 
 
+def test_auto_uses_the_kernel_on_one_gpu_only():
+    """``auto``: the kernel on a single GPU; several devices (sharding) keep the jnp path."""
+    from sage_optax.sinkhorn import use_kernel
+
+    assert use_kernel("auto", "gpu", 1)
+    assert not use_kernel("auto", "gpu", 8)
+    assert not use_kernel("auto", "cpu", 1)
+    assert not use_kernel("auto", "tpu", 1)
+    assert use_kernel("pallas", "gpu", 8) and use_kernel("pallas", "cpu", 1)
+    assert not use_kernel("jnp", "gpu", 1)
+
+
 def test_auto_is_jnp_on_the_cpu():
     """On the CPU ``auto`` compiles the very program of ``kernel="jnp"`` (no Pallas call)."""
     assert jax.default_backend() == "cpu"
