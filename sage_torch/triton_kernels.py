@@ -36,87 +36,53 @@ ELEMENTWISE_BLOCK = 1024
 """Elements per program of the element-wise kernels."""
 
 SINKHORN_BLOCKS = {"rows": (16, 256), "cols": (64, 64)}
-"""``(BLOCK_R, BLOCK_C)`` tiles of the per-row and per-column Sinkhorn reductions."""
+"""``(BLOCK_R, BLOCK_C)`` tiles (rows, columns of ``G``) of the per-row and per-column
+Sinkhorn reductions (:func:`_sinkhorn_half`)."""
 
 
 # --- kernel bodies (wrapped by _kernel) -------------------------------------------------
 
 
-def _sinkhorn_rows(g_ptr, r_ptr, c_ptr, m_ptr, eps_ptr, eps_stride, hp_ptr, R, C,
-                   s_gb, s_gr, s_gc, IS_F32: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_C: tl.constexpr):  # pragma: no cover - Triton
-    """Per row ``i`` of matrix ``b``: ``q = sqrt(Σ_j (G_ij/m)²·c_j²)``, then ``r_i``'s update.
+def _sinkhorn_half(g_ptr, u_ptr, w_ptr, m_ptr, eps_ptr, eps_stride, t_ptr, N_OUT, N_RED,
+                   s_gb, s_go, s_gr, IS_F32: tl.constexpr, BLOCK_O: tl.constexpr,
+                   BLOCK_R: tl.constexpr):  # pragma: no cover - Triton
+    """One Sinkhorn half-iteration for a block of output entries ``o`` of matrix ``b``.
 
-    ``r ← where(q > 0, r·t_in / (r·q + ε_b), r)`` with ``ε_b = eps_ptr[b·eps_stride]``:
-    ``ε/m`` in the first half-iteration, ``ε`` (stride 0) after it; ``hp[0] = t_in``.
+    ``q_o = sqrt(Σ_k (G_ok/m)²·w_k²)`` over the reduced axis (tiles of ``G`` squared on
+    chip), then ``u_o ← where(q > 0, u·t / (u·q + ε_b), u)`` with ``t = t_ptr[0]`` and
+    ``ε_b = eps_ptr[b·eps_stride]``.  The rows half (``u = r``, ``w = c``, reducing over
+    the fan-in columns) and the columns half (``u = c``, ``w = r``) are this kernel with
+    the sizes and strides of the two axes swapped (:func:`sinkhorn_iterations`).
     """
     b = tl.program_id(0)
-    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < R
+    outs = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    out_ok = outs < N_OUT
     m = tl.load(m_ptr + b)
-    acc = tl.full((BLOCK_R,), 0.0, g_ptr.dtype.element_ty)
-    for j0 in range(0, C, BLOCK_C):
-        cols = j0 + tl.arange(0, BLOCK_C)
-        col_ok = cols < C
-        g = tl.load(g_ptr + b * s_gb + rows[:, None] * s_gr + cols[None, :] * s_gc,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+    acc = tl.full((BLOCK_O,), 0.0, g_ptr.dtype.element_ty)
+    for k0 in range(0, N_RED, BLOCK_R):
+        reds = k0 + tl.arange(0, BLOCK_R)
+        red_ok = reds < N_RED
+        g = tl.load(g_ptr + b * s_gb + outs[:, None] * s_go + reds[None, :] * s_gr,
+                    mask=out_ok[:, None] & red_ok[None, :], other=0.0)
         if IS_F32:
             x = tl.div_rn(g, m)  # exact: m is a power of two
         else:
             x = g / m
-        c = tl.load(c_ptr + b * C + cols, mask=col_ok, other=0.0)
-        acc += tl.reduce((x * x) * (c * c)[None, :], 1, tl.standard._sum_combine)
+        w = tl.load(w_ptr + b * N_RED + reds, mask=red_ok, other=0.0)
+        acc += tl.reduce((x * x) * (w * w)[None, :], 1, tl.standard._sum_combine)
     if IS_F32:
         q = tl.sqrt_rn(acc)
     else:
         q = tl.sqrt(acc)
-    r = tl.load(r_ptr + b * R + rows, mask=row_ok, other=1.0)
+    u = tl.load(u_ptr + b * N_OUT + outs, mask=out_ok, other=1.0)
     eps = tl.load(eps_ptr + b * eps_stride)
-    t_in = tl.load(hp_ptr)
-    den = tl.where(q > 0, r * q + eps, 1.0)  # the kept entries divide by nothing
+    t = tl.load(t_ptr)
+    den = tl.where(q > 0, u * q + eps, 1.0)  # the kept entries divide by nothing
     if IS_F32:
-        new = tl.div_rn(r * t_in, den)
+        new = tl.div_rn(u * t, den)
     else:
-        new = (r * t_in) / den
-    tl.store(r_ptr + b * R + rows, tl.where(q > 0, new, r), mask=row_ok)
-
-
-def _sinkhorn_cols(g_ptr, r_ptr, c_ptr, m_ptr, hp_ptr, R, C, s_gb, s_gr, s_gc,
-                   IS_F32: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_C: tl.constexpr):  # pragma: no cover - Triton
-    """Per column ``j`` of matrix ``b``: ``q = sqrt(Σ_i (G_ij/m)²·r_i²)``, then ``c_j``'s update.
-
-    ``c ← where(q > 0, c·t_out / (c·q + ε), c)``; ``hp[1:3] = (t_out, ε)``.
-    """
-    b = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    m = tl.load(m_ptr + b)
-    acc = tl.full((BLOCK_C,), 0.0, g_ptr.dtype.element_ty)
-    for i0 in range(0, R, BLOCK_R):
-        rows = i0 + tl.arange(0, BLOCK_R)
-        row_ok = rows < R
-        g = tl.load(g_ptr + b * s_gb + rows[:, None] * s_gr + cols[None, :] * s_gc,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-        if IS_F32:
-            x = tl.div_rn(g, m)
-        else:
-            x = g / m
-        r = tl.load(r_ptr + b * R + rows, mask=row_ok, other=0.0)
-        acc += tl.reduce((x * x) * (r * r)[:, None], 0, tl.standard._sum_combine)
-    if IS_F32:
-        q = tl.sqrt_rn(acc)
-    else:
-        q = tl.sqrt(acc)
-    c = tl.load(c_ptr + b * C + cols, mask=col_ok, other=1.0)
-    t_out = tl.load(hp_ptr + 1)
-    eps = tl.load(hp_ptr + 2)
-    den = tl.where(q > 0, c * q + eps, 1.0)  # the kept entries divide by nothing
-    if IS_F32:
-        new = tl.div_rn(c * t_out, den)
-    else:
-        new = (c * t_out) / den
-    tl.store(c_ptr + b * C + cols, tl.where(q > 0, new, c), mask=col_ok)
+        new = (u * t) / den
+    tl.store(u_ptr + b * N_OUT + outs, tl.where(q > 0, new, u), mask=out_ok)
 
 
 def _sinkgd_update(p_ptr, g_ptr, r_ptr, c_ptr, half_ptr, mh_ptr, hp_ptr, lr_ptr, N, R, C,
@@ -210,8 +176,7 @@ def _lion_update(p_ptr, g_ptr, m_ptr, hp_ptr, lr_ptr, N,
     tl.store(p_ptr + idx, p - lr * (u + wd * p), mask=ok)
 
 
-_LOOP_BOUNDS: dict[str, tuple[str, ...]] = {"_sinkhorn_rows": ("R", "C"),
-                                             "_sinkhorn_cols": ("R", "C")}
+_LOOP_BOUNDS: dict[str, tuple[str, ...]] = {"_sinkhorn_half": ("N_OUT", "N_RED")}
 """Integer arguments a kernel loops up to: compile-time values under the interpreter only."""
 
 
@@ -267,13 +232,16 @@ def sinkhorn_iterations(g: Tensor, c: Tensor, r: Tensor, m: Tensor, eps_first: T
     is_f32 = g.dtype == torch.float32
     br, bc = SINKHORN_BLOCKS["rows"]
     cr, cc = SINKHORN_BLOCKS["cols"]
-    strides = g.stride()
+    s_b, s_r, s_c = g.stride()
+    t_in, t_out, eps = hp[0:], hp[1:], hp[2:]
     for it in range(int(num_iters)):
-        eps, eps_stride = (eps_first, 1) if it == 0 else (hp[2:], 0)
-        _launch(_sinkhorn_rows, g.device, (bsz, _cdiv(rows, br)), g, r, c, m, eps, eps_stride,
-                hp, rows, cols, *strides, IS_F32=is_f32, BLOCK_R=br, BLOCK_C=bc)
-        _launch(_sinkhorn_cols, g.device, (bsz, _cdiv(cols, cc)), g, r, c, m, hp, rows, cols,
-                *strides, IS_F32=is_f32, BLOCK_R=cr, BLOCK_C=cc)
+        # r over the rows, reducing over the columns (weights c), then c over the columns
+        eps_r, eps_stride = (eps_first, 1) if it == 0 else (eps, 0)
+        _launch(_sinkhorn_half, g.device, (bsz, _cdiv(rows, br)), g, r, c, m, eps_r,
+                eps_stride, t_in, rows, cols, s_b, s_r, s_c, IS_F32=is_f32, BLOCK_O=br,
+                BLOCK_R=bc)
+        _launch(_sinkhorn_half, g.device, (bsz, _cdiv(cols, cc)), g, c, r, m, eps, 0, t_out,
+                cols, rows, s_b, s_c, s_r, IS_F32=is_f32, BLOCK_O=cc, BLOCK_R=cr)
 
 
 def sinkgd_update(p: Tensor, g: Tensor, c: Tensor, r: Tensor, half: Tensor, m_half: Tensor,
