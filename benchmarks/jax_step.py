@@ -34,9 +34,11 @@ the largest single parameter.
     python benchmarks/jax_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid lion]
                                   [--breakdown]
 
-``--kernel auto|pallas|jnp`` chooses how SinkGD computes its scales (``auto``: the Pallas
-kernel on a GPU, jnp on the CPU); ``--compare-kernels sage-hybrid sinkgd-pure`` times the
-named configurations twice, as ``"<name> [pallas]"`` and ``"<name> [jnp]"``.
+``--kernel auto|pallas|jnp`` chooses how SinkGD computes its scales (``auto``: jnp, until
+``scripts/gpu-check`` has validated the Pallas kernel on this GPU:
+``sage_optim.kernels.VALIDATED_ON``); ``--compare-kernels sage-hybrid sinkgd-pure`` times
+the named configurations twice, as ``"<name> [pallas]"`` and ``"<name> [jnp]"``: the
+figures that decide whether ``auto`` takes the kernel.
 
 ``--breakdown`` then times ``sage-hybrid`` on each parameter kind alone (embedding, dense,
 vector) against ``optax.adamw`` on the same leaves, to show where its time goes.
@@ -293,8 +295,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="one leaf per layer, or layers stacked on a leading axis as an "
                     "nnx.scan model holds them (default per-layer)")
     ap.add_argument("--kernel", choices=sage_optax.sinkhorn.KERNELS, default="auto",
-                    help="SinkGD's scale computation (auto: the Pallas kernel on a GPU, jnp "
-                    "on the CPU)")
+                    help="SinkGD's scale computation (auto: the Pallas kernel only on a GPU "
+                    "where scripts/gpu-check validated it, else jnp)")
     ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations with both SinkGD kernels, pallas and jnp")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")

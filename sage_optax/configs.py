@@ -108,9 +108,10 @@ def make_optimizer(
           recommended for models with ``nnx.Conv``, ``nnx.LinearGeneral``,
           ``nnx.MultiHeadAttention`` or ``nnx.Einsum``);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
-        * ``kernel=``: how SinkGD computes its scales, ``"auto"`` (default: the Pallas
-          kernel on a GPU, jnp elsewhere), ``"pallas"`` or ``"jnp"``
-          (:func:`~sage_optax.scale_by_sinkhorn`);
+        * ``kernel=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
+          ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
+          kernel, on CUDA arrays; opt-in) or ``"jnp"`` (:func:`~sage_optax.scale_by_sinkhorn`;
+          ``SAGE_KERNELS=off`` in the environment turns the kernel off);
         * ``skip_nonfinite=N``: a non-negative integer; wrap in
           ``optax.apply_if_finite(tx, max_consecutive_errors=N)`` so a step with a NaN/Inf
           gradient is skipped (zero update, state untouched), at most ``N`` in a row: the

@@ -27,9 +27,13 @@ Dividing by a power of two is exact, so for gradients whose squares are in range
 result is bit-for-bit that of the plain computation: the rescaling changes no number, it
 only keeps every finite gradient finite.  An all-zero matrix stays zero.
 
-On a GPU, :func:`scale_by_sinkhorn` computes the scales with the Pallas kernel of
-:mod:`sage_optax.sinkhorn_pallas` instead (``kernel="auto"``): the same iteration without
-forming ``K``; this module stays the reference and the CPU path.
+With ``kernel="pallas"``, :func:`scale_by_sinkhorn` computes the scales of arrays on a CUDA
+GPU with the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` instead: the same iteration
+without forming ``K``.  The choice follows where the arrays are, not JAX's default backend
+(:mod:`sage_optax.placement`): one jitted update runs the kernel on CUDA arrays and this
+module on CPU arrays.  ``kernel="auto"`` (the default) takes the kernel only on a GPU where
+``scripts/gpu-check`` has shown it correct and faster (:mod:`sage_optim.kernels`; on none
+yet), and ``SAGE_KERNELS=off`` turns it off everywhere.  This module stays the reference.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ import jax.numpy as jnp
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import validation
-from sage_optim import hyperparams
+from sage_optax import placement, validation
+from sage_optim import hyperparams, kernels
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["sinkgd"]
@@ -51,9 +55,9 @@ _DEFAULTS = RULE_DEFAULTS["sinkgd"]
 GROUPINGS: tuple[str, ...] = ("auto", "leaf", "stack")
 """How :func:`scale_by_sinkhorn` runs the matrices of a tree: ``"leaf"`` one computation
 per leaf, ``"stack"`` one batched computation per group of leaves sharing a shape, dtype and
-axes (stacked in chunks of at most ``group_bytes``), ``"auto"`` stacking on an accelerator
-(where each matrix's ~25 small kernels cost more in launches than in bytes) and one leaf at
-a time on the CPU."""
+axes (stacked in chunks of at most ``group_bytes``), ``"auto"`` stacking for arrays on an
+accelerator (where each matrix's ~25 small kernels cost more in launches than in bytes) and
+one leaf at a time for arrays on the CPU (decided by placement, as the kernel)."""
 
 GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
 """Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
@@ -62,10 +66,12 @@ with :mod:`sage_torch`: :data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`)."""
 KERNELS: tuple[str, ...] = ("auto", "pallas", "jnp")
 """Which code computes the scales in :func:`scale_by_sinkhorn`: ``"jnp"`` this module (the
 reference), ``"pallas"`` the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` (compiled
-with Triton on a GPU, run by Pallas's interpreter on any other backend), ``"auto"`` the
-kernel on a single GPU and this module elsewhere (:func:`use_kernel`).  Leaves the
-kernel does not support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other
-layouts, zero-size, explicit sharding) use this module whatever the choice."""
+with Triton for arrays on a CUDA GPU, run by Pallas's interpreter for arrays elsewhere),
+``"auto"`` the kernel on a single GPU where ``scripts/gpu-check`` has validated it and this
+module everywhere else (:func:`use_kernel`; today: everywhere).  Leaves the kernel does not
+support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, zero-size,
+explicit sharding) use this module whatever the choice; ``SAGE_KERNELS=off`` in the
+environment makes every choice this module."""
 _KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
 
 
@@ -301,17 +307,90 @@ def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
     return batches
 
 
-def use_kernel(kernel: str, backend: str, device_count: int) -> bool:
-    """Whether ``kernel`` (:data:`KERNELS`) runs the Pallas kernel on this backend.
+def use_kernel(kernel: str, platform: str, device_count: int,
+               device_kind: str | None = None) -> bool:
+    """Whether ``kernel`` (:data:`KERNELS`) runs the Pallas kernel for arrays on ``platform``.
 
-    ``"auto"`` does on a single GPU only: a Pallas call is one device's computation, so
-    under sharding over several devices (FSDP) XLA would gather a sharded gradient to run
-    it, and the jnp path partitions instead.  ``kernel="pallas"`` forces the kernel (where
-    the gradients are replicated, say).
+    ``platform`` is where the computation runs (``"cuda"``, ``"cpu"``, ...; ``"gpu"`` is
+    taken as CUDA), ``device_count`` the number of that platform's devices and
+    ``device_kind`` their name.  ``kernel="pallas"`` runs the kernel (compiled on CUDA, in
+    Pallas's interpreter elsewhere).  ``"auto"`` takes it on a single CUDA device of a kind
+    on which ``scripts/gpu-check`` has shown it correct and faster
+    (:func:`sage_optim.kernels.validated`; none yet, so ``auto`` is the jnp path
+    everywhere today), never on several devices: a Pallas call is one device's
+    computation, so under sharding (FSDP) XLA would gather a sharded gradient to run it,
+    and the jnp path partitions instead.  ``SAGE_KERNELS=off`` turns both off.
     """
+    if kernel == "jnp" or not kernels.kernels_enabled():
+        return False
     if kernel == "auto":
-        return backend == "gpu" and device_count == 1
+        return (platform in ("cuda", "gpu") and device_count == 1
+                and kernels.validated("sinkgd-pallas", device_kind))
     return kernel == "pallas"
+
+
+def resolved_kernel(kernel: str, platform: str, device_count: int,
+                    device_kind: str | None = None) -> str:
+    """``"pallas"`` or ``"jnp"``: what ``kernel`` computes SinkGD's scales with there.
+
+    For a record of a run (``sage-train`` writes it into ``config.json``); the update itself
+    decides per compiled program, by where its arrays are (:mod:`sage_optax.placement`).
+    Arguments as :func:`use_kernel`.
+    """
+    validation.check_choice("kernel", kernel, KERNELS)
+    return "pallas" if use_kernel(kernel, platform, device_count, device_kind) else "jnp"
+
+
+def _sinkhorn_all(
+    matrices: list[tuple[int, Any, axes_lib.ResolvedAxes]],
+    on_kernel: bool,
+    interpret: bool,
+    stack: bool,
+    group_bytes: int,
+    num_iters: Any,
+    eps: Any,
+    normalization: str,
+    gs: list[jax.Array],
+) -> list[jax.Array]:
+    """``X`` of every matrix ``gs[k]`` (axes ``matrices[k][2]``), in the order of ``gs``.
+
+    ``on_kernel``: the Pallas kernel computes the scales of the leaves it supports
+    (compiled, or in Pallas's interpreter with ``interpret``); ``stack``: same-shape
+    matrices are stacked in groups of at most ``group_bytes``.
+    """
+    pallas: Any = None
+    if on_kernel:
+        from sage_optax import sinkhorn_pallas as pallas  # imports Pallas only when used
+    items = [(k, g, res) for k, ((_, _, res), g) in enumerate(zip(matrices, gs, strict=True))]
+    by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in items]
+    on_kernel_items = [m for m, k in zip(items, by_kernel, strict=True) if k]
+    on_jnp = [m for m, k in zip(items, by_kernel, strict=True) if not k]
+    kernel_bytes = min(group_bytes, pallas.KERNEL_GROUP_BYTES) if on_kernel_items else 0
+    batches = [(b, True) for b in _batches(on_kernel_items, kernel_bytes if stack else 0)]
+    batches += [(b, False) for b in _batches(on_jnp, group_bytes if stack else 0)]
+    out: list[Any] = [None] * len(gs)
+    after = None
+    for batch, kernel_batch in batches:
+        # Order the batches: this batch's K = G² (the kernel path: its stacked gradients)
+        # is formed only once the previous one's scales are done, so one is alive at a
+        # time (the compiled temporary memory is the largest batch's, not the sum of all).
+        group, resolved = [g for _, g, _ in batch], batch[0][2]
+        if kernel_batch:
+            c, r = pallas.sinkhorn_scales(group, resolved, num_iters, eps, normalization,
+                                          after, interpret=interpret)
+        elif len(batch) == 1:
+            c, r = sinkhorn_scales(group[0], resolved, num_iters, eps, normalization, after)
+        else:
+            c, r = stacked_sinkhorn_scales(group, resolved, num_iters, eps, normalization,
+                                           after)
+        if len(batch) == 1:
+            (k, g, _), = batch
+            out[k] = apply_scales(g, resolved, c, r).astype(g.dtype)
+        else:
+            for j, (k, g, _) in enumerate(batch):
+                out[k] = apply_scales(g, resolved, c[j], r[j]).astype(g.dtype)
+        after = jnp.min(r, initial=jnp.inf)  # defined for (n, 0) too
+    return out
 
 
 def scale_by_sinkhorn(
@@ -340,9 +419,10 @@ def scale_by_sinkhorn(
         the batched computation holds a copy of the group and its ``K``.  The kernel path
         caps it at :data:`~sage_optax.sinkhorn_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's
         ``2L`` passes stay in an H100's L2).
-      kernel: :data:`KERNELS`; ``"auto"`` runs the Pallas kernel on a single GPU and the
-        jnp path elsewhere, several devices included (:func:`use_kernel`).  Both compute
-        the same math (float32 within rounding, not bit for bit).
+      kernel: :data:`KERNELS`; decided by where the arrays are (:func:`use_kernel`):
+        ``"pallas"`` runs the Pallas kernel (compiled on CUDA arrays), ``"auto"`` only on a
+        single GPU where ``scripts/gpu-check`` has validated it (none yet) and the jnp path
+        elsewhere.  Both compute the same math (float32 within rounding, not bit for bit).
       dims: deprecated name of ``axes``.
 
     Returns:
@@ -373,39 +453,31 @@ def scale_by_sinkhorn(
                 resolved = _check_matrix(path, spec, g)
                 if resolved is not None:  # a None spec: pass through
                     matrices.append((i, g, resolved))
-        stack = grouping == "stack" or (grouping == "auto" and jax.default_backend() != "cpu")
-        pallas: Any = None
-        gpu = jax.default_backend() == "gpu"  # else the kernel runs in Pallas's interpreter
-        if use_kernel(kernel, jax.default_backend(), jax.device_count()):
-            from sage_optax import sinkhorn_pallas as pallas  # imports Pallas only when used
-        by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in matrices]
-        on_kernel = [m for m, k in zip(matrices, by_kernel, strict=True) if k]
-        on_jnp = [m for m, k in zip(matrices, by_kernel, strict=True) if not k]
-        kernel_bytes = min(group_bytes, pallas.KERNEL_GROUP_BYTES) if on_kernel else 0
-        batches = [(b, True) for b in _batches(on_kernel, kernel_bytes if stack else 0)]
-        batches += [(b, False) for b in _batches(on_jnp, group_bytes if stack else 0)]
-        after = None
-        for batch, kernel_batch in batches:
-            # Order the batches: this batch's K = G² (the kernel path: its stacked
-            # gradients) is formed only once the previous one's scales are done, so one
-            # is alive at a time (the compiled temporary memory is the largest batch's,
-            # not the sum of all of them).
-            gs, resolved = [g for _, g, _ in batch], batch[0][2]
-            if kernel_batch:
-                c, r = pallas.sinkhorn_scales(gs, resolved, num_iters, eps, normalization,
-                                              after, interpret=not gpu)
-            elif len(batch) == 1:
-                c, r = sinkhorn_scales(gs[0], resolved, num_iters, eps, normalization, after)
-            else:
-                c, r = stacked_sinkhorn_scales(gs, resolved, num_iters, eps, normalization,
-                                               after)
-            if len(batch) == 1:
-                (i, g, _), = batch
-                out[i] = apply_scales(g, resolved, c, r).astype(g.dtype)
-            else:
-                for k, (i, g, _) in enumerate(batch):
-                    out[i] = apply_scales(g, resolved, c[k], r[k]).astype(g.dtype)
-            after = jnp.min(r, initial=jnp.inf)  # defined for (n, 0) too
+        if not matrices:
+            return jax.tree_util.tree_unflatten(treedef, out), state
+        if kernel == "pallas" and not kernels.kernels_enabled():
+            kernels.warn_overridden('kernel="pallas"')
+        stack_off_cpu = grouping != "leaf"  # "auto" stacks on an accelerator
+        # The path follows where the arrays are (sage_optax.placement): the CUDA branch runs
+        # the compiled kernel (kernel="auto": on a single GPU only), the CPU branch the jnp
+        # path (kernel="pallas": the interpreted kernel); under jit only the branch of the
+        # platform the program is compiled for is lowered.
+        branches = {
+            "cpu": functools.partial(
+                _sinkhorn_all, matrices, use_kernel(kernel, "cpu", 1), True,
+                grouping == "stack", group_bytes, num_iters, eps, normalization),
+            "cuda": functools.partial(
+                _sinkhorn_all, matrices,
+                use_kernel(kernel, "cuda", placement.cuda_device_count(),
+                           placement.cuda_device_kind()), False,
+                stack_off_cpu, group_bytes, num_iters, eps, normalization),
+            "other": functools.partial(
+                _sinkhorn_all, matrices, use_kernel(kernel, "other", 1), True,
+                stack_off_cpu, group_bytes, num_iters, eps, normalization),
+        }
+        results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
+        for (i, _, _), x in zip(matrices, results, strict=True):
+            out[i] = x
         return jax.tree_util.tree_unflatten(treedef, out), state
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -442,7 +514,7 @@ def sinkgd(
       axes: per-leaf axes, see :func:`scale_by_sinkhorn`.
       grouping: see :func:`scale_by_sinkhorn`.
       group_bytes: see :func:`scale_by_sinkhorn`.
-      kernel: see :func:`scale_by_sinkhorn` (``"auto"``: the Pallas kernel on a GPU).
+      kernel: see :func:`scale_by_sinkhorn` (``"pallas"``: the Pallas kernel on a GPU).
       dims: deprecated name of ``axes``.
 
     Returns:

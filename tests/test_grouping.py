@@ -89,15 +89,21 @@ def test_stacking_adds_no_copy_of_the_gradients():
     assert temp <= 1.25 * chunk, f"compiled temporary {temp / 2**20:.2f} MiB"
 
 
-def test_auto_is_per_leaf_on_the_cpu():
-    """On the CPU ``auto`` compiles the very per-leaf program (nothing changes there)."""
-    assert jax.default_backend() == "cpu"
-    grads = dense_tree(jnp.float32)
-    texts = {}
+def test_auto_is_per_leaf_on_cpu_arrays():
+    """On CPU arrays ``auto`` is the per-leaf program, on any host (placement decides)."""
+    from sage_optax import placement
+
+    grads = jax.device_put(dense_tree(jnp.float32), jax.devices("cpu")[0])
+    texts, outs = {}, {}
     for grouping in ("auto", "leaf"):
         tx = sage_optax.scale_by_sinkhorn(grouping=grouping)
-        texts[grouping] = jax.jit(tx.update).lower(grads, optax.EmptyState()).as_text()
-    assert texts["auto"] == texts["leaf"]
+        texts[grouping] = jax.jit(tx.update).trace(grads, optax.EmptyState()).lower(
+            lowering_platforms=("cpu",)).as_text()
+        outs[grouping], _ = jax.jit(tx.update)(grads, optax.EmptyState())
+    if placement.cuda_device_count() == 0:  # else the GPU's branch is traced (not lowered)
+        assert texts["auto"] == texts["leaf"]
+    for a, b in zip(jax.tree.leaves(outs["auto"]), jax.tree.leaves(outs["leaf"]), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_grouping_is_validated():

@@ -205,29 +205,47 @@ def test_make_optimizer_with_the_kernel():
             np.max(np.abs(y))), err_msg=jax.tree_util.keystr(path))
 
 
-def test_auto_uses_the_kernel_on_one_gpu_only():
-    """``auto``: the kernel on a single GPU; several devices (sharding) keep the jnp path."""
+def test_auto_uses_the_kernel_on_one_validated_gpu_only(monkeypatch):
+    """``auto``: the kernel on a single GPU where it is validated; jnp on several devices."""
     from sage_optax.sinkhorn import use_kernel
+    from sage_optim import kernels
 
-    assert use_kernel("auto", "gpu", 1)
-    assert not use_kernel("auto", "gpu", 8)
-    assert not use_kernel("auto", "cpu", 1)
-    assert not use_kernel("auto", "tpu", 1)
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert not use_kernel("auto", "cuda", 1, h100)  # validated nowhere yet
+    monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
+                                                  "sinkgd-pallas": ("H100",)})
+    assert use_kernel("auto", "gpu", 1, h100) and use_kernel("auto", "cuda", 1, h100)
+    assert not use_kernel("auto", "cuda", 8, h100)
+    assert not use_kernel("auto", "cpu", 1, h100)
+    assert not use_kernel("auto", "tpu", 1, h100)
     assert use_kernel("pallas", "gpu", 8) and use_kernel("pallas", "cpu", 1)
-    assert not use_kernel("jnp", "gpu", 1)
+    assert not use_kernel("jnp", "gpu", 1, h100)
 
 
-def test_auto_is_jnp_on_the_cpu():
-    """On the CPU ``auto`` compiles the very program of ``kernel="jnp"`` (no Pallas call)."""
-    assert jax.default_backend() == "cpu"
-    grads = _tree()
+def test_auto_is_jnp_on_cpu_arrays():
+    """On CPU arrays ``auto`` runs the jnp path, on any host (placement, not the backend).
+
+    Without a CUDA device in the process the program is the very one of ``kernel="jnp"``
+    (the kernel's branch is not even traced); on a GPU host it is traced but not lowered
+    for the CPU (``tests/test_placement.py``), and the result is the jnp path's, exactly.
+    """
+    from sage_optax import placement
+
+    cpu = jax.devices("cpu")[0]
+    grads = jax.device_put(_tree(), cpu)
     axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": LeafAxes(0, 2), "skip": None}
-    texts = {}
+    texts, outs = {}, {}
     for kernel in ("auto", "jnp", "pallas"):
         tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel)
-        texts[kernel] = jax.jit(tx.update).lower(grads, optax.EmptyState()).as_text()
-    assert texts["auto"] == texts["jnp"]
+        texts[kernel] = jax.jit(tx.update).trace(grads, optax.EmptyState()).lower(
+            lowering_platforms=("cpu",)).as_text()
+        outs[kernel], _ = jax.jit(tx.update)(grads, optax.EmptyState())
+    assert "__gpu$xla.gpu.triton" not in texts["auto"]
+    if placement.cuda_device_count() == 0:
+        assert texts["auto"] == texts["jnp"]
     assert texts["pallas"] != texts["jnp"]
+    for path in grads:
+        np.testing.assert_array_equal(outs["auto"][path], outs["jnp"][path], err_msg=path)
 
 
 def test_kernel_is_validated():
@@ -268,13 +286,13 @@ def test_compiled_kernel_on_the_gpu(dtype):
     }
     axes = {"w": FLAX, "t": TORCH, "z": FLAX}
     out = {}
-    for kernel in ("jnp", "auto"):  # auto = the compiled kernel on a GPU
+    for kernel in ("jnp", "pallas"):  # pallas: compiled on a GPU
         tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel, grouping="stack")
         text = jax.jit(tx.update).lower(grads, optax.EmptyState()).as_text()
-        assert ("__gpu$xla.gpu.triton" in text) == (kernel == "auto")  # the Pallas call
+        assert ("__gpu$xla.gpu.triton" in text) == (kernel == "pallas")  # the Pallas call
         out[kernel], _ = jax.jit(tx.update)(grads, optax.EmptyState())
     for path in grads:
-        a = np.asarray(out["auto"][path], np.float32)
+        a = np.asarray(out["pallas"][path], np.float32)
         b = np.asarray(out["jnp"][path], np.float32)
         # bfloat16 outputs: one rounding of X to 8 bits may differ (2^-8 relative)
         rtol = 1e-5 if dtype == jnp.float32 else 2.0**-7

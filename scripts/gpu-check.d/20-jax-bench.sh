@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The sage_optax update against optax.adamw on the GPU: 270M and 1.3B, float32 and bfloat16,
-# per-layer and stacked (nnx.scan) trees, as long as the budget lasts.  SinkGD runs its Pallas
-# kernel (kernel="auto" on a GPU); on 270M, sage-hybrid and sinkgd-pure are also timed with the
-# jnp path (--compare-kernels), so the report shows what the kernel buys.
+# per-layer and stacked (nnx.scan) trees, as long as the budget lasts.  SinkGD runs what
+# kernel="auto" takes (the jnp path until the Pallas kernel is validated on this GPU:
+# sage_optim.kernels.VALIDATED_ON); on 270M, sage-hybrid and sinkgd-pure are also timed with
+# both, "[pallas]" and "[jnp]" (--compare-kernels): the figures that decide that default.
 set -uo pipefail
 out="$1"
 export JAX_PLATFORMS="cuda"

@@ -1,0 +1,212 @@
+"""Kernel choice by placement: a GPU host with arrays on its CPU devices runs the jnp path.
+
+A GPU host is emulated on this CPU-only machine: ``jax.default_backend()`` reports ``"gpu"``
+and the process has one device (so ``kernel="auto"`` wants the Pallas kernel), while every
+array stays on the CPU.  Before the kernel choice followed placement, every jitted update of
+a configuration with SinkGD raised ``ValueError: Only interpret mode is supported on CPU
+backend`` there.  Now the CUDA branch (the compiled kernel) is traced but only the branch of
+the platform the program is compiled for is lowered, so CPU arrays get the CPU's program
+(equal to the plain CPU result), and the same traced program lowered for CUDA holds the
+Triton kernel.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import sage_optax
+from sage_optax import placement, sinkhorn
+from sage_optax.axes import LeafAxes
+from sage_optim import kernels
+from sage_optim.presets import CONFIG_NAMES
+from tests import helpers
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas call lowered for CUDA
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """``jax.default_backend()`` says ``"gpu"`` and the process has one device."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda backend=None: 1)
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    assert placement.cuda_device_count() == 1
+
+
+@pytest.fixture
+def validated_h100(gpu_host, monkeypatch):
+    """The emulated GPU is an H100 on which the Pallas kernel has been validated."""
+    monkeypatch.setattr(placement, "cuda_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
+                                                  "sinkgd-pallas": ("H100",)})
+
+
+def _params_grads():
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), helpers.mixed_params(rng))
+    grads = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
+                         helpers.mixed_gradient(rng, params, 1))
+    return params, grads
+
+
+def _two_steps(name, params, grads, *, jit=True):
+    tx = sage_optax.make_optimizer(name)
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params)
+    out = []
+    for scale in (1.0, -0.5):
+        g = jax.tree.map(lambda x, s=scale: x * s, grads)
+        u, state = update(g, state, params)
+        params = optax.apply_updates(params, u)
+        out.append(u)
+    return out
+
+
+@pytest.mark.parametrize("validated", [False, True])
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_every_configuration_steps_on_cpu_arrays_of_a_gpu_host(name, validated, monkeypatch):
+    """All eight configurations, jitted, on CPU arrays: the plain CPU result (1e-6 relative).
+
+    Also where ``auto`` would take the kernel on the GPU (``validated``).
+    """
+    params, grads = _params_grads()
+    want = _two_steps(name, params, grads)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "device_count", lambda backend=None: 1)
+    if validated:
+        monkeypatch.setattr(placement, "cuda_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+        monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
+                                                      "sinkgd-pallas": ("H100",)})
+    got = _two_steps(name, params, grads)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+
+
+def test_eager_updates_follow_the_arrays_devices(validated_h100):
+    """Without jit the arrays' own devices decide (no kernel launched on CPU arrays)."""
+    params, grads = _params_grads()
+    got = _two_steps("sinkgd-pure", params, grads, jit=False)
+    want = _two_steps("sinkgd-pure", params, grads)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
+
+
+def _lowered(kernel, platform, grouping="auto"):
+    grads = {"w": jnp.ones((16, 12)), "t": jnp.ones((3, 8, 4))}
+    axes = {"w": LeafAxes(0, 1), "t": LeafAxes(-1, -2)}
+    tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel, grouping=grouping)
+    traced = jax.jit(tx.update).trace(grads, optax.EmptyState())
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_one_traced_program_lowers_the_kernel_for_cuda_only(gpu_host):
+    """The jitted update holds both branches; CUDA gets the Triton kernel, the CPU none."""
+    assert _lowered("pallas", "cuda").count(TRITON_CALL) == 4  # 2 a half-iteration pair, 2 shapes
+    assert TRITON_CALL not in _lowered("pallas", "cpu")  # interpreted there
+    assert TRITON_CALL not in _lowered("jnp", "cuda")
+
+
+def test_auto_takes_the_kernel_only_where_validated(gpu_host, monkeypatch):
+    """``auto`` is the jnp path until scripts/gpu-check has validated the kernel on that GPU."""
+    assert kernels.VALIDATED_ON["sinkgd-pallas"] == ()  # no GPU has run it yet
+    assert TRITON_CALL not in _lowered("auto", "cuda")
+    monkeypatch.setattr(placement, "cuda_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
+                                                  "sinkgd-pallas": ("H200",)})
+    assert TRITON_CALL not in _lowered("auto", "cuda")  # validated on another GPU only
+    monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
+                                                  "sinkgd-pallas": ("H100",)})
+    assert _lowered("auto", "cuda").count(TRITON_CALL) == 4
+    assert TRITON_CALL not in _lowered("auto", "cpu")
+
+
+def test_auto_keeps_the_jnp_path_on_several_gpus(validated_h100, monkeypatch):
+    """Sharded over several GPUs the Pallas call would gather the gradient: jnp there."""
+    monkeypatch.setattr(jax, "device_count", lambda backend=None: 8)
+    assert TRITON_CALL not in _lowered("auto", "cuda")
+    assert _lowered("pallas", "cuda").count(TRITON_CALL) == 4  # forced
+
+
+def test_environment_switch_turns_every_kernel_off(validated_h100, monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "off")
+    assert TRITON_CALL not in _lowered("auto", "cuda")
+    kernels._warned.clear()
+    with pytest.warns(RuntimeWarning, match='SAGE_KERNELS=off: kernel="pallas" is ignored'):
+        assert TRITON_CALL not in _lowered("pallas", "cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        _lowered("pallas", "cuda")
+    monkeypatch.setenv(kernels.ENV_VAR, " AUTO ")
+    assert _lowered("auto", "cuda").count(TRITON_CALL) == 4
+
+
+def test_environment_switch_gives_the_jnp_numbers(monkeypatch):
+    """``kernel="pallas"`` (interpreted on the CPU) with the switch off: the jnp path, exactly."""
+    rng = np.random.default_rng(5)
+    g = {"w": jnp.asarray(rng.standard_normal((20, 12)), jnp.float32)}
+    want, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="jnp").update)(g, optax.EmptyState())
+    kernel, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="pallas").update)(
+        g, optax.EmptyState())
+    assert not np.array_equal(kernel["w"], want["w"])  # another summation order
+    monkeypatch.setenv(kernels.ENV_VAR, "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="pallas").update)(
+            g, optax.EmptyState())
+    np.testing.assert_array_equal(got["w"], want["w"])
+
+
+def test_environment_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "of")
+    with pytest.raises(ValueError, match=r"environment variable SAGE_KERNELS must be one of "
+                       r"\('auto', 'off'\) \(or unset\), got 'of'"):
+        kernels.kernels_enabled()
+    monkeypatch.setenv(kernels.ENV_VAR, "")
+    assert kernels.kernels_enabled()
+
+
+def test_resolved_kernel(monkeypatch):
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert sinkhorn.resolved_kernel("auto", "cuda", 1, h100) == "jnp"  # not validated yet
+    assert sinkhorn.resolved_kernel("pallas", "cuda", 1, h100) == "pallas"
+    monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
+                                                  "sinkgd-pallas": ("H100",)})
+    assert sinkhorn.resolved_kernel("auto", "cuda", 1, h100) == "pallas"
+    assert sinkhorn.resolved_kernel("auto", "cuda", 1, None) == "jnp"
+    assert sinkhorn.resolved_kernel("auto", "cuda", 2, h100) == "jnp"
+    assert sinkhorn.resolved_kernel("auto", "cpu", 1, h100) == "jnp"
+    assert sinkhorn.resolved_kernel("pallas", "cpu", 8) == "pallas"
+    assert sinkhorn.resolved_kernel("jnp", "cuda", 1, h100) == "jnp"
+    monkeypatch.setenv(kernels.ENV_VAR, "off")
+    assert sinkhorn.resolved_kernel("pallas", "cuda", 1, h100) == "jnp"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        sinkhorn.resolved_kernel("triton", "cuda", 1)
+    with pytest.raises(ValueError, match="unknown GPU path 'pallas'"):
+        kernels.validated("pallas", h100)
+
+
+def test_concrete_platform():
+    x = jnp.ones(3)
+    assert placement.concrete_platform((x, np.ones(2), 1.0)) == "cpu"
+    assert placement.concrete_platform(()) == "cpu"  # the default device's
+    seen = []
+    jax.jit(lambda y: seen.append(placement.concrete_platform((y,))) or y)(x)
+    assert seen == [None]  # traced: decided at lowering
+
+
+def test_by_platform_without_cuda_calls_the_cpu_branch_directly():
+    """On a machine without CUDA the CUDA branch is not even traced."""
+    calls = []
+
+    def cuda(x):
+        calls.append("cuda")
+        return x
+
+    jax.jit(lambda x: placement.by_platform((x,), cpu=lambda y: y + 1, cuda=cuda))(jnp.ones(2))
+    assert calls == []
