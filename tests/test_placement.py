@@ -47,12 +47,16 @@ def validated_h100(gpu_host, monkeypatch):
                                                   "sinkgd-pallas": ("H100",)})
 
 
+def _on_cpu(tree):
+    """``tree`` as float32 arrays on a CPU device (also on a real GPU host: gpu-check)."""
+    return jax.device_put(jax.tree.map(lambda x: np.asarray(x, np.float32), tree),
+                          jax.devices("cpu")[0])
+
+
 def _params_grads():
     rng = np.random.default_rng(3)
-    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), helpers.mixed_params(rng))
-    grads = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32),
-                         helpers.mixed_gradient(rng, params, 1))
-    return params, grads
+    params = helpers.mixed_params(rng)
+    return _on_cpu(params), _on_cpu(helpers.mixed_gradient(rng, params, 1))
 
 
 def _two_steps(name, params, grads, *, jit=True):
@@ -149,7 +153,7 @@ def test_environment_switch_turns_every_kernel_off(validated_h100, monkeypatch):
 def test_environment_switch_gives_the_jnp_numbers(monkeypatch):
     """``kernel="pallas"`` (interpreted on the CPU) with the switch off: the jnp path, exactly."""
     rng = np.random.default_rng(5)
-    g = {"w": jnp.asarray(rng.standard_normal((20, 12)), jnp.float32)}
+    g = _on_cpu({"w": rng.standard_normal((20, 12))})
     want, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="jnp").update)(g, optax.EmptyState())
     kernel, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="pallas").update)(
         g, optax.EmptyState())
