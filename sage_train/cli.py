@@ -9,11 +9,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from sage_optax.sinkhorn import KERNELS
 from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
 from sage_train.errors import CheckpointError, UserError
-from sage_train.model import REMAT_POLICIES
+from sage_train.model import ATTENTIONS, REMAT_POLICIES
 from sage_train.sharding import MODES
 from sage_train.train import (
     DTYPES,
@@ -145,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "all at once (default: auto, unchunked while a batch's logits take at most "
                    "1 GiB, else chunks of at most 0.5 GiB of logits: 1024 tokens of a "
                    "128,256-token vocabulary)")
+    p.add_argument("--attention", default=d.attention, choices=ATTENTIONS,
+                   help="the attention's implementation: cudnn (cuDNN's fused flash attention: "
+                   "no T x T scores in memory; a CUDA GPU, bfloat16/float16, head dim a "
+                   "multiple of 8 up to 128; refused elsewhere), xla (XLA's, float32 scores "
+                   "materialised), auto (cudnn where it can run and scripts/gpu-check has "
+                   "validated it on this GPU, else xla: xla everywhere today); the choice is "
+                   "printed at the start and recorded in config.json and metrics.jsonl")
+    p.add_argument("--sinkgd-kernel", default=d.sinkgd_kernel, choices=KERNELS,
+                   help="how SinkGD computes its scales (configurations with SinkGD): pallas "
+                   "(the Pallas kernel; interpreted off a GPU), jnp, auto (pallas on a single "
+                   "GPU where scripts/gpu-check has validated it, else jnp: jnp everywhere "
+                   "today); SAGE_KERNELS=off in the environment forces jnp (and xla "
+                   "attention); recorded like --attention")
     p.add_argument("--deterministic", action="store_true",
                    help="reproducible GPU runs (XLA's --xla_gpu_deterministic_ops=true; set "
                    "before JAX starts; costs some GPU speed)")
@@ -192,6 +206,7 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             progress=not args.no_progress, dtype=args.dtype, param_dtype=args.param_dtype,
             layers=args.layers, remat=args.remat, deterministic=args.deterministic,
             peak_tflops=args.peak_tflops, loss_chunk=args.loss_chunk,
+            attention=args.attention, sinkgd_kernel=args.sinkgd_kernel,
         )
         for name in args.optimizer
     ]
@@ -219,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from sage_train.train import check_config, enable_determinism, save_loss_curve, train
+    from sage_train.train import (
+        check_config,
+        enable_determinism,
+        implementations,
+        save_loss_curve,
+        train,
+    )
 
     cfgs = configs(args)
     for cfg in cfgs:
@@ -230,6 +251,8 @@ def _main(args: argparse.Namespace) -> int:
 
     if args.distributed:
         jax.distributed.initialize()
+    for cfg in cfgs:
+        implementations(cfg)  # --attention cudnn where it cannot run: refused before any run
     results = []
     for cfg in cfgs:
         print(f"training {cfg.model} with {cfg.optimizer}: {dataclasses.asdict(cfg)}",

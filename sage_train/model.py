@@ -18,6 +18,16 @@ between the two; :mod:`sage_train.hf_convert` accepts either.  ``remat`` recompu
 layer's activations in the backward pass (``"dots"``: all but the unbatched matmuls,
 ``"full"``: everything), trading compute for memory.
 
+Attention (:func:`causal_attention`) is :func:`jax.nn.dot_product_attention` with one of two
+implementations: ``"xla"``, XLA's, which materialises the float32 ``T x T`` scores of every
+head, and ``"cudnn"``, cuDNN's fused (flash) attention, which never forms them but runs only on
+a CUDA GPU in bfloat16/float16 with a head dim that is a multiple of 8 (at most 128 here).
+``attention="cudnn"`` opts in to cuDNN's; ``attention="auto"`` (the default) takes it only
+where the computation runs on a CUDA device, cuDNN can run it and ``scripts/gpu-check`` has
+shown it correct and faster on that GPU (:mod:`sage_optim.kernels`; on none yet), XLA's
+elsewhere; the choice is made per compiled program, by where the arrays are
+(:mod:`sage_optax.placement`), and the rule lives in :func:`attention_choice`.
+
 The loss (:func:`loss_fn`) can be computed over chunks of tokens (``loss_chunk``): the
 vocabulary projection, log-softmax and cross-entropy of one chunk at a time in a
 ``jax.lax.scan`` that also forms the chunk's gradients, so that only one chunk's float32
@@ -38,6 +48,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sage_optax import placement
+from sage_optim import kernels
 from sage_optim.models import LlamaConfig
 
 INIT_STD = 0.02
@@ -88,12 +100,185 @@ def _rms_norm(d: int, eps: float, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) 
     return nnx.RMSNorm(d, epsilon=eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
+ATTENTIONS: tuple[str, ...] = ("auto", "cudnn", "xla")
+"""``attention`` choices: ``auto`` (cuDNN's fused attention where it can run and has been
+validated on the GPU, else XLA's), ``cudnn`` (cuDNN's, refused where it cannot run) and
+``xla`` (XLA's, everywhere).  ``SAGE_KERNELS=off`` makes every choice XLA's."""
+
+CUDNN_DTYPES: tuple[str, ...] = ("bfloat16", "float16")
+"""Computation dtypes of cuDNN's flash attention (it has no float32 flash kernel)."""
+
+CUDNN_MAX_HEAD_DIM = 128
+"""Largest head dim taken for cuDNN's flash attention: every GPU's limit (Hopper and later
+allow 256, which this rule does not rely on)."""
+
+
+def cudnn_present() -> bool:
+    """Whether this JAX can trace cuDNN's fused attention (``False``: no cuDNN detected).
+
+    Asks :func:`jax.nn.dot_product_attention` itself, on abstract bfloat16 inputs (nothing is
+    computed or compiled): a JAX without cuDNN (every CPU-only jaxlib) raises there.
+    """
+    x = jax.ShapeDtypeStruct((1, 8, 1, 8), jnp.bfloat16)
+    try:
+        jax.eval_shape(functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                         implementation="cudnn"), x, x, x)
+    except RuntimeError:
+        return False
+    return True
+
+
+def cudnn_problem(platform: str, dtype: Any, head_dim: int, *,
+                  cudnn: bool = True) -> str | None:
+    """Why cuDNN's fused attention cannot run there, or ``None`` where it can.
+
+    Args:
+      platform: where the computation runs (``"cuda"``, ``"cpu"``...; ``"gpu"`` is taken as
+        CUDA), as :mod:`sage_optax.placement` names it.
+      dtype: the dtype of the queries, keys and values (the computation dtype).
+      head_dim: the size of each attention head.
+      cudnn: whether this JAX has cuDNN (:func:`cudnn_present`).
+
+    Returns:
+      One clause naming the first condition that fails: a CUDA platform, cuDNN, a dtype of
+      :data:`CUDNN_DTYPES`, a head dim that is a multiple of 8 and at most
+      :data:`CUDNN_MAX_HEAD_DIM`; ``None`` when all hold.
+    """
+    if platform not in ("cuda", "gpu"):
+        return f"cuDNN attention needs a CUDA GPU, and the computation runs on {platform}"
+    if not cudnn:
+        return "this JAX has no cuDNN (jax.nn.dot_product_attention does not detect it)"
+    name = jnp.dtype(dtype).name
+    if name not in CUDNN_DTYPES:
+        return f"cuDNN flash attention needs bfloat16 or float16, and the attention is {name}"
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return (f"cuDNN flash attention needs a head dim that is a multiple of 8 and at most "
+                f"{CUDNN_MAX_HEAD_DIM}, and the model's is {head_dim}")
+    return None
+
+
+def cudnn_supported(platform: str, dtype: Any, head_dim: int, *, cudnn: bool = True) -> bool:
+    """Whether cuDNN's fused attention can run there (:func:`cudnn_problem` finds nothing)."""
+    return cudnn_problem(platform, dtype, head_dim, cudnn=cudnn) is None
+
+
+def attention_choice(requested: str, platform: str, dtype: Any, head_dim: int, *,
+                     cudnn: bool = True, device_kind: str | None = None) -> tuple[str, str]:
+    """The implementation ``requested`` (:data:`ATTENTIONS`) computes with there, and why.
+
+    The one rule of the choice: ``"auto"`` takes ``"cudnn"`` where :func:`cudnn_supported`
+    (a CUDA platform, cuDNN present, bfloat16/float16, a head dim that is a multiple of 8
+    and at most 128) *and* ``scripts/gpu-check`` has shown it correct and faster on that GPU
+    (``device_kind``, :func:`sage_optim.kernels.validated`; on none yet), ``"xla"``
+    elsewhere; ``"xla"`` is XLA's everywhere; ``"cudnn"`` is cuDNN's (the opt-in), and
+    refused where it cannot run.  Other arguments as :func:`cudnn_problem`.
+
+    Returns:
+      ``(implementation, reason)``: ``"cudnn"`` or ``"xla"``, and ``"auto: ..."`` or
+      ``"requested: ..."`` saying why, e.g. ``("cudnn", "auto: cuDNN flash attention,
+      bfloat16, head dim 64, cuda")``.
+
+    Raises:
+      ValueError: ``requested`` is not one of :data:`ATTENTIONS`, or is ``"cudnn"`` where
+        cuDNN's attention cannot run (the message names the reason).
+    """
+    if requested not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {requested!r}")
+    if requested == "xla":
+        return "xla", "requested: XLA's attention, float32 T x T scores materialised"
+    if not kernels.kernels_enabled():
+        if requested == "cudnn":
+            kernels.warn_overridden("attention='cudnn'")
+        return "xla", f"{requested}: {kernels.ENV_VAR}=off"
+    problem = cudnn_problem(platform, dtype, head_dim, cudnn=cudnn)
+    if problem is None and (requested == "cudnn"
+                            or kernels.validated("cudnn-attention", device_kind)):
+        return "cudnn", (f"{requested}: cuDNN flash attention, {jnp.dtype(dtype).name}, "
+                         f"head dim {head_dim}, {platform}")
+    if requested == "cudnn":
+        raise ValueError(f"attention='cudnn' cannot run here: {problem}")
+    if problem is None:
+        return "xla", (f"auto: cuDNN attention is not yet validated on {device_kind or 'this GPU'}"
+                       " by scripts/gpu-check (opt in with attention='cudnn')")
+    return "xla", f"auto: {problem}"
+
+
+def attention_implementation(requested: str, platform: str, dtype: Any, head_dim: int, *,
+                             cudnn: bool = True, device_kind: str | None = None) -> str:
+    """``"cudnn"`` or ``"xla"``: what ``requested`` computes with there.
+
+    The first item of :func:`attention_choice` (same arguments, same errors).
+    """
+    return attention_choice(requested, platform, dtype, head_dim, cudnn=cudnn,
+                            device_kind=device_kind)[0]
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """XLA's causal attention (``implementation="xla"``: the float32 scores materialised)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                        implementation="xla")
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """The fused causal attention of cuDNN (``implementation="cudnn"``; a CUDA GPU only)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                        implementation="cudnn")
+
+
+def _platform_of(args: Any) -> str:
+    """Where a computation on ``args`` runs.
+
+    Their devices' platform; under a trace, ``"cuda"`` where this process has a CUDA device
+    (the branch the model would compile for it), else the default backend's.
+    """
+    platform = placement.concrete_platform(args)
+    if platform is not None:
+        return platform
+    return "cuda" if placement.cuda_device_count() > 0 else jax.default_backend()
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, attention: str = "auto",
+                     scale: float | None = None) -> jax.Array:
+    """Causal grouped-query attention by the implementation ``attention`` selects.
+
+    ``q`` ``(B, T, H, D)``, ``k``/``v`` ``(B, T, K, D)`` with ``H`` a multiple of ``K`` (query
+    head ``h`` reads kv head ``h // (H // K)``); logits and softmax in float32; ``scale``
+    defaults to ``D ** -0.5``.  ``"auto"`` goes through :func:`sage_optax.placement.by_platform`:
+    XLA's attention for arrays on the CPU (and every platform but CUDA), cuDNN's for arrays
+    on a CUDA device where :func:`attention_choice` takes it; on a machine without a CUDA
+    device only XLA's is traced, so the program is exactly ``"xla"``'s.  ``"cudnn"`` always
+    calls cuDNN's and raises where it cannot run.
+
+    Raises:
+      ValueError: an unknown ``attention``, or ``"cudnn"`` where cuDNN's attention cannot
+        run (no CUDA device, no cuDNN, float32, an unsupported head dim).
+    """
+    head_dim = q.shape[-1]
+    scale = head_dim**-0.5 if scale is None else scale
+    xla = functools.partial(xla_attention, scale=scale)
+    cudnn = functools.partial(cudnn_attention, scale=scale)
+    if attention == "xla":
+        return xla(q, k, v)
+    if attention == "cudnn":
+        impl, _ = attention_choice("cudnn", _platform_of((q, k, v)), q.dtype, head_dim,
+                                   cudnn=cudnn_present())
+        return cudnn(q, k, v) if impl == "cudnn" else xla(q, k, v)  # xla: SAGE_KERNELS=off
+    if attention != "auto":
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    cuda = None
+    if placement.cuda_device_count() > 0 and attention_implementation(
+            "auto", "cuda", q.dtype, head_dim, cudnn=cudnn_present(),
+            device_kind=placement.cuda_device_kind()) == "cudnn":
+        cuda = cudnn
+    return placement.by_platform((q, k, v), cpu=xla, cuda=cuda)
+
+
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal grouped-query attention written out (the score matrix materialised).
 
     ``q`` ``(B, T, H, D)``, ``k``/``v`` ``(B, T, K, D)`` with ``H`` a multiple of ``K``; logits
-    and softmax in float32.  The model uses :func:`jax.nn.dot_product_attention`; this is
-    the math it must match (tests).
+    and softmax in float32.  The model uses :func:`causal_attention`; this is the math it
+    must match (tests).
     """
     t, h, d = q.shape[1], q.shape[2], q.shape[3]
     repeats = h // k.shape[2]  # query head i reads kv head i // repeats
@@ -107,14 +292,20 @@ def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query self-attention with RoPE, by :func:`jax.nn.dot_product_attention`."""
+    """Causal grouped-query self-attention with RoPE, by :func:`causal_attention`.
+
+    ``attention`` is its implementation (:data:`ATTENTIONS`).
+    """
 
     def __init__(
-        self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any, theta: float
+        self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any, theta: float,
+        attention: str = "auto",
     ):
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.theta = theta
+        self.theta, self.attention = theta, attention
         self.q_proj = _linear(d, config.num_heads * hd, rngs, dtype, param_dtype)
         self.k_proj = _linear(d, config.num_kv_heads * hd, rngs, dtype, param_dtype)
         self.v_proj = _linear(d, config.num_kv_heads * hd, rngs, dtype, param_dtype)
@@ -129,11 +320,11 @@ class Attention(nnx.Module):
         cos, sin = rope_tables(t, self.head_dim, self.theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query heads are native to dot_product_attention (query head h reads kv head
-        # h // (num_heads // num_kv_heads)); logits and softmax are float32 inside it.  With
-        # implementation=None it is cuDNN flash attention on a GPU where the dtype allows
-        # (bfloat16/float16), XLA otherwise.
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                           scale=self.head_dim**-0.5)
+        # h // (num_heads // num_kv_heads)); logits and softmax are float32 inside it.  Its
+        # default (implementation=None) is XLA's attention on every platform, GPUs included
+        # (the float32 T x T scores materialised): causal_attention picks cuDNN's flash
+        # attention explicitly, on CUDA arrays, where attention="auto" allows it.
+        out = causal_attention(q, k, v, self.attention, scale=self.head_dim**-0.5)
         return self.o_proj(out.reshape(b, t, self.num_heads * self.head_dim))
 
 
@@ -163,10 +354,12 @@ class Block(nnx.Module):
         param_dtype: Any,
         theta: float,
         eps: float,
+        attention: str = "auto",
     ):
         d = config.hidden_size
         self.attn_norm = _rms_norm(d, eps, rngs, dtype, param_dtype)
-        self.attn = Attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, theta=theta)
+        self.attn = Attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype, theta=theta,
+                              attention=attention)
         self.mlp_norm = _rms_norm(d, eps, rngs, dtype, param_dtype)
         self.mlp = MLP(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
@@ -194,6 +387,9 @@ class Llama(nnx.Module):
       loss_chunk: tokens per chunk of :func:`loss_fn`'s chunked cross-entropy, an integer
         ``>= 0``; 0 computes the loss over all the logits at once.  It changes no value
         beyond float32 summation order; only the memory the loss needs.
+      attention: the attention's implementation, ``"auto"``, ``"cudnn"`` or ``"xla"``
+        (:data:`ATTENTIONS`, :func:`causal_attention`).  cuDNN's and XLA's compute the same
+        function, with different rounding (and far less memory for cuDNN's).
     """
 
     def __init__(
@@ -208,14 +404,18 @@ class Llama(nnx.Module):
         layers: Literal["loop", "scan"] = "loop",
         remat: Literal["none", "dots", "full"] = "none",
         loss_chunk: int = 0,
+        attention: Literal["auto", "cudnn", "xla"] = "auto",
     ):
         if layers not in LAYOUTS:
             raise ValueError(f"layers must be one of {LAYOUTS}, got {layers!r}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
         check_loss_chunk(loss_chunk)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.config = config
         self.layout, self.remat, self.loss_chunk = layers, remat, int(loss_chunk)
+        self.attention = attention
         d = config.hidden_size
         self.embed = nnx.Embed(
             config.vocab_size,
@@ -228,7 +428,7 @@ class Llama(nnx.Module):
 
         def block(rngs: nnx.Rngs) -> Block:
             return Block(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
-                         theta=rope_theta, eps=norm_eps)
+                         theta=rope_theta, eps=norm_eps, attention=attention)
 
         if layers == "scan":
             stacked = nnx.split_rngs(splits=config.num_layers)(
@@ -511,14 +711,24 @@ def loss_fn(model: Llama, inputs: jax.Array, targets: jax.Array) -> jax.Array:
 
 
 __all__ = [
+    "ATTENTIONS",
+    "CUDNN_DTYPES",
+    "CUDNN_MAX_HEAD_DIM",
     "INIT_STD",
     "LAYOUTS",
     "REMAT_POLICIES",
     "Llama",
     "abstract_params",
     "apply_rope",
+    "attention_choice",
+    "attention_implementation",
+    "causal_attention",
     "check_loss_chunk",
     "chunked_cross_entropy",
+    "cudnn_attention",
+    "cudnn_present",
+    "cudnn_problem",
+    "cudnn_supported",
     "head_logits",
     "load_per_layer_params",
     "loss_fn",
@@ -527,4 +737,5 @@ __all__ = [
     "rope_tables",
     "stack_layers",
     "unstack_layers",
+    "xla_attention",
 ]

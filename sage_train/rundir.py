@@ -34,6 +34,7 @@ MATH_FIELDS: tuple[str, ...] = (
     "batch_size", "seq_len", "seed", "clip", "data", "token_dtype", "eval_batches",
     "dtype", "param_dtype", "layers",  # the arithmetic, and the layout of the checkpoints
     "loss_chunk",  # the loss's summation order (float32 rounding of the gradients)
+    "attention", "sinkgd_kernel",  # cuDNN/XLA, Pallas/jnp: the same math, other rounding
 )
 """Settings that change the math, the data order or the evaluation of a run: a rerun with
 other values is refused unless the change is allowed (and then recorded)."""

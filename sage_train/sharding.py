@@ -9,6 +9,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from sage_optax import placement
+
 MODES: tuple[str, ...] = ("none", "dp", "fsdp")
 """``none``: one device; ``dp``: batch split, state replicated; ``fsdp``: state split too."""
 
@@ -30,6 +32,19 @@ def make_mesh(mode: str = "dp") -> Mesh:
 def mesh_devices() -> list[Any]:
     """The devices a run's mesh spans: every device of the default backend."""
     return list(jax.devices())
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform of ``mesh``'s devices as :mod:`sage_optax.placement` names it.
+
+    ``"cuda"``, ``"rocm"``, ``"cpu"``, ``"tpu"``...: the platform a run's arrays are on,
+    which decides its code paths, not ``jax.default_backend()`` (a GPU host's CPU mesh is
+    ``"cpu"``).  Read from a one-byte array put on one of the mesh's devices of this
+    process (a mesh has devices of one platform).
+    """
+    local = mesh.local_devices or list(mesh.devices.flat)
+    probe = jax.device_put(np.zeros((), np.int8), local[0])
+    return placement.concrete_platform(probe) or "cpu"
 
 
 def leaf_spec(shape: tuple[int, ...], n: int, mode: str) -> P:

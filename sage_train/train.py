@@ -28,17 +28,29 @@ import optax
 from flax import nnx
 
 import sage_optax
+from sage_optax import placement
+from sage_optax.sinkhorn import KERNELS, resolved_kernel
+from sage_optim import kernels
 from sage_optim.models import MODELS as MODEL_NAMES
 from sage_optim.models import get_model_config
-from sage_optim.presets import CONFIG_NAMES, get_preset
+from sage_optim.presets import CONFIG_NAMES, KINDS, get_preset
 from sage_train import data as data_lib
 from sage_train import rundir
 from sage_train.checkpoints import Checkpoints, state_is_finite
 from sage_train.diagnostics import DamperRecorder, embedding_damper
 from sage_train.errors import ConfigError, DataError, RunDirError
-from sage_train.model import LAYOUTS, REMAT_POLICIES, Llama, loss_fn
+from sage_train.model import (
+    ATTENTIONS,
+    LAYOUTS,
+    REMAT_POLICIES,
+    Llama,
+    attention_choice,
+    cudnn_present,
+    cudnn_problem,
+    loss_fn,
+)
 from sage_train.sharding import MODES as SHARDING_MODES
-from sage_train.sharding import make_mesh, shard_batch, state_shardings
+from sage_train.sharding import make_mesh, mesh_platform, shard_batch, state_shardings
 from sage_train.throughput import device_peak_tflops, flops_per_token, mfu
 
 
@@ -75,6 +87,8 @@ class TrainConfig:
     deterministic: bool = False  # reproducible GPU reductions (set before the backend starts)
     peak_tflops: float | None = None  # device peak for MFU (None: from the known devices)
     loss_chunk: int | None = None  # tokens per chunk of the loss; 0: unchunked; None: auto
+    attention: str = "auto"  # "auto" (cuDNN's where validated, else XLA's), "cudnn", "xla"
+    sinkgd_kernel: str = "auto"  # SinkGD's scales: "auto" (jnp until validated), "pallas", "jnp"
 
 
 @dataclasses.dataclass
@@ -124,7 +138,8 @@ def make_tx(cfg: TrainConfig, model: Llama | None = None) -> optax.GradientTrans
     ``model`` is the router's evidence: with scanned layers it is what lets the router read
     a ``(L, in, out)`` kernel as ``L`` stacked matrices (without it such a leaf is refused).
     """
-    tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg), model=model)
+    tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg), model=model,
+                                   kernel=cfg.sinkgd_kernel)
     return optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx
 
 
@@ -184,12 +199,92 @@ def loss_chunk_tokens(cfg: TrainConfig, vocab_size: int | None = None) -> int:
     return tokens // chunks if chunks is not None else most
 
 
+def uses_sinkgd(cfg: TrainConfig) -> bool:
+    """Whether the configuration of ``cfg`` runs SinkGD on some parameters."""
+    preset = get_preset(cfg.optimizer)
+    return any(preset.rule(kind).name == "sinkgd" for kind in KINDS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementations:
+    """What a run computes with on its mesh's devices: recorded, printed, in every metrics row.
+
+    ``attention`` is ``"cudnn"`` or ``"xla"`` (:func:`~sage_train.model.attention_choice`);
+    ``sinkgd_kernel`` is ``"pallas"`` or ``"jnp"``
+    (:func:`~sage_optax.sinkhorn.resolved_kernel`, ``SAGE_KERNELS`` included), ``None`` for a
+    configuration without SinkGD.  The ``*_why`` fields say why, for the log.
+    """
+
+    platform: str
+    devices: int
+    attention: str
+    attention_why: str
+    sinkgd_kernel: str | None
+    sinkgd_kernel_why: str
+
+    def lines(self) -> list[str]:
+        """The log lines of a run's start: ``attention: cudnn (auto: ...)`` and the kernel's."""
+        return [f"attention: {self.attention} ({self.attention_why})",
+                f"sinkgd kernel: {self.sinkgd_kernel or '-'} ({self.sinkgd_kernel_why})"]
+
+
+def implementations(cfg: TrainConfig, mesh: Any = None) -> Implementations:
+    """The attention and SinkGD kernel ``cfg`` computes with on ``mesh``'s devices.
+
+    The platform is that of the devices of the run's mesh (default: ``make_mesh(cfg.sharding)``),
+    as :mod:`sage_optax.placement` names it, not JAX's default backend; the model and the
+    optimizer choose by the same rules (:func:`~sage_train.model.attention_choice`,
+    :func:`~sage_optax.sinkhorn.resolved_kernel`) where their arrays are.
+
+    Raises:
+      ConfigError: ``--attention cudnn`` where cuDNN's attention cannot run (the reason
+        named), or an invalid ``SAGE_KERNELS``.
+    """
+    mesh = mesh if mesh is not None else make_mesh(cfg.sharding)
+    platform, n = mesh_platform(mesh), int(mesh.devices.size)
+    local = mesh.local_devices or list(mesh.devices.flat)
+    kind = str(local[0].device_kind) if platform in ("cuda", "gpu") else None
+    model_cfg = get_model_config(cfg.model)
+    dtype = jnp.dtype(compute_dtype(cfg))
+    cudnn = platform in ("cuda", "gpu") and cudnn_present()
+    problem = cudnn_problem(platform, dtype, model_cfg.head_dim, cudnn=cudnn)
+    if cfg.attention == "cudnn" and problem is not None:
+        raise ConfigError(f"--attention cudnn cannot run here: {problem}; use --attention auto "
+                          "(cuDNN's where it can run, else XLA's) or xla")
+    try:
+        attention, attention_why = attention_choice(cfg.attention, platform, dtype,
+                                                    model_cfg.head_dim, cudnn=cudnn,
+                                                    device_kind=kind)
+    except ValueError as e:  # an invalid SAGE_KERNELS (the message names it)
+        raise ConfigError(str(e)) from None
+    if not uses_sinkgd(cfg):
+        return Implementations(platform, n, attention, attention_why, None,
+                               f"{cfg.optimizer} runs no SinkGD")
+    try:
+        # the update decides with the process's CUDA devices (it cannot see the mesh when
+        # traced): a --sharding none run on a host with several GPUs keeps the jnp path
+        count = placement.cuda_device_count() if platform in ("cuda", "gpu") else n
+        kernel = resolved_kernel(cfg.sinkgd_kernel, platform, count, kind)
+        enabled = kernels.kernels_enabled()
+    except ValueError as e:  # an invalid SAGE_KERNELS (the message names it)
+        raise ConfigError(str(e)) from None
+    why = f"{cfg.sinkgd_kernel}: {count} {platform} device{'' if count == 1 else 's'}"
+    if kind is not None:
+        why += f" ({kind})"
+    if not enabled:
+        why += f", {kernels.ENV_VAR}=off"
+    elif kernel == "pallas" and platform not in ("cuda", "gpu"):
+        why += ", in Pallas's interpreter"
+    return Implementations(platform, n, attention, attention_why, kernel, why)
+
+
 def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
     """The model of ``cfg`` (vocabulary from the data)."""
     model_cfg = dataclasses.replace(get_model_config(cfg.model), vocab_size=vocab_size)
     return Llama(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=jnp.dtype(compute_dtype(cfg)),
                  param_dtype=jnp.dtype(cfg.param_dtype), layers=layer_layout(cfg),  # type: ignore
-                 remat=cfg.remat, loss_chunk=loss_chunk_tokens(cfg))  # type: ignore[arg-type]
+                 remat=cfg.remat, loss_chunk=loss_chunk_tokens(cfg),  # type: ignore[arg-type]
+                 attention=cfg.attention)  # type: ignore[arg-type]
 
 
 def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
@@ -215,7 +310,8 @@ def enable_determinism() -> bool:
 
 STEP_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
-    "clip", "sharding", "dtype", "param_dtype", "layers", "remat", "loss_chunk",
+    "clip", "sharding", "dtype", "param_dtype", "layers", "remat", "loss_chunk", "attention",
+    "sinkgd_kernel",
 )
 """The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
 logging do not): runs that agree on these share one compiled step in a process."""
@@ -223,16 +319,19 @@ logging do not): runs that agree on these share one compiled step in a process."
 _STEP_CACHE: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 
 
-def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: bool
+def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: bool,
+                 resolved: tuple[Any, ...] = ()
                  ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """:func:`make_steps` for ``graphdef``, shared by every run with the same step fields.
 
     Two builds of the same model and optimizer give graph definitions that compare unequal
     (the optimizer holds fresh closures), so the cache is keyed on the configuration instead:
     several seeds, a resumed run or the same configuration again compile once per process.
+    ``resolved`` joins the key: what the step was traced with beyond ``cfg`` (the
+    implementations, which ``SAGE_KERNELS`` can change).
     """
     key = (*(getattr(cfg, f) for f in STEP_FIELDS), loss_chunk_tokens(cfg), vocab_size,
-           record_h)
+           record_h, *resolved)
     if key not in _STEP_CACHE:
         if len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
@@ -324,16 +423,19 @@ def check_config(cfg: TrainConfig) -> None:
     choices = {"model": tuple(MODEL_NAMES), "optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
                "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32"),
                "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYER_CHOICES,
-               "remat": tuple(REMAT_POLICIES)}
+               "remat": tuple(REMAT_POLICIES), "attention": ATTENTIONS,
+               "sinkgd_kernel": KERNELS}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
 
 
-def settings_of(cfg: TrainConfig) -> dict[str, Any]:
+def settings_of(cfg: TrainConfig, impl: Implementations) -> dict[str, Any]:
     """The settings recorded for a run (so that equal settings compare equal).
 
-    ``cfg`` with the peak learning rate resolved and the data source as an absolute path.
+    ``cfg`` with the peak learning rate resolved, the data source as an absolute path, and
+    every ``auto`` resolved: the attention and SinkGD kernel as ``impl`` says (the kernel
+    ``None`` for a configuration without SinkGD).
     """
     settings = dataclasses.asdict(cfg)
     if cfg.learning_rate is None:
@@ -342,6 +444,8 @@ def settings_of(cfg: TrainConfig) -> dict[str, Any]:
     settings["dtype"] = compute_dtype(cfg)
     settings["layers"] = layer_layout(cfg)
     settings["loss_chunk"] = loss_chunk_tokens(cfg)
+    settings["attention"] = impl.attention
+    settings["sinkgd_kernel"] = impl.sinkgd_kernel
     return settings
 
 
@@ -400,14 +504,19 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     math or the data (:data:`~sage_train.rundir.MATH_FIELDS`) is refused unless
     ``allow_config_change``, which records the change as a new segment of the run.
 
+    The attention and SinkGD kernel are resolved for the run's mesh (:func:`implementations`),
+    logged at its start and recorded in ``config.json`` and in every ``metrics.jsonl`` row.
+
     Raises:
-      ConfigError: an invalid setting (nothing is touched).
+      ConfigError: an invalid setting, or ``attention="cudnn"`` where cuDNN's attention
+        cannot run (nothing is touched).
       RunDirError: the run directory is locked, holds another run's settings, has a
         checkpoint beyond ``cfg.steps``, or cannot be written.
       DataError: the data cannot be used.
       CheckpointError: a checkpoint could not be saved (the earlier ones are intact).
     """
     check_config(cfg)
+    implementations(cfg)  # refuses what cannot run before anything is written
     run_dir = pathlib.Path(cfg.run_dir).absolute()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -432,11 +541,19 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | Non
         # a run of a version before the chunked loss computed it unchunked: continue so
         # (unless --loss-chunk says otherwise)
         cfg = dataclasses.replace(cfg, loss_chunk=0)
+    if recorded is not None and "attention" not in recorded and cfg.attention == "auto":
+        # a run of a version before --attention computed XLA's attention (on a GPU too):
+        # continue so (unless --attention says otherwise)
+        cfg = dataclasses.replace(cfg, attention="xla")
     if cfg.deterministic and not enable_determinism():
         log("--deterministic: JAX had already started its backend, so XLA's deterministic "
             "GPU reductions apply only if XLA_FLAGS held --xla_gpu_deterministic_ops=true "
             "before it did")
-    settings = settings_of(cfg)
+    mesh = make_mesh(cfg.sharding)
+    impl = implementations(cfg, mesh)
+    for line in impl.lines():
+        log(line)
+    settings = settings_of(cfg, impl)
     changed = rundir.check_settings(run_dir, recorded, settings, allow_change)
     ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
     ckpts.prepare()
@@ -446,7 +563,6 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | Non
                                      ("data_fingerprint",))
     model, optimizer = build(cfg, tokens.vocab_size)
     graphdef, state = nnx.split((model, optimizer))
-    mesh = make_mesh(cfg.sharding)
     state = jax.device_put(state, state_shardings(state, mesh, cfg.sharding))
     opt_bytes = sage_optax.state_bytes(optimizer.opt_state)
     del model, optimizer
@@ -486,7 +602,8 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     record_h = _uses_sage_embedding(cfg)
     recorder = DamperRecorder(run_dir / "damper_h.npz", cfg.record_h_every, cfg.h_max_records,
                               start_step=start, log=log) if record_h and primary else None
-    train_step, eval_step = cached_steps(cfg, tokens.vocab_size, graphdef, record_h)
+    train_step, eval_step = cached_steps(cfg, tokens.vocab_size, graphdef, record_h,
+                                         (settings["attention"], settings["sinkgd_kernel"]))
     sched = lr_schedule(cfg)
     losses: list[float] = []
     stream = data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed,
@@ -553,7 +670,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                 continue
             record: dict[str, Any] = {"step": done, "loss": loss_value,
                                       "lr": float(sched(step)), "tokens_per_s": tps,
-                                      "elapsed_s": elapsed, "opt_state_bytes": opt_bytes}
+                                      "elapsed_s": elapsed, "opt_state_bytes": opt_bytes,
+                                      "attention": settings["attention"],
+                                      "sinkgd_kernel": settings["sinkgd_kernel"]}
             if (u := mfu(tps, flops_token, peak)) is not None:
                 record["mfu"] = u
             if evaluate_now:

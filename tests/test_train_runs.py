@@ -104,6 +104,7 @@ def test_nan_stop_without_checkpoint_says_so(train_corpus, tmp_path):
     {"seed": 1}, {"warmup_frac": 0.2}, {"clip": 0.5}, {"optimizer": "adamw"},
     {"model": "small"}, {"schedule": "linear"}, {"eval_batches": 3},
     {"layers": "scan"}, {"dtype": "bfloat16"}, {"param_dtype": "bfloat16"},
+    {"sinkgd_kernel": "pallas"},
 ])
 def test_other_settings_are_refused_before_anything_changes(train_corpus, tmp_path, change):
     run = tmp_path / "run"
@@ -127,7 +128,8 @@ def test_settings_of_an_older_version_are_read_as_such(train_corpus, tmp_path, m
     run = tmp_path / "run"
     quiet(config(train_corpus, run), stop_after=1)
     old = dataclasses.asdict(config(train_corpus.name, run))  # learning_rate None, relative data
-    for newer in ("dtype", "param_dtype", "layers", "loss_chunk"):  # of later versions
+    for newer in ("dtype", "param_dtype", "layers", "loss_chunk", "attention",
+                  "sinkgd_kernel"):  # of later versions
         old.pop(newer)
     (run / "config.json").write_text(json.dumps(old))
     (run / rundir.HISTORY).unlink()
