@@ -44,7 +44,10 @@ CPU path on ``N`` threads, as before issue 13; the library default is 1).
 ``--device cuda`` times on the GPU (``torch.cuda.synchronize`` around each timing) and adds
 the baseline ``torch.optim.AdamW(fused=True)`` and, where ``triton`` is installed, a third
 row per configuration for sage_torch's fused (Triton) path (``make_optimizer(...,
-fused=True)``) next to its foreach path; ``--device cpu`` (default) is the CPU run.
+fused=True)``, opt-in) next to its foreach path (the CUDA default, as in ``torch.optim``),
+then a table of fused against foreach per configuration: the timings that decide whether
+a kernel becomes a default.  ``--device cpu`` (default) is the CPU run.  ``--dtype
+bfloat16`` runs the same with bfloat16 parameters and gradients (default float32).
 
 Aten op count (any machine, no memory): ``--op-count`` steps the model on the ``meta``
 device under a ``TorchDispatchMode`` that counts every aten op of one ``opt.step()`` (the
@@ -58,7 +61,7 @@ allows it), prints that table and exits.  On a GPU every op is at least one kern
 a step that completes on ``meta`` reads no device value on the host.
 
     python benchmarks/torch_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid]
-        [--threads 2] [--device cpu|cuda] [--op-count]
+        [--threads 2] [--device cpu|cuda] [--dtype float32|bfloat16] [--op-count]
 """
 
 from __future__ import annotations
@@ -125,10 +128,12 @@ class LlamaShapes(nn.Module):
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
 
-def build_model(config: LlamaConfig, seed: int = 0, device: str = "cpu") -> nn.Module:
-    """``LlamaShapes(config)`` with float32 ``0.02·normal`` parameters and fixed gradients.
+def build_model(config: LlamaConfig, seed: int = 0, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``LlamaShapes(config)`` with ``0.02·normal`` parameters and fixed gradients.
 
-    Drawn on the CPU (the same values on every device), then moved to ``device``.
+    Drawn in float32 on the CPU (the same values on every device), then rounded to
+    ``dtype`` and moved to ``device``.
     """
     with torch.device("meta"):
         model = LlamaShapes(config)
@@ -138,9 +143,9 @@ def build_model(config: LlamaConfig, seed: int = 0, device: str = "cpu") -> nn.M
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=gen)
             p.grad = torch.empty_like(p).normal_(0.0, 0.02, generator=gen)
-    if device != "cpu":
-        grads = [p.grad.to(device) for p in model.parameters()]
-        model = model.to(device)
+    if device != "cpu" or dtype != torch.float32:
+        grads = [p.grad.to(device, dtype) for p in model.parameters()]
+        model = model.to(device, dtype)
         for p, g in zip(model.parameters(), grads, strict=True):
             p.grad = g
     n = sum(p.numel() for p in model.parameters())
@@ -231,8 +236,9 @@ def count_fused(name: str, model: nn.Module) -> tuple[int, int, int] | None:
 
     The step of ``make(name, model, 1e-4, False, fused=True)`` (its groups without a fused
     rule on the foreach path, as on CUDA) with the kernel launches counted, not run, and
-    the fused path's device check lifted for ``meta`` tensors: every other operation of the
-    step (reductions, stacking, the hyperparameter tensors) runs as on a GPU.  ``None``
+    the fused path's device check and first-use check lifted for ``meta`` tensors: every
+    other operation of the step (reductions, stacking, the hyperparameter tensors) runs as
+    on a GPU.  ``None``
     without ``triton`` or when no group of ``name`` has a fused rule.
     """
     from unittest import mock
@@ -250,7 +256,9 @@ def count_fused(name: str, model: nn.Module) -> tuple[int, int, int] | None:
         launches[0] += 1
 
     with (mock.patch.object(triton_kernels, "_launch", launch),
-          mock.patch.object(optimizer_mod, "fused_unsupported", lambda t, n: None)):
+          mock.patch.object(optimizer_mod, "fused_unsupported", lambda t, n: None),
+          mock.patch.object(optimizer_mod.RuleOptimizer, "_fused_ready",
+                            staticmethod(lambda p: True))):
         opt = make(name, model, 1e-4, False, fused=True)
         if not any(g["rule"] in FUSED_RULES for g in opt.param_groups):
             return None
@@ -407,6 +415,28 @@ def run_rounds(runners: dict[str, Callable[[], Any]], warmup: int, repeats: int
     return times
 
 
+def print_fused_vs_foreach(rows: list[dict[str, Any]]) -> None:
+    """Fused against foreach per configuration (nothing without fused rows): the timings
+    that decide whether the fused path may become the CUDA default."""
+    pairs = [(r, f) for r in rows if r["path"] == "foreach"
+             for f in rows if f["config"] == r["config"] and f["path"] == "fused"]
+    if not pairs:
+        return
+    print()
+    print("fused (opt-in) against foreach (the CUDA default), same rounds:")
+    print()
+    print("| configuration | foreach ms | fused ms | fused / foreach | foreach peak (MiB) "
+          "| fused peak (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r, f in pairs:
+        peaks = ["n/a" if x["peak"] is None else f"{x['peak'] / MIB:.1f}" for x in (r, f)]
+        print(f"| {r['config']} | {r['ms']:.2f} | {f['ms']:.2f} | {f['ms'] / r['ms']:.2f}x "
+              f"| {peaks[0]} | {peaks[1]} |")
+    faster = sum(f["ms"] < r["ms"] for r, f in pairs)
+    print()
+    print(f"fused faster than foreach in {faster} of {len(pairs)} configuration(s)")
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Run the benchmark, print the table and return its rows (one dict per row)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -421,6 +451,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="dtype of the parameters and gradients (default float32)")
     ap.add_argument("--op-count", action="store_true",
                     help="print the aten op count per step on the meta device and exit")
     args = ap.parse_args(argv)
@@ -442,12 +474,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     config = get_model_config(args.model)
     repeats = args.repeats or (7 if config.param_count() > 100e6 else 41)
-    model = build_model(config, device=device)
+    dtype = getattr(torch, args.dtype)
+    model = build_model(config, device=device, dtype=dtype)
     params = list(model.parameters())
     p_bytes = sum(p.numel() * p.element_size() for p in params)
     largest = max(p.numel() * p.element_size() for p in params)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s) "
-          f"(torch.set_num_threads({args.threads})), float32, "
+          f"(torch.set_num_threads({args.threads})), {args.dtype}, "
           f"{torch.cuda.get_device_name() if device != 'cpu' else 'CPU'}")
     print(f"model {args.model}: {config.param_count():,} params in {len(params)} tensors, "
           f"{p_bytes / GIB:.3f} GiB, largest {largest / MIB:.1f} MiB")
@@ -512,6 +545,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         peak = "n/a" if row["peak"] is None else f"{row['peak'] / MIB:.1f}"
         print(f"| {row['config']} | {row['path']} | {row['ms']:.1f} | {row['ratio']:.2f}x "
               f"| {row['bytes'] / GIB:.2f} | {gibs:.2f} | {gibs / bw:.2f} | {peak} |")
+    print()
+    print("path: single-tensor (foreach=False), foreach (foreach=True: the default on CUDA, "
+          "as torch.optim), fused (fused=True: opt-in, the Triton kernels)")
+    print_fused_vs_foreach(rows)
     hybrid = {r["path"]: r["ratio"] for r in rows if r["config"] == "sage-hybrid"}
     if hybrid:
         print()

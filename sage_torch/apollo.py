@@ -156,7 +156,8 @@ def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: l
         g32 = g.to(w) if view is None else view.to_matrix(g).to(w)
         proj = projection(name, refresh, g32.shape[comp], rank).to(device=g.device, dtype=w)
         proj = _replicated_like(proj, g)
-        r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp)
+        # contiguous: the norms below then sum in the order of the multi-tensor path's
+        r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp).contiguous()
         m.copy_(m * b1 + r * (1 - b1))
         v.copy_(v * b2 + r.square() * (1 - b2))
         r_tilde = m / (v.sqrt() + eps)
@@ -222,9 +223,10 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
         n = shape[comp]
         proj = torch.stack([projection(names[i], (int(t) - 1) // update_proj_gap, n, rank)
                             for i, t in zip(idx, ts, strict=True)]).to(device=device, dtype=w)
-        bfi, bfo, bcomp = fi + 1, fo + 1, comp + 1
-        r = torch.matmul(g32.movedim(bcomp, -1), proj.view(len(idx), *[1] * (len(shape) - 2),
-                                                           n, rank)).movedim(-1, bcomp)
+        # One matmul per matrix, as the single-tensor path: a batched matmul may block (and
+        # so round) differently from the unbatched one (seen with MKL on AVX-512 CPUs).
+        r = torch.stack([torch.matmul(g32[k].movedim(comp, -1), proj[k]).movedim(-1, comp)
+                         for k in range(len(idx))])
         rs = list(r.unbind(0))
         ms, vs = [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx]
         torch._foreach_mul_(ms, b1)  # m·b1 + r·(1−b1)
@@ -233,14 +235,17 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
         torch._foreach_add_(vs, torch._foreach_mul(torch._foreach_mul(rs, rs), 1 - b2))
         m, v = torch.stack(ms), torch.stack(vs)
         r_tilde = m / (v.sqrt() + eps)
-        dims = (bfi, bfo) if scale_type == "tensor" else (bcomp,)
+        dims = (fi, fo) if scale_type == "tensor" else (comp,)
 
         def norm(x: Tensor, dims: tuple[int, ...] = dims) -> Tensor:
-            return x.square().sum(dim=dims, keepdim=True).sqrt()
+            # Matrix by matrix, exactly the single path's reduction: a reduction over the
+            # trailing axes of a stack may sum in another order (seen on AVX-512 CPUs).
+            return torch.stack([xk.square().sum(dim=dims, keepdim=True).sqrt()
+                                for xk in x.unbind(0)])
 
         s = norm(r_tilde) / (norm(r) + 1e-8)
         u = g32 * (s * math.sqrt(scale))
-        norm_u = norm(u, (bfi, bfo))
+        norm_u = norm(u, (fi, fo))
         lims = [limiter_norms[i] for i in idx]
         prev = torch.stack(lims).reshape(norm_u.shape).to(w)
         bound = gamma * prev

@@ -227,13 +227,38 @@ def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
 FUSED_RULES: tuple[str, ...] = ("sage", "sinkgd", "lion")
 """The rules with a fused (Triton) path, ``fused=True`` (:mod:`sage_torch.triton_kernels`)."""
 
-FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64)
-"""Parameter dtypes the fused kernels support."""
+FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
+"""Parameter dtypes the fused kernels support (bfloat16 computed in float32, rounded as
+the other paths round it: :mod:`sage_torch.triton_kernels`)."""
+
+FUSED_DOC = """fused: ``True`` runs the rule's Triton kernels (:mod:`sage_torch.triton_kernels`;
+        float32, float64 or bfloat16 CUDA parameters, ``triton`` installed).  Opt-in, as
+        ``torch.optim``'s ``fused``: the default ``None`` takes foreach on CUDA and the
+        single-tensor path elsewhere.  The kernels have not yet been measured on a GPU; a
+        kernel becomes a default only after ``scripts/gpu-check`` on a GPU shows it
+        correct and faster.  ``fused=True`` with ``foreach=True``, or on a parameter the
+        kernels cannot take, raises a ``ValueError`` naming it.  Before the first fused
+        step on a device and dtype the kernels are checked against the single-tensor path
+        (:mod:`sage_torch.fused_check`; on a failure, one warning and the foreach path), and
+        ``SAGE_KERNELS=off`` in the environment turns them off (:mod:`sage_optim.kernels`)."""
+"""The ``fused`` paragraph of the optimizer classes' docstrings (``{fused_doc}`` there),
+one text for all of them, as ``torch.optim``'s ``_fused_doc``."""
+
+
+def document_fused(cls: type) -> type:
+    """Class decorator: ``{fused_doc}`` in ``cls``'s docstring becomes :data:`FUSED_DOC`."""
+    if cls.__doc__:
+        cls.__doc__ = cls.__doc__.replace("{fused_doc}", FUSED_DOC)
+    return cls
 
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether ``triton`` can be imported (it ships with CUDA builds of torch on Linux)."""
+    """Whether ``triton`` can be imported (it ships with CUDA builds of torch on Linux).
+
+    Only that: whether its kernels compile and compute right on a device is checked before
+    the first fused step there (:func:`sage_torch.fused_check.fused_ready`).
+    """
     return importlib.util.find_spec("triton") is not None
 
 
@@ -248,8 +273,8 @@ def triton_interpreting() -> bool:
 def fused_unsupported(t: Tensor, name: str) -> str | None:
     """Why parameter ``name`` (tensor ``t``) cannot take the fused path, or ``None`` if it can.
 
-    It can when ``triton`` is installed, ``t`` is a float32/float64 tensor (not a DTensor)
-    on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1``.
+    It can when ``triton`` is installed, ``t`` is a float32/float64/bfloat16 tensor (not a
+    DTensor) on a CUDA device, or on the CPU under ``TRITON_INTERPRET=1``.
     """
     if not triton_available():
         return (f"fused=True needs the triton package (it ships with CUDA builds of torch), "
@@ -260,17 +285,18 @@ def fused_unsupported(t: Tensor, name: str) -> str | None:
         return (f"fused=True needs CUDA tensors, but parameter {name} is on {t.device} (on "
                 "the CPU the kernels run only under TRITON_INTERPRET=1, Triton's interpreter)")
     if t.dtype not in FUSED_DTYPES:
-        return (f"fused=True supports float32 and float64 parameters, but parameter {name} "
-                f"is {t.dtype} (use foreach=True for it)")
+        return (f"fused=True supports float32, float64 and bfloat16 parameters, but "
+                f"parameter {name} is {t.dtype} (use foreach=True for it)")
     return None
 
 
 class ConstCache:
     """Small constant tensors of the fused kernels, made once per device, dtype and values.
 
-    A fused kernel reads its hyperparameters from a tensor of the parameters' dtype (so
-    that float64 keeps them exact); making it on the first step only keeps later steps
-    free of host-to-device copies (CUDA graph capture forbids them).
+    A fused kernel reads its hyperparameters from a tensor of its arithmetic dtype (the
+    parameters' :func:`wide` dtype, so that float64 keeps them exact), on the parameters'
+    device; making it on the first step only keeps later steps free of host-to-device
+    copies (CUDA graph capture forbids them).
     """
 
     def __init__(self) -> None:
@@ -288,13 +314,22 @@ class ConstCache:
 def lr_tensor(lr: float | Tensor, like: Tensor) -> Tensor:
     """The learning rate as a one-element tensor on ``like``'s device (for a fused kernel).
 
-    A tensor ``lr`` (``capturable=True``) is used as is when on that device; a float
-    becomes a 0-D tensor of ``like``'s dtype (``torch.full``, a fill on the device: no
-    host-to-device copy).
+    A tensor ``lr`` (``capturable=True``) is used as is when on that device (else copied
+    there); a float becomes a 0-D tensor of ``like``'s arithmetic dtype (:func:`wide`:
+    float32 for bfloat16, as the CUDA kernels of ``add(..., alpha=-lr)`` use it), made by
+    ``torch.full`` (a fill on the device: no host-to-device copy).
     """
     if isinstance(lr, Tensor):
         return lr if lr.device == like.device else lr.to(like.device)
-    return torch.full((), lr, dtype=like.dtype, device=like.device)
+    return torch.full((), lr, dtype=wide(like.dtype), device=like.device)
+
+
+def by_device_dtype(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by device and dtype, groups in order of first use."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
 
 
 class Rule:

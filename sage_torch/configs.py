@@ -121,8 +121,9 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
         fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
-        ``maximize``, ``foreach``, ``fused`` (the Triton kernels of the rules that have
-        them, SAGE, Lion and SinkGD; the other groups keep their default path),
+        ``maximize``, ``foreach``, ``fused=True`` (opt-in: the Triton kernels of the
+        rules that have them, SAGE, Lion and SinkGD, not yet measured on a GPU; the other
+        groups keep their default path, foreach on CUDA; :data:`sage_torch.common.FUSED_DOC`),
         ``capturable`` (step counts on the device, a tensor
         ``lr`` never read back: CUDA graphs; not with APOLLO), ``cpu_threads=N`` (spread
         the chunked CPU path over ``N`` threads, :mod:`sage_torch.chunked`; default 1: no

@@ -18,11 +18,14 @@ from sage_torch import chunked
 from sage_torch.common import (
     ConstCache,
     Rule,
+    by_device_dtype,
     copy_all,
     decayed_step,
+    document_fused,
     is_dtensor,
     lr_of,
     lr_tensor,
+    wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
 
@@ -72,8 +75,10 @@ def _fused_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
 
     The kernel reads ``g``, ``m`` and ``θ`` once and writes ``m ← g·(1−b2) + m·b2`` and
     ``θ ← θ − η·(sign(g·(1−b1) + m·b1) + w·θ)``, the operations of
-    :func:`_single_tensor_lion`.  Tensors that are not contiguous, or whose gradient or
-    ``m`` has another dtype or shape, take :func:`_multi_tensor_lion`.
+    :func:`_single_tensor_lion` (bfloat16: computed in float32 and rounded after every
+    operation, as that function's bfloat16 tensor operations round).  Tensors that are
+    not contiguous, or whose gradient or ``m`` has another dtype or shape, take
+    :func:`_multi_tensor_lion`.  Each device and dtype has its own constants.
     """
     from sage_torch import triton_kernels as tk
 
@@ -88,14 +93,15 @@ def _fused_lion(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
         _multi_tensor_lion([params[i] for i in rest], [grads[i] for i in rest],
                            [exp_avgs[i] for i in rest], lr=lr, beta1=beta1, beta2=beta2,
                            weight_decay=weight_decay)
-    if not ok:
-        return
-    p0 = params[ok[0]]
-    hpt = consts.get((1.0 - beta1, beta1, 1 - beta2, beta2, weight_decay), p0.dtype, p0.device)
-    lr_t = lr_tensor(lr, p0)
-    for i in ok:
-        if params[i].numel():
-            tk.lion_update(params[i], grads[i], exp_avgs[i], hpt, lr_t)
+    for part in by_device_dtype([params[i] for i in ok]):
+        p0 = params[ok[part[0]]]
+        hpt = consts.get((1.0 - beta1, beta1, 1 - beta2, beta2, weight_decay), wide(p0.dtype),
+                         p0.device)
+        lr_t = lr_tensor(lr, p0)
+        for i in (ok[k] for k in part):
+            if params[i].numel():
+                tk.lion_update(params[i], grads[i], exp_avgs[i], hpt, lr_t,
+                               lr_is_tensor=isinstance(lr, Tensor))
 
 
 def _chunked_lion(p: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, beta2: float,
@@ -144,6 +150,7 @@ class LionRule(Rule):
         fn(params, grads, [st["exp_avg"] for st in states], **hp)
 
 
+@document_fused
 class Lion(RuleOptimizer):
     """Lion (Chen et al. 2023): ``θ ← θ − η·(sign(b1·m + (1−b1)·g) + w·θ)``, as ``optax.lion``.
 
@@ -154,10 +161,7 @@ class Lion(RuleOptimizer):
       weight_decay: decoupled decay.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
-      fused: use the Triton kernels (:mod:`sage_torch.triton_kernels`; default: on CUDA
-        when ``triton`` is installed, every parameter is float32/float64 and neither
-        ``foreach`` nor ``fused`` is set).  ``fused=True`` with ``foreach=True``, or on a
-        parameter the kernels cannot take, raises a ``ValueError`` naming it.
+      {fused_doc}
       capturable: keep the step count on the parameters' device and accept a device tensor
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.

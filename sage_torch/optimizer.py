@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sage_optim.kernels import kernels_enabled, warn_overridden
 from sage_optim.presets import RULE_DEFAULTS
-from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported, triton_available
+from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
@@ -91,7 +92,10 @@ class RuleOptimizer(torch.optim.Optimizer):
         ``"sage"``, ``"sinkgd"``, ``"lion"``, ``"adamw"``, ``"apollo"``, ``"unit_norm"``)
         unless ``defaults`` gives one, and that rule's hyperparameters.
       defaults: default group options (``lr``, ``weight_decay``, ``maximize``,
-        ``foreach``, ``fan_in_dim``, ``fan_out_dim`` and rule hyperparameters).
+        ``foreach``, ``fused``, ``capturable``, ``fan_in_dim``, ``fan_out_dim`` and rule
+        hyperparameters).  ``foreach``/``fused`` default as in ``torch.optim``: foreach on
+        CUDA, single-tensor elsewhere, the fused (Triton) path only with ``fused=True``
+        (:data:`sage_torch.common.FUSED_DOC`).
       projection: APOLLO's projection, ``projection(name, refresh_index, n, rank) -> P``,
         to inject a fixed ``P`` (parity with :mod:`sage_optax`); default Gaussian.
       cpu_threads: threads of the chunked in-place CPU path (:mod:`sage_torch.chunked`);
@@ -203,7 +207,8 @@ class RuleOptimizer(torch.optim.Optimizer):
 
         ``fused=True`` is refused with ``foreach=True``, for a rule without a fused path
         (:data:`~sage_torch.common.FUSED_RULES`) and for a parameter the kernels cannot
-        take (not CUDA, not float32/float64, or no ``triton``); the message names it.
+        take (not CUDA, not float32/float64/bfloat16, or no ``triton``); the message
+        names it.
         """
         fused = group.get("fused")
         if fused is None:
@@ -288,40 +293,74 @@ class RuleOptimizer(torch.optim.Optimizer):
             else:
                 for t in steps:
                     t += 1
+            parts = [list(range(len(params)))]
             if (foreach or fused) and len({(p.device, p.dtype) for p in params}) > 1:
-                for key in sorted({(str(p.device), str(p.dtype)) for p in params}):
-                    idx = [i for i, p in enumerate(params) if (str(p.device), str(p.dtype)) == key]
-                    rule.step([params[i] for i in idx], [grads[i] for i in idx],
-                              [states[i] for i in idx], [names[i] for i in idx], group,
-                              foreach, fused=fused)
-            else:
-                rule.step(params, grads, states, names, group, foreach, fused=fused)
+                keys = sorted({(str(p.device), str(p.dtype)) for p in params})
+                parts = [[i for i, p in enumerate(params) if (str(p.device), str(p.dtype)) == k]
+                         for k in keys]
+            for idx in parts:
+                sub = [params[i] for i in idx]
+                fe, fu = foreach, fused
+                if fused and not self._fused_ready(sub[0]):
+                    fe, fu = self._unfused(group, sub), False
+                rule.step(sub, [grads[i] for i in idx], [states[i] for i in idx],
+                          [names[i] for i in idx], group, fe, fused=fu)
         return loss
+
+    @staticmethod
+    def _fused_ready(p: Tensor) -> bool:
+        """Whether the fused kernels passed their first-use check on ``p``'s device and dtype.
+
+        :func:`sage_torch.fused_check.fused_ready`: run once per device and dtype in the
+        process; a failure warns once, and those steps take the path of ``fused=None``
+        (:meth:`_unfused`: foreach on CUDA).
+        """
+        from sage_torch import fused_check  # imports the algorithm modules: at step time
+
+        return fused_check.fused_ready(p.device, p.dtype)
+
+    @staticmethod
+    def _unfused(group: dict[str, Any], params: list[Tensor]) -> bool:
+        """Whether ``group`` takes foreach where it does not take the fused path.
+
+        Its ``foreach`` when set, else ``torch.optim``'s default: foreach when every
+        parameter is a CUDA tensor, single-tensor otherwise.
+        """
+        foreach = group["foreach"]
+        if foreach is None:
+            return all(p.device.type == "cuda" for p in params)
+        return bool(foreach)
 
     @staticmethod
     def _paths(group: dict[str, Any], rule: Rule, params: list[Tensor],
                names: list[str]) -> tuple[bool, bool]:
-        """``(foreach, fused)`` for this step of ``group``, as ``torch.optim`` defaults them.
+        """``(foreach, fused)`` for this step of ``group``, by ``torch.optim``'s default rule.
 
-        Neither set: fused where the rule has a fused path, ``triton`` is installed and every
-        parameter is a float32/float64 CUDA tensor; else foreach on CUDA, else single-tensor.
-        ``fused=True`` is checked again (a parameter moved since the optimizer was built):
-        a parameter the kernels cannot take raises a ``ValueError`` naming it.
+        Neither ``foreach`` nor ``fused`` set: foreach when every parameter is a CUDA
+        tensor, else single-tensor; never fused, which is opt-in (``fused=True``) as in
+        ``torch.optim`` (``_default_to_fused_or_foreach``): the kernels have not yet been
+        measured on a GPU.  ``fused=True`` is checked again (a parameter moved since the
+        optimizer was built, a group edited): a parameter the kernels cannot take, or a
+        rule without a fused path, raises a ``ValueError`` naming it.  ``SAGE_KERNELS``
+        is read here, at every step (:func:`sage_optim.kernels.kernels_enabled`): ``off``
+        turns ``fused=True`` into the path ``fused=None`` would take, after a one-time
+        warning; another value than ``auto``/``off`` raises a ``ValueError`` naming it.
+        The first-use check of the kernels (per device and dtype) is made by
+        :meth:`step`.
         """
-        fused, foreach = group.get("fused"), group["foreach"]
-        on_cuda = all(p.device.type == "cuda" for p in params)
-        if fused:
-            for p, name in zip(params, names, strict=True):
-                reason = fused_unsupported(p, name)
-                if reason is not None:
-                    raise ValueError(reason)
-            return False, True
-        if (fused is None and foreach is None and rule.has_fused and on_cuda
-                and triton_available()
-                and all(fused_unsupported(p, n) is None
-                        for p, n in zip(params, names, strict=True))):
-            return False, True
-        return (on_cuda if foreach is None else bool(foreach)), False
+        if not group.get("fused"):
+            return RuleOptimizer._unfused(group, params), False
+        if not kernels_enabled():
+            warn_overridden("fused=True")
+            return RuleOptimizer._unfused(group, params), False
+        if not rule.has_fused:
+            raise ValueError(f"fused=True: the {rule.name} rule has no fused path (rules with "
+                             f"one: {', '.join(FUSED_RULES)}); use foreach=True for it")
+        for p, name in zip(params, names, strict=True):
+            reason = fused_unsupported(p, name)
+            if reason is not None:
+                raise ValueError(reason)
+        return False, True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, keeping each floating state tensor's saved dtype."""

@@ -26,8 +26,10 @@ from sage_torch.common import (
     Rule,
     axis_group,
     bias_correction,
+    by_device_dtype,
     copy_all,
     decayed_step,
+    document_fused,
     is_dtensor,
     lr_of,
     lr_tensor,
@@ -226,16 +228,26 @@ def _fused_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     :func:`_multi_tensor_sage` (:func:`_dampers`); then one kernel per parameter reads
     ``g``, ``M``, ``θ`` and ``H`` once and writes ``M ← g·(1−b2) + M·b2`` and
     ``θ ← θ − η·(sign(b1·M + (b2−b1)·g)·H + w·θ)``, the operations of
-    :func:`_single_tensor_sage` (:mod:`sage_torch.triton_kernels`).  Contiguous
-    parameters of at most two dims (or element-wise ones of any shape) whose gradient and
-    ``M`` share their dtype take the kernel; the others (grouped fan-out dims, batch dims,
-    ``mu_dtype``, non-contiguous) take :func:`_multi_tensor_sage`.
+    :func:`_single_tensor_sage` (:mod:`sage_torch.triton_kernels`; bfloat16 in float32,
+    rounded as that function rounds).  Contiguous parameters of at most two dims (or
+    element-wise ones of any shape) whose gradient and ``M`` share their dtype take the
+    kernel; the others (grouped fan-out dims, batch dims, ``mu_dtype``, non-contiguous)
+    take :func:`_multi_tensor_sage`.  Parameters on several devices or of several dtypes
+    are stepped one device and dtype at a time (every launch's tensors on its device).
     """
     from sage_torch import triton_kernels as tk
 
     consts = ConstCache() if consts is None else consts
     hp: dict[str, Any] = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
                           "weight_decay": weight_decay, "damper": damper}
+    parts = by_device_dtype(params)
+    if len(parts) > 1:
+        for idx in parts:
+            _fused_sage(*([xs[i] for i in idx] for xs in (params, grads, exp_avgs, scale_avgs,
+                                                          state_steps)),
+                        reduce_dims=[reduce_dims[i] for i in idx],
+                        rms_dims=[rms_dims[i] for i in idx], consts=consts, **hp)
+        return
     ok: list[int] = []
     rest: list[int] = []
     for i, (p, g, m) in enumerate(zip(params, grads, exp_avgs, strict=True)):
@@ -252,23 +264,26 @@ def _fused_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor
     if not ok:
         return
     ps, gs = [params[i] for i in ok], [grads[i] for i in ok]
-    h_all = _dampers(ps, gs, [scale_avgs[i] for i in ok], [state_steps[i] for i in ok],
+    p0 = ps[0]
+    w = wide(p0.dtype)
+    g32 = [g if g.dtype == w else g.to(w) for g in gs]
+    h_all = _dampers(ps, g32, [scale_avgs[i] for i in ok], [state_steps[i] for i in ok],
                      reduce_dims=[reduce_dims[i] for i in ok], rms_dims=[rms_dims[i] for i in ok],
                      beta2=beta2, eps=eps, damper=damper)
-    p0 = ps[0]
-    hpt = consts.get((1 - beta2, beta2, beta1, beta2 - beta1, 1.0 - beta1, weight_decay),
-                     p0.dtype, p0.device)
+    del g32
+    hpt = consts.get((1 - beta2, beta2, beta1, beta2 - beta1, 1.0 - beta1, weight_decay), w,
+                     p0.device)
     lr_t = lr_tensor(lr, p0)
     for i, p, g, h in zip(ok, ps, gs, h_all, strict=True):
         if p.numel() == 0:
             continue
-        h = h.to(p.dtype)
         if reduce_dims[i] is None:  # H has p's shape: read it flat
             h, strides, cols = h.contiguous(), (0, 1), p.numel()
         else:  # (1, C) or (R, 1): broadcast by a zero stride
             he = h.expand(p.shape)
             strides, cols = (he.stride(0), he.stride(1)), p.shape[1]
-        tk.sage_update(p, g, exp_avgs[i], h, strides, cols, hpt, lr_t, beta2 == 0)
+        tk.sage_update(p, g, exp_avgs[i], h, strides, cols, hpt, lr_t, beta2 == 0,
+                       lr_is_tensor=isinstance(lr, Tensor))
 
 
 def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
@@ -401,6 +416,7 @@ class SageRule(Rule):
            rms_dims=[self._rms_dims(p, group) for p in params], **hp)
 
 
+@document_fused
 class SAGE(RuleOptimizer):
     """SAGE, Sign-Adaptive GradiEnt (paper Algorithm 1; ``docs/algorithms.md``).
 
@@ -421,10 +437,7 @@ class SAGE(RuleOptimizer):
         element-wise for every shape.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path (default: on CUDA).
-      fused: use the Triton kernels (:mod:`sage_torch.triton_kernels`; default: on CUDA
-        when ``triton`` is installed, every parameter is float32/float64 and neither
-        ``foreach`` nor ``fused`` is set).  ``fused=True`` with ``foreach=True``, or on a
-        parameter the kernels cannot take, raises a ``ValueError`` naming it.
+      {fused_doc}
       capturable: keep the step count on the parameters' device and accept a device tensor
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.

@@ -27,7 +27,9 @@ from sage_torch.common import (
     MatrixView,
     Rule,
     axis_group,
+    by_device_dtype,
     decayed_step,
+    document_fused,
     is_dtensor,
     lr_of,
     lr_tensor,
@@ -463,9 +465,12 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
     of the stack and of the scales and writing the parameter in place.  The kernels treat
     every batch index alone, so the result does not depend on the chunking (bit for bit
     under the interpreter).  No host synchronisation: the learning rate is a device
-    tensor (``capturable``).
+    tensor (``capturable``).  bfloat16 parameters: the scales, ``m`` and the arithmetic
+    in float32, the update rounded as :func:`_single_tensor_sinkgd` rounds it.
     Parameters whose matrix is not such a view (a permutation that cannot be merged), or
     whose gradient has another dtype, or DTensors, take :func:`_multi_tensor_sinkgd`.
+    Parameters on several devices or of several dtypes are stepped one device and dtype
+    at a time (every launch's tensors on its device).
     ``consts``: the cache of the kernels' hyperparameter tensors (kept by the rule).
     """
     from sage_torch import triton_kernels as tk
@@ -473,6 +478,13 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
     consts = ConstCache() if consts is None else consts
     hp: dict[str, Any] = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
                           "normalization": normalization, "weight_decay": weight_decay}
+    parts = by_device_dtype(params)
+    if len(parts) > 1:
+        for idx in parts:
+            _fused_sinkgd([params[i] for i in idx], [grads[i] for i in idx],
+                          axes=[axes[i] for i in idx], consts=consts,
+                          group_bytes=group_bytes, **hp)
+        return
     mats: list[tuple[Tensor, Tensor]] = []  # (p view, g view)
     rest: list[int] = []
     buckets: dict[tuple[Any, ...], _Bucket] = {}
@@ -500,14 +512,15 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
               for ch in _chunks([b], dtype.itemsize, group_bytes)]
     single = [ch for ch in chunks if len(ch.members) == 1]
     device, dtype = mats[0][0].device, mats[0][0].dtype
+    w = wide(dtype)  # the scales' and the arithmetic's dtype
     lr_t = lr_tensor(lr, mats[0][0])
-    c_all = torch.ones(sum(ch.batch * ch.inp for ch in chunks), dtype=dtype, device=device)
-    r_all = torch.ones(sum(ch.batch * ch.out for ch in chunks), dtype=dtype, device=device)
+    c_all = torch.ones(sum(ch.batch * ch.inp for ch in chunks), dtype=w, device=device)
+    r_all = torch.ones(sum(ch.batch * ch.out for ch in chunks), dtype=w, device=device)
     c_parts = c_all.split([ch.batch * ch.inp for ch in chunks])
     r_parts = r_all.split([ch.batch * ch.out for ch in chunks])
     scalars: dict[int, tuple[Tensor, ...]] = {}  # id(chunk) -> (m, ε/m, h, m/h)
     if single:  # the in-place chunks: their m in one batch of small kernels
-        amax = [torch.linalg.vector_norm(mats[ch.members[0]][1], math.inf, dim=(1, 2))
+        amax = [torch.linalg.vector_norm(mats[ch.members[0]][1], math.inf, dim=(1, 2)).to(w)
                 for ch in single]
         sizes = [ch.batch for ch in single]
         split = [x.split(sizes) for x in
@@ -522,16 +535,17 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
         else:  # one contiguous (ΣB, OUT, IN) copy of the chunk's gradients
             g = torch.cat([gv for _, gv in views])
             m, eps_first, half, m_half = _fused_scalars(
-                torch.linalg.vector_norm(g, math.inf, dim=(1, 2)), eps)
+                torch.linalg.vector_norm(g, math.inf, dim=(1, 2)).to(w), eps)
         t_in, t_out = ((1.0, 1.0) if normalization == "unit"
                        else (math.sqrt(ch.inp), math.sqrt(ch.out)))
-        hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), g.dtype, g.device)
+        hpt = consts.get((t_in, t_out, eps, alpha, weight_decay), w, g.device)
         cv, rv = c.view(ch.batch, ch.inp), r.view(ch.batch, ch.out)
         tk.sinkhorn_iterations(g, cv, rv, m, eps_first, hpt, num_iters)
         # one split per tensor, not one slice per parameter
         for (pv, _), gs, cs, rs, hs, mhs in zip(
                 views, *(x.split(ch.sizes) for x in (g, cv, rv, half, m_half)), strict=True):
-            tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t)
+            tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t,
+                             lr_is_tensor=isinstance(lr, Tensor))
         del g, gs  # the chunk's stack (if any) is freed before the next chunk's
 
 
@@ -682,6 +696,7 @@ class SinkGDRule(Rule):
             _single_tensor_sinkgd(rest, rest_g, axes=rest_axes, **hp)
 
 
+@document_fused
 class SinkGD(RuleOptimizer):
     """SinkGD (``docs/algorithms.md``): ``θ ← θ − η·(α·X + w·θ)``.
 
@@ -706,10 +721,7 @@ class SinkGD(RuleOptimizer):
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path, the Sinkhorn iterations batched over
         same-shape matrices (default: on CUDA).
-      fused: use the Triton kernels (:mod:`sage_torch.triton_kernels`; default: on CUDA
-        when ``triton`` is installed, every parameter is float32/float64 and neither
-        ``foreach`` nor ``fused`` is set).  ``fused=True`` with ``foreach=True``, or on a
-        parameter the kernels cannot take, raises a ``ValueError`` naming it.
+      {fused_doc}
       capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).

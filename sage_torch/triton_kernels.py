@@ -9,28 +9,53 @@ which :func:`sage_torch.common.fused_unsupported` allows only under
 Both wrappers of a kernel are built directly, so the choice is made per call and does not
 depend on the environment at import time.
 
-The kernels call only Triton builtins (``tl.full``, ``tl.reduce`` with ``tl.sum``'s own
-combine function, not the ``@jit`` helpers ``tl.zeros``/``tl.sum``): Triton 3.6 builds those
-helpers for the interpreter or the compiler when ``triton`` is first imported, and in a
-process where ``torch.compile`` imported it first they cannot be interpreted.
+``triton.language``'s own ``@jit`` helpers (``tl.sum``, ``tl.zeros``, the combine
+functions of ``tl.standard``) are built once, when ``triton`` is first imported: for the
+interpreter if ``TRITON_INTERPRET=1`` is set then, else for the compiler.  So the kernels
+call none of them directly (a compiler-built one raises when an interpreted kernel calls
+it); the one they use, ``tl.standard._sum_combine``, is only passed to ``tl.reduce``,
+whose interpreted version calls the plain function inside.  Their own device functions
+(:func:`_round_bf16`, :func:`_decayed`) are :class:`_DeviceFunction` objects, which both
+modes can call.  A process that imported ``triton`` with ``TRITON_INTERPRET=1`` set cannot
+compile the kernels (``tl.reduce``'s combine function is then an interpreter function):
+the test that compiles them for an H100 runs in a process of its own, without the
+variable and with an empty Triton cache.
 
-Every kernel computes in the parameters' dtype (float32 or float64, :data:`DTYPES`); the
-hyperparameters come from a small tensor of that dtype (``hp``, rounded by torch exactly
-as torch rounds a Python scalar in the reference paths), and the learning rate from a
-one-element device tensor (``lr``), so a fused step reads nothing back to the host and
-can be captured in a CUDA graph (``capturable=True``).  ``docs/algorithms.md`` states the
-math; the kernels follow the operations of the single-tensor functions in the same order.
+Arithmetic: every kernel computes in ``w``, float32 or float64
+(:func:`~sage_torch.common.wide` of the parameters' dtype, :data:`DTYPES`), with the
+operations of the single-tensor functions in the same order (``docs/algorithms.md``
+states the math); compiled without floating-point contraction (``enable_fp_fusion=False``:
+no ``a·b + c`` becomes an FMA), so a kernel rounds as the interpreter does and as the
+reference paths' separate torch operations do.  bfloat16 parameters and gradients are
+read into float32, their state is kept as the other paths keep it (SAGE's and Lion's
+``M`` in bfloat16, SAGE's ``S`` in float32) and every value the reference paths store in
+a bfloat16 tensor (the update, ``u + w·θ``, ``θ``, ``M``, Lion's intermediate products) is
+rounded to bfloat16 where they round it (:func:`_round_bf16`, round to nearest even).
+The hyperparameters come from a small tensor in ``w`` (``hp``, each rounded to ``w``
+once, as torch's CUDA kernels take a Python scalar, ``alpha=`` included; torch's CPU
+``add`` of bfloat16 rounds ``alpha`` to bfloat16 in its vectorised loop only), and the
+learning rate from a one-element device tensor (``lr``), so a fused step reads nothing
+back to the host and can be captured in a CUDA graph (``capturable=True``).
+
+Indexing: offsets are int32 (fast) unless one the kernel forms could reach ``2**31``
+(:data:`INDEX_LIMIT`); the launchers then set the kernel's ``INT64`` flag, which forms
+program ids, lanes and every offset in int64 (:func:`needs_int64` and the ``*_int64``
+functions, pure functions of the sizes and strides).  A launch on a CUDA device that is
+not the current one runs under ``torch.cuda.device`` of the tensors' device
+(:func:`_launch`): Triton launches on the current device.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.jit import JITFunction
 
 ELEMENTWISE_BLOCK = 1024
 """Elements per program of the element-wise kernels."""
@@ -39,31 +64,100 @@ SINKHORN_BLOCKS = {"rows": (16, 256), "cols": (64, 64)}
 """``(BLOCK_R, BLOCK_C)`` tiles (rows, columns of ``G``) of the per-row and per-column
 Sinkhorn reductions (:func:`_sinkhorn_half`)."""
 
+INDEX_LIMIT = 2**31
+"""The first offset int32 cannot hold: a launch forming one this large takes ``INT64``."""
+
+DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
+"""Parameter dtypes the kernels take (:data:`sage_torch.common.FUSED_DTYPES`)."""
+
+_COMPILE_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
+"""Options of every compiled launch: no FMA contraction (see the module docstring)."""
+
+
+class _DeviceFunction(JITFunction):
+    """A ``@jit`` device function that compiled and interpreted kernels can both call.
+
+    The compiler inlines a call to a ``JITFunction`` itself and never calls the object;
+    an interpreted kernel calls it as Python, which a plain ``JITFunction`` refuses, so
+    here the call runs the interpreter's rewritten copy of the function (the kernel's
+    run has already put the interpreter's ``triton.language`` in place).
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(self.fn).rewrite()(*args, **kwargs)
+
+
+# --- device functions -------------------------------------------------------------------
+
+
+def _round_bf16_fn(x):  # pragma: no cover - Triton
+    """float32 ``x`` rounded to the nearest bfloat16 (ties to even), kept in float32.
+
+    As torch's ``.to(torch.bfloat16)`` (``c10::round_to_nearest_even``): add ``0x7FFF``
+    plus the lowest kept bit, drop the 16 low bits; NaN stays NaN.  The bits are rounded
+    here, not by ``x.to(tl.bfloat16)``, because Triton 3.6's interpreter truncates that
+    conversion (the GPU rounds it): written this way both give torch's result.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 is 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+_round_bf16 = _DeviceFunction(_round_bf16_fn)
+
+
+def _decayed_fn(p, u, wd, lr, BF16: tl.constexpr, LR_TENSOR: tl.constexpr):  # pragma: no cover
+    """``θ − η·(u + w·θ)``, rounded as :func:`sage_torch.common.decayed_step` rounds it.
+
+    bfloat16 (``BF16``): ``d = u + w·θ`` and the new ``θ`` are each rounded to bfloat16
+    (``u.add(θ, alpha=w)``, ``θ.add_(d, alpha=−η)``), and with a tensor ``η``
+    (``LR_TENSOR``, ``capturable=True``) the product ``η·d`` too (``θ.sub_(d * η)``).
+    """
+    if BF16:
+        d = _round_bf16(u + wd * p)
+        if LR_TENSOR:
+            return _round_bf16(p - _round_bf16(lr * d))
+        return _round_bf16(p - lr * d)
+    return p - lr * (u + wd * p)
+
+
+_decayed = _DeviceFunction(_decayed_fn)
+
 
 # --- kernel bodies (wrapped by _kernel) -------------------------------------------------
 
 
 def _sinkhorn_half(g_ptr, u_ptr, w_ptr, m_ptr, eps_ptr, eps_stride, t_ptr, N_OUT, N_RED,
-                   s_gb, s_go, s_gr, IS_F32: tl.constexpr, BLOCK_O: tl.constexpr,
-                   BLOCK_R: tl.constexpr):  # pragma: no cover - Triton
+                   s_gb, s_go, s_gr, IS_F32: tl.constexpr, INT64: tl.constexpr,
+                   BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):  # pragma: no cover - Triton
     """One Sinkhorn half-iteration for a block of output entries ``o`` of matrix ``b``.
 
     ``q_o = sqrt(Σ_k (G_ok/m)²·w_k²)`` over the reduced axis (tiles of ``G`` squared on
     chip), then ``u_o ← where(q > 0, u·t / (u·q + ε_b), u)`` with ``t = t_ptr[0]`` and
     ``ε_b = eps_ptr[b·eps_stride]``.  The rows half (``u = r``, ``w = c``, reducing over
     the fan-in columns) and the columns half (``u = c``, ``w = r``) are this kernel with
-    the sizes and strides of the two axes swapped (:func:`sinkhorn_iterations`).
+    the sizes and strides of the two axes swapped (:func:`sinkhorn_iterations`).  ``G``
+    may be bfloat16; everything else is in the scales' dtype (``u``), the arithmetic's.
     """
-    b = tl.program_id(0)
-    outs = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    if INT64:
+        b = tl.program_id(0).to(tl.int64)
+        outs = tl.program_id(1).to(tl.int64) * BLOCK_O + tl.arange(0, BLOCK_O).to(tl.int64)
+        lanes = tl.arange(0, BLOCK_R).to(tl.int64)
+    else:
+        b = tl.program_id(0)
+        outs = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+        lanes = tl.arange(0, BLOCK_R)
     out_ok = outs < N_OUT
     m = tl.load(m_ptr + b)
-    acc = tl.full((BLOCK_O,), 0.0, g_ptr.dtype.element_ty)
+    acc = tl.full((BLOCK_O,), 0.0, u_ptr.dtype.element_ty)
     for k0 in range(0, N_RED, BLOCK_R):
-        reds = k0 + tl.arange(0, BLOCK_R)
+        reds = k0 + lanes
         red_ok = reds < N_RED
         g = tl.load(g_ptr + b * s_gb + outs[:, None] * s_go + reds[None, :] * s_gr,
                     mask=out_ok[:, None] & red_ok[None, :], other=0.0)
+        g = g.to(u_ptr.dtype.element_ty)
         if IS_F32:
             x = tl.div_rn(g, m)  # exact: m is a power of two
         else:
@@ -87,19 +181,25 @@ def _sinkhorn_half(g_ptr, u_ptr, w_ptr, m_ptr, eps_ptr, eps_stride, t_ptr, N_OUT
 
 def _sinkgd_update(p_ptr, g_ptr, r_ptr, c_ptr, half_ptr, mh_ptr, hp_ptr, lr_ptr, N, R, C,
                    s_pb, s_pr, s_pc, s_gb, s_gr, s_gc, IS_F32: tl.constexpr,
+                   BF16: tl.constexpr, LR_TENSOR: tl.constexpr, INT64: tl.constexpr,
                    BLOCK: tl.constexpr):  # pragma: no cover - Triton
     """``θ ← θ − η·(α·((c_j/h)·G_ij·(r_i/(m/h))) + w·θ)`` element-wise; ``hp[3:5] = (α, w)``.
 
     ``h = half_ptr[b]`` and ``m/h = mh_ptr[b]`` split ``1/m`` between the scales (powers of
-    two: the divisions are exact).
+    two: the divisions are exact).  bfloat16 (``BF16``): ``X`` is rounded to bfloat16, then
+    ``α·X`` (``x.to(θ.dtype) * α`` of :func:`sage_torch.sinkgd._single_tensor_sinkgd`).
     """
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if INT64:
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    else:
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
-    b = idx // (R * C)
-    rem = idx % (R * C)
-    i = rem // C
-    j = rem % C
-    g = tl.load(g_ptr + b * s_gb + i * s_gr + j * s_gc, mask=ok, other=0.0)
+    row = idx // C  # b·R + i: no R·C product, which could overflow
+    j = idx % C
+    i = row % R
+    b = row // R
+    cdt = hp_ptr.dtype.element_ty
+    g = tl.load(g_ptr + b * s_gb + i * s_gr + j * s_gc, mask=ok, other=0.0).to(cdt)
     c = tl.load(c_ptr + b * C + j, mask=ok, other=0.0)
     r = tl.load(r_ptr + b * R + i, mask=ok, other=0.0)
     half = tl.load(half_ptr + b, mask=ok, other=1.0)
@@ -111,70 +211,100 @@ def _sinkgd_update(p_ptr, g_ptr, r_ptr, c_ptr, half_ptr, mh_ptr, hp_ptr, lr_ptr,
         c = c / half
         r = r / mh
     p_off = b * s_pb + i * s_pr + j * s_pc
-    p = tl.load(p_ptr + p_off, mask=ok, other=0.0)
+    p = tl.load(p_ptr + p_off, mask=ok, other=0.0).to(cdt)
     alpha = tl.load(hp_ptr + 3)
     wd = tl.load(hp_ptr + 4)
-    lr = tl.load(lr_ptr).to(p.dtype)
-    u = ((c * g) * r) * alpha
-    tl.store(p_ptr + p_off, p - lr * (u + wd * p), mask=ok)
+    lr = tl.load(lr_ptr).to(cdt)
+    x = (c * g) * r
+    if BF16:
+        u = _round_bf16(_round_bf16(x) * alpha)
+    else:
+        u = x * alpha
+    tl.store(p_ptr + p_off, _decayed(p, u, wd, lr, BF16, LR_TENSOR), mask=ok)
 
 
 def _sage_update(p_ptr, g_ptr, m_ptr, h_ptr, hp_ptr, lr_ptr, N, C, s_hr, s_hc,
-                 B2_ZERO: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - Triton
+                 B2_ZERO: tl.constexpr, BF16: tl.constexpr, LR_TENSOR: tl.constexpr,
+                 INT64: tl.constexpr, BLOCK: tl.constexpr):  # pragma: no cover - Triton
     """SAGE's element-wise part on a contiguous ``(N/C, C)`` tensor, ``H`` broadcast by strides.
 
     ``M ← g·(1−b2) + M·b2``; ``u = sign(M·b1 + g·(b2−b1))·H`` (``sign(g·(1−b1) + M·b1)``
     with the old ``M`` when ``b2 = 0``); ``θ ← θ − η·(u + w·θ)``.
-    ``hp = (1−b2, b2, b1, b2−b1, 1−b1, w)``.
+    ``hp = (1−b2, b2, b1, b2−b1, 1−b1, w)``.  bfloat16 (``BF16``): the sign's argument
+    comes from the float32 ``M``; ``M`` and ``u`` are rounded to bfloat16 when stored,
+    as :func:`sage_torch.sage._single_tensor_sage` does.
     """
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if INT64:
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    else:
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
-    g = tl.load(g_ptr + idx, mask=ok, other=0.0)
-    m = tl.load(m_ptr + idx, mask=ok, other=0.0)
-    p = tl.load(p_ptr + idx, mask=ok, other=0.0)
-    h = tl.load(h_ptr + (idx // C) * s_hr + (idx % C) * s_hc, mask=ok, other=0.0)
+    cdt = hp_ptr.dtype.element_ty
+    g = tl.load(g_ptr + idx, mask=ok, other=0.0).to(cdt)
+    m = tl.load(m_ptr + idx, mask=ok, other=0.0).to(cdt)
+    p = tl.load(p_ptr + idx, mask=ok, other=0.0).to(cdt)
+    h = tl.load(h_ptr + (idx // C) * s_hr + (idx % C) * s_hc, mask=ok, other=0.0).to(cdt)
     one_b2 = tl.load(hp_ptr)
     b2 = tl.load(hp_ptr + 1)
     b1 = tl.load(hp_ptr + 2)
     b2_b1 = tl.load(hp_ptr + 3)
     one_b1 = tl.load(hp_ptr + 4)
     wd = tl.load(hp_ptr + 5)
-    lr = tl.load(lr_ptr).to(p.dtype)
+    lr = tl.load(lr_ptr).to(cdt)
     m_new = g * one_b2 + m * b2
     if B2_ZERO:
         arg = g * one_b1 + m * b1
     else:
         arg = m_new * b1 + g * b2_b1
-    sign = tl.where(arg > 0, 1.0, tl.where(arg < 0, -1.0, 0.0)).to(p.dtype)
+    sign = tl.where(arg > 0, 1.0, tl.where(arg < 0, -1.0, 0.0)).to(cdt)
     sign = tl.where(arg != arg, arg, sign)  # NaN stays NaN, as torch.sign
     u = sign * h
+    if BF16:
+        m_new = _round_bf16(m_new)
+        u = _round_bf16(u)
     tl.store(m_ptr + idx, m_new, mask=ok)
-    tl.store(p_ptr + idx, p - lr * (u + wd * p), mask=ok)
+    tl.store(p_ptr + idx, _decayed(p, u, wd, lr, BF16, LR_TENSOR), mask=ok)
 
 
-def _lion_update(p_ptr, g_ptr, m_ptr, hp_ptr, lr_ptr, N,
+def _lion_update(p_ptr, g_ptr, m_ptr, hp_ptr, lr_ptr, N, BF16: tl.constexpr,
+                 LR_TENSOR: tl.constexpr, INT64: tl.constexpr,
                  BLOCK: tl.constexpr):  # pragma: no cover - Triton
     """Lion element-wise: ``u = sign(g·(1−b1) + m·b1)``, ``m ← g·(1−b2) + m·b2``, decayed step.
 
-    ``hp = (1−b1, b1, 1−b2, b2, w)``.
+    ``hp = (1−b1, b1, 1−b2, b2, w)``.  bfloat16 (``BF16``): every product and sum is
+    rounded to bfloat16, as the bfloat16 tensor operations of
+    :func:`sage_torch.lion._single_tensor_lion` round them.
     """
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if INT64:
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    else:
+        idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < N
-    g = tl.load(g_ptr + idx, mask=ok, other=0.0)
-    m = tl.load(m_ptr + idx, mask=ok, other=0.0)
-    p = tl.load(p_ptr + idx, mask=ok, other=0.0)
+    cdt = hp_ptr.dtype.element_ty
+    g = tl.load(g_ptr + idx, mask=ok, other=0.0).to(cdt)
+    m = tl.load(m_ptr + idx, mask=ok, other=0.0).to(cdt)
+    p = tl.load(p_ptr + idx, mask=ok, other=0.0).to(cdt)
     one_b1 = tl.load(hp_ptr)
     b1 = tl.load(hp_ptr + 1)
     one_b2 = tl.load(hp_ptr + 2)
     b2 = tl.load(hp_ptr + 3)
     wd = tl.load(hp_ptr + 4)
-    lr = tl.load(lr_ptr).to(p.dtype)
-    arg = g * one_b1 + m * b1
-    u = tl.where(arg > 0, 1.0, tl.where(arg < 0, -1.0, 0.0)).to(p.dtype)
+    lr = tl.load(lr_ptr).to(cdt)
+    if BF16:
+        arg = _round_bf16(_round_bf16(g * one_b1) + _round_bf16(m * b1))
+        m_new = _round_bf16(_round_bf16(g * one_b2) + _round_bf16(m * b2))
+    else:
+        arg = g * one_b1 + m * b1
+        m_new = g * one_b2 + m * b2
+    u = tl.where(arg > 0, 1.0, tl.where(arg < 0, -1.0, 0.0)).to(cdt)
     u = tl.where(arg != arg, arg, u)
-    tl.store(m_ptr + idx, g * one_b2 + m * b2, mask=ok)
-    tl.store(p_ptr + idx, p - lr * (u + wd * p), mask=ok)
+    tl.store(m_ptr + idx, m_new, mask=ok)
+    tl.store(p_ptr + idx, _decayed(p, u, wd, lr, BF16, LR_TENSOR), mask=ok)
 
+
+KERNELS: tuple[Callable[..., Any], ...] = (_sinkhorn_half, _sinkgd_update, _sage_update,
+                                           _lion_update)
+"""Every kernel body (the fused step of each rule launches some of them)."""
 
 _LOOP_BOUNDS: dict[str, tuple[str, ...]] = {"_sinkhorn_half": ("N_OUT", "N_RED")}
 """Integer arguments a kernel loops up to: compile-time values under the interpreter only."""
@@ -203,75 +333,168 @@ def _kernel(fn: Callable[..., Any], interpret: bool) -> Any:
                 return out
 
         return Interpreted(fn)
-    from triton.runtime.jit import JITFunction
-
     return JITFunction(fn)
 
 
 def _launch(fn: Callable[..., Any], device: torch.device, grid: tuple[int, ...],
-            *args: tl.constexpr, **meta: tl.constexpr) -> None:
-    _kernel(fn, device.type == "cpu")[grid](*args, **meta)
+            *args: Any, **meta: Any) -> None:
+    """Launch kernel ``fn`` on ``grid`` for tensors on ``device``.
+
+    CPU: Triton's interpreter.  CUDA: the compiled kernel (:data:`_COMPILE_OPTIONS`), under
+    ``torch.cuda.device(device)`` when ``device`` is not the current device (Triton
+    launches on the current device and stream); reading the current device is a host
+    call, no synchronisation.
+    """
+    if device.type == "cpu":
+        _kernel(fn, True)[grid](*args, **meta)
+        return
+    kernel = _kernel(fn, False)
+    if device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            kernel[grid](*args, **meta, **_COMPILE_OPTIONS)
+    else:
+        kernel[grid](*args, **meta, **_COMPILE_OPTIONS)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# --- int32 or int64 offsets (pure functions of sizes and strides) -----------------------
+
+
+def needs_int64(*offsets: int) -> bool:
+    """Whether the largest of ``offsets`` does not fit in int32 (:data:`INDEX_LIMIT`).
+
+    ``offsets``: for each offset formula of a kernel, the largest value it forms.
+    """
+    return max(offsets, default=0) >= INDEX_LIMIT
+
+
+def _last_flat(n: int) -> int:
+    """The largest flat index an element-wise launch over ``n`` elements forms.
+
+    Its lanes past ``n`` included: they are masked, but their index is compared with ``n``.
+    """
+    return _cdiv(n, ELEMENTWISE_BLOCK) * ELEMENTWISE_BLOCK - 1
+
+
+def elementwise_int64(n: int) -> bool:
+    """``INT64`` of :func:`_lion_update` over ``n`` contiguous elements."""
+    return needs_int64(_last_flat(n))
+
+
+def sage_int64(n: int, cols: int, h_strides: tuple[int, int]) -> bool:
+    """``INT64`` of :func:`_sage_update`: the flat index and ``H``'s strided offset."""
+    last = _last_flat(n)
+    return needs_int64(last, (last // cols) * h_strides[0] + (cols - 1) * h_strides[1])
+
+
+def sinkgd_update_int64(shape: tuple[int, int, int], p_strides: tuple[int, ...],
+                        g_strides: tuple[int, ...]) -> bool:
+    """``INT64`` of :func:`_sinkgd_update` on ``(B, R, C)`` views of ``θ`` and ``G``."""
+    _, rows, cols = shape
+    last = _last_flat(math.prod(shape))
+    b = last // cols // rows
+    offsets = [last, b * rows + rows - 1, b * cols + cols - 1]
+    for s_b, s_r, s_c in (p_strides, g_strides):
+        offsets.append(b * s_b + (rows - 1) * s_r + (cols - 1) * s_c)
+    return needs_int64(*offsets)
+
+
+def sinkhorn_int64(shape: tuple[int, int, int], strides: tuple[int, ...],
+                   blocks: tuple[int, int]) -> bool:
+    """``INT64`` of a :func:`_sinkhorn_half` launch.
+
+    ``shape = (B, N_OUT, N_RED)``, ``strides`` of ``G`` along them, ``blocks = (BLOCK_O,
+    BLOCK_R)``.
+    """
+    bsz, n_out, n_red = shape
+    outs = _cdiv(n_out, blocks[0]) * blocks[0] - 1
+    reds = _cdiv(n_red, blocks[1]) * blocks[1] - 1
+    b = bsz - 1
+    return needs_int64(b * strides[0] + outs * strides[1] + reds * strides[2],
+                       b * n_out + outs, b * n_red + reds)
+
+
+# --- launchers ---------------------------------------------------------------------------
+
+
 def sinkhorn_iterations(g: Tensor, c: Tensor, r: Tensor, m: Tensor, eps_first: Tensor,
                         hp: Tensor, num_iters: int) -> None:
     """Run ``num_iters`` Sinkhorn iterations of the ``(B, R, C)`` matrices ``g`` (any strides).
 
-    ``c`` ``(B, C)`` and ``r`` ``(B, R)`` are the scale vectors (contiguous, ``g``'s dtype,
-    updated in place), ``m`` ``(B,)`` the range scales, ``eps_first`` ``(B,)`` the ε of the
-    first row half-iteration (``ε/m``), ``hp`` ``(t_in, t_out, ε, α, w)``.  Two launches
-    per iteration: the rows (a reduction over the fan-in), then the columns (over the
-    fan-out), each program looping over the whole other axis (deterministic, no atomics);
-    ``(G/m)²`` is formed tile by tile on chip, never stored.
+    ``c`` ``(B, C)`` and ``r`` ``(B, R)`` are the scale vectors (contiguous, in ``g``'s
+    arithmetic dtype :func:`~sage_torch.common.wide`, updated in place), ``m`` ``(B,)`` the
+    range scales, ``eps_first`` ``(B,)`` the ε of the first row half-iteration (``ε/m``),
+    ``hp`` ``(t_in, t_out, ε, α, w)``, all in that dtype.  Two launches per iteration: the
+    rows (a reduction over the fan-in), then the columns (over the fan-out), each program
+    looping over the whole other axis (deterministic, no atomics); ``(G/m)²`` is formed
+    tile by tile on chip, never stored.
     """
     bsz, rows, cols = g.shape
-    is_f32 = g.dtype == torch.float32
+    is_f32 = c.dtype == torch.float32
     br, bc = SINKHORN_BLOCKS["rows"]
     cr, cc = SINKHORN_BLOCKS["cols"]
     s_b, s_r, s_c = g.stride()
+    rows_64 = sinkhorn_int64((bsz, rows, cols), (s_b, s_r, s_c), (br, bc))
+    cols_64 = sinkhorn_int64((bsz, cols, rows), (s_b, s_c, s_r), (cc, cr))
     t_in, t_out, eps = hp[0:], hp[1:], hp[2:]
     for it in range(int(num_iters)):
         # r over the rows, reducing over the columns (weights c), then c over the columns
         eps_r, eps_stride = (eps_first, 1) if it == 0 else (eps, 0)
         _launch(_sinkhorn_half, g.device, (bsz, _cdiv(rows, br)), g, r, c, m, eps_r,
-                eps_stride, t_in, rows, cols, s_b, s_r, s_c, IS_F32=is_f32, BLOCK_O=br,
-                BLOCK_R=bc)
+                eps_stride, t_in, rows, cols, s_b, s_r, s_c, IS_F32=is_f32, INT64=rows_64,
+                BLOCK_O=br, BLOCK_R=bc)
         _launch(_sinkhorn_half, g.device, (bsz, _cdiv(cols, cc)), g, c, r, m, eps, 0, t_out,
-                cols, rows, s_b, s_c, s_r, IS_F32=is_f32, BLOCK_O=cc, BLOCK_R=cr)
+                cols, rows, s_b, s_c, s_r, IS_F32=is_f32, INT64=cols_64, BLOCK_O=cc,
+                BLOCK_R=cr)
 
 
 def sinkgd_update(p: Tensor, g: Tensor, c: Tensor, r: Tensor, half: Tensor, m_half: Tensor,
-                  hp: Tensor, lr: Tensor) -> None:
+                  hp: Tensor, lr: Tensor, lr_is_tensor: bool = False) -> None:
     """``p ← p − lr·(α·((c/h)·g·(r/(m/h))) + w·p)`` for ``(B, R, C)`` views (any strides).
 
     ``c`` ``(B, C)``, ``r`` ``(B, R)``: the scales of :func:`sinkhorn_iterations`;
-    ``half``, ``m_half`` ``(B,)``: the split of ``1/m``; ``hp[3:5] = (α, w)``.
+    ``half``, ``m_half`` ``(B,)``: the split of ``1/m``; ``hp[3:5] = (α, w)``;
+    ``lr_is_tensor``: ``lr`` is the group's own tensor (``capturable=True``), which
+    changes the rounding of bfloat16 parameters (:func:`_decayed`).
     """
     bsz, rows, cols = g.shape
     n = bsz * rows * cols
+    bf16 = p.dtype == torch.bfloat16
     _launch(_sinkgd_update, g.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, r, c, half, m_half,
-            hp, lr, n, rows, cols, *p.stride(), *g.stride(), IS_F32=g.dtype == torch.float32,
+            hp, lr, n, rows, cols, *p.stride(), *g.stride(), IS_F32=c.dtype == torch.float32,
+            BF16=bf16, LR_TENSOR=bf16 and lr_is_tensor,
+            INT64=sinkgd_update_int64((bsz, rows, cols), p.stride(), g.stride()),
             BLOCK=ELEMENTWISE_BLOCK)
 
 
 def sage_update(p: Tensor, g: Tensor, m: Tensor, h: Tensor, h_strides: tuple[int, int],
-                cols: int, hp: Tensor, lr: Tensor, b2_zero: bool) -> None:
+                cols: int, hp: Tensor, lr: Tensor, b2_zero: bool,
+                lr_is_tensor: bool = False) -> None:
     """SAGE's element-wise update of contiguous ``p``, ``g``, ``m`` (``M`` updated in place).
 
-    ``h``: the damper, read at ``(k // cols)·h_strides[0] + (k % cols)·h_strides[1]`` for
-    the flat index ``k``; ``hp = (1−b2, b2, b1, b2−b1, 1−b1, w)``.
+    ``h``: the damper (in the arithmetic dtype), read at ``(k // cols)·h_strides[0] +
+    (k % cols)·h_strides[1]`` for the flat index ``k``; ``hp = (1−b2, b2, b1, b2−b1, 1−b1,
+    w)``; ``lr_is_tensor`` as :func:`sinkgd_update`.
     """
     n = p.numel()
+    bf16 = p.dtype == torch.bfloat16
     _launch(_sage_update, p.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, m, h, hp, lr, n,
-            cols, h_strides[0], h_strides[1], B2_ZERO=b2_zero, BLOCK=ELEMENTWISE_BLOCK)
+            cols, h_strides[0], h_strides[1], B2_ZERO=b2_zero, BF16=bf16,
+            LR_TENSOR=bf16 and lr_is_tensor, INT64=sage_int64(n, cols, h_strides),
+            BLOCK=ELEMENTWISE_BLOCK)
 
 
-def lion_update(p: Tensor, g: Tensor, m: Tensor, hp: Tensor, lr: Tensor) -> None:
-    """Lion's update of contiguous ``p``, ``g``, ``m``; ``hp = (1−b1, b1, 1−b2, b2, w)``."""
+def lion_update(p: Tensor, g: Tensor, m: Tensor, hp: Tensor, lr: Tensor,
+                lr_is_tensor: bool = False) -> None:
+    """Lion's update of contiguous ``p``, ``g``, ``m``; ``hp = (1−b1, b1, 1−b2, b2, w)``.
+
+    ``lr_is_tensor`` as :func:`sinkgd_update`.
+    """
     n = p.numel()
+    bf16 = p.dtype == torch.bfloat16
     _launch(_lion_update, p.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, m, hp, lr, n,
+            BF16=bf16, LR_TENSOR=bf16 and lr_is_tensor, INT64=elementwise_int64(n),
             BLOCK=ELEMENTWISE_BLOCK)

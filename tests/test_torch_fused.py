@@ -7,7 +7,9 @@ leak into other tests.  Shapes are small: the interpreter runs a kernel in NumPy
 case is skipped, with the reason, where the ``triton`` package is not installed.
 
 Also here: the multi-tensor SinkGD's ``group_bytes`` chunking gives bit for bit the
-unchunked result.
+unchunked result, and every kernel variant compiles for an H100.  The other files
+``tests/test_torch_fused_*.py``: the default paths and ``SAGE_KERNELS`` (``_paths``),
+int64 offsets, the first-use check, bfloat16, and the CUDA cases (skipped without CUDA).
 """
 
 from __future__ import annotations
@@ -145,8 +147,10 @@ def test_sinkgd_fused_batches_same_shape_matrices(monkeypatch, dtype):
     """
     from collections import Counter
 
+    from sage_torch import fused_check
     from sage_torch import triton_kernels as tk
 
+    assert fused_check.fused_ready(torch.device("cpu"), dtype)  # its launches are not counted
     counts: Counter[str] = Counter()
     launch = tk._launch
 
@@ -321,8 +325,8 @@ def test_fused_errors_name_the_problem(monkeypatch):
         SinkGD([p], fused=True, foreach=True)
     with pytest.raises(ValueError, match="adamw rule .* has no fused path"):
         sage_torch.RuleOptimizer([{"params": [p], "rule": "adamw"}], {"lr": 1e-3, "fused": True})
-    with pytest.raises(ValueError, match=r"float32 and float64 .* torch.bfloat16"):
-        Lion([nn.Parameter(torch.randn(3, dtype=torch.bfloat16))], fused=True)
+    with pytest.raises(ValueError, match=r"float32, float64 and bfloat16 .* torch.float16"):
+        Lion([nn.Parameter(torch.randn(3, dtype=torch.float16))], fused=True)
     with pytest.raises(ValueError, match="fused must be True, False or None"):
         SAGE([p], fused="yes")  # type: ignore[arg-type]
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -331,7 +335,8 @@ def test_fused_errors_name_the_problem(monkeypatch):
 
 
 def test_fused_is_not_the_cpu_default(monkeypatch):
-    """Without fused/foreach the CPU takes the single-tensor path (fused only on CUDA)."""
+    """Without fused/foreach the CPU takes the single-tensor path (fused only on request;
+    the CUDA default is foreach: tests/test_torch_fused_paths.py)."""
     monkeypatch.delenv("TRITON_INTERPRET")
     opt = SinkGD([nn.Parameter(torch.randn(3, 4))])
     rule = opt.rule_of(opt.param_groups[0])
@@ -399,13 +404,35 @@ def test_group_bytes_default_scales_with_the_largest_parameter():
 
 
 SIGNATURES = {
-    "_sinkhorn_half": ("g_ptr u_ptr w_ptr m_ptr eps_ptr eps_stride t_ptr N_OUT N_RED "
-                       "s_gb s_go s_gr", ("IS_F32", "BLOCK_O", "BLOCK_R")),
-    "_sinkgd_update": ("p_ptr g_ptr r_ptr c_ptr half_ptr mh_ptr hp_ptr lr_ptr N R C "
-                       "s_pb s_pr s_pc s_gb s_gr s_gc", ("IS_F32", "BLOCK")),
-    "_sage_update": ("p_ptr g_ptr m_ptr h_ptr hp_ptr lr_ptr N C s_hr s_hc", ("B2_ZERO", "BLOCK")),
-    "_lion_update": ("p_ptr g_ptr m_ptr hp_ptr lr_ptr N", ("BLOCK",)),
+    "_sinkhorn_half": ("g_ptr:p u_ptr:w w_ptr:w m_ptr:w eps_ptr:w eps_stride t_ptr:w N_OUT "
+                       "N_RED s_gb s_go s_gr", ("IS_F32", "INT64", "BLOCK_O", "BLOCK_R")),
+    "_sinkgd_update": ("p_ptr:p g_ptr:p r_ptr:w c_ptr:w half_ptr:w mh_ptr:w hp_ptr:w lr_ptr:w "
+                       "N R C s_pb s_pr s_pc s_gb s_gr s_gc",
+                       ("IS_F32", "BF16", "LR_TENSOR", "INT64", "BLOCK")),
+    "_sage_update": ("p_ptr:p g_ptr:p m_ptr:p h_ptr:w hp_ptr:w lr_ptr:w N C s_hr s_hc",
+                     ("B2_ZERO", "BF16", "LR_TENSOR", "INT64", "BLOCK")),
+    "_lion_update": ("p_ptr:p g_ptr:p m_ptr:p hp_ptr:w lr_ptr:w N",
+                     ("BF16", "LR_TENSOR", "INT64", "BLOCK")),
 }
+"""Each kernel's arguments (``:p`` a pointer of the parameters' dtype, ``:w`` of the
+arithmetic dtype, else an int) and its ``constexpr`` flags, for the compile test."""
+
+COMPILED_DTYPES = {"fp32": "fp32", "fp64": "fp64", "bf16": "fp32"}
+"""Parameter dtype -> arithmetic dtype of the compiled variants."""
+
+
+def test_signatures_are_the_kernels():
+    """The compile test's table lists every kernel with its exact arguments (it can fail)."""
+    import inspect
+
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    from sage_torch import triton_kernels as tk
+
+    assert sorted(SIGNATURES) == sorted(k.__name__ for k in tk.KERNELS)
+    for name, (args, consts) in SIGNATURES.items():
+        params = list(inspect.signature(getattr(tk, name)).parameters)
+        assert params == [a.split(":")[0] for a in args.split()] + list(consts), name
 
 
 _COMPILE_SCRIPT = """
@@ -416,59 +443,75 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from sage_torch import triton_kernels as tk
 
-signatures = json.loads(sys.argv[1])
+signatures, dtypes = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 out = {}
 for name, (args, consts) in signatures.items():
-    for dtype in ("fp32", "fp64"):
-        sig = {a: (f"*{dtype}" if a.endswith("_ptr") else "i32") for a in args.split()}
-        values = {"IS_F32": dtype == "fp32", "B2_ZERO": False, "BLOCK": 1024,
-                  "BLOCK_O": tk.SINKHORN_BLOCKS["rows"][0],
-                  "BLOCK_R": tk.SINKHORN_BLOCKS["rows"][1]}
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        src = ASTSource(fn=JITFunction(getattr(tk, name)), signature=sig,
-                        constexprs={c: values[c] for c in consts})
-        try:
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-            out[f"{name}-{dtype}"] = "ok" if compiled.asm["cubin"] else "error: no cubin"
-        except RuntimeError as e:
-            out[f"{name}-{dtype}"] = ("skip: " if "ptxas" in str(e).lower() else "error: ") \
-                + str(e)[:2000]
-        except Exception as e:
-            out[f"{name}-{dtype}"] = f"error: {type(e).__name__}: {str(e)[:2000]}"
+    for dtype, wide in dtypes.items():
+        for int64 in (False, True):
+            sig = {}
+            for a in args.split():
+                arg, _, kind = a.partition(":")
+                sig[arg] = {"p": f"*{dtype}", "w": f"*{wide}", "": "i64" if int64 else "i32"}[kind]
+            values = {"IS_F32": wide == "fp32", "BF16": dtype == "bf16",
+                      "LR_TENSOR": dtype == "bf16", "B2_ZERO": False, "INT64": int64,
+                      "BLOCK": 1024, "BLOCK_O": tk.SINKHORN_BLOCKS["rows"][0],
+                      "BLOCK_R": tk.SINKHORN_BLOCKS["rows"][1]}
+            sig.update(dict.fromkeys(consts, "constexpr"))
+            src = ASTSource(fn=JITFunction(getattr(tk, name)), signature=sig,
+                            constexprs={c: values[c] for c in consts})
+            key = f"{name}-{dtype}-{'int64' if int64 else 'int32'}"
+            try:
+                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                          options=dict(tk._COMPILE_OPTIONS))
+                out[key] = "ok" if compiled.asm["cubin"] else "error: no cubin"
+            except RuntimeError as e:
+                out[key] = ("skip: " if "ptxas" in str(e).lower() else "error: ") \
+                    + str(e)[:2000]
+            except Exception as e:
+                out[key] = f"error: {type(e).__name__}: {str(e)[:2000]}"
 print(json.dumps(out))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled_kernels(tmp_path_factory):
-    """Every kernel compiled for sm_90 in a fresh process with an empty Triton cache.
+    """Every kernel variant compiled for sm_90 in a fresh process with an empty Triton cache.
 
-    A process of its own: once Triton's interpreter has run a kernel (the other tests),
-    the compiler of the same process can no longer lower ``tl.reduce``'s combine function,
-    and a warm cache would hide that by skipping the compilation.
+    A process of its own, without ``TRITON_INTERPRET``: ``triton.language``'s ``@jit``
+    helpers are built for the interpreter or the compiler when ``triton`` is first
+    imported, and in a process that imported it with ``TRITON_INTERPRET=1`` (the other
+    tests) the compiler cannot lower ``tl.reduce``'s combine function; a warm cache
+    would hide a failure by skipping the compilation.
     """
     import json
     import subprocess
     import sys
 
+    if not triton_available():
+        pytest.skip("triton is not installed")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton-cache"))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(SIGNATURES)],
-                          capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(SIGNATURES),
+                           json.dumps(COMPILED_DTYPES)],
+                          capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+@pytest.mark.parametrize("index", ["int32", "int64"])
+@pytest.mark.parametrize("dtype", sorted(COMPILED_DTYPES))
 @pytest.mark.parametrize("name", sorted(SIGNATURES))
-def test_kernels_compile_for_an_h100(compiled_kernels, name, dtype):
-    """Each kernel compiles to a cubin for sm_90 (Triton's bundled ptxas; no GPU needed).
+def test_kernels_compile_for_an_h100(compiled_kernels, name, dtype, index):
+    """Each kernel variant compiles to a cubin for sm_90 (Triton's bundled ptxas; no GPU).
 
+    float32, float64 and bfloat16 parameters, int32 and int64 offsets (``INT64``, with
+    64-bit integer arguments), without FMA contraction, as :func:`_launch` compiles them.
     The interpreter runs the kernels as Python; this checks what only the compiler sees
-    (constexpr branches, types, the precise-math builtins) for the GPU check's H100.
+    (constexpr branches, types, the precise-math builtins, the device functions) for the
+    GPU check's H100.
     """
-    result = compiled_kernels[f"{name}-{dtype}"]
+    result = compiled_kernels[f"{name}-{dtype}-{index}"]
     if result.startswith("skip: "):  # no ptxas usable on this machine: the GPU check compiles
         pytest.skip(f"Triton's ptxas cannot run here: {result[6:]}")
     assert result == "ok", result

@@ -148,7 +148,7 @@ def test_270m_op_count_and_sinkgd_rounds():
 
 
 def test_270m_fused_step_peak_is_at_most_the_largest_parameter():
-    """Issue 13's memory target on the fused path (the CUDA default), launches not run."""
+    """Issue 13's memory target on the fused path (``fused=True``, opt-in), launches not run."""
     from sage_optim.models import get_model_config
     from sage_torch.common import triton_available
 
@@ -200,3 +200,39 @@ def test_fused_path_is_timed_on_cuda_only():
     cuda = torch_step.sage_paths("cuda")
     assert cuda == (("single-tensor", "foreach", "fused") if triton_available()
                     else ("single-tensor", "foreach"))
+
+
+def test_fused_vs_foreach_table_and_labels(capsys):
+    """The table that decides the CUDA default: fused against foreach per configuration."""
+    rows = [
+        {"config": "sage-hybrid", "path": "single-tensor", "ms": 9.0, "peak": None},
+        {"config": "sage-hybrid", "path": "foreach", "ms": 4.0, "peak": 2 * 2**20},
+        {"config": "sage-hybrid", "path": "fused", "ms": 3.0, "peak": 2**20},
+        {"config": "lion", "path": "foreach", "ms": 2.0, "peak": None},
+        {"config": "lion", "path": "fused", "ms": 2.5, "peak": None},
+        {"config": "adamw", "path": "foreach", "ms": 1.0, "peak": None},
+    ]
+    torch_step.print_fused_vs_foreach(rows)
+    out = capsys.readouterr().out
+    assert "| sage-hybrid | 4.00 | 3.00 | 0.75x | 2.0 | 1.0 |" in out
+    assert "| lion | 2.00 | 2.50 | 1.25x | n/a | n/a |" in out
+    assert "| adamw |" not in out
+    assert out.rstrip().endswith("fused faster than foreach in 1 of 2 configuration(s)")
+    torch_step.print_fused_vs_foreach(rows[:2])  # no fused rows (CPU): nothing
+    assert capsys.readouterr().out == ""
+
+
+def test_bfloat16_run_on_the_cpu(capsys):
+    threads = torch.get_num_threads()
+    try:
+        rows = torch_step.main(["--model", "tiny", "--repeats", "1", "--warmup", "1",
+                                "--device", "cpu", "--threads", "1", "--bw-mib", "8",
+                                "--configs", "lion-hybrid", "--dtype", "bfloat16"])
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "bfloat16" in out.splitlines()[0]
+    assert "foreach (foreach=True: the default on CUDA, as torch.optim)" in out
+    assert [r["path"] for r in rows] == ["single-tensor", "foreach", "foreach"]
+    model = torch_step.build_model(torch_step.get_model_config("tiny"), dtype=torch.bfloat16)
+    assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in model.parameters())
