@@ -1,5 +1,9 @@
-"""``python -m sage_train``: the same as the ``sage-train`` command."""
+"""``python -m sage_train``: the same as the ``sage-train`` command.
 
-from sage_train.cli import main
+SIGTERM, SIGUSR1 and SIGINT are caught before JAX is imported (a signal that arrives while
+it loads stops the run cleanly too): :func:`sage_train.signals.launch`.
+"""
 
-raise SystemExit(main())
+from sage_train.signals import launch
+
+raise SystemExit(launch())

@@ -22,6 +22,7 @@ complete.  So:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -124,6 +125,7 @@ class Checkpoints:
     def __init__(self, root: pathlib.Path, keep: int = 2,
                  log: Callable[[str], None] = print) -> None:
         self.root, self.keep, self.log = pathlib.Path(root), max(1, keep), log
+        self.settings: dict[str, Any] | None = None  # recorded in every manifest
         self._checkpointer: Any = None
 
     # -- layout --------------------------------------------------------------------------
@@ -187,13 +189,33 @@ class Checkpoints:
             if jax.process_index() == 0:
                 manifest = {"format": FORMAT, "step": step, "progress": progress,
                             "files": file_digests(target)}
+                if self.settings is not None:
+                    manifest["settings"] = self.settings
                 atomic_write_text(target / MANIFEST, json.dumps(manifest, indent=1))
         except Exception as e:  # noqa: BLE001 - reported as one line, with the cause chained
+            self._discard_partial(step)
             raise CheckpointError(
                 f"could not save the checkpoint of step {step} to {target}: {_first_line(e)}"
             ) from e
         if jax.process_index() == 0:
             self._rotate()
+
+    def _discard_partial(self, step: int) -> None:
+        """Remove what a failed save of ``step`` left behind.
+
+        Orbax's temporary directory, and the checkpoint itself where its manifest is missing
+        (it was never reported saved).
+        """
+        if jax.process_index() != 0:
+            return
+        with contextlib.suppress(OSError):
+            for tmp in self.root.glob(f"{step}{_TMP_MARK}*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            target = self.path(step)
+            if target.is_dir() and not (target / MANIFEST).exists():
+                shutil.rmtree(target, ignore_errors=True)
+            for tmp in target.glob(f".{MANIFEST}.tmp-*"):
+                tmp.unlink()
 
     def _rotate(self) -> None:
         ours = [s for s in self.steps() if self._is_checkpoint(self.path(s))]
@@ -218,27 +240,58 @@ class Checkpoints:
 
     # -- restore -------------------------------------------------------------------------
 
-    def restore_latest(self, like: Any) -> Restored | None:
-        """The newest usable checkpoint, restored with the shardings of ``like``.
+    def restore_latest(self, like: Any, *, restart: bool = False) -> Restored | None:
+        """The newest usable checkpoint, restored with the shapes and shardings of ``like``.
 
-        Checkpoints newer than it that fail verification are reported (one line each) and
-        moved to ``<step>.unusable``.  ``None`` when no checkpoint is usable.
+        ``like`` is the state (or a tree of ``jax.ShapeDtypeStruct`` with shardings) the
+        checkpoints were saved from.  Checkpoints newer than the one restored that fail
+        verification are reported (one line each) and moved to ``<step>.unusable``.
+        ``None`` when there is no checkpoint.
+
+        Raises:
+          RunDirError: there are checkpoints but none can be restored (each is named with
+            its problem), unless ``restart``: then each is moved aside, reported, and
+            ``None`` returned (the run starts over from step 0).
         """
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        failed: list[tuple[int, str]] = []
+        found = None
         for step in self.steps():
             problem, restored = self._try_restore(step, abstract)
             if restored is not None:
-                if not restored.verified:
-                    self.log(f"checkpoint {self.path(step)} has no checksum manifest (written "
-                             "by an older sage-train or cut short before it): restored "
-                             "unverified")
-                return restored
-            if jax.process_index() != 0:  # one host reports and moves it
-                continue
-            dest = self._move_aside(step)
-            self.log(f"checkpoint of step {step} is unusable ({problem}); moved to {dest} "
-                     "(delete it when done inspecting); falling back to the previous one")
+                found = restored
+                break
+            failed.append((step, problem or "?"))
+        if found is None and failed and not restart:
+            named = "; ".join(f"step {s} in {self.path(s)}: {p}" for s, p in failed)
+            raise RunDirError(
+                f"no checkpoint of {self.root} can be restored ({named}); pass --restart to "
+                "start the run over from step 0 (they are then moved aside, not deleted)")
+        if jax.process_index() == 0:  # one host reports and moves them
+            for step, problem in failed:
+                dest = self._move_aside(step)
+                self.log(f"checkpoint of step {step} is unusable ({problem}); moved to {dest} "
+                         "(delete it when done inspecting)"
+                         + ("; falling back to the previous one" if found is not None else ""))
+        if found is not None and not found.verified:
+            self.log(f"checkpoint {self.path(found.step)} has no checksum manifest (written "
+                     "by an older sage-train or cut short before it): restored unverified")
+        if found is None and failed:
+            self.log("--restart: no checkpoint can be restored; the run starts over from step 0")
+        return found
+
+    def recorded_settings(self) -> tuple[int, dict[str, Any]] | None:
+        """``(step, settings)`` from the manifest of the newest checkpoint whose files verify.
+
+        ``None`` where there is no such checkpoint, or it was written before manifests
+        recorded the settings.
+        """
+        for step in self.steps():
+            problem, manifest = verify_files(self.path(step))
+            if problem is None and manifest is not None:
+                settings = manifest.get("settings")
+                return (step, settings) if isinstance(settings, dict) else None
         return None
 
     def _try_restore(self, step: int, abstract: Any) -> tuple[str | None, Restored | None]:

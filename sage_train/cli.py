@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import pathlib
 import sys
@@ -13,9 +14,10 @@ from sage_optax.sinkhorn import KERNELS
 from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
-from sage_train.errors import CheckpointError, UserError
+from sage_train.errors import CheckpointError, RunDirError, RunFileError, UserError
 from sage_train.model import ATTENTIONS, REMAT_POLICIES
 from sage_train.sharding import MODES
+from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals
 from sage_train.train import (
     DTYPES,
     LAYER_CHOICES,
@@ -26,15 +28,29 @@ from sage_train.train import (
 )
 
 EPILOG = """\
-Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains). Running the
-same command again resumes from the newest intact checkpoint, with bit-identical losses; a
-rerun with other settings (learning rate, steps, batch size, sequence length, seed, data,
-warmup, clipping...) is refused unless --allow-config-change is given, which continues the
-run under the new settings and records the change in config_history.jsonl.
+Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains; every run
+directory named is locked and checked before any is trained). Running the same command
+again resumes from the newest intact checkpoint, with bit-identical losses; a rerun with
+other settings (learning rate, steps, batch size, sequence length, seed, data, warmup,
+clipping...) is refused unless --allow-config-change is given, which continues the run under
+the new settings, carries over what fits (the parameters and optimizer state across
+--layers; the parameters across --optimizer, with a fresh optimizer state; never another
+--model) and records the change in config_history.jsonl. A run directory whose settings
+files are gone takes its settings from its newest verified checkpoint; one whose
+checkpoints all fail verification is refused unless --restart. A run directory is never
+read as part of the data.
 
-exit status: 0 trained (or already complete); 1 stopped on a NaN/Inf or a checkpoint could
-not be saved (the earlier checkpoints are kept); 2 invalid options, data or run directory
-(nothing was trained)."""
+preemption: SIGTERM or SIGUSR1 (a cluster's preemption; SLURM: --signal=USR1@120) saves a
+checkpoint of the step reached, then exits with status 75; SIGINT (Ctrl-C) stops between
+steps without one, exit status 130 (a second Ctrl-C exits at once). Run the same command
+again to resume.
+
+exit status: 0 trained (or already complete; a loss curve that cannot be written is only
+a warning); 1 stopped on a NaN/Inf, or a checkpoint or another file of the run could not
+be written (disk full, read-only; the earlier checkpoints are kept); 2 invalid options,
+data or run directory (nothing was trained; a run refused after earlier --optimizer runs
+trained exits with 1); 75 preempted (SIGTERM/SIGUSR1): a checkpoint
+of the step reached was saved; 130 interrupted (SIGINT)."""
 
 _DEFAULTS = TrainConfig()
 
@@ -113,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_checked("log_every", int), default=d.log_every,
                    help="steps between rows of metrics.jsonl, >= 1 (evaluations and "
                    "checkpoints always get one)")
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", type=_checked("data", str), default=None,
                    help="a text file or folder, or a .u16/.u32/.npy/.bin token file "
                    "(default: the embedded standard-library corpus)")
     p.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
@@ -173,7 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most H_t rows kept (the interval doubles when full), >= 2")
     p.add_argument("--allow-config-change", action="store_true",
                    help="continue a run under settings other than its recorded ones (the "
-                   "change is recorded in config_history.jsonl)")
+                   "change is recorded in config_history.jsonl), or whose settings are "
+                   "unknown; the parameters and optimizer state carry over across --layers, "
+                   "the parameters across --optimizer (fresh optimizer state); another "
+                   "--model is refused")
+    p.add_argument("--restart", action="store_true",
+                   help="start over from step 0 where every checkpoint of a run fails "
+                   "verification (they are moved aside to checkpoints/STEP.unusable, not "
+                   "deleted); without it such a run is refused")
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (multi-host)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -212,32 +235,55 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, signals: StopSignals | None = None) -> int:
     """Train, print a summary table and save the loss-curve PNG.
 
-    Returns 0 on success, 1 when a run stopped on a NaN/Inf or a checkpoint could not be
-    saved, 2 on invalid options, data or run directory; errors are one line on stderr.
+    Returns 0 on success, 1 when a run stopped on a NaN/Inf or a file of the run could not
+    be written, 2 on invalid options, data or run directory (nothing trained), 75 after
+    SIGTERM/SIGUSR1 (a checkpoint of the step reached saved), 130 after SIGINT; errors are
+    one line on stderr.  ``signals``: SIGTERM/SIGUSR1/SIGINT already caught by the caller
+    (``python -m sage_train`` catches them before it imports JAX); by default they are
+    caught from here on.
     """
-    args = parse_args(argv)
-    try:
-        return _main(args)
-    except UserError as e:
-        print(f"sage-train: error: {e}", file=sys.stderr)
-        return 2
-    except CheckpointError as e:
-        print(f"sage-train: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("sage-train: interrupted; run the same command again to resume from the newest "
-              "checkpoint", file=sys.stderr)
-        return 130
+    with StopSignals() if signals is None else contextlib.nullcontext(signals) as signals:
+        args = parse_args(argv)
+        try:
+            return _main(args, signals)
+        except UserError as e:
+            print(f"sage-train: error: {e}", file=sys.stderr)
+            return 2
+        except RunFileError as e:
+            more = "" if isinstance(e, CheckpointError) else (
+                "; training stopped (the earlier checkpoints are intact: run the same command "
+                "again to resume once it can be written)")
+            print(f"sage-train: error: {e}{more}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("sage-train: interrupted; run the same command again to resume from the "
+                  "newest checkpoint", file=sys.stderr)
+            return INTERRUPTED
 
 
-def _main(args: argparse.Namespace) -> int:
+def _stopped_by(name: str, step: int | None) -> int:
+    """Say why the command stopped on signal ``name`` (one line) and return its status."""
+    where = f" at step {step}" if step is not None else ""
+    if name == "SIGINT":
+        print(f"sage-train: interrupted{where}; run the same command again to resume from "
+              "the newest checkpoint", file=sys.stderr)
+        return INTERRUPTED
+    saved = (" with a checkpoint of the step reached" if step else
+             " before it trained a step")
+    print(f"sage-train: stopped by {name}{where}{saved}; run the same command again to "
+          "resume from the newest checkpoint", file=sys.stderr)
+    return PREEMPTED
+
+
+def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     from sage_train.train import (
         check_config,
         enable_determinism,
         implementations,
+        preflight,
         save_loss_curve,
         train,
     )
@@ -249,15 +295,47 @@ def _main(args: argparse.Namespace) -> int:
         enable_determinism()  # before anything starts a JAX backend
     import jax
 
+    from sage_train.rundir import RunLock
+
     if args.distributed:
         jax.distributed.initialize()
     for cfg in cfgs:
         implementations(cfg)  # --attention cudnn where it cannot run: refused before any run
-    results = []
-    for cfg in cfgs:
-        print(f"training {cfg.model} with {cfg.optimizer}: {dataclasses.asdict(cfg)}",
-              flush=True)
-        results.append(train(cfg, allow_config_change=args.allow_config_change))
+    results: list[Any] = []
+    with contextlib.ExitStack() as locks:
+        # every run directory locked and checked before any trains: exit status 2 still
+        # means that nothing was trained
+        for cfg in cfgs:
+            run_dir = pathlib.Path(cfg.run_dir).absolute()
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RunDirError(f"cannot create the run directory {run_dir}: "
+                                  f"{e.strerror}") from e
+            if jax.process_index() == 0:
+                lock = locks.enter_context(RunLock(run_dir))
+                if lock.stale:
+                    print(lock.stale, flush=True)
+            preflight(cfg, allow_config_change=args.allow_config_change)
+        for cfg in cfgs:
+            if signals.received is not None:
+                return _stopped_by(signals.received, None)
+            print(f"training {cfg.model} with {cfg.optimizer}: {dataclasses.asdict(cfg)}",
+                  flush=True)
+            try:
+                result = train(cfg, allow_config_change=args.allow_config_change,
+                               restart=args.restart, stop=signals, locked=True,
+                               data_exclude=[args.run_dir])
+            except UserError as e:
+                if not results:
+                    raise
+                # refused after earlier runs trained: 2 would say that nothing was
+                done = ", ".join(r.config.optimizer for r in results)
+                print(f"sage-train: error: {e} (trained before it: {done})", file=sys.stderr)
+                return 1
+            if result.interrupted is not None:
+                return _stopped_by(result.interrupted, result.steps_done)
+            results.append(result)
     rows = [(r.config.optimizer, r.steps_done,
              "-" if r.final_test_ppl is None else f"{r.final_test_ppl:.2f}",
              format_bytes(r.opt_state_bytes), f"{r.tokens_per_s:,.0f}",
@@ -267,8 +345,13 @@ def _main(args: argparse.Namespace) -> int:
     print("tokens/s and MFU: training steps only (compilation, evaluation, checkpoints and "
           "the host's logging excluded), as in each run's metrics.jsonl")
     png = pathlib.Path(args.run_dir) / f"{args.model}-loss.png"
-    save_loss_curve(results, png)
-    print(f"loss curve: {png}")
+    try:
+        save_loss_curve(results, png)
+        print(f"loss curve: {png}")
+    except Exception as e:  # noqa: BLE001 - the training is done: a warning, not a failure
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        print(f"sage-train: warning: the loss curve was not saved ({why}); the training "
+              "itself succeeded", file=sys.stderr)
     stopped = [r for r in results if r.stopped_reason]
     for r in stopped:
         print(f"{r.config.optimizer}: {r.stopped_reason}", file=sys.stderr)

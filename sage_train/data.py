@@ -45,6 +45,7 @@ __all__ = [
     "EOT_ID",
     "FORMAT_VERSION",
     "MIN_VOCAB_SIZE",
+    "RUN_MARK",
     "STDLIB_MAX_BYTES",
     "TokenData",
     "batches",
@@ -62,6 +63,8 @@ EOT_ID = 0
 """Token id of :data:`EOT`."""
 MIN_VOCAB_SIZE = 257
 """Smallest vocabulary for text sources: 256 byte tokens plus :data:`EOT`."""
+RUN_MARK = ".lock"
+"""The file every ``sage-train`` run directory holds: a folder with it is never read as text."""
 STDLIB_MAX_BYTES = 8_000_000
 """Default size cap (UTF-8 bytes) of the embedded standard-library corpus."""
 FORMAT_VERSION = 1
@@ -197,7 +200,9 @@ def _read_utf8(path: Path) -> str | None:
         return None
 
 
-def read_text_source(path: str | os.PathLike[str]) -> list[str]:
+def read_text_source(
+    path: str | os.PathLike[str], exclude: Sequence[str | os.PathLike[str]] = ()
+) -> list[str]:
     """Read a text file or a folder of text files as a list of documents.
 
     A file must be UTF-8 text and becomes one document. A folder is scanned recursively in
@@ -207,8 +212,13 @@ def read_text_source(path: str | os.PathLike[str]) -> list[str]:
     starting with ``.``, ``__pycache__`` folders, blank files and well-known binary
     extensions (``.npy .bin .pyc .png .gz .zip ...``) are skipped without being read.
 
+    Folders in ``exclude`` (a training run's own directory, say) are skipped with all they
+    hold, and so is every folder holding a run's ``.lock`` file: a run never reads its own
+    (or another run's) logs as data.
+
     Args:
         path: a text file or a folder.
+        exclude: folders never read (where they lie inside ``path``).
 
     Returns:
         The documents, in deterministic order.
@@ -228,7 +238,11 @@ def read_text_source(path: str | os.PathLike[str]) -> list[str]:
             raise ValueError(f"text source {str(p)!r} is empty")
         return [text]
     files: list[tuple[str, Path]] = []
+    skip = {os.path.realpath(x) for x in exclude}
     for dirpath, dirnames, filenames in os.walk(p):
+        if os.path.realpath(dirpath) in skip or RUN_MARK in filenames:
+            dirnames[:] = []
+            continue
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d != "__pycache__"]
         for name in filenames:
             f = Path(dirpath) / name
@@ -353,6 +367,16 @@ def _load_cached(d: Path) -> tuple[Tokenizer, np.ndarray, np.ndarray] | None:
     return tok, train, test
 
 
+def _check_ids(entry: Path, train: np.ndarray, test: np.ndarray, vocab_size: int) -> None:
+    """Refuse a cache entry holding a token id ``>= vocab_size`` (a damaged or foreign file)."""
+    for name, part in (("train.npy", train), ("test.npy", test)):
+        if len(part) and (top := int(part.max())) >= vocab_size:
+            raise ValueError(
+                f"token cache file {str(entry / name)!r} holds token id {top} >= "
+                f"vocab_size={vocab_size}; delete {str(entry)!r} to rebuild it"
+            )
+
+
 def _tokenize_cached(
     docs: Sequence[str], vocab_size: int, source: str, key_extra: dict[str, str]
 ) -> TokenData:
@@ -371,6 +395,7 @@ def _tokenize_cached(
     entry = root / key
     if (cached := _load_cached(entry)) is not None:
         tok, train, test = cached
+        _check_ids(entry, train, test, vocab_size)
         return TokenData(train, test, vocab_size, tok, source)
 
     tok = train_tokenizer(docs, vocab_size)
@@ -458,6 +483,7 @@ def load_data(
     vocab_size: int,
     token_dtype: str | None = None,
     max_bytes: int = STDLIB_MAX_BYTES,
+    exclude: Sequence[str | os.PathLike[str]] = (),
 ) -> TokenData:
     """Load a corpus as tokens with the fixed 8:2 train/test split (see the module docstring).
 
@@ -473,6 +499,8 @@ def load_data(
         token_dtype: ``"uint16"`` or ``"uint32"``; required for ``.bin``, otherwise
             optional and checked against the extension / ``.npy`` header.
         max_bytes: size cap of the ``"stdlib"`` corpus (ignored for other sources).
+        exclude: folders a text folder's documents are never read from
+            (:func:`read_text_source`).
 
     Returns:
         The :class:`TokenData`. Text sources are cached under :func:`cache_dir` (tokenizer
@@ -489,6 +517,9 @@ def load_data(
         docs = stdlib_corpus(max_bytes)
         py = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}"
         return _tokenize_cached(docs, vocab_size, f"stdlib ({py})", {"python": py})
+    if not str(source).strip():
+        raise ValueError("the data source is empty: give 'stdlib', a text file or folder, or a "
+                         ".bin/.u16/.u32/.npy token file")
     path = Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -500,7 +531,7 @@ def load_data(
     if token_dtype is not None:
         raise ValueError("token_dtype only applies to pre-tokenized token files")
     _check_text_vocab(vocab_size)
-    return _tokenize_cached(read_text_source(path), vocab_size, str(path), {})
+    return _tokenize_cached(read_text_source(path, exclude), vocab_size, str(path), {})
 
 
 def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 import sage_optax
 from sage_optax import axes as axes_lib
+from sage_train.rundir import atomic_write_bytes
 
 
 def _sage_states(opt_state: Any) -> list[sage_optax.ScaleBySageState]:
@@ -102,15 +103,16 @@ class DamperRecorder:
             self.save()
 
     def save(self) -> None:
-        """Write ``steps`` and ``h`` (records x d) to the ``.npz`` file, atomically."""
+        """Write ``steps`` and ``h`` (records x d) to the ``.npz`` file, atomically.
+
+        Raises:
+          RunFileError: the file could not be written (a full disk, a read-only run
+            directory): one line naming it; no temporary file is left behind.
+        """
         if not self.rows:
             return
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            np.savez(f, steps=np.asarray(self.steps), h=np.stack(self.rows), every=self.every)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        steps, h, every = np.asarray(self.steps), np.stack(self.rows), self.every
+        atomic_write_bytes(self.path, lambda f: np.savez(f, steps=steps, h=h, every=every))
 
 
 def _free_name(path: pathlib.Path) -> pathlib.Path:

@@ -1,11 +1,15 @@
 """Errors of the trainer that a user acts on: printed by ``sage-train`` as one line.
 
 :class:`UserError` and its subclasses mean "nothing was trained; fix the input" (exit
-status 2); :class:`CheckpointError` means a checkpoint could not be written (exit status 1).
-Both keep the run directory as it was: no history is lost.
+status 2); :class:`RunFileError` (and :class:`CheckpointError`) mean a file of the run
+could not be written: the disk is full or the run directory turned read-only (exit
+status 1).  Both keep the run directory as it was: no history is lost, and no temporary
+file is left behind.
 """
 
 from __future__ import annotations
+
+import os
 
 
 class UserError(Exception):
@@ -24,5 +28,18 @@ class RunDirError(UserError):
     """The run directory cannot be used as asked (locked, other settings, bad layout)."""
 
 
-class CheckpointError(RuntimeError):
+class RunFileError(RuntimeError):
+    """A file of the run could not be written; the earlier checkpoints and history are intact."""
+
+
+class CheckpointError(RunFileError):
     """A checkpoint could not be written; the earlier checkpoints and history are intact."""
+
+
+def write_error(path: os.PathLike[str] | str, e: OSError) -> RunFileError:
+    """The one-line :class:`RunFileError` of a failed write of ``path``.
+
+    Names the file and the cause (``No space left on device``, ``Permission denied``...).
+    """
+    why = e.strerror or str(e) or type(e).__name__
+    return RunFileError(f"cannot write {os.fspath(path)}: {why}")

@@ -24,10 +24,10 @@ import os
 import pathlib
 import socket
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, BinaryIO
 
-from sage_train.errors import RunDirError
+from sage_train.errors import RunDirError, write_error
 
 MATH_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
@@ -46,22 +46,51 @@ SUPERSEDED = "metrics_superseded.jsonl"
 LOCK = ".lock"
 
 
-def atomic_write_text(path: pathlib.Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a complete old or new file, never a mix."""
+def atomic_write_bytes(path: pathlib.Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` atomically with ``write(file)``: a complete old or new file, never a mix.
+
+    The bytes go to a temporary file beside ``path`` that replaces it when complete.
+
+    Raises:
+      RunFileError: the write failed (a full disk, a read-only directory...): one line
+        naming ``path``; the temporary file is removed and ``path`` is as it was.
+    """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise write_error(path, e) from e
 
 
-def append_line(path: pathlib.Path, line: str) -> None:
-    """Append one line to ``path`` and flush it to disk."""
-    with open(path, "a") as f:
-        f.write(line.rstrip("\n") + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+def atomic_write_text(path: pathlib.Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`atomic_write_bytes`).
+
+    Raises:
+      RunFileError: the write failed; one line naming ``path``, no temporary file left.
+    """
+    atomic_write_bytes(path, lambda f: f.write(text.encode()))
+
+
+def append_line(path: pathlib.Path, line: str, *, sync: bool = True) -> None:
+    """Append one line to ``path`` and flush it (to the disk too where ``sync``).
+
+    Raises:
+      RunFileError: the write failed; one line naming ``path``.
+    """
+    try:
+        with open(path, "a") as f:
+            f.write(line.rstrip("\n") + "\n")
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(path, e) from e
 
 
 # ---------------------------------------------------------------------------
@@ -143,9 +172,13 @@ class RunLock:
                           f"{', which is no longer running' if not alive else ''}")
         me = {"pid": os.getpid(), "host": socket.gethostname(),
               "command": " ".join(sys.argv), "started": _now()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode(), 0)
+            os.fsync(fd)
+        except OSError as e:
+            os.close(fd)
+            raise RunDirError(f"cannot write the lock file {self.path}: {e.strerror}") from e
         self._fd = fd
         return self
 
@@ -156,7 +189,8 @@ class RunLock:
         import fcntl
 
         try:
-            os.ftruncate(self._fd, 0)
+            with contextlib.suppress(OSError):  # a read-only or full disk: the flock is what counts
+                os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         finally:
             os.close(self._fd)

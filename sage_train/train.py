@@ -18,7 +18,7 @@ import math
 import os
 import pathlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -106,6 +106,7 @@ class RunResult:
     stopped_reason: str | None = None
     start_step: int = 0  # the step this invocation resumed from (losses follow it)
     mfu: float | None = None  # model FLOPs utilisation at tokens_per_s (None: no known peak)
+    interrupted: str | None = None  # the signal that stopped the run early ("SIGTERM"...)
 
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -387,27 +388,41 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
+MAX_COUNT = 2**31 - 1
+"""The largest step count, batch size, sequence length or interval a run accepts."""
+
+SEED_LIMIT = 2**32
+"""Seeds are below this: JAX's PRNG keys and NumPy's generators take 32-bit seeds, and a
+larger one would wrap around to the initial weights of a smaller one."""
+
+
+def _int_in(lo: int, hi: int = MAX_COUNT) -> Callable[[Any], bool]:
+    return lambda v: _is_int(v) and lo <= v <= hi
+
+
 SETTING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "learning_rate": (lambda v: v is None or (_finite(v) and v > 0), "a number > 0"),
     "warmup_frac": (lambda v: _finite(v) and 0 <= v < 1, "a number in [0, 1)"),
     "final_lr_frac": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    "batch_size": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "seq_len": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "steps": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "seed": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "batch_size": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "seq_len": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "steps": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "seed": (_int_in(0, SEED_LIMIT - 1), f"an integer in [0, {SEED_LIMIT - 1}] (2^32 - 1)"),
     "clip": (lambda v: _finite(v) and v >= 0, "a number >= 0 (0 turns clipping off)"),
-    "eval_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "eval_batches": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "log_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "checkpoint_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "record_h_every": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "h_max_records": (lambda v: _is_int(v) and v >= 2, "an integer >= 2"),
+    "eval_every": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "eval_batches": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "log_every": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "checkpoint_every": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "record_h_every": (_int_in(1), f"an integer in [1, {MAX_COUNT}]"),
+    "h_max_records": (_int_in(2), f"an integer in [2, {MAX_COUNT}]"),
     "peak_tflops": (lambda v: v is None or (_finite(v) and v > 0), "a number > 0"),
-    "loss_chunk": (lambda v: v is None or (_is_int(v) and v >= 0),
-                   "an integer >= 0 (0: unchunked) or auto"),
+    "loss_chunk": (lambda v: v is None or _int_in(0)(v),
+                   f"an integer >= 0 (0: unchunked; at most {MAX_COUNT}) or auto"),
+    "data": (lambda v: v is None or (isinstance(v, str) and bool(v.strip())),
+             "'stdlib', a text file or folder, or a token file (not empty)"),
 }
-"""What each numeric :class:`TrainConfig` field must be (checked by :func:`check_config`
-and by the ``sage-train`` options)."""
+"""What each :class:`TrainConfig` field that takes a number (and ``data``) must be
+(checked by :func:`check_config` and by the ``sage-train`` options)."""
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -480,11 +495,15 @@ def data_fingerprint(tokens: data_lib.TokenData) -> str:
     return h.hexdigest()[:16]
 
 
-def _load_tokens(cfg: TrainConfig) -> tuple[data_lib.TokenData, list[Any]]:
-    """The tokens and the evaluation batches; every data problem as a :class:`DataError`."""
+def _load_tokens(cfg: TrainConfig, exclude: Sequence[Any] = ()
+                 ) -> tuple[data_lib.TokenData, list[Any]]:
+    """The tokens and the evaluation batches; every data problem as a :class:`DataError`.
+
+    Folders in ``exclude`` (the run directories) are never read as part of a text corpus.
+    """
     try:
         tokens = data_lib.load_data(cfg.data, vocab_size=get_model_config(cfg.model).vocab_size,
-                                    token_dtype=cfg.token_dtype)
+                                    token_dtype=cfg.token_dtype, exclude=exclude)
         data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
         eval_set = data_lib.eval_batches(tokens.test, cfg.batch_size, cfg.seq_len,
                                          cfg.eval_batches)
@@ -493,8 +512,43 @@ def _load_tokens(cfg: TrainConfig) -> tuple[data_lib.TokenData, list[Any]]:
     return tokens, eval_set
 
 
+PREEMPT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+"""Signals that stop a run with a checkpoint of the step reached (a cluster's preemption;
+SLURM's ``--signal=USR1@...`` warning); ``SIGINT`` (Ctrl-C) stops it without one."""
+
+STRUCTURE_FIELDS: tuple[str, ...] = ("model", "optimizer", "layers", "param_dtype", "clip")
+"""Settings that change the layout of the saved state: a change of these (allowed) restores
+the checkpoint as it was saved and carries over what fits (:func:`carry_over`)."""
+
+
+def preflight(cfg: TrainConfig, *, allow_config_change: bool = False) -> None:
+    """Check ``cfg``'s run directory as :func:`train` would, before anything is trained.
+
+    Its recorded settings (``config.json``, else ``config_history.jsonl``, else the newest
+    checkpoint's manifest) against ``cfg``; the lock is the caller's to take
+    (``sage-train`` holds the locks of all its runs before it trains any).
+
+    Raises:
+      ConfigError, RunDirError: as :func:`train` would, before it trains.
+    """
+    check_config(cfg)
+    run_dir = pathlib.Path(cfg.run_dir).absolute()
+    if not run_dir.is_dir():
+        return
+    recorded = _recorded_settings(cfg, run_dir, allow_config_change, lambda s: None)
+    if recorded is None:
+        return
+    cfg = _legacy(cfg, recorded)
+    settings = settings_of(cfg, implementations(cfg))
+    changed = rundir.check_settings(run_dir, recorded, settings, allow_config_change)
+    _check_carry(run_dir, changed, Checkpoints(run_dir / "checkpoints"))
+
+
 def train(cfg: TrainConfig, *, stop_after: int | None = None,
-          allow_config_change: bool = False, log: Callable[[str], None] = print) -> RunResult:
+          allow_config_change: bool = False, log: Callable[[str], None] = print,
+          restart: bool = False, stop: Callable[[], str | None] | None = None,
+          locked: bool = False, data_exclude: Sequence[str | os.PathLike[str]] = ()
+          ) -> RunResult:
     """Run (or resume) training as ``cfg`` says; ``stop_after`` interrupts a run early.
 
     Resuming from ``cfg.run_dir`` continues from its newest intact checkpoint and
@@ -502,7 +556,21 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     step).  The run directory is locked while training (:class:`~sage_train.rundir.RunLock`);
     a rerun whose settings differ from the recorded ones in anything that changes the
     math or the data (:data:`~sage_train.rundir.MATH_FIELDS`) is refused unless
-    ``allow_config_change``, which records the change as a new segment of the run.
+    ``allow_config_change``, which records the change as a new segment of the run and
+    carries over what fits: the parameters and optimizer state across ``layers`` (the same
+    numbers, stacked or unstacked), the parameters across an optimizer (with a fresh
+    optimizer state); another model size is refused.
+
+    A run directory holding checkpoints but no readable settings takes them from the
+    newest verified checkpoint's manifest; where none records them it is refused unless
+    ``allow_config_change``.  Checkpoints that all fail verification stop the run unless
+    ``restart`` (start over from step 0; they are moved aside).
+
+    ``stop`` is polled after every step: a signal name it returns stops the run there:
+    ``SIGTERM``/``SIGUSR1`` (:data:`PREEMPT_SIGNALS`) after a checkpoint of the step reached
+    is saved, others (``SIGINT``) at once; :attr:`RunResult.interrupted` names it.  The run
+    directory, and ``data_exclude``, are never read as part of a text corpus.  ``locked``:
+    the caller holds the run directory's lock.
 
     The attention and SinkGD kernel are resolved for the run's mesh (:func:`implementations`),
     logged at its start and recorded in ``config.json`` and in every ``metrics.jsonl`` row.
@@ -510,10 +578,13 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     Raises:
       ConfigError: an invalid setting, or ``attention="cudnn"`` where cuDNN's attention
         cannot run (nothing is touched).
-      RunDirError: the run directory is locked, holds another run's settings, has a
+      RunDirError: the run directory is locked, holds another run's settings (or
+        checkpoints whose settings are unknown, or that all fail verification), has a
         checkpoint beyond ``cfg.steps``, or cannot be written.
       DataError: the data cannot be used.
-      CheckpointError: a checkpoint could not be saved (the earlier ones are intact).
+      RunFileError: a file of the run (a checkpoint: :class:`CheckpointError`, the metrics,
+        the ``H_t`` record, the settings) could not be written; the earlier checkpoints are
+        intact.
     """
     check_config(cfg)
     implementations(cfg)  # refuses what cannot run before anything is written
@@ -523,28 +594,87 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     except OSError as e:
         raise RunDirError(f"cannot create the run directory {run_dir}: {e.strerror}") from e
     primary = jax.process_index() == 0
-    lock = rundir.RunLock(run_dir) if primary else contextlib.nullcontext()
+    lock: Any = rundir.RunLock(run_dir) if primary and not locked else contextlib.nullcontext()
     with lock:
-        if primary and lock.stale:
+        if getattr(lock, "stale", None):
             log(lock.stale)
-        return _train_locked(cfg, run_dir, stop_after, allow_config_change, log)
+        opts = _Options(stop_after, allow_config_change, restart, stop,
+                        (run_dir, *data_exclude))
+        return _train_locked(cfg, run_dir, opts, log)
 
 
-def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | None,
-                  allow_change: bool, log: Callable[[str], None]) -> RunResult:
-    recorded = _normalized(rundir.read_settings(run_dir))
-    if recorded is not None and "layers" not in recorded:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    stop_after: int | None
+    allow_change: bool
+    restart: bool
+    stop: Callable[[], str | None] | None
+    data_exclude: tuple[Any, ...]
+
+
+def _legacy(cfg: TrainConfig, recorded: dict[str, Any]) -> TrainConfig:
+    """``cfg`` adjusted to continue a run recorded by an older version as it was."""
+    if "layers" not in recorded:
         # a run of a version before scanned layers and mixed precision: its checkpoints
         # hold one module per layer, computed in float32; continue it as it was
         cfg = dataclasses.replace(cfg, layers="loop", dtype="float32")
-    if recorded is not None and "loss_chunk" not in recorded and cfg.loss_chunk is None:
+    if "loss_chunk" not in recorded and cfg.loss_chunk is None:
         # a run of a version before the chunked loss computed it unchunked: continue so
         # (unless --loss-chunk says otherwise)
         cfg = dataclasses.replace(cfg, loss_chunk=0)
-    if recorded is not None and "attention" not in recorded and cfg.attention == "auto":
+    if "attention" not in recorded and cfg.attention == "auto":
         # a run of a version before --attention computed XLA's attention (on a GPU too):
         # continue so (unless --attention says otherwise)
         cfg = dataclasses.replace(cfg, attention="xla")
+    return cfg
+
+
+def _recorded_settings(cfg: TrainConfig, run_dir: pathlib.Path, allow_change: bool,
+                       log: Callable[[str], None]) -> dict[str, Any] | None:
+    """The run's recorded settings, from its files or its newest verified checkpoint.
+
+    Raises:
+      RunDirError: the run holds checkpoints but its settings are unknown (and changes are
+        not allowed).
+    """
+    recorded = _normalized(rundir.read_settings(run_dir))
+    if recorded is not None:
+        return recorded
+    ckpts = Checkpoints(run_dir / "checkpoints", log=log)
+    steps = ckpts.steps()
+    if not steps:
+        return None
+    found = ckpts.recorded_settings()
+    if found is not None:
+        step, settings = found
+        log(f"{run_dir} holds no readable {rundir.CONFIG} or {rundir.HISTORY}: its settings "
+            f"are read from the manifest of its checkpoint of step {step}")
+        return _normalized(settings)
+    if not allow_change:
+        raise RunDirError(
+            f"{run_dir} holds checkpoints (steps {', '.join(map(str, steps))}) but no readable "
+            f"{rundir.CONFIG} or {rundir.HISTORY}, and no verified checkpoint records its "
+            "settings: they are unknown; pass --allow-config-change to continue it under "
+            "the settings given now, or use another --run-dir")
+    log(f"{run_dir}: the settings of its checkpoints are unknown; continuing under the "
+        "settings given now (--allow-config-change)")
+    return None
+
+
+def _check_carry(run_dir: pathlib.Path, changed: dict[str, Any], ckpts: Checkpoints) -> None:
+    """Refuse an allowed change that nothing in the checkpoints could carry over to."""
+    if "model" in changed and ckpts.steps():
+        old, new = changed["model"]
+        raise RunDirError(
+            f"the checkpoints of {run_dir} hold the {old!r} model, not {new!r}: parameters "
+            "cannot carry over to another model size; use another --run-dir for a new run")
+
+
+def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, opts: _Options,
+                  log: Callable[[str], None]) -> RunResult:
+    recorded = _recorded_settings(cfg, run_dir, opts.allow_change, log)
+    if recorded is not None:
+        cfg = _legacy(cfg, recorded)
     if cfg.deterministic and not enable_determinism():
         log("--deterministic: JAX had already started its backend, so XLA's deterministic "
             "GPU reductions apply only if XLA_FLAGS held --xla_gpu_deterministic_ops=true "
@@ -554,33 +684,126 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, stop_after: int | Non
     for line in impl.lines():
         log(line)
     settings = settings_of(cfg, impl)
-    changed = rundir.check_settings(run_dir, recorded, settings, allow_change)
+    changed = rundir.check_settings(run_dir, recorded, settings, opts.allow_change)
     ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
+    _check_carry(run_dir, changed, ckpts)
     ckpts.prepare()
-    tokens, eval_set = _load_tokens(cfg)
+    tokens, eval_set = _load_tokens(cfg, opts.data_exclude)
     settings["data_fingerprint"] = data_fingerprint(tokens)
-    changed |= rundir.check_settings(run_dir, recorded, settings, allow_change,
+    changed |= rundir.check_settings(run_dir, recorded, settings, opts.allow_change,
                                      ("data_fingerprint",))
+    ckpts.settings = settings
     model, optimizer = build(cfg, tokens.vocab_size)
     graphdef, state = nnx.split((model, optimizer))
     state = jax.device_put(state, state_shardings(state, mesh, cfg.sharding))
     opt_bytes = sage_optax.state_bytes(optimizer.opt_state)
     del model, optimizer
+    saved_as = None  # how the checkpoints were saved, where that differs from ``state``
+    if recorded is not None and any(f in changed for f in STRUCTURE_FIELDS):
+        old = dataclasses.replace(cfg, **{f: recorded[f] for f in STRUCTURE_FIELDS
+                                          if f in changed})
+        saved_as = _abstract_state(old, tokens.vocab_size, mesh)
     try:
         return _run(cfg, run_dir, ckpts, settings, changed, tokens, eval_set, graphdef, state,
-                    mesh, opt_bytes, stop_after, log)
+                    mesh, opt_bytes, opts, saved_as, log)
     finally:
         ckpts.close()
 
 
+def _abstract_state(cfg: TrainConfig, vocab_size: int, mesh: Any) -> Any:
+    """The state of ``cfg``'s model and optimizer as shapes with their shardings."""
+    pair = nnx.eval_shape(lambda: build(cfg, vocab_size))
+    abstract = nnx.state(pair)
+    shardings = state_shardings(abstract, mesh, cfg.sharding)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract, shardings)
+
+
+def _flat(tree: Any) -> dict[tuple[Any, ...], Any]:
+    """``{key path: leaf}`` with plain keys (names and layer indices)."""
+    def plain(k: Any) -> Any:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                return getattr(k, attr)
+        return str(k)
+
+    return {tuple(plain(k) for k in path): x
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _find(old: dict[tuple[Any, ...], Any], path: tuple[Any, ...]) -> Any:
+    """The leaf of ``old`` for ``path``, across the ``loop``/``scan`` layouts of the layers.
+
+    ``("layers", 3, ...)`` of one module per layer is row 3 of the stacked ``("layers", ...)``,
+    and the stacked leaf is the per-layer leaves stacked; ``None`` where there is none.
+    """
+    if path in old:
+        return old[path]
+    if "layers" not in path:
+        return None
+    j = path.index("layers") + 1
+    if j < len(path) and isinstance(path[j], int) and not isinstance(path[j], bool):
+        stacked = old.get(path[:j] + path[j + 1:])  # looped target, scanned source
+        return None if stacked is None or stacked.ndim == 0 else stacked[path[j]]
+    rows: list[Any] = []
+    while (row := old.get((*path[:j], len(rows), *path[j:]))) is not None:
+        rows.append(row)
+    return jnp.stack(rows) if rows else None
+
+
+def carry_over(saved: Any, target: Any, keep_optimizer: bool) -> tuple[Any, str]:
+    """``target`` with the leaves of ``saved`` carried over where they fit.
+
+    Both are ``(model, optimizer)`` states; the parameters (``saved[0]``) must all fit
+    (across the ``loop``/``scan`` layouts, cast to the target's dtype); the optimizer state
+    is carried over where ``keep_optimizer`` and every leaf fits, else ``target``'s (fresh)
+    one is kept.
+
+    Returns:
+      The state and what was carried over, for the log.
+
+    Raises:
+      RunDirError: a parameter of ``target`` has no counterpart of its shape in ``saved``.
+    """
+    old = _flat(saved)
+    leaves, treedef = jax.tree_util.tree_flatten(target)
+    paths = list(_flat(target))
+    found = [_find(old, p) for p in paths]
+    fits = [v is not None and tuple(v.shape) == tuple(t.shape)
+            for v, t in zip(found, leaves, strict=True)]
+    for p, ok in zip(paths, fits, strict=True):
+        if p[0] == 0 and not ok:
+            name = ".".join(str(k) for k in p[1:] if k != "value")
+            raise RunDirError(f"the checkpoint holds no parameter {name} of the shape the new "
+                              "settings need: it cannot carry over; use another --run-dir")
+    opt_ok = keep_optimizer and all(ok for p, ok in zip(paths, fits, strict=True) if p[0] != 0)
+    out = [jax.device_put(jnp.asarray(v).astype(t.dtype), t.sharding)
+           if p[0] == 0 or opt_ok else t
+           for p, v, t in zip(paths, found, leaves, strict=True)]
+    what = ("the parameters and the optimizer state" if opt_ok else
+            "the parameters; the optimizer state starts fresh (its moments, and its "
+            "learning-rate schedule with its warmup, start over)")
+    return jax.tree_util.tree_unflatten(treedef, out), what
+
+
 def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: dict[str, Any],
          changed: dict[str, Any], tokens: data_lib.TokenData, eval_set: list[Any],
-         graphdef: Any, state: Any, mesh: Any, opt_bytes: int, stop_after: int | None,
-         log: Callable[[str], None]) -> RunResult:
-    restored = ckpts.restore_latest(state)
+         graphdef: Any, state: Any, mesh: Any, opt_bytes: int, opts: _Options,
+         saved_as: Any, log: Callable[[str], None]) -> RunResult:
+    stop, stop_after = opts.stop, opts.stop_after
+    restored = ckpts.restore_latest(saved_as if saved_as is not None else state,
+                                    restart=opts.restart)
     start, progress = 0, {}
     if restored is not None:
-        state, start, progress = restored.state, restored.step, restored.progress
+        start, progress = restored.step, restored.progress
+        if saved_as is not None:
+            keep = "optimizer" not in changed and (
+                "clip" not in changed or (changed["clip"][0] > 0) == (cfg.clip > 0))
+            state, what = carry_over(restored.state, state, keep)
+            log(f"carried over from the checkpoint of step {start} under the changed "
+                f"settings: {what}")
+        else:
+            state = restored.state
         log(f"resumed {run_dir} at step {start}")
     if start > cfg.steps:
         raise RunDirError(
@@ -589,6 +812,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     if start == cfg.steps:
         log(f"{run_dir} is complete (step {start} of {cfg.steps}): nothing to train")
         return _complete(cfg, run_dir, opt_bytes)
+    if stop is not None and (signal_name := stop()) is not None:
+        return RunResult(cfg, start, [], None, opt_bytes, 0.0, start_step=start,
+                         interrupted=signal_name)
     primary = jax.process_index() == 0  # with several hosts, one writes the history
     rows = []
     if primary:
@@ -623,83 +849,92 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     timed_tokens = prior_tokens
     good = start if restored is not None else None  # the newest finite checkpoint
     pending: list[tuple[int, Any, Any]] = []  # (step, loss, H_t) still on the device
-    with open(run_dir / rundir.METRICS if primary else os.devnull, "a") as metrics:
-        for step in range(start, end):
-            inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
-            state, loss, h = train_step(state, inputs, targets)
-            done = step + 1
-            keep_h = recorder is not None and done % cfg.record_h_every == 0
-            pending.append((done, loss, h if keep_h else None))
-            evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
-            save = done % cfg.checkpoint_every == 0 or done == end
-            log_now = done % cfg.log_every == 0 or evaluate_now or save
-            if not (log_now or step == start):
-                continue  # no host sync: the next step is queued behind this one
-            # the one host sync of a logging interval
-            fetched = fetch([(loss, h) for _, loss, h in pending])
-            now = _clock()
-            if step == start:  # compilation: start the clock after the first step
-                t0, excluded, timed_steps = now, 0.0, 0
-            else:
-                timed_steps += len(pending)
-            kept_h = []
-            for (d, _, _), (value, h_value) in zip(pending, fetched, strict=True):
-                value = float(value)
-                if not math.isfinite(value):
-                    stopped = (f"loss became {value} at step {d}: stopping; "
-                               + _newest(ckpts, good))
-                    break
-                losses.append(value)
-                if h_value is not None:
-                    kept_h.append((d, h_value))
-            pending = []
-            if stopped is not None:
-                _record_h(recorder, kept_h)  # the finite steps' H_t
+    interrupted: str | None = None
+    for step in range(start, end):
+        inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
+        state, loss, h = train_step(state, inputs, targets)
+        done = step + 1
+        keep_h = recorder is not None and done % cfg.record_h_every == 0
+        pending.append((done, loss, h if keep_h else None))
+        evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
+        signal_name = stop() if stop is not None else None
+        if signal_name is not None and signal_name not in PREEMPT_SIGNALS:
+            interrupted = signal_name  # Ctrl-C: stop now (the newest checkpoint stays)
+            break
+        save = done % cfg.checkpoint_every == 0 or done == end or signal_name is not None
+        log_now = done % cfg.log_every == 0 or evaluate_now or save
+        if not (log_now or step == start):
+            continue  # no host sync: the next step is queued behind this one
+        # the one host sync of a logging interval
+        fetched = fetch([(loss, h) for _, loss, h in pending])
+        now = _clock()
+        if step == start:  # compilation: start the clock after the first step
+            t0, excluded, timed_steps = now, 0.0, 0
+        else:
+            timed_steps += len(pending)
+        kept_h = []
+        for (d, _, _), (value, h_value) in zip(pending, fetched, strict=True):
+            value = float(value)
+            if not math.isfinite(value):
+                stopped = (f"loss became {value} at step {d}: stopping; "
+                           + _newest(ckpts, good))
+                break
+            losses.append(value)
+            if h_value is not None:
+                kept_h.append((d, h_value))
+        pending = []
+        if stopped is not None:
+            _record_h(recorder, kept_h)  # the finite steps' H_t
+            log(stopped)
+            break
+        loss_value = losses[-1]
+        elapsed = prior_elapsed + now - t0 - excluded
+        timed_tokens = prior_tokens + timed_steps * tokens_per_step
+        tps = timed_tokens / elapsed if elapsed > 0 else 0.0
+        # host-side diagnostics and logging are off the tokens/s clock (the device idles
+        # while they run: the next step is dispatched after them)
+        t_host = _clock()
+        _record_h(recorder, kept_h)
+        excluded += _clock() - t_host
+        if not log_now:
+            continue
+        record: dict[str, Any] = {"step": done, "loss": loss_value,
+                                  "lr": float(sched(step)), "tokens_per_s": tps,
+                                  "elapsed_s": elapsed, "opt_state_bytes": opt_bytes,
+                                  "attention": settings["attention"],
+                                  "sinkgd_kernel": settings["sinkgd_kernel"]}
+        if (u := mfu(tps, flops_token, peak)) is not None:
+            record["mfu"] = u
+        if evaluate_now:
+            t_eval = _clock()
+            test_ppl = evaluate(eval_step, state, eval_set, mesh, cfg.sharding)
+            excluded += _clock() - t_eval
+            record["test_ppl"] = test_ppl
+        if (peak_bytes := peak_memory_bytes()) is not None:
+            record["peak_memory_bytes"] = peak_bytes
+        t_host = _clock()
+        if primary:
+            rundir.append_line(run_dir / rundir.METRICS, json.dumps(record), sync=False)
+        bar(done, loss_value, tps)
+        excluded += _clock() - t_host
+        if save:
+            t_save = _clock()
+            if not state_is_finite(state):
+                stopped = (f"the parameters or optimizer state became NaN/Inf at step "
+                           f"{done} (the loss was still finite): stopping without saving "
+                           "them; " + _newest(ckpts, good))
                 log(stopped)
                 break
-            loss_value = losses[-1]
-            elapsed = prior_elapsed + now - t0 - excluded
-            timed_tokens = prior_tokens + timed_steps * tokens_per_step
-            tps = timed_tokens / elapsed if elapsed > 0 else 0.0
-            # host-side diagnostics and logging are off the tokens/s clock (the device idles
-            # while they run: the next step is dispatched after them)
-            t_host = _clock()
-            _record_h(recorder, kept_h)
-            excluded += _clock() - t_host
-            if not log_now:
-                continue
-            record: dict[str, Any] = {"step": done, "loss": loss_value,
-                                      "lr": float(sched(step)), "tokens_per_s": tps,
-                                      "elapsed_s": elapsed, "opt_state_bytes": opt_bytes,
-                                      "attention": settings["attention"],
-                                      "sinkgd_kernel": settings["sinkgd_kernel"]}
-            if (u := mfu(tps, flops_token, peak)) is not None:
-                record["mfu"] = u
-            if evaluate_now:
-                t_eval = _clock()
-                test_ppl = evaluate(eval_step, state, eval_set, mesh, cfg.sharding)
-                excluded += _clock() - t_eval
-                record["test_ppl"] = test_ppl
-            if (peak_bytes := peak_memory_bytes()) is not None:
-                record["peak_memory_bytes"] = peak_bytes
-            t_host = _clock()
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
-            bar(done, loss_value, tps)
-            excluded += _clock() - t_host
-            if save:
-                t_save = _clock()
-                if not state_is_finite(state):
-                    stopped = (f"the parameters or optimizer state became NaN/Inf at step "
-                               f"{done} (the loss was still finite): stopping without saving "
-                               "them; " + _newest(ckpts, good))
-                    log(stopped)
-                    break
-                ckpts.save(done, state, {"elapsed_s": elapsed, "timed_tokens": timed_tokens})
-                good = done
-                excluded += _clock() - t_save
+            ckpts.save(done, state, {"elapsed_s": elapsed, "timed_tokens": timed_tokens})
+            good = done
+            excluded += _clock() - t_save
+        if signal_name is not None and done < cfg.steps:
+            interrupted = signal_name
+            log(f"{signal_name}: saved the checkpoint of step {done} ({ckpts.path(done)}); "
+                "run the same command again to resume from it")
+            break
     return RunResult(cfg, start + len(losses), losses, test_ppl, opt_bytes, tps, stopped,
-                     start_step=start, mfu=mfu(tps, flops_token, peak))
+                     start_step=start, mfu=mfu(tps, flops_token, peak), interrupted=interrupted)
 
 
 def _record_h(recorder: DamperRecorder | None, rows: list[tuple[int, Any]]) -> None:
@@ -799,7 +1034,12 @@ def run_losses(result: RunResult) -> tuple[list[int], list[float]]:
 
 
 def save_loss_curve(results: list[RunResult], path: pathlib.Path) -> None:
-    """A PNG of training loss per step, one line per run, each over its whole history."""
+    """A PNG of training loss per step, one line per run, each over its whole history.
+
+    Raises:
+      RunFileError: the PNG could not be written (one line naming it; no temporary file
+        is left behind).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -815,5 +1055,8 @@ def save_loss_curve(results: list[RunResult], path: pathlib.Path) -> None:
                  f"{results[0].config.data or 'the standard-library corpus'}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        rundir.atomic_write_bytes(pathlib.Path(path),
+                                  lambda f: fig.savefig(f, format="png", dpi=120))
+    finally:
+        plt.close(fig)
