@@ -112,7 +112,8 @@ def make_optimizer(
           ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
           kernel, on CUDA arrays; opt-in) or ``"jnp"`` (:func:`~sage_optax.scale_by_sinkhorn`;
           ``SAGE_KERNELS=off`` in the environment turns the kernel off);
-        * ``skip_nonfinite=N``: a non-negative integer; wrap in
+        * ``skip_nonfinite=N``: an integer in ``[0, 2**31 - 1]`` (optax counts in an
+          ``int32``); wrap in
           ``optax.apply_if_finite(tx, max_consecutive_errors=N)`` so a step with a NaN/Inf
           gradient is skipped (zero update, state untouched), at most ``N`` in a row: the
           ``(N + 1)``-th consecutive non-finite step (and any after it) is applied, so a
@@ -127,7 +128,7 @@ def make_optimizer(
 
     Raises:
       ValueError: unknown name (the message lists the valid ones), unknown override,
-        negative learning rate, ``skip_nonfinite`` not a non-negative integer.
+        negative learning rate, ``skip_nonfinite`` not an integer in ``[0, 2**31 - 1]``.
     """
     overrides = _merge_injected(overrides)
     named = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "alpha": alpha}

@@ -124,7 +124,8 @@ def range_scale(g: jax.Array, axes: axes_lib.ResolvedAxes) -> jax.Array:
     """``m``: a power of two with ``m ≤ max|G| < 2m`` per batch index (1 for an all-zero one).
 
     Shaped like ``g`` with size-1 fan-in and fan-out axes, in ``g``'s dtype; at least the
-    dtype's smallest normal number, so that ``1/m`` and ``eps/m`` stay finite.  A matrix
+    dtype's smallest normal number, so that ``1/m`` and ``eps/m`` stay finite, and at most
+    its reciprocal, so that ``1/m`` stays normal.  A matrix
     with a non-finite entry gets ``m = 1`` (its result is non-finite anyway).  Zero-size
     matrices give 1.
     """
@@ -133,7 +134,11 @@ def range_scale(g: jax.Array, axes: axes_lib.ResolvedAxes) -> jax.Array:
     ok = (amax > 0) & jnp.isfinite(amax)
     # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result).
     m = jnp.where(ok, amax / jnp.where(ok, 2 * mantissa, 1), 1)
-    return jnp.maximum(m, jnp.finfo(g.dtype).tiny).astype(g.dtype)
+    # At most 1/tiny: XLA:CPU divides by multiplying with the reciprocal, and 1/m for
+    # m = 2^127 is subnormal and flushed to zero (G/m would be 0).  Any power of two gives
+    # the same X, so the cap changes nothing but keeps 1/m normal.
+    tiny = jnp.finfo(g.dtype).tiny
+    return jnp.clip(m, tiny, 1 / tiny).astype(g.dtype)
 
 
 def sinkhorn_scales(

@@ -58,12 +58,7 @@ def check_positive_int(name: str, value: Any) -> None:
 def check_skip_nonfinite(value: Any) -> int:
     """``value`` as a count of non-finite steps to skip, or a ``ValueError`` naming it.
 
-    A non-negative integer (Python or NumPy); booleans, fractions and negative numbers are
-    refused (``True`` is not "skip one", ``2.7`` and ``-1`` have no meaning).
+    :func:`sage_optim.hyperparams.check_skip_nonfinite`: an integer in ``[0, 2**31 - 1]``
+    (``optax.apply_if_finite`` counts in an ``int32``), the same check as ``sage_torch``'s.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
-        raise ValueError(
-            f"skip_nonfinite must be a non-negative integer (the number of consecutive "
-            f"non-finite steps to skip; 0 disables skipping), got {value!r}"
-        )
-    return int(value)
+    return hyperparams.check_skip_nonfinite(value)

@@ -97,6 +97,28 @@ RULE_RANGES: Mapping[tuple[str, str], Range] = types.MappingProxyType(
 """Ranges that differ for one rule: ``(rule, name) -> Range``."""
 
 
+SKIP_NONFINITE_MAX: int = 2**31 - 1
+"""The largest ``skip_nonfinite``: :func:`optax.apply_if_finite` counts the consecutive
+non-finite steps in an ``int32``, so both frameworks refuse larger values."""
+
+
+def check_skip_nonfinite(value: Any) -> int:
+    """``value`` as a count of non-finite steps to skip, or a ``ValueError`` naming it.
+
+    An integer (Python or NumPy) in ``[0, SKIP_NONFINITE_MAX]``; booleans, fractions and
+    negative numbers are refused (``True`` is not "skip one", ``2.7`` and ``-1`` have no
+    meaning), and so are counts an ``int32`` cannot hold (:data:`SKIP_NONFINITE_MAX`).
+    """
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+            or not 0 <= int(value) <= SKIP_NONFINITE_MAX):
+        raise ValueError(
+            f"skip_nonfinite must be an integer in [0, {SKIP_NONFINITE_MAX}] (the number of "
+            f"consecutive non-finite steps to skip, counted in an int32; 0 disables "
+            f"skipping), got {value!r}"
+        )
+    return int(value)
+
+
 def range_of(name: str, rule: str | None = None) -> Range | None:
     """The valid range of hyperparameter ``name`` (of ``rule``, where it differs)."""
     return RULE_RANGES.get((rule or "", name)) or RANGES.get(name)

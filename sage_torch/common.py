@@ -62,6 +62,15 @@ def bias_correction(b: float, step: Tensor, dtype: torch.dtype) -> Tensor:
     return 1 - b ** step.to(dtype)
 
 
+def pow2_floor(amax: Tensor) -> Tensor:
+    """Element-wise, the power of two ``m ≤ amax < 2m`` (1 where ``amax`` is 0 or not finite)."""
+    mantissa, _ = torch.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
+    ok = (amax > 0) & torch.isfinite(amax)
+    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result)
+    m = torch.where(ok, amax / torch.where(ok, 2 * mantissa, 1), 1)
+    return m.clamp_min(torch.finfo(amax.dtype).tiny)
+
+
 def check_group(group: dict[str, Any], rule: str, keys: Sequence[str]) -> None:
     """Check ``group``'s ``lr``, ``weight_decay``, ``betas`` and ``keys``.
 

@@ -7,11 +7,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from sage_optim.hyperparams import check_skip_nonfinite
 from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
 from sage_optim.routing import ResolvedRoute, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
-from sage_torch.nonfinite import SkipNonFinite, check_skip_nonfinite
+from sage_torch.nonfinite import SkipNonFinite
 from sage_torch.optim import RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params, state_nbytes
 
@@ -131,7 +132,8 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
         ``dense_projection=`` (APOLLO's injected projection)
         and ``skip_nonfinite=N``: skip a step whose gradients are not all finite (params
         and state untouched), at most ``N`` in a row, as the JAX option
-        (:mod:`sage_torch.nonfinite`).
+        (:mod:`sage_torch.nonfinite`; ``N`` an integer in ``[0, 2**31 - 1]``, the range
+        of JAX's ``int32`` counter, in both frameworks).
 
     Returns:
       A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule and axes (a

@@ -17,30 +17,17 @@ per device per step (JAX decides on the device, inside the compiled step).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from sage_optim.hyperparams import check_skip_nonfinite
 from sage_torch.common import Projection
 from sage_torch.optim import ParamsT, RuleOptimizer
 
-
-def check_skip_nonfinite(value: Any) -> int:
-    """``value`` as a count of steps to skip, or a ``ValueError`` naming ``skip_nonfinite``.
-
-    A non-negative integer (Python or NumPy); booleans, fractions and negative numbers are
-    refused (``True`` is not "skip one", ``2.7`` and ``-1`` have no meaning).
-    """
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-            or int(value) < 0):
-        raise ValueError(
-            f"skip_nonfinite must be a non-negative integer (the number of consecutive "
-            f"non-finite steps to skip; 0 disables skipping), got {value!r}"
-        )
-    return int(value)
+__all__ = ["SkipNonFinite", "all_finite", "check_skip_nonfinite"]
 
 
 def all_finite(tensors: list[Tensor]) -> bool:
@@ -99,6 +86,12 @@ class SkipNonFinite(RuleOptimizer):
                 return loss
         super().step()
         return loss
+
+    def __getstate__(self) -> dict[str, Any]:
+        """As :meth:`RuleOptimizer.__getstate__`, plus ``skip_nonfinite`` and the counters."""
+        return {**super().__getstate__(), "skip_nonfinite": self.skip_nonfinite,
+                "nonfinite_count": self.nonfinite_count,
+                "total_nonfinite": self.total_nonfinite}
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict plus the non-finite counters."""

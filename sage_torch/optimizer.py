@@ -123,23 +123,49 @@ class RuleOptimizer(torch.optim.Optimizer):
                  cpu_threads: int = 1) -> None:
         if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
             raise ValueError(f"cpu_threads must be a positive int, got {cpu_threads!r}")
-        self._rules: dict[str, Rule] = make_rules(projection)
-        for rule in self._rules.values():
-            rule.cpu_threads = cpu_threads
+        self._projection = projection
+        self._cpu_threads = cpu_threads
+        self._rules: dict[str, Rule] = self._make_rules()
         self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
         merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
         super().__init__(params, merged)
         merged.owner = self
 
-    def __getstate__(self) -> dict[str, Any]:  # noqa: D105
-        return {**super().__getstate__(), "kinds": self.kinds}
+    def _make_rules(self) -> dict[str, Rule]:
+        """A fresh instance of every rule, with this optimizer's projection and threads."""
+        rules = make_rules(self._projection)
+        for rule in rules.values():
+            rule.cpu_threads = self._cpu_threads
+        return rules
 
-    def __setstate__(self, state: dict[str, Any]) -> None:  # noqa: D105
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling (``torch.save(opt)``, ``copy.deepcopy(opt)``) keeps of the optimizer.
+
+        ``torch.optim.Optimizer``'s ``defaults``, ``state`` and ``param_groups``, plus the
+        :attr:`kinds`, APOLLO's ``projection`` and ``cpu_threads``; the rule objects (which
+        hold caches, not state) are rebuilt by :meth:`__setstate__`.  A ``projection`` that
+        pickle cannot store (a lambda, a local function) makes ``torch.save`` fail, while
+        ``copy.deepcopy`` keeps the function itself.
+        """
+        return {**super().__getstate__(), "kinds": self.kinds,
+                "_projection": self._projection, "_cpu_threads": self._cpu_threads}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore a pickled or copied optimizer, rebuilding its rules (:meth:`__getstate__`).
+
+        Loading a whole optimizer saved by ``torch.save(opt, path)`` needs
+        ``torch.load(path, weights_only=False)`` (it unpickles Python objects, so only load
+        files you trust); the portable form is ``opt.state_dict()`` with
+        :meth:`load_state_dict`.  The copy's next step is bit for bit the original's.
+        """
         super().__setstate__(state)
         if not isinstance(self.defaults, _Defaults):  # unpickled as a plain dict
             self.defaults = _Defaults(self.defaults)
         self.defaults.owner = self
         self.__dict__.setdefault("kinds", {})
+        self.__dict__.setdefault("_projection", None)
+        self.__dict__.setdefault("_cpu_threads", 1)
+        self._rules = self._make_rules()
 
     def _name_group(self, param_group: dict[str, Any]) -> None:
         """Generate ``param_names`` where named and unnamed groups would meet."""
@@ -363,7 +389,18 @@ class RuleOptimizer(torch.optim.Optimizer):
         return False, True
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, keeping each floating state tensor's saved dtype."""
+        """Load a state dict saved by an optimizer of the same configuration, checked first.
+
+        Before anything is changed, the state dict is checked against this optimizer
+        (:meth:`check_state_dict`): the same number of param groups, of parameters per
+        group, the same ``rule`` (and ``kind``) per group, and for every parameter with
+        state the rule's state keys, each tensor's shape and dtype family; a mismatch raises
+        a one-line ``ValueError`` naming the group, the parameter and what differs, so that
+        an ``adamw`` checkpoint never turns this optimizer into another.  An empty or partial
+        state (parameters that have not stepped yet) loads.  Each floating state tensor
+        keeps its saved dtype (a bfloat16 parameter's float32 state stays float32).
+        """
+        self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
@@ -375,4 +412,83 @@ class RuleOptimizer(torch.optim.Optimizer):
                     self.state[p][key] = saved.to(device=current.device, dtype=saved.dtype,
                                                   copy=True)
 
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise a one-line ``ValueError`` unless ``state_dict`` fits this optimizer.
 
+        It fits when it has as many param groups, each with as many parameters, each group
+        with this optimizer's ``rule`` (and ``kind``, where both have one) and valid
+        hyperparameters, and every parameter's saved state (if any) has exactly the keys
+        its rule keeps (``step`` and the rule's tensors), each with the shape and dtype
+        family (floating or not) that the rule would create for it.  The expected state is
+        built on the ``meta`` device: nothing is allocated.
+        """
+        groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+        if not isinstance(groups, list | tuple) or not isinstance(saved_state, Mapping):
+            raise ValueError("state dict must have 'state' (a dict) and 'param_groups' (a "
+                             f"list), got keys {sorted(map(str, state_dict))}")
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups, this optimizer has "
+                             f"{len(self.param_groups)}")
+        for index, (group, saved) in enumerate(zip(self.param_groups, groups, strict=True)):
+            where = f"param group {index} (kind {group.get('kind', '-')!r})"
+            if saved.get("rule") != group["rule"]:
+                raise ValueError(f"state dict does not fit: {where} has rule "
+                                 f"{saved.get('rule')!r} in the state dict but "
+                                 f"{group['rule']!r} in this optimizer")
+            if "kind" in saved and "kind" in group and saved["kind"] != group["kind"]:
+                raise ValueError(f"state dict does not fit: param group {index} has kind "
+                                 f"{saved['kind']!r} in the state dict but {group['kind']!r} "
+                                 "in this optimizer")
+            where = f"{where[:-1]}, rule {group['rule']!r})"
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"state dict does not fit: {where} has "
+                                 f"{len(saved['params'])} parameters in the state dict but "
+                                 f"{len(group['params'])} in this optimizer")
+            # The group as it will be after loading: the saved options, these parameters.
+            merged = {**group, **{k: v for k, v in saved.items()
+                                  if k not in ("params", "param_names")}}
+            rule = self.rule_of(group)
+            try:
+                rule.validate(merged)
+            except ValueError as e:
+                raise ValueError(f"state dict does not fit: {where}: {e}") from None
+            for pid, p, name in zip(saved["params"], group["params"], self._names(group),
+                                    strict=True):
+                state = saved_state.get(pid)
+                if state:
+                    self._check_param_state(state, p, merged, rule, f"parameter {name} of "
+                                            f"{where}")
+
+    @staticmethod
+    def _check_param_state(state: Mapping[str, Any], p: Tensor, group: dict[str, Any],
+                           rule: Rule, where: str) -> None:
+        """Check one parameter's saved state against what ``rule`` would create for ``p``."""
+        meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+        try:
+            expected = {"step": torch.empty((), dtype=torch.float32, device="meta"),
+                        **rule.init_state(meta, group, where)}
+        except ValueError as e:
+            raise ValueError(f"state dict does not fit: {where}: {e}") from None
+        if set(state) != set(expected):
+            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            raise ValueError(
+                f"state dict does not fit: {where} has state keys {sorted(state)}, the "
+                f"{rule.name} rule keeps {sorted(expected)}"
+                + (f" (missing {missing})" if missing else "")
+                + (f" (unexpected {extra})" if extra else ""))
+        for key, want in expected.items():
+            got = state[key]
+            if not isinstance(got, Tensor):
+                raise ValueError(f"state dict does not fit: {where}: state {key!r} is a "
+                                 f"{type(got).__name__}, not a tensor")
+            if tuple(got.shape) != tuple(want.shape):
+                raise ValueError(f"state dict does not fit: {where}: state {key!r} has shape "
+                                 f"{tuple(got.shape)}, this optimizer expects "
+                                 f"{tuple(want.shape)}")
+            if (got.is_floating_point(), got.is_complex()) != (want.is_floating_point(),
+                                                               want.is_complex()):
+                family = ("complex" if want.is_complex() else "floating"
+                          if want.is_floating_point() else "integer or bool")
+                raise ValueError(f"state dict does not fit: {where}: state {key!r} is "
+                                 f"{got.dtype}, this optimizer expects a {family} tensor "
+                                 f"({want.dtype})")

@@ -12,6 +12,7 @@ of floating-point operations where it matters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,30 +44,89 @@ ReduceDim = int | tuple[int, ...] | None
 """The fan-out dim(s) ``s`` averages over; ``None``: element-wise (vectors)."""
 
 
+def mean_scale(n: int) -> float:
+    """``2^-k``, the least power of two with ``n · 2^-k ≤ 1`` (:func:`sage_optax.sage.mean_scale`).
+
+    ``s = mean(|g|·c) / c`` with ``c = mean_scale(n)`` over ``n`` entries: no partial sum
+    exceeds ``max|g|``, so ``s`` is finite for every finite gradient (a plain sum of ``V``
+    entries overflows float32 once ``|g|`` reaches about ``3.4e38 / V``).  Scaling by a
+    power of two is exact: bit for bit the plain mean, unless an entry is below the
+    smallest normal number times ``1/c``.
+    """
+    return 1.0 if n <= 1 else 2.0 ** -(int(n) - 1).bit_length()
+
+
+def _mean_abs(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
+    """``mean(|x|)`` over ``dim``, finite for every finite ``x`` (:func:`mean_scale`)."""
+    dims = dim if isinstance(dim, tuple) else (dim,)
+    c = mean_scale(math.prod([x.shape[d] for d in dims]))  # a list: torch.compile traces it
+    if c == 1.0:
+        return x.abs().mean(dim=dim)
+    return x.abs().mul_(c).mean(dim=dim).div_(c)
+
+
+def _pow2_scale(amax: Tensor) -> Tensor:
+    """A power of two ``m`` with ``a < m ≤ 2a``, ``a = amax`` clamped to ``[tiny, 2^-1/tiny]``.
+
+    ``amax ≥ 0`` (a maximum of values ``≥ 0``); 0 gives ``2·tiny``, and NaN stays NaN (the
+    result is then NaN, as the plain formula's).  ``m = a / mantissa(a)`` (``frexp``; an
+    exact quotient), three element-wise ops on the reduced shape; ``m ≤ 1/tiny``, so
+    ``1/m`` stays a normal number, as :mod:`sage_optax` needs.
+    """
+    info = torch.finfo(amax.dtype)
+    a = amax.clamp(info.tiny, 0.5 / info.tiny)
+    mantissa, _ = torch.frexp(a)  # a = mantissa · 2^e, mantissa in [0.5, 1)
+    return a / mantissa
+
+
+def _rms_nonneg(x: Tensor) -> Tensor:
+    """``sqrt(mean(x²))`` over every entry of ``x ≥ 0`` (0-D), as ``m · sqrt(mean((x/m)²))``.
+
+    ``m`` (:func:`_pow2_scale`) is a power of two within a factor 2 of ``max x``, so the
+    squares are in range for every finite ``x`` (a plain ``x²`` overflows float32 from
+    ``x ≈ 1.8e19``); dividing by a power of two is exact and the root of ``y/m²`` is
+    ``sqrt(y)/m``, so where ``x²`` is in range the result is bit for bit the plain
+    formula's (the same reduction, on the same shape).
+    """
+    if x.numel() == 0:
+        return x.square().mean()
+    m = _pow2_scale(x.amax())
+    return (x / m).square().mean().sqrt().mul(m)
+
+
 def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
                 dims: tuple[int, ...] | None = None) -> Tensor:
     """SAGE's ``H = min(σ/(Ŝ+ε), γ/(s+ε), 1)`` with σ, γ the RMS of ``Ŝ`` and ``s``.
 
     ``dims``: the dims the RMS averages over (default: every entry); the others are batch
     dims (stacked layers, or the stacked parameters of :func:`_multi_tensor_sage`), each
-    with its own σ and γ.
+    with its own σ and γ.  Finite for every finite ``s ≥ 0`` and ``Ŝ ≥ 0``: σ and γ are
+    ``m · sqrt(mean((x/m)²))`` with ``m`` a power of two near the largest entry
+    (:func:`_pow2_scale`; per batch index), so no square overflows, and where the plain
+    squares are in range the values are the plain formula's (scaling by a power of two is
+    exact, through the root too).  With ``dims``, both RMS values are computed at once, on
+    ``Ŝ`` and ``s`` stacked (one ``m`` for both; the kernels of one of them): the same
+    numbers up to the order of summation, which torch may choose differently for the
+    stacked shape when it splits a long reduction over several threads.
     """
-    def rms(x: Tensor) -> Tensor:
-        if dims is None:
-            return x.square().mean().sqrt()
-        if not dims:  # one entry per batch index: the mean of one number is that number
-            return x.square().sqrt()
-        return x.square().mean(dim=dims, keepdim=True).sqrt()
-
-    terms = []
-    if damper in ("both", "ema"):
-        terms.append(rms(s_hat) / (s_hat + eps))
-    if damper in ("both", "instant"):
-        terms.append(rms(s) / (s + eps))
-    if not terms:
+    use_ema, use_inst = damper in ("both", "ema"), damper in ("both", "instant")
+    if not (use_ema or use_inst):
         return torch.ones_like(s)
-    h = terms[0].clamp_max(1)  # min(x, 1), NaN kept as torch.minimum keeps it
-    return h if len(terms) == 1 else torch.minimum(h, terms[1])
+    if dims is None:  # one σ and one γ over every entry: the plain formula's reductions
+        terms = ([_rms_nonneg(s_hat) / (s_hat + eps)] if use_ema else []) + (
+            [_rms_nonneg(s) / (s + eps)] if use_inst else [])
+        h = terms[0].clamp_max(1)  # min(x, 1), NaN kept as torch.minimum keeps it
+        return h if len(terms) == 1 else torch.minimum(h, terms[1])
+    srcs = ([s_hat] if use_ema else []) + ([s] if use_inst else [])
+    x = torch.stack(srcs) if len(srcs) == 2 else srcs[0].unsqueeze(0)  # (k, *s.shape)
+    rd = tuple(d + 1 for d in dims)
+    if rd:
+        m = _pow2_scale(x.amax(dim=(0, *rd), keepdim=True))
+        r = (x / m).square().mean(dim=rd, keepdim=True).sqrt().mul(m)  # σ and γ
+    else:  # one entry per batch index: sqrt(x²) is x
+        r = x
+    h = (r / (x + eps)).clamp_max(1)  # min(x, 1), NaN kept
+    return h.amin(0)  # the smaller term (NaN kept: amin propagates it)
 
 
 def _broadcast_h(h: Tensor, dim: ReduceDim, shape: Sequence[int], batch: int = 0) -> Tensor:
@@ -95,7 +155,7 @@ def _single_tensor_sage(params: list[Tensor], grads: list[Tensor], exp_avgs: lis
                                          reduce_dims, rms_dims, strict=True):
         w = wide(g.dtype)
         g32, m32 = g.to(w), m.to(w)
-        s = g32.abs() if dim is None else g32.abs().mean(dim=dim)
+        s = g32.abs() if dim is None else _mean_abs(g32, dim)
         S.mul_(beta2).add_(s.to(S.dtype), alpha=1 - beta2)
         s_hat = S.to(s.dtype) / bias_correction(beta2, t, s.dtype)
         h = _broadcast_h(sage_damper(s, s_hat, eps, damper, rdims), dim, p.shape)
@@ -143,11 +203,10 @@ def _dampers(params: list[Tensor], g32: list[Tensor], scale_avgs: list[Tensor],
     h_all: list[Tensor] = [g32[0]] * len(params)  # placeholders, all replaced below
     for (shape, dim, rdims, s_dtype), idx in buckets.items():
         gb = _stack([g32[i] for i in idx])
-        a = gb.abs()
         if dim is None:
-            s = a
+            s = gb.abs()
         else:
-            s = a.mean(dim=tuple(d + 1 for d in dim) if isinstance(dim, tuple) else dim + 1)
+            s = _mean_abs(gb, tuple(d + 1 for d in dim) if isinstance(dim, tuple) else dim + 1)
         S_list = [scale_avgs[i] for i in idx]
         torch._foreach_mul_(S_list, beta2)
         s_parts = list(s.to(s_dtype).unbind(0))
@@ -292,12 +351,14 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
                   threads: int = 1) -> None:
     """One step of one plain CPU parameter, chunk by chunk (:mod:`sage_torch.chunked`).
 
-    Pass 1 reduces ``|g|`` over the vocab dim (``s``: a partial sum per chunk, then their
-    sum, as ``mean``); pass 2 updates ``M``, forms ``sign(b1·M_t + (b2−b1)·g)·H`` and
+    Pass 1 reduces ``|g|·c`` over the vocab dim (``s``: a partial sum per chunk, then their
+    sum, as ``mean``, then ``/c``; ``c`` of :func:`mean_scale`, so that the sums stay
+    finite); pass 2 updates ``M``, forms ``sign(b1·M_t + (b2−b1)·g)·H`` and
     applies it with the decay, all on one chunk at a time, with the operations (and so the
     rounding) of the whole-tensor path.
     """
     dim = reduce_dim
+    c = 1.0 if dim is None else mean_scale(p.shape[dim])  # |g|·c: sums stay finite
     if dim is None:
         s = g.abs()
     elif dim == 0:
@@ -306,6 +367,8 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
 
         def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
             torch.abs(g[i:j], out=a)
+            if c != 1.0:
+                a.mul_(c)
             torch.sum(a, dim=0, out=partial[k])
 
         chunked.for_chunks(p, reduce, threads)
@@ -315,9 +378,13 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
 
         def reduce(k: int, i: int, j: int, a: Tensor, _: Tensor) -> None:
             torch.abs(g[i:j], out=a)
+            if c != 1.0:
+                a.mul_(c)
             torch.mean(a, dim=dim, out=s[i:j])
 
         chunked.for_chunks(p, reduce, threads)
+    if c != 1.0:
+        s.div_(c)
     S.mul_(beta2).add_(s.to(S.dtype), alpha=1 - beta2)
     s_hat = S.to(s.dtype) / bias_correction(beta2, step, s.dtype)
     h = _broadcast_h(sage_damper(s, s_hat, eps, damper, rms_dims), dim, p.shape)

@@ -34,6 +34,7 @@ from sage_torch.common import (
     lr_of,
     lr_tensor,
     matrix_axes,
+    pow2_floor,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -104,16 +105,7 @@ def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
     if g.numel() == 0:
         shape = [1 if d in {x % g.dim() for x in dims} else n for d, n in enumerate(g.shape)]
         return torch.ones(shape, dtype=g.dtype, device=g.device)
-    return _pow2_floor(g.abs().amax(dim=dims, keepdim=True))
-
-
-def _pow2_floor(amax: Tensor) -> Tensor:
-    """Element-wise, the power of two ``m ≤ amax < 2m`` (1 where ``amax`` is 0 or not finite)."""
-    mantissa, _ = torch.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
-    ok = (amax > 0) & torch.isfinite(amax)
-    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result)
-    m = torch.where(ok, amax / torch.where(ok, 2 * mantissa, 1), 1)
-    return m.clamp_min(torch.finfo(amax.dtype).tiny)
+    return pow2_floor(g.abs().amax(dim=dims, keepdim=True))
 
 
 def _pow2_sqrt_floor(m: Tensor) -> Tensor:
@@ -345,7 +337,7 @@ def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Buck
         # max|G| per matrix in one kernel (the same value as g.abs().amax(dim=(1, 2)))
         amaxes.append(torch.linalg.vector_norm(g, math.inf, dim=(1, 2)) if g.numel() else
                       torch.zeros(b.batch, dtype=w, device=device))
-    m = _pow2_floor(amaxes[0] if len(amaxes) == 1 else torch.cat(amaxes))  # (sum B,)
+    m = pow2_floor(amaxes[0] if len(amaxes) == 1 else torch.cat(amaxes))  # (sum B,)
     ks = [g.div(mb.view(-1, 1, 1)).square_()
           for g, mb in zip(gs, m.split([b.batch for b in buckets]), strict=True)]
     del gs
@@ -555,7 +547,7 @@ def _fused_scalars(amax: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Te
     ``X = (c/h)·G·(r/(m/h))``, as :func:`sinkhorn_scales`; element-wise, so the values do
     not depend on which matrices are computed together.
     """
-    m = _pow2_floor(amax)
+    m = pow2_floor(amax)
     half = _pow2_sqrt_floor(m)
     return m, eps / m, half, m / half
 

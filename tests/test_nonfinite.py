@@ -128,6 +128,37 @@ def test_skip_nonfinite_accepts_counts():
         assert isinstance(opt, sage_torch.RuleOptimizer)
 
 
+def test_skip_nonfinite_range_is_that_of_int32():
+    """optax counts non-finite steps in an int32: larger values are refused up front, in
+    both frameworks, with one line naming the option and its range (not an OverflowError
+    at the first update); the largest count, 2**31 - 1, builds and steps in both: a
+    non-finite gradient is skipped (parameters unchanged), a finite one applied."""
+    msg = r"^skip_nonfinite must be an integer in \[0, 2147483647\] [^\n]*, got "
+    for bad in (2**31, 2**70, np.uint64(2**63), 10**400):
+        with pytest.raises(ValueError, match=msg):
+            sage_optax.make_optimizer("sage-hybrid", skip_nonfinite=bad)
+        with pytest.raises(ValueError, match=msg):
+            sage_torch.make_optimizer("sage-hybrid", TinyLM(), skip_nonfinite=bad)
+    n = 2**31 - 1
+    p = jax_params()
+    tx = sage_optax.make_optimizer("sage-hybrid", 1e-2, skip_nonfinite=n)
+    state = tx.init(p)
+    bad = jax.tree.map(lambda x: jnp.full(x.shape, jnp.nan, x.dtype), p)
+    u, state = jax.jit(tx.update)(bad, state, p)
+    assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u))
+    u, state = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, p), state, p)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(u))
+    assert any(np.any(np.asarray(x) != 0) for x in jax.tree.leaves(u))
+    model = TinyLM()
+    opt = sage_torch.make_optimizer("sage-hybrid", model, skip_nonfinite=n)
+    assert opt.skip_nonfinite == n
+    before = copy.deepcopy(model.state_dict())
+    for q in model.parameters():
+        q.grad = torch.full_like(q, float("nan"))
+    opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 # A gradient sequence: "ok" finite, "bad" with one NaN in a dense matrix.
 SEQUENCE = ["ok", "bad", "bad", "bad", "bad", "ok", "bad", "ok"]
 

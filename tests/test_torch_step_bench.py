@@ -73,7 +73,11 @@ def test_bytes_moved_counts_sinkgd_passes():
 # aten op count on the meta device (deterministic, no timing)
 # ---------------------------------------------------------------------------
 
-OP_BOUND = 300  # issue 13's target for sage-hybrid at 270M (torch's foreach AdamW: 250)
+# Issue 13's target for sage-hybrid at 270M was 300 (torch's foreach AdamW: 250); the
+# overflow-safe SAGE reductions (a power-of-two range scale for σ, γ and the vocab mean, so
+# that every finite gradient gives a finite step) add 2 ops per SAGE bucket and 2 for the
+# embedding's mean: 296 -> 302.
+OP_BOUND = 302
 
 
 def test_foreach_op_count_is_bounded_and_does_not_grow_with_depth():
@@ -116,10 +120,10 @@ def test_peak_memory_mode_counts_new_storages_on_meta():
 def test_270m_op_count_and_sinkgd_rounds():
     """Issue 13's meta-device target at 270M, and what SinkGD's rounds do to it.
 
-    A sage-hybrid foreach step dispatches at most 300 aten ops (the default rounds hold the
-    whole model's K: 2 x the 501 MiB embedding is more than all of it).  Rounds of 128 MiB
-    repeat the iterations' element-wise kernels (more ops) but bound sinkgd-pure's peak
-    below that of one round: the check of the peak column can fail.
+    A sage-hybrid foreach step dispatches at most ``OP_BOUND`` (302) aten ops (the default
+    rounds hold the whole model's K: 2 x the 501 MiB embedding is more than all of it).
+    Rounds of 128 MiB repeat the iterations' element-wise kernels (more ops) but bound
+    sinkgd-pure's peak below that of one round: the check of the peak column can fail.
     """
     from sage_optim.models import get_model_config
 
