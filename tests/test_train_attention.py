@@ -26,7 +26,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 pytest.importorskip("orbax.checkpoint")
 
-from train_helpers import config  # noqa: E402
+from train_helpers import config, quiet  # noqa: E402
 
 from sage_optax import placement  # noqa: E402
 from sage_optim import kernels  # noqa: E402
@@ -72,11 +72,6 @@ def _load(name):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def quiet(cfg, **kw):
-    messages: list[str] = []
-    return train(cfg, log=messages.append, **kw), messages
 
 
 # ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
-from train_helpers import config  # noqa: E402
+from train_helpers import config, quiet  # noqa: E402
 
 from sage_train import data as data_lib  # noqa: E402
 from sage_train import rundir  # noqa: E402
@@ -28,14 +28,9 @@ from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 from sage_train.cli import build_parser, main  # noqa: E402
 from sage_train.errors import ConfigError, DataError, RunDirError, RunFileError  # noqa: E402
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals  # noqa: E402
-from sage_train.train import TrainConfig, check_config, train  # noqa: E402
+from sage_train.train import TrainConfig, check_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
-
-
-def quiet(cfg, **kw):
-    messages: list[str] = []
-    return train(cfg, log=messages.append, **kw), messages
 
 
 @pytest.fixture(scope="module")

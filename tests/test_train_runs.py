@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
-from train_helpers import config  # noqa: E402
+from train_helpers import config, quiet  # noqa: E402
 
 from sage_train import rundir  # noqa: E402
 from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
@@ -33,11 +33,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("token_cache")
-
-
-def quiet(cfg, **kw):
-    messages: list[str] = []
-    return train(cfg, log=messages.append, **kw), messages
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sage_train.train import TrainConfig
+from sage_train.train import RunResult, TrainConfig, train
 
 
 def config(corpus: Any, run_dir: Any, **kw: Any) -> TrainConfig:
@@ -15,3 +15,9 @@ def config(corpus: Any, run_dir: Any, **kw: Any) -> TrainConfig:
                        data=str(corpus), run_dir=str(run_dir), checkpoint_every=4,
                        record_h_every=2, progress=False)
     return dataclasses.replace(base, **kw)
+
+
+def quiet(cfg: TrainConfig, **kw: Any) -> tuple[RunResult, list[str]]:
+    """``train(cfg, **kw)`` with its log collected instead of printed: (result, messages)."""
+    messages: list[str] = []
+    return train(cfg, log=messages.append, **kw), messages
