@@ -55,8 +55,53 @@ class RoutingError(ValueError):
     """A parameter the router cannot place, or an override that does not apply.
 
     The message names the parameter's path and shape and the override that fixes it.  Both
-    frameworks raise this one type (``sage_optax.RoutingError is sage_torch.RoutingError``).
+    frameworks raise this one type (``sage_optax.RoutingError is sage_torch.RoutingError``),
+    and both raise *one* error for all the parameters they cannot place
+    (:meth:`combine`), ending with a ``route_overrides = {...}`` block that can be pasted.
+
+    Attributes:
+      leaf: the parameter's name, when the error is about one parameter.
+      shape: its shape.
+      options: the remedies, most likely first: ``(route, when)`` pairs, where ``route``
+        is a :class:`Route` (or a kind) and ``when`` completes "right if ..." ("it is a
+        stack of (in, out) matrices", ...).
+      problems: the per-parameter errors a combined error holds (itself for one).
     """
+
+    def __init__(self, message: str, *, leaf: str | None = None,
+                 shape: Sequence[int] | None = None,
+                 options: Sequence[tuple[Any, str]] = ()) -> None:
+        super().__init__(message)
+        self.leaf = leaf
+        self.shape = None if shape is None else tuple(int(s) for s in shape)
+        self.options: tuple[tuple[Any, str], ...] = tuple(options)
+        self.problems: tuple[RoutingError, ...] = (self,) if leaf is not None else ()
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """The suggested ``route_overrides``: the first remedy of every parameter named.
+
+        The same dict the message's paste block prints; check it against the model's
+        forward code before training with it.
+        """
+        return {p.leaf: p.options[0][0] for p in self.problems
+                if p.leaf is not None and p.options}
+
+    @classmethod
+    def combine(cls, errors: Sequence[RoutingError]) -> RoutingError:
+        """One error for every parameter in ``errors``, with one paste block for all."""
+        errors = list(errors)
+        if len(errors) == 1:
+            lines = [str(errors[0])]
+        else:
+            lines = [f"cannot place {len(errors)} parameters:"]
+            lines += ["* " + str(e).replace("\n", "\n  ") for e in errors]
+        out = cls("\n".join(lines))
+        out.problems = tuple(p for e in errors for p in (e.problems or (e,)))
+        block = paste_block(out.problems)
+        if block:
+            out.args = ("\n".join(lines) + "\n" + block,)
+        return out
 
 
 def as_axis_group(value: Any, what: str) -> tuple[int, ...] | None:
@@ -318,6 +363,15 @@ def override_advice(name: str, shape: Sequence[int], route: Route | None = None)
             f"route_overrides={{{name!r}: Route('dense', fan_in=..., fan_out=...)}} "
             "(or 'embedding' for a vocabulary matrix, 'vector' for element-wise rules)"
         )
+    return f"route_overrides={{{name!r}: {route_literal(route)}}}"
+
+
+def route_literal(route: Any) -> str:
+    """``route`` as Python source: ``'vector'`` or ``Route('dense', fan_in=0, fan_out=1)``."""
+    if isinstance(route, str):
+        return repr(route)
+    if route.kind == "vector" and not route.batch:
+        return "'vector'"
     args = [repr(route.kind)]
     for key in ("fan_in", "fan_out"):
         group = getattr(route, key)
@@ -325,4 +379,24 @@ def override_advice(name: str, shape: Sequence[int], route: Route | None = None)
             args.append(f"{key}={group[0] if len(group) == 1 else group}")
     if route.batch:
         args.append(f"batch={route.batch}")
-    return f"route_overrides={{{name!r}: Route({', '.join(args)})}}"
+    return f"Route({', '.join(args)})"
+
+
+def paste_block(problems: Sequence[RoutingError]) -> str:
+    """The ``route_overrides = {...}`` block of a routing error (``""`` if nothing to paste).
+
+    One line per parameter: its first remedy, and as a comment when that remedy is right
+    and what the others are.  It is Python: ``Route`` is ``sage_optim.routing.Route``
+    (also ``sage_optax.Route`` and ``sage_torch.Route``).
+    """
+    rows = [p for p in problems if p.leaf is not None and p.options]
+    if not rows:
+        return ""
+    lines = ["Paste and check against the model's forward code (first remedy of each; "
+             "the others are in the comments):", "route_overrides = {"]
+    for p in rows:
+        (first, when), *rest = p.options
+        note = f"if {when}" + "".join(f"; or {route_literal(r)} if {w}" for r, w in rest)
+        lines.append(f"    {p.leaf!r}: {route_literal(first)},  # {note}")
+    lines.append("}")
+    return "\n".join(lines)
