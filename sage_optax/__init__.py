@@ -21,6 +21,7 @@ from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
     LAYOUTS,
+    NoLayoutEvidenceWarning,
     ParamRouting,
     ResolvedRoute,
     Route,
@@ -44,6 +45,7 @@ __all__ = [
     "LAYOUTS",
     "NORMALIZATIONS",
     "LeafAxes",
+    "NoLayoutEvidenceWarning",
     "ParamRouting",
     "ResolvedRoute",
     "Route",

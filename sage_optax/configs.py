@@ -23,7 +23,8 @@ from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
-    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "kernel"
+    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "kernel",
+    "strict",
 )
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
@@ -103,10 +104,14 @@ def make_optimizer(
         * ``<hp>=``: any other hyperparameter for every rule that has it, e.g.
           ``num_iters=3``;
         * for the router (:func:`~sage_optax.route_params`): ``route_overrides={glob: kind
-          or Route(kind, fan_in=..., fan_out=...)}``, ``vocab_size=``, ``layout="flax"`` or
-          ``"torch"``, and ``model=`` (the ``nnx.Module`` whose module types are evidence:
-          recommended for models with ``nnx.Conv``, ``nnx.LinearGeneral``,
-          ``nnx.MultiHeadAttention`` or ``nnx.Einsum``);
+          or Route(kind, fan_in=..., fan_out=...)}``, ``vocab_size=``, ``layout=`` (``None``:
+          each leaf's name says its convention; ``"flax"`` or ``"torch"`` declares one for
+          the whole tree), ``model=`` (the ``nnx.Module`` or Equinox model whose module
+          types are evidence: recommended for models with ``nnx.Conv``,
+          ``nnx.LinearGeneral``, ``nnx.MultiHeadAttention`` or ``nnx.Einsum``) and
+          ``strict=True`` (refuse a leaf with no layout evidence, a bare array in a list or
+          tuple, instead of giving it the element-wise rule with a
+          :class:`~sage_optax.routing.NoLayoutEvidenceWarning`);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
         * ``kernel=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
           ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
@@ -147,7 +152,7 @@ def make_optimizer(
         return router(params).axes
 
     def labels_fn(params: Any) -> Any:
-        return router(params).labels
+        return router(params, warn=True).labels  # the full tree: warn here, once
 
     tx = optax.partition(
         {kind: build_rule(preset.rule(kind), lr, axes_fn, mask, kernel) for kind in KINDS},
@@ -176,7 +181,7 @@ def _merge_injected(overrides: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def _router(overrides: dict[str, Any]) -> Callable[[Any], routing.ParamRouting]:
+def _router(overrides: dict[str, Any]) -> Callable[..., routing.ParamRouting]:
     """Pop the router options from ``overrides``; return ``params -> ParamRouting``.
 
     The module evidence of ``model=`` is read once, here, so that the returned function
@@ -184,14 +189,27 @@ def _router(overrides: dict[str, Any]) -> Callable[[Any], routing.ParamRouting]:
     """
     route_overrides = overrides.pop("route_overrides", None)
     vocab_size = overrides.pop("vocab_size", None)
-    layout = overrides.pop("layout", "flax")
+    layout = overrides.pop("layout", None)
     model = overrides.pop("model", None)
+    strict = overrides.pop("strict", False)
+    if not isinstance(strict, bool):
+        raise ValueError(f"strict must be True or False, got {strict!r}")
+    if layout == "auto":
+        layout = None
+    if layout is not None and layout not in routing.LAYOUTS:
+        raise ValueError(f"layout must be one of {routing.LAYOUTS} or None, got {layout!r}")
     evidence = routing.module_routes(model) if model is not None else None
+    warned: set[Any] = set()  # one warning per tree (init and every traced update route it)
 
-    def route(params: Any) -> routing.ParamRouting:
+    def route(params: Any, warn: bool = False) -> routing.ParamRouting:
+        if warn:
+            leaves, treedef = jax.tree.flatten(params, is_leaf=axes_lib.is_masked)
+            key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
+            warn = key not in warned
+            warned.add(key)
         return routing.route_params(
             params, route_overrides, vocab_size=vocab_size, layout=layout,
-            module_evidence=evidence,
+            module_evidence=evidence, strict=strict, warn=warn,
         )
 
     return route
@@ -242,9 +260,10 @@ def sage_hybrid(
     vector_rule: str = "sage",
     route_overrides: Mapping[str, Any] | None = None,
     vocab_size: int | None = None,
-    layout: str = "flax",
+    layout: str | None = None,
     model: Any | None = None,
     mask: Any | None = None,
+    strict: bool = False,
 ) -> optax.GradientTransformation:
     """SAGE-Hybrid, the paper's method: SAGE on embeddings and vectors, Unit-Norm SinkGD on dense.
 
@@ -267,10 +286,13 @@ def sage_hybrid(
       vector_rule: ``"sage"`` or ``"adamw"`` for 1-D/0-D parameters.
       route_overrides: router overrides, see :func:`~sage_optax.route_params`.
       vocab_size: the vocabulary size, for heads of a tree without a token table.
-      layout: ``"flax"`` or ``"torch"``, the params' layout (:func:`~sage_optax.route_params`).
-      model: the ``nnx.Module`` whose module types are routing evidence (pass it in
-        ``static_args`` under ``optax.inject_hyperparams``: a module is callable).
+      layout: ``None`` (each leaf's name says its convention), ``"flax"`` or ``"torch"``
+        (:func:`~sage_optax.route_params`).
+      model: the ``nnx.Module`` or Equinox model whose module types are routing evidence
+        (pass it in ``static_args`` under ``optax.inject_hyperparams``: a module is
+        callable).
       mask: weight-decay mask.
+      strict: refuse leaves with no layout evidence instead of the element-wise fallback.
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -291,6 +313,7 @@ def sage_hybrid(
         layout=layout,
         model=model,
         mask=mask,
+        strict=strict,
     )
 
 
@@ -304,7 +327,8 @@ def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
     Args:
       tx_name: a configuration name (see :func:`make_optimizer`).
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``), or an ``nnx.Module``
-        (its ``nnx.Param`` state, routed with its module types as evidence).
+        (its ``nnx.Param`` state, routed with its module types as evidence), or an Equinox
+        model (its inexact arrays, likewise).
       **overrides: as for :func:`make_optimizer` (rule swaps, router options...).
 
     Returns:
@@ -315,6 +339,11 @@ def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
 
         overrides.setdefault("model", params)
         params = nnx.state(params, nnx.Param)
+    elif routing._is_equinox_module(params):
+        import equinox as eqx
+
+        overrides.setdefault("model", params)
+        params = eqx.filter(params, eqx.is_inexact_array)
     resolved = resolve_preset(tx_name, dict(overrides), OPTION_KEYS)
     tx = make_optimizer(tx_name, **overrides)
     route = _router(dict(overrides))(params)

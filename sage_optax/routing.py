@@ -39,6 +39,7 @@ length.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -55,6 +56,7 @@ LAYOUTS: tuple[str, ...] = ("flax", "torch")
 
 __all__ = [
     "LAYOUTS",
+    "NoLayoutEvidenceWarning",
     "ParamRouting",
     "ResolvedRoute",
     "Route",
@@ -62,6 +64,7 @@ __all__ = [
     "iter_leaves",
     "label_params",
     "leaf_name_path",
+    "equinox_routes",
     "module_routes",
     "route_params",
 ]
@@ -167,6 +170,8 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
         shape = tuple(p.shape)
         if attr == "bias" or (isinstance(module, norms) and attr == "scale"):
             stacked = max(len(shape) - _expected_bias_ndim(module), 0)
+            if isinstance(module, nnx.LinearGeneral):
+                stacked += len(module.batch_axis)  # (*batch, *out): one bias per batch entry
             out[full] = Route("vector", batch=tuple(range(stacked)), evidence=ev)
         elif attr != "kernel" and not isinstance(module, nnx.Embed):
             continue  # not a parameter of known layout: left to the name rules
@@ -184,9 +189,15 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
             except RoutingError as e:
                 out[full] = e
         elif isinstance(module, nnx.ConvTranspose):
+            taps = len(shape) - 2
+            conv = Route("dense", (-2, *range(-2 - taps, -2)), -1)
             out[full] = RoutingError(
-                f"cannot place {full!r} of shape {shape}: an nnx.ConvTranspose kernel has no "
-                "layout this router knows; give it, e.g. " + core.override_advice(full, shape)
+                f"cannot place {full!r} of shape {shape}: an nnx.ConvTranspose kernel "
+                "(*taps, Cin, Cout) has no layout this router knows (which axes are its fan-in "
+                "is a modelling choice); give it, e.g. " + core.override_advice(full, shape, conv),
+                leaf=full, shape=shape,
+                options=[(conv, "input channels and taps are its fan-in, as for nnx.Conv"),
+                         ("vector", "element-wise rules are wanted")],
             )
         elif isinstance(module, nnx.Conv):
             size = module.kernel_size
@@ -198,22 +209,9 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
     return out
 
 
-def module_routes(model: Any) -> dict[str, Route | RoutingError]:
-    """Per-parameter routes read from the flax NNX modules of ``model``, keyed by dotted path.
-
-    Only parameters owned by a module of known layout appear (``nnx.Embed``, ``nnx.Linear``,
-    ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
-    ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other parameter
-    is left to the name rules.  A module's extra leading axes (``nnx.vmap``, ``nnx.scan``)
-    are batch axes.
-    """
+def _module_evidence_of_nnx(model: Any) -> dict[str, Route | RoutingError]:
     from flax import nnx
 
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model= takes a flax NNX module, got {type(model).__name__}; for a linen model "
-            "or another pytree, give the axes of multi-axis leaves with route_overrides"
-        )
     known = (nnx.Embed, nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose,
              *_norm_types())
     out: dict[str, Route | RoutingError] = {}
@@ -229,18 +227,206 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     return out
 
 
+def _is_equinox_module(x: Any) -> bool:
+    eqx = sys.modules.get("equinox")  # a tree cannot hold one unless equinox is imported
+    return eqx is not None and isinstance(x, eqx.Module)
+
+
+def _holds_equinox(tree: Any) -> bool:
+    if _is_equinox_module(tree):
+        return True
+    return any(_is_equinox_module(x) for x in jax.tree.leaves(
+        tree, is_leaf=_is_equinox_module))
+
+
+def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
+    """Per-parameter routes read from the Equinox modules in ``tree``, keyed by dotted path.
+
+    ``tree`` is an Equinox model, filtered (``eqx.filter(model, eqx.is_inexact_array)``) or
+    not.  Equinox follows PyTorch's layouts: ``eqx.nn.Linear`` ``weight`` ``(out, in)``,
+    ``eqx.nn.Embedding`` ``(V, d)``, ``eqx.nn.Conv*`` ``(Cout, Cin, *taps)`` (fan-in: input
+    channels and taps), ``eqx.nn.GRUCell``/``LSTMCell`` ``weight_ih``/``weight_hh``
+    ``(out, in)``; biases and norm weights are vectors.  Leading axes beyond a module's own
+    (``eqx.filter_vmap``-stacked layers) are batch axes.  An ``eqx.nn.ConvTranspose`` weight
+    maps to the error it raises if used; other modules are left to the name rules.
+    """
+    eqx = sys.modules.get("equinox")
+    if eqx is None:
+        return {}
+    nn = eqx.nn
+
+    def types(*names: str) -> tuple[type, ...]:
+        return tuple(getattr(nn, n) for n in names if hasattr(nn, n))
+
+    matrices = types("Linear", "GRUCell", "LSTMCell")  # weight, weight_ih, weight_hh (out, in)
+    norms = types("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
+    convs, convts = types("Conv"), types("ConvTranspose")
+    known = (*matrices, *norms, *convs, *convts, *types("Embedding", "PReLU"))
+    out: dict[str, Route | RoutingError] = {}
+    found, _ = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, known))
+    node: Any
+    for path, node in found:
+        if not isinstance(node, known):
+            continue
+        base = axes_lib.path_str(path) if path else ""
+        ev = f"module eqx.nn.{type(node).__name__}"
+        for attr, value in vars(node).items():
+            shape = getattr(value, "shape", None)
+            if shape is None or not hasattr(value, "dtype"):
+                continue
+            full = f"{base}.{attr}" if base else attr
+            shape = tuple(int(n) for n in shape)
+            ndim = len(shape)
+            if isinstance(node, norms + types("PReLU")) or attr.startswith("bias"):
+                own = 1  # a bias (out,), a norm's (d,) or its own multi-axis shape
+                norm_shape = getattr(node, "shape", None)
+                if isinstance(node, norms) and isinstance(norm_shape, tuple):
+                    own = max(len(norm_shape), 1)
+                if isinstance(node, convs + convts):
+                    own = 1 + _spatial(node)  # (Cout, 1, ..., 1)
+                out[full] = Route("vector", batch=tuple(range(max(ndim - own, 0))), evidence=ev)
+            elif ndim < 2:
+                continue
+            elif isinstance(node, convts):
+                taps = _spatial(node)
+                conv = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2)
+                out[full] = RoutingError(
+                    f"cannot place {full!r} of shape {shape}: an eqx.nn.ConvTranspose weight has "
+                    "no layout this router knows (which axes are its fan-in is a modelling "
+                    "choice); give it, e.g. " + core.override_advice(full, shape, conv),
+                    leaf=full, shape=shape,
+                    options=[(conv, "axis 1 and the taps are its fan-in, as for eqx.nn.Conv"),
+                             ("vector", "element-wise rules are wanted")],
+                )
+            elif isinstance(node, types("Embedding")):
+                out[full] = Route("embedding", -1, -2, evidence=ev + " (V, d)")
+            elif isinstance(node, convs):
+                taps = _spatial(node)
+                out[full] = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2,
+                                  evidence=ev + " (Cout, Cin, *taps)")
+            elif isinstance(node, matrices):
+                out[full] = Route("dense", -1, -2, evidence=ev + " (out, in)")
+    return out
+
+
+def _spatial(conv: Any) -> int:
+    """The number of spatial axes (taps) of an Equinox convolution."""
+    return int(conv.num_spatial_dims)
+
+
+def module_routes(model: Any) -> dict[str, Route | RoutingError]:
+    """Per-parameter routes read from the modules of ``model``, keyed by dotted path.
+
+    ``model`` is a flax NNX module or an Equinox model (:func:`equinox_routes`).  For NNX,
+    only parameters owned by a module of known layout appear (``nnx.Embed``,
+    ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
+    ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other
+    parameter is left to the name rules.  A module's extra leading axes (``nnx.vmap``,
+    ``nnx.scan``) are batch axes.
+    """
+    if _is_equinox_module(model):
+        return equinox_routes(model)
+    if not _is_nnx_module(model):
+        raise TypeError(
+            f"model= takes a flax NNX module or an Equinox model, got {type(model).__name__}; "
+            "for a linen model or another pytree, give the axes of multi-axis leaves with "
+            "route_overrides"
+        )
+    return _module_evidence_of_nnx(model)
+
+
 # ------------------------------------------------------------------------------ name rules
 
+FLAX_NAMES: dict[str, str] = {"kernel": "Flax", "w": "Haiku"}
+"""Leaf names of ``(in, out)`` matrices (``x @ W``): Flax's ``kernel``, Haiku's ``w``."""
 
-_PASS_MODEL = (
-    "Pass the flax NNX model (make_optimizer(..., model=model), route_params(model)) so "
-    "that its module types decide,"
-)
+TABLE_NAMES: dict[str, str] = {"embedding": "Flax Embed", "embeddings": "Haiku Embed"}
+"""Leaf names of ``(V, d)`` tables: Flax's ``nnx.Embed.embedding``, Haiku's ``embeddings``."""
+
+TORCH_NAMES: tuple[str, ...] = ("weight",)
+"""Leaf names of PyTorch-layout matrices ``(out, in)`` (Equinox, converted state dicts)."""
+
+NO_EVIDENCE = "no layout evidence"
+"""The evidence of a leaf that says nothing about its layout (element-wise fallback)."""
+
+_EMB_WORDS = ("emb", "embed", "embedding", "embeddings", "embs")
+_PROJ_WORDS = ("proj", "projection", "linear", "fc", "dense", "out", "head", "to")
 
 
-def _name_route(
-    name: str, shape: tuple[int, ...], layout: str, vocab_size: int | None
-) -> Route | RoutingError:
+@dataclasses.dataclass(frozen=True)
+class _TreeFacts:
+    """What the whole tree says about its conventions (for the name rules)."""
+
+    layout: str | None  # the declared layout, or None (the names decide)
+    flax: bool  # a Flax/Haiku tree: a model was given, or leaves named kernel/w/embedding
+    torch: bool  # a PyTorch-convention tree: leaves named weight, and not a Flax tree
+    have_model: bool  # module evidence was given (model= / an nnx.Module / Equinox)
+    vocab_size: int | None
+
+
+def _tree_facts(names: list[str], layout: str | None, have_model: bool,
+                vocab_size: int | None, nnx_tree: bool) -> _TreeFacts:
+    leaves = {core.components(n)[-1] for n in names}
+    flax = nnx_tree or bool(leaves & (set(FLAX_NAMES) | set(TABLE_NAMES)))
+    torch = not flax and bool(leaves & set(TORCH_NAMES))
+    return _TreeFacts(layout, flax, torch, have_model, vocab_size)
+
+
+def _unnamed(name: str) -> bool:
+    """Whether a path has no name at all: only positions in lists and tuples (or the root)."""
+    return name == "<root>" or all(part.isdigit() for part in name.split("."))
+
+
+def _words(part: str) -> list[str]:
+    return [w for w in part.replace("-", "_").split("_") if w]
+
+
+def _names_table(name: str) -> bool | None:
+    """``True`` if a component names an embedding table, ``None`` if it also names a projection."""
+    for part in core.components(name)[:-1]:
+        words = _words(part)
+        if any(w in _EMB_WORDS for w in words) or part in core.TOKEN_EMBEDDING_MARKERS:
+            return None if any(w in _PROJ_WORDS for w in words) else True
+    return False
+
+
+def _refusal(name: str, shape: tuple[int, ...], message: str,
+             options: list[tuple[Any, str]]) -> RoutingError:
+    return RoutingError(message, leaf=name, shape=shape, options=options)
+
+
+def _matrix_options(shape: tuple[int, ...], first: str) -> list[tuple[Any, str]]:
+    """Remedies for a matrix of unknown layout; ``first`` is ``"in_out"`` or ``"out_in"``."""
+    ndim = len(shape)
+    in_out = (Route("dense", -2, -1), "it is used as x @ W, W (in, out)")
+    out_in = (Route("dense", -1, -2), "it is used as F.linear(x, W), W (out, in)")
+    if ndim > 2:
+        in_out = (in_out[0], "it is a stack of (in, out) matrices over the leading axes")
+        out_in = (out_in[0], "it is a stack of (out, in) matrices over the leading axes")
+    options: list[tuple[Any, str]] = [in_out, out_in] if first == "in_out" else [out_in, in_out]
+    if ndim == 2:
+        options.append((Route("embedding", -1, -2), "it is a table of rows (V, d)"))
+    else:
+        rest = tuple(range(1, ndim))
+        options.append((Route("dense", 0, rest),
+                        f"it is one matrix, axis 0 its input, axes {rest} merged as its output "
+                        "(an (in, heads, head_dim) projection)"))
+        options.append((Route("dense", rest, 0),
+                        f"it is one matrix, axis 0 its output, axes {rest} merged as its input "
+                        "(a PyTorch conv (out, in, *taps), a (d, heads, head_dim) output)"))
+    options.append(("vector", "element-wise rules are wanted"))
+    return options
+
+
+def _table_options(shape: tuple[int, ...], vocab_size: int | None) -> list[tuple[Any, str]]:
+    rows = (Route("embedding", -1, -2), f"it is a table of {shape[-2]} rows (V, d)")
+    cols = (Route("embedding", -2, -1), f"it is a (d, V) matrix of {shape[-1]} columns")
+    options = [cols, rows] if vocab_size is not None and shape[-1] == vocab_size else [rows, cols]
+    return [*options, ("vector", "element-wise rules are wanted")]
+
+
+def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | RoutingError:
     """The route that names and shapes alone give (rules of the module docstring)."""
     ndim = len(shape)
     parts = core.components(name)
@@ -249,69 +435,169 @@ def _name_route(
         return Route("vector", evidence=f"shape: {ndim}-D")
     if sum(n > 1 for n in shape) <= 1:
         return Route("vector", evidence="shape: one non-unit axis")
-    if leaf in core.VECTOR_NAMES:
-        return RoutingError(
+    remedy = (
+        "The model's modules do not settle it (a module type this router does not read, "
+        "e.g. a linen module inside nnx.bridge.ToNNX); give it"
+        if facts.have_model else
+        "Pass the model (make_optimizer(..., model=model), route_params(model)) so that its "
+        "module types decide, or give it"
+    )
+    if leaf in core.VECTOR_NAMES or leaf == "offset":
+        stacked = Route("vector", batch=tuple(range(ndim - 1)))
+        return _refusal(
+            name, shape,
             f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
             "may be stacked layers' vectors (L, d) or one multi-axis vector (heads, head_dim). "
-            f"{_PASS_MODEL} or give it: "
-            + core.override_advice(name, shape, Route("vector", batch=tuple(range(ndim - 1))))
-            + " for stacked layers, " + core.override_advice(name, shape, Route("vector"))
-            + " for one vector"
+            f"{remedy}: " + core.override_advice(name, shape, stacked) + " for stacked layers, "
+            + core.override_advice(name, shape, Route("vector")) + " for one vector",
+            [(stacked, "it is stacked layers' vectors (L, ..., d)"),
+             ("vector", "it is one multi-axis vector")],
         )
-    if layout == "flax":
-        if leaf == "embedding" and ndim == 2:
+    if _unnamed(name) and ndim > 2:
+        return Route("vector", evidence=NO_EVIDENCE)  # the caller warns (or refuses: strict)
+    layout = facts.layout
+    if layout is None:
+        if leaf in TABLE_NAMES and ndim == 2:
+            return Route("embedding", -1, -2, evidence=f"name {leaf!r} ({TABLE_NAMES[leaf]} "
+                         "(V, d))")
+        if leaf in FLAX_NAMES and ndim == 2 and not _names_table(name):
+            return Route("dense", -2, -1, evidence=f"name {leaf!r} ({FLAX_NAMES[leaf]} (in, out))")
+        if leaf in TORCH_NAMES and ndim == 2:
+            table = _names_table(name)
+            if facts.flax:
+                return _refusal(
+                    name, shape,
+                    f"cannot tell the layout of {name!r} of shape {shape}: 'weight' is PyTorch's "
+                    "name for an (out, in) matrix, but this is a Flax/Haiku tree, whose "
+                    f"matrices are (in, out). {remedy}: "
+                    + core.override_advice(name, shape, Route("dense", -2, -1))
+                    + " if the module computes x @ weight, or "
+                    + core.override_advice(name, shape, Route("dense", -1, -2))
+                    + " for weight @ x",
+                    [(Route("dense", -2, -1), "the module computes x @ weight (in, out)"),
+                     (Route("dense", -1, -2), "the module computes weight @ x (out, in)"),
+                     (Route("embedding", -1, -2), "it is a table (V, d)"),
+                     ("vector", "element-wise rules are wanted")],
+                )
+            if table or core.names_token_embedding(name):
+                return Route("embedding", -1, -2,
+                             evidence="name (PyTorch/Equinox table (V, d))")
+            if table is None:
+                return _refusal(
+                    name, shape,
+                    f"cannot place {name!r} of shape {shape}: its name says both an embedding "
+                    "and a projection; give it: "
+                    + core.override_advice(name, shape, Route("embedding", -1, -2))
+                    + " for a table (V, d), or "
+                    + core.override_advice(name, shape, Route("dense", -1, -2))
+                    + " for a Linear (out, in)",
+                    [(Route("dense", -1, -2), "it is a Linear (out, in)"),
+                     (Route("embedding", -1, -2), "it is a table (V, d)"),
+                     ("vector", "element-wise rules are wanted")],
+                )
+            return Route("dense", -1, -2, evidence="name 'weight' (PyTorch/Equinox (out, in))")
+        if leaf in (*FLAX_NAMES, *TABLE_NAMES, *TORCH_NAMES) and ndim > 2:
+            return _convention_refusal(name, shape, leaf, remedy)
+    elif layout == "flax":
+        if leaf in ("embedding", "embeddings") and ndim == 2:
             return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
-        if leaf == "kernel" and ndim == 2:
-            return Route("dense", -2, -1, evidence="name 'kernel' (Flax (in, out))")
-        if leaf in ("kernel", "embedding"):
-            conv = Route("dense", (-2, *range(-ndim, -2)), -1)
-            return RoutingError(
-                f"cannot tell the layout of {name!r} of shape {shape}: a Flax {leaf!r} with "
-                f"{ndim} axes may be stacked layers (L, ..., in, out), a multi-axis kernel "
-                "(nnx.LinearGeneral, nnx.MultiHeadAttention, nnx.Einsum) or a convolution "
-                f"(*taps, Cin, Cout). {_PASS_MODEL} or give its axes: "
-                + core.override_advice(name, shape, Route("dense", -2, -1))
-                + " for stacked layers, " + core.override_advice(name, shape, conv)
-                + " for a convolution"
-            )
+        if leaf in ("kernel", "w", "weight") and ndim == 2:
+            return Route("dense", -2, -1, evidence=f"name {leaf!r}, layout flax (in, out)")
+        if leaf in ("kernel", "w", "weight", "embedding", "embeddings"):
+            return _convention_refusal(name, shape, "kernel", remedy)
     else:
-        if leaf == "weight" and core.names_token_embedding(name) and ndim == 2:
+        if leaf == "weight" and ndim == 2 and (core.names_token_embedding(name)
+                                              or _names_table(name)):
             return Route("embedding", -1, -2, evidence="name (token table (V, d))")
         if leaf == "weight" and ndim == 2:
             return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
         if leaf == "weight":
-            return RoutingError(
-                f"cannot place {name!r} of shape {shape}: a torch-layout 'weight' with "
-                f"{ndim} dims may be a convolution (out, in, *taps) or stacked layers; give its "
-                "axes, e.g. " + core.override_advice(
-                    name, shape, Route("dense", tuple(range(1, ndim)), 0))
-                + " for a convolution"
-            )
+            return _convention_refusal(name, shape, "weight", remedy)
     if ndim == 2 and (leaf in core.TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding")):
         return Route("embedding", -1, -2, evidence=f"name {leaf!r} (token table (V, d))")
     if any("emb" in part for part in parts):
-        hits = [a for a in (-2, -1) if shape[a] == vocab_size]
+        hits = [a for a in (-2, -1) if shape[a] == facts.vocab_size]
         if len(hits) == 1:
             return Route("embedding", -3 - hits[0], hits[0],
-                         evidence=f"name + vocab_size={vocab_size} on axis {ndim + hits[0]}")
-        return RoutingError(
+                         evidence=f"name + vocab_size={facts.vocab_size} on axis "
+                                  f"{ndim + hits[0]}")
+        return _refusal(
+            name, shape,
             f"cannot place {name!r} of shape {shape}: its name says an embedding but not "
             "which axis indexes the table; pass vocab_size=..., or give it, e.g. "
             + core.override_advice(name, shape, Route("embedding", -1, -2))
-            + " for a table (rows, d), or 'vector' for element-wise rules"
+            + " for a table (rows, d), or 'vector' for element-wise rules",
+            _table_options(shape, facts.vocab_size) if ndim == 2
+            else _matrix_options(shape, "in_out"),
         )
+    torch_like = layout == "torch" or (layout is None and facts.torch)
     if ndim > 2:
-        return RoutingError(
+        first = "out_in" if torch_like else "in_out"
+        return _refusal(
+            name, shape,
             f"cannot tell the layout of {name!r} of shape {shape}: a matrix with {ndim} axes "
             "may be stacked layers, a multi-axis kernel or a convolution; give its axes, e.g. "
-            + core.override_advice(name, shape, Route("dense", -2, -1) if layout == "flax"
-                                   else Route("dense", -1, -2))
+            + core.override_advice(name, shape, _matrix_options(shape, first)[0][0])
             + " for stacked layers, or Route('dense', fan_in=(...), fan_out=(...)) for one "
-            "matrix with merged axes"
+            "matrix with merged axes",
+            _matrix_options(shape, first),
         )
     if layout == "torch":
         return Route("dense", -1, -2, evidence="layout torch: (out, in)")
-    return Route("dense", -2, -1, evidence="layout flax: (in, out)")
+    if layout == "flax":
+        return Route("dense", -2, -1, evidence="layout flax: (in, out)")
+    if facts.torch:
+        return _refusal(
+            name, shape,
+            f"cannot place {name!r} of shape {shape}: this tree follows PyTorch's names "
+            "('weight' (out, in)), and this matrix's name says nothing of its layout; give it",
+            _matrix_options(shape, "out_in"),
+        )
+    return Route("dense", -2, -1, evidence="JAX convention x @ W (in, out)")
+
+
+def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
+                        remedy: str) -> RoutingError:
+    """A conventional matrix name (kernel, w, weight, embedding) with more than two axes."""
+    ndim = len(shape)
+    if leaf == "weight":  # PyTorch/Equinox: (out, in, *taps) convolutions, or stacks
+        conv = Route("dense", tuple(range(1, ndim)), 0)
+        stack = Route("dense", -1, -2)
+        options: list[tuple[Any, str]] = [
+            (stack, "it is a stack of (out, in) matrices over the leading axes"),
+            (conv, "it is a convolution (out, in, *taps)")]
+        if ndim >= 4:
+            options.reverse()
+        options += [(Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
+                    ("vector", "element-wise rules are wanted")]
+        return _refusal(
+            name, shape,
+            f"cannot place {name!r} of shape {shape}: a PyTorch-layout 'weight' with {ndim} "
+            f"dims may be a convolution (out, in, *taps) or stacked layers. {remedy}: "
+            + core.override_advice(name, shape, conv) + " for a convolution, "
+            + core.override_advice(name, shape, stack) + " for stacked layers",
+            options,
+        )
+    stack = Route("dense", -2, -1)
+    conv = Route("dense", (-2, *range(-ndim, -2)), -1)
+    flax_options: list[tuple[Any, str]] = [
+        (stack, "it is stacked layers (L, ..., in, out) (nnx.vmap, nnx.scan)")]
+    if ndim == 3:
+        flax_options += [
+            (Route("dense", 0, (1, 2)), "it is one (in, heads, head_dim) kernel"),
+            (Route("dense", (0, 1), 2), "it is one (heads, head_dim, out) kernel")]
+    flax_options += [(conv, "it is a convolution (*taps, Cin, Cout)"),
+                     ("vector", "element-wise rules are wanted")]
+    return _refusal(
+        name, shape,
+        f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with "
+        f"{ndim} axes may be stacked layers (L, ..., in, out), a multi-axis kernel "
+        "(nnx.LinearGeneral, nnx.MultiHeadAttention, nnx.Einsum) or a convolution "
+        f"(*taps, Cin, Cout). {remedy}: "
+        + core.override_advice(name, shape, stack) + " for stacked layers, "
+        + core.override_advice(name, shape, conv) + " for a convolution",
+        flax_options,
+    )
 
 
 # ------------------------------------------------------------------------------- the router
@@ -323,14 +609,19 @@ class _Leaf:
     shape: tuple[int, ...]
     route: Route | RoutingError
     overridden: bool = False
+    default: Route | RoutingError | None = None  # the route before any override
 
 
-def _token_table(leaves: list[_Leaf]) -> _Leaf | None:
-    tables = [
+def _tables(leaves: list[_Leaf]) -> list[_Leaf]:
+    return [
         x for x in leaves
         if isinstance(x.route, Route) and x.route.kind == "embedding" and len(x.shape) == 2
         and not x.overridden
     ]
+
+
+def _token_table(leaves: list[_Leaf]) -> _Leaf | None:
+    tables = _tables(leaves)
     if len(tables) == 1:
         return tables[0]
     named = [x for x in tables if core.names_token_embedding(x.name)
@@ -338,50 +629,78 @@ def _token_table(leaves: list[_Leaf]) -> _Leaf | None:
     return named[0] if len(named) == 1 else None
 
 
+def _sizes(x: _Leaf, route: Route | RoutingError | None) -> tuple[int, int] | None:
+    """``(fan-in size, fan-out size)`` of a 2-D dense leaf's route, else ``None``."""
+    if not isinstance(route, Route) or route.kind != "dense" or len(x.shape) != 2:
+        return None
+    res = route.resolve(x.shape, x.name)
+    return x.shape[res.fan_in[0]], x.shape[res.fan_out[0]]
+
+
 def _find_head(leaves: list[_Leaf], vocab_size: int | None) -> None:
-    """Make the one dense matrix shaped like the token embedding the head (module doc)."""
-    table = _token_table(leaves)
-    if table is None and vocab_size is None:
+    """Make the one dense matrix shaped like a vocabulary table the head (module doc).
+
+    The tables are *the* token table when it is known (the only one, or the one named so),
+    else every table; with ``vocab_size`` and no table, any ``(d, V)`` matrix fits.
+    """
+    token = _token_table(leaves)
+    tables = [token] if token is not None else _tables(leaves)
+    shapes: dict[tuple[int | None, int], str] = {}
+    what = "the token embedding" if token is not None else "the table"
+    for t in tables:
+        shapes.setdefault((t.shape[1], t.shape[0]), f"{what} {t.name!r}")
+    if not tables and vocab_size is not None:
+        shapes[(None, vocab_size)] = f"vocab_size={vocab_size}"
+    if not shapes:
         return
-    vocab = vocab_size if vocab_size is not None else table.shape[0]  # type: ignore[union-attr]
-    width = None if table is None else table.shape[1]
-    fits = []
-    for x in leaves:
-        r = x.route
-        if x.overridden or not isinstance(r, Route) or r.kind != "dense" or len(x.shape) != 2:
-            continue
-        res = r.resolve(x.shape, x.name)
-        fi, fo = x.shape[res.fan_in[0]], x.shape[res.fan_out[0]]
-        if fo == vocab and (width is None or fi == width):
-            fits.append(x)
+
+    def fit(x: _Leaf, route: Route | RoutingError | None) -> str | None:
+        sizes = _sizes(x, route)
+        if sizes is None:
+            return None
+        return shapes.get(sizes) or shapes.get((None, sizes[1]))
+
+    # a head the user named by an override: no other matrix is a head by shape
+    if any(x.overridden and isinstance(x.route, Route) and x.route.kind == "embedding"
+           and fit(x, x.default) for x in leaves):
+        return
+    fits = [(x, src) for x in leaves if not x.overridden
+            for src in [fit(x, x.route)] if src is not None]
     if len(fits) > 1:
-        named = [x for x in fits if core.names_head(x.name)]
+        named = [(x, src) for x, src in fits if core.names_head(x.name)]
         if len(named) != 1:
-            for x in fits:
-                x.route = RoutingError(
-                    f"cannot tell which of {[f.name for f in fits]} is the output head: each has "
-                    f"the shape of the token embedding (fan-in {width}, fan-out {vocab}); route "
-                    f"the head with {core.override_advice(x.name, x.shape, _as(x, 'embedding'))}"
-                    f" and the others with {core.override_advice(x.name, x.shape, _as(x, 'dense'))}"
+            listed = [x.name for x, _ in fits]
+            for i, (x, src) in enumerate(fits):
+                head, dense = _as(x, "embedding"), _as(x, "dense")
+                options: list[tuple[Any, str]] = [
+                    (head, "it is the output head (logits over the vocabulary)"),
+                    (dense, "it is not the head")]
+                if i != len(fits) - 1:
+                    options.reverse()
+                x.route = _refusal(
+                    x.name, x.shape,
+                    f"cannot tell which of {listed} is the output head: each has the shape of "
+                    f"{src}: (fan-in, fan-out) = {_sizes(x, x.route)}; route the head "
+                    f"with {core.override_advice(x.name, x.shape, head)} and the others with "
+                    f"{core.override_advice(x.name, x.shape, dense)}",
+                    options,
                 )
             return
         fits = named
-    for x in fits:
+    for x, src in fits:
         r = x.route
         assert isinstance(r, Route)
-        source = "vocab_size" if table is None else repr(table.name)
         x.route = dataclasses.replace(
-            r, kind="embedding",
-            evidence=f"head: shape of the token embedding {source} ({r.evidence})",
+            r, kind="embedding", evidence=f"head: shape of {src} ({r.evidence})",
         )
 
 
 def _as(x: _Leaf, kind: str) -> Route:
     assert isinstance(x.route, Route)
-    return dataclasses.replace(x.route, kind=kind)
+    return Route(kind, x.route.fan_in, x.route.fan_out, x.route.batch)
 
 
-def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route:
+def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route | RoutingError:
     """The route of an overridden leaf: the override, with axes inferred where it gives none."""
     if override.has_axes or (override.kind == "vector" and override.batch is not None):
         return override
@@ -389,7 +708,8 @@ def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route:
     if override.kind == "vector":
         batch = default.batch if isinstance(default, Route) and default.kind == "vector" else ()
         return Route("vector", batch=batch, evidence="override")
-    if isinstance(default, Route) and default.has_axes:
+    if (isinstance(default, Route) and default.has_axes
+            and default.evidence != NO_EVIDENCE):
         return Route(override.kind, default.fan_in, default.fan_out, default.batch,
                      evidence=f"override (axes: {default.evidence})")
     if override.kind == "embedding" and vocab_size is not None and len(x.shape) >= 2:
@@ -397,10 +717,49 @@ def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route:
         if len(hits) == 1:
             return Route("embedding", -1 if hits[0] == -2 else -2, hits[0],
                          evidence=f"override (vocab axis: vocab_size={vocab_size})")
-    raise RoutingError(
+    options = [(Route(override.kind, r.fan_in, r.fan_out, r.batch)
+                if isinstance(r, Route) and r.kind != "vector" else r, when)
+               for r, when in _matrix_options(x.shape, "in_out")
+               if not (isinstance(r, str) or r.kind == "vector")]
+    return _refusal(
+        x.name, x.shape,
         f"override makes {x.name!r} of shape {x.shape} {override.kind!r}, but its axes are not "
-        f"known; give them: {core.override_advice(x.name, x.shape)}"
+        f"known; give them: {core.override_advice(x.name, x.shape)}",
+        options,
     )
+
+
+class NoLayoutEvidenceWarning(UserWarning):
+    """Leaves with no layout evidence got the configuration's element-wise rule."""
+
+
+def _fallback(leaves: list[_Leaf], strict: bool, warn: bool) -> None:
+    """Warn about (or, ``strict``, refuse) the leaves that got the element-wise fallback."""
+    plain = [x for x in leaves if isinstance(x.route, Route) and x.route.evidence == NO_EVIDENCE]
+    if not plain:
+        return
+    if strict:
+        for x in plain:
+            x.route = _refusal(
+                x.name, x.shape,
+                f"cannot place {x.name!r} of shape {x.shape}: it has no name (only a position in "
+                "a list or tuple), no module and no override, so nothing says which axes are "
+                "its fan-in and fan-out (strict=True refuses the element-wise fallback)",
+                _matrix_options(x.shape, "in_out"),
+            )
+        return
+    if warn:
+        listed = ", ".join(f"{x.name!r} {x.shape}" for x in plain)
+        block = core.paste_block(
+            [_refusal(x.name, x.shape, "", _matrix_options(x.shape, "in_out")) for x in plain])
+        warnings.warn(
+            f"{len(plain)} parameter(s) with no layout evidence (no name, only a position in a "
+            f"list or tuple; no module; no override) get the configuration's element-wise "
+            f"('vector') rule: {listed}. For a matrix rule give their axes (strict=True "
+            "refuses instead).\n" + block,
+            NoLayoutEvidenceWarning,
+            stacklevel=4,
+        )
 
 
 def route_params(
@@ -408,38 +767,50 @@ def route_params(
     overrides: Mapping[str, Any] | None = None,
     *,
     vocab_size: int | None = None,
-    layout: str = "flax",
+    layout: str | None = None,
     model: Any | None = None,
     module_evidence: Mapping[str, Route | RoutingError] | None = None,
+    strict: bool = False,
+    warn: bool = True,
 ) -> ParamRouting:
     """Give every parameter leaf its kind and axes, from the strongest evidence.
 
     Args:
       params: a pytree of arrays (or ``jax.ShapeDtypeStruct``), e.g. ``nnx.state(model,
-        nnx.Param)``, linen ``variables["params"]`` or a nested dict; or an ``nnx.Module``
-        (its ``nnx.Param`` state is routed, with the module evidence).  ``optax.MaskedNode``
-        and ``None`` leaves are kept as they are.
+        nnx.Param)``, linen ``variables["params"]``, a Haiku params dict, an Equinox model
+        (``eqx.filter(model, eqx.is_inexact_array)``) or a converted PyTorch state dict; or
+        an ``nnx.Module`` (its ``nnx.Param`` state is routed, with the module evidence).
+        ``optax.MaskedNode`` and ``None`` leaves are kept as they are.
       overrides: ``{glob: kind}``, ``{glob: Route(kind, fan_in=..., fan_out=...)}`` or
         ``{glob: (kind, {"fan_in": ..., "fan_out": ...})}``, matched against dotted paths
         (``"layers.*.mlp.down_proj.kernel"``); first match wins; a glob that matches nothing
         is an error.
       vocab_size: the vocabulary size, for heads when the tree has no token table, and
         for the vocab axis of a matrix an override calls ``embedding``.
-      layout: ``"flax"`` (``(in, out)`` kernels) or ``"torch"`` (``(out, in)`` weights, as an
-        Equinox model or a converted PyTorch state dict).
-      model: the ``nnx.Module`` the params come from: its module types are evidence.
+      layout: ``None`` (default: each leaf's name says its convention: Flax's ``kernel``
+        and Haiku's ``w`` are ``(in, out)``, ``embedding``/``embeddings`` ``(V, d)`` tables,
+        PyTorch's and Equinox's ``weight`` ``(out, in)``), or ``"flax"``/``"torch"`` to
+        declare every matrix of the tree ``(in, out)``/``(out, in)``.
+      model: the ``nnx.Module`` or Equinox model the params come from: its module types
+        are evidence.
       module_evidence: precomputed :func:`module_routes` (what ``make_optimizer`` passes).
+      strict: refuse leaves with no layout evidence (no name, no module, no override)
+        instead of giving them the element-wise rule with a warning.
+      warn: emit the :class:`NoLayoutEvidenceWarning` of such leaves.
 
     Returns:
       A :class:`ParamRouting` of ``labels``, ``axes`` and ``routes`` pytrees.
 
     Raises:
-      RoutingError: a leaf it cannot place (non-float dtype, unknown layout, ambiguous
-        head), an override that does not apply; the message names the path, the shape and
-        the override that fixes it.
+      RoutingError: one error for every leaf it cannot place (non-float dtype, unknown
+        layout, ambiguous head, an override that does not apply), naming each path and
+        shape, and ending with a ``route_overrides = {...}`` block to paste and check.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "auto":
+        layout = None
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    nnx_tree = False
     if _is_nnx_module(params):
         from flax import nnx
 
@@ -447,36 +818,51 @@ def route_params(
     evidence = dict(module_evidence or {})
     if model is not None:
         evidence.update(module_routes(model))
+    if _holds_equinox(params):
+        evidence.update(equinox_routes(params))
+    nnx_tree = _is_nnx_state(params) or (model is not None and _is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
     # Globs are matched against every path, masked ones too: optax.partition routes each
     # kind's subtree with the other kinds' leaves masked.
     override_of = core.match_overrides([n for n, _ in named], overrides)
+    facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
+                        vocab_size, nnx_tree)
     leaves: list[_Leaf] = []
     for name, x in named:
         if axes_lib.is_masked(x):
             continue
+        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise RoutingError(
+                f"parameter {name!r} is a {type(x).__name__}, not an array; route only the "
+                "arrays to train (eqx.filter(model, eqx.is_inexact_array), "
+                "nnx.state(model, nnx.Param))"
+            )
         shape = tuple(int(s) for s in x.shape)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             route: Route | RoutingError = RoutingError(
                 f"cannot place parameter {name!r} of shape {shape}: dtype {jnp.dtype(x.dtype)} "
                 "is not floating point, so no optimizer can train it; filter it out of the "
-                "params (e.g. nnx.Optimizer(..., wrt=nnx.Param)) or mask it"
+                "params (e.g. nnx.Optimizer(..., wrt=nnx.Param), eqx.filter(model, "
+                "eqx.is_inexact_array)) or mask it"
             )
         elif name in evidence:
             route = evidence[name]
         else:
-            route = _name_route(name, shape, layout, vocab_size)
-        leaves.append(_Leaf(name, shape, route))
-    _find_head([x for x in leaves if x.name not in override_of], vocab_size)
+            route = _name_route(name, shape, facts)
+        leaves.append(_Leaf(name, shape, route, default=route))
     for x in leaves:
         if x.name in override_of:
             x.route = _apply_override(x, override_of[x.name], vocab_size)
             x.overridden = True
+    _find_head(leaves, vocab_size)
+    _fallback(leaves, strict, warn)
+    errors = [x.route for x in leaves if isinstance(x.route, RoutingError)]
+    if errors:
+        raise RoutingError.combine(errors)
     resolved: dict[str, tuple[Route, ResolvedRoute]] = {}
     for x in leaves:
-        if isinstance(x.route, RoutingError):
-            raise x.route
+        assert isinstance(x.route, Route)
         resolved[x.name] = x.route, x.route.resolve(x.shape, x.name)
     labels, leaf_axes, routes = [], [], []
     for name, x in named:
@@ -492,6 +878,14 @@ def route_params(
     unflat = jax.tree_util.tree_unflatten
     return ParamRouting(unflat(treedef, labels), unflat(treedef, leaf_axes),
                         unflat(treedef, routes))
+
+
+def _is_nnx_state(x: Any) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover - flax is optional for sage_optax
+        return False
+    return isinstance(x, nnx.State)
 
 
 def label_params(
