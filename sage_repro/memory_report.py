@@ -5,6 +5,9 @@ the paper's 270M / 0.6B / 1.3B LLaMA shapes, counts optimizer-state bytes of
 ``jax.eval_shape(tx.init, params)`` (nothing is allocated) and prints them next to the
 paper's Appendix table ``tab:memory_full``.  "Total" is weights + gradients + optimizer
 state, all float32, as in the paper.
+
+Needs the ``[jax]`` extra; importing this module does not (JAX is imported when a table is
+computed), so that ``sage-memory`` without it says so in one line.
 """
 
 from __future__ import annotations
@@ -12,14 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-import jax
-
-from sage_optax.configs import make_optimizer
-from sage_optax.memory import state_bytes
+from sage_optim._entry import require
 from sage_optim.models import PAPER_MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
-from sage_repro.llama_shapes import llama_param_shapes
 from sage_repro.paper import PAPER_MEMORY_GIB
 
 GIB = 2**30
@@ -49,6 +48,12 @@ class MemoryRow:
 
 def memory_rows(model: str, configs: tuple[str, ...] = CONFIG_NAMES) -> list[MemoryRow]:
     """Exact memory of every configuration for ``model`` (no allocation)."""
+    import jax
+
+    from sage_optax.configs import make_optimizer
+    from sage_optax.memory import state_bytes
+    from sage_repro.llama_shapes import llama_param_shapes
+
     params = llama_param_shapes(get_model_config(model))
     param_bytes = state_bytes(params)
     paper = PAPER_MEMORY_GIB.get(model, {})
@@ -95,7 +100,8 @@ def format_memory_table(models: tuple[str, ...] = tuple(PAPER_MODELS)) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point: print the memory table."""
+    """Command-line entry point (``sage-memory``): print the memory table."""
+    require("sage-memory", "jax")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--models", nargs="+", default=list(PAPER_MODELS),

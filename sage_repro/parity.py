@@ -10,7 +10,9 @@ between the two frameworks' parameters, per kind.  ``--mode model`` instead trai
 models on the same batches and compares the losses step by step.  APOLLO is fed the same
 projection in both frameworks.
 
-Requires both JAX and PyTorch.
+Requires both JAX and PyTorch (the ``[jax,torch]`` extras; ``--mode llama`` also the
+trainer's ``[train]`` and ``transformers``).  ``sage-parity`` (:func:`sage_repro.commands.parity`)
+and ``python -m sage_repro.parity`` say so in one line when one is missing.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ import os
 from typing import Any
 
 import numpy as np
-import torch
-from torch import nn
 
+from sage_optim._entry import require
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_optim.table import format_table
+
+if __name__ == "__main__":  # python -m sage_repro.parity: the extras first, in one line
+    require("sage-parity", "jax", "torch")
+
+import torch  # noqa: E402  (after the check above)
+from torch import nn  # noqa: E402
 
 # name in PyTorch -> (name in Flax, kind, transpose between layouts)
 PARAM_MAP: dict[str, tuple[str, str, bool]] = {
@@ -387,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="step sage_torch's SAGE/Lion/SinkGD groups on the fused (Triton) "
                              "path; on the CPU under Triton's interpreter (slow; needs triton)")
     args = parser.parse_args(argv)
+    require("sage-parity", "jax", "torch")
+    if args.mode == "llama":
+        require("sage-parity --mode llama", "all", packages=("transformers",))
     tol = TOLERANCE["float32" if args.mode == "llama" else args.dtype]
     names = CONFIG_NAMES if args.config == "all" else (args.config,)
     failed = False

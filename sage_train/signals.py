@@ -10,6 +10,8 @@ import os
 import signal
 from typing import Any
 
+from sage_optim._entry import require
+
 PREEMPTED = 75
 """Exit status after SIGTERM or SIGUSR1: the checkpoint of the step reached was saved."""
 
@@ -69,7 +71,9 @@ def launch() -> int:
 
     The entry point of ``python -m sage_train`` (and the one to give a console script):
     a SIGTERM, SIGUSR1 or SIGINT that arrives while JAX loads stops the run cleanly too.
+    Without the ``[train]`` extra it prints one line naming it and exits 1.
     """
+    require("sage-train", "train")
     with StopSignals() as signals:
         from sage_train.cli import main
 

@@ -1,0 +1,71 @@
+"""The commands' first check: is the extra each one needs installed.
+
+``pip install sage-optim`` installs what every part needs (numpy); each framework comes with
+an extra (``[jax]``, ``[torch]``, ``[train]``, ``[all]``).  A command started without its
+extra prints one line naming it and exits with status 1, instead of a traceback from deep
+inside an import::
+
+    sage-train needs the [train] extra: pip install 'sage-optim[train]'
+
+Nothing is imported here: :func:`missing` asks the import system whether a module could be
+found (:func:`importlib.util.find_spec`), so the check costs no framework import, and
+``sage-train`` still catches its signals before JAX loads.  A module that is installed but
+fails to import is not reported as missing: its own error shows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from collections.abc import Iterable, Mapping
+
+EXTRAS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "jax": ("jax", "optax"),
+    "torch": ("torch",),
+    "train": ("jax", "optax", "flax", "orbax.checkpoint", "tokenizers", "tqdm", "matplotlib"),
+    "all": ("jax", "optax", "torch", "flax", "orbax.checkpoint", "tokenizers", "tqdm",
+            "matplotlib"),
+})
+"""The modules each extra of ``pyproject.toml`` provides (import names)."""
+
+
+def missing(modules: Iterable[str]) -> list[str]:
+    """The modules of ``modules`` that the import system cannot find, in order."""
+    absent = []
+    for name in modules:
+        if name in sys.modules:
+            continue
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ImportError:  # a parent package is missing, or an import hook refuses it
+            found = False
+        if not found:
+            absent.append(name)
+    return absent
+
+
+def require(command: str, *extras: str, packages: tuple[str, ...] = ()) -> None:
+    """Exit with one line naming the extras (and plain ``packages``) if any is missing.
+
+    Args:
+      command: the command's name, as the user typed it (``"sage-train"``).
+      *extras: the extras it needs, keys of :data:`EXTRAS`.
+      packages: further modules it needs that no extra provides, named as their pip
+        package (``"transformers"``).
+
+    Raises:
+      SystemExit: status 1, after printing the line to stderr, when a module is missing.
+      KeyError: an extra that is not in :data:`EXTRAS`.
+    """
+    needed = [module for extra in extras for module in EXTRAS[extra]]
+    if not missing([*needed, *packages]):
+        return
+    label = ",".join(extras)
+    what = f"the [{label}] extra{'s' if len(extras) > 1 else ''}"
+    install = f"pip install 'sage-optim[{label}]'"
+    if packages:
+        what += " and " + ", ".join(packages)
+        install += " " + " ".join(packages)
+    print(f"{command} needs {what}: {install}", file=sys.stderr)
+    raise SystemExit(1)
