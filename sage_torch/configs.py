@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
 from sage_torch.nonfinite import SkipNonFinite
 from sage_torch.optim import RuleOptimizer
-from sage_torch.routing import RoutedParam, route_params, state_nbytes
+from sage_torch.optimizer import update_key
+from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, routing, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
                                  "capturable", "cpu_threads")
@@ -54,10 +56,16 @@ def _kind_options(preset: Preset, kind: str, lr: float | None,
     return options
 
 
-def _plan(model: nn.Module, name: str, lr: float | None,
+def _plan(model: nn.Module | Iterable[Any], name: str, lr: float | None,
           overrides: dict[str, Any]) -> tuple[list[dict[str, Any]], list[RoutedParam],
                                               dict[str, dict[str, Any]], Preset]:
-    """Route ``model`` and group it: ``(groups, routed, kind options, preset)``."""
+    """Route ``model`` and group it: ``(groups, routed, kind options, preset)``.
+
+    A parameter the router cannot place is placed anyway when every reading of it gets the
+    same update under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
+    gives a table and a dense matrix with the same axes the same SAGE step), and refused
+    otherwise.
+    """
     overrides = dict(overrides)
     axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
                                                       "fan_in", "fan_out")))
@@ -68,34 +76,45 @@ def _plan(model: nn.Module, name: str, lr: float | None,
             "fan_out=1)} (Route is sage_torch.Route)"
         )
     preset = resolve_preset(name, overrides, OPTION_KEYS)
-    routed = route_params(model, overrides.pop("route_overrides", None))
     extra: dict[str, Any] = {
         k: overrides.pop(k) for k in ("maximize", "foreach", "fused", "capturable")
         if k in overrides
     }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
-    layouts: dict[tuple[str, Any, Any], list[RoutedParam]] = {}
+    result = routing(model, overrides.pop("route_overrides", None))
+    if result.errors:
+        result.accept_equivalent(
+            update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
+    routed = result.placed()
+    group_of = {id(p): g for _, p, g in result.order}
+    layouts: dict[tuple[str, Any, Any, int | None], list[RoutedParam]] = {}
     for kind in KINDS:  # groups in kind order, then in order of first appearance
         for r in routed:
             if r.route.kind == kind:
                 layout = layout_options(r.route)
-                key = (kind, layout["fan_in_dim"], layout["fan_out_dim"])
+                key = (kind, layout["fan_in_dim"], layout["fan_out_dim"], group_of[id(r.param)])
                 layouts.setdefault(key, []).append(r)
     groups = []
-    for (kind, fan_in, fan_out), members in layouts.items():
+    for (kind, fan_in, fan_out, index), members in layouts.items():
+        given = {} if index is None or result.groups is None else {
+            k: v for k, v in result.groups[index].items() if k not in GROUP_ROUTE_KEYS}
         groups.append({
             "params": [r.param for r in members],
             "param_names": [r.name for r in members],
             **kinds[kind],
+            **given,
             "fan_in_dim": fan_in,
             "fan_out_dim": fan_out,
         })
     return groups, routed, kinds, preset
 
 
-def param_groups(model: nn.Module, name: str, lr: float | None = None,
+def param_groups(model: nn.Module | Iterable[Any], name: str, lr: float | None = None,
                  **overrides: Any) -> list[dict[str, Any]]:
     """Route ``model``'s parameters into the param groups of configuration ``name``.
+
+    ``model`` is the ``nn.Module`` or what ``torch.optim`` takes as ``params``, as for
+    :func:`make_optimizer`.
 
     Returns one group per kind (``embedding``, ``dense``, ``vector``) and layout, each with
     ``params``, ``param_names``, ``kind``, ``rule``, ``lr``, the rule's hyperparameters
@@ -107,7 +126,7 @@ def param_groups(model: nn.Module, name: str, lr: float | None = None,
     return _plan(model, name, lr, overrides)[0]
 
 
-def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
+def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None = None,
                    **overrides: Any) -> RuleOptimizer:
     """Build one of the paper's eight configurations for ``model`` as one optimizer.
 
@@ -116,7 +135,17 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
         ``lion-hybrid``, ``sage-pure`` or ``sage-hybrid`` (same table and defaults as
         :func:`sage_optax.make_optimizer`).
       model: the ``nn.Module`` whose parameters to train (:func:`sage_torch.route_params`
-        places them).
+        places them: module types, the model API, shapes), or what ``torch.optim`` takes
+        as ``params``, with less evidence: ``model.named_parameters()`` (PyTorch's names:
+        a 2-D ``weight`` is ``(out, in)``, one under an ``emb`` name a table ``(V, d)``),
+        ``model.parameters()`` (bare tensors, named ``params[i]`` in errors and
+        ``route_overrides``: only vectors are placed by shape), or param-group dicts
+        (``params``, optional ``param_names``, ``kind``, ``fan_in_dim``/``fan_out_dim``
+        placing its members, and group options such as ``lr`` or ``weight_decay`` that
+        override the configuration's).  A parameter nothing places is refused unless every
+        reading of it gets the same update under this configuration (``adamw`` and
+        ``lion`` read no axes; ``sage-pure`` updates a table and a Linear with the same
+        axes alike).  Frozen parameters are left out.
       lr: learning rate of every group (default: the configuration's paper value).
         Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
@@ -157,8 +186,11 @@ def make_optimizer(name: str, model: nn.Module, lr: float | None = None,
                          cpu_threads=cpu_threads)
 
 
-def routing_table(name: str, model: nn.Module, **overrides: Any) -> RoutingTable:
+def routing_table(name: str, model: nn.Module | Iterable[Any],
+                  **overrides: Any) -> RoutingTable:
     """Route ``model`` as configuration ``name`` would and count each parameter's state bytes.
+
+    ``model`` is what :func:`make_optimizer` takes: the ``nn.Module`` or ``params``.
 
     One :class:`~sage_optim.table.RoutingRow` per trainable parameter, in model order: its
     kind, rule, fan-in and fan-out axes with sizes, the evidence that placed it and its state

@@ -10,7 +10,7 @@ Defaults come from the table shared with :mod:`sage_optax` (:mod:`sage_optim.pre
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -18,9 +18,32 @@ from torch import Tensor
 
 from sage_optim.kernels import kernels_enabled, warn_overridden
 from sage_optim.presets import RULE_DEFAULTS
+from sage_optim.routing import ResolvedRoute
 from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
+
+LAYOUT_FREE_RULES: frozenset[str] = frozenset({"adamw", "lion", "unit_norm"})
+"""Rules whose update reads no matrix axes (element-wise, or one norm over the tensor)."""
+
+
+def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRoute], Hashable]:
+    """``key(route)``: what update a route gets from a configuration's kind options.
+
+    Its kind's rule and options (learning rate and hyperparameters), plus its axes where the
+    rule reads them.  Two routes with one key get the same update: under ``adamw`` every
+    route of a matrix, under ``sage-pure`` a table and a dense matrix with the same axes.
+    """
+
+    def key(route: ResolvedRoute) -> Hashable:
+        options = kinds[route.kind]
+        hp = tuple(sorted((k, repr(v)) for k, v in options.items()
+                          if k not in ("kind", "fan_in_dim", "fan_out_dim")))
+        if options.get("rule") in LAYOUT_FREE_RULES:
+            return hp
+        return hp, route.fan_in, route.fan_out, route.batch
+
+    return key
 
 _COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fused": None, "capturable": False,
                     "fan_in_dim": -1, "fan_out_dim": -2}
@@ -45,6 +68,12 @@ def make_rules(projection: Projection | None = None) -> dict[str, Rule]:
     out = {r.name: r for r in rules}
     assert set(out) == set(RULE_DEFAULTS), "every shared rule has a PyTorch implementation"
     return out
+
+
+def _negative(route: ResolvedRoute) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A route's axes counted from the end (``(-1,), (-2,)``: every ``(..., out, in)``)."""
+    ndim = len(route.shape)
+    return tuple(a - ndim for a in route.fan_in), tuple(a - ndim for a in route.fan_out)
 
 
 class MomentumError(ValueError):
@@ -168,13 +197,23 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._rules = self._make_rules()
 
     def _name_group(self, param_group: dict[str, Any]) -> None:
-        """Generate ``param_names`` where named and unnamed groups would meet."""
+        """Generate ``param_names`` where named and unnamed groups would meet.
+
+        Names come as in ``torch.optim`` (2.6+): ``(name, tensor)`` pairs in ``params``, or
+        a ``param_names`` list as long as ``params``.
+        """
         params = param_group["params"]
         if isinstance(params, Tensor):
             params = param_group["params"] = [params]
         elif not isinstance(params, set):
             params = param_group["params"] = list(params)
-        named = "param_names" in param_group or any(isinstance(p, tuple) for p in params)
+        pairs = any(isinstance(p, tuple) for p in params)
+        if "param_names" in param_group and not pairs:
+            names = param_group["param_names"] = list(param_group["param_names"])
+            if len(names) != len(params):
+                raise ValueError(f"param group has {len(names)} param_names for "
+                                 f"{len(params)} params")
+        named = "param_names" in param_group or pairs
         if not self.param_groups:
             return
         index = len(self.param_groups)
@@ -189,14 +228,22 @@ class RuleOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group and validate its rule and hyperparameters (``ValueError`` names them).
 
-        The group may give ``param_names`` or not, whatever the other groups do (missing
-        names are generated).  On an optimizer with :attr:`kinds` (from
-        :func:`sage_torch.make_optimizer`), ``kind="dense"`` without a ``rule`` gives the
-        group the configuration's rule, hyperparameters and learning rate for that kind
+        The group may give ``param_names`` (or ``(name, tensor)`` pairs) or not, whatever the
+        other groups do (missing names are generated).  On an optimizer with :attr:`kinds`
+        (from :func:`sage_torch.make_optimizer`), ``kind="dense"`` without a ``rule`` gives
+        the group the configuration's rule, hyperparameters and learning rate for that kind
         (keys the group sets win); its matrix axes default to ``nn.Linear``'s ``(out, in)``.
+        With neither ``kind`` nor ``rule``, the group's parameters are routed as
+        :func:`sage_torch.route_params` routes tensors and ``(name, tensor)`` pairs: vectors
+        make a ``'vector'`` group, named matrices take their kind and axes from their names;
+        a group that mixes kinds or layouts, or a matrix nothing places, raises a
+        ``ValueError`` that names it and the keys to add (``kind=``, ``fan_in_dim=``,
+        ``fan_out_dim=``).
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        if param_group.get("kind") is None and "rule" not in param_group and self.kinds:
+            self._route_group(param_group)
         kind = param_group.get("kind")
         if kind is not None and "rule" not in param_group and self.kinds:
             if kind not in self.kinds:
@@ -227,6 +274,74 @@ class RuleOptimizer(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+
+    def _route_group(self, param_group: dict[str, Any]) -> None:
+        """Give a group added without ``kind`` or ``rule`` its kind and axes (by routing)."""
+        from sage_torch.routing import route_group
+
+        params = param_group["params"]
+        if isinstance(params, Tensor):
+            params = param_group["params"] = [params]
+        elif isinstance(params, set):
+            return  # torch.optim refuses it below, saying why
+        else:
+            params = param_group["params"] = list(params)
+        if not params:
+            return
+        index = len(self.param_groups)
+        given = param_group.get("param_names")
+        members = []
+        for i, p in enumerate(params):
+            if isinstance(p, tuple) and len(p) == 2:
+                members.append((str(p[0]), p[1], False))
+            elif given is not None and i < len(list(given)):
+                members.append((str(list(given)[i]), p, False))
+            else:
+                members.append((f"param_groups[{index}].params[{i}]", p, True))
+        if not all(isinstance(p, Tensor) for _, p, _ in members):
+            return  # torch.optim says which is not a tensor
+        result = route_group(members, {k: param_group[k] for k in ("fan_in_dim", "fan_out_dim")
+                                       if k in param_group})
+        if result.errors:
+            result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
+                                     "reading gets the same update")
+        if result.errors:
+            problems = [p for e in result.errors for p in (e.problems or (e,))]
+            listed = "; ".join(f"{p.leaf} of shape {p.shape}" if p.leaf else str(p)
+                               for p in problems)
+            if "fan_in_dim" in param_group:
+                raise ValueError(
+                    f"param group {index} gives fan_in_dim/fan_out_dim but no kind, and "
+                    f"nothing says the kind of {listed}: add kind='dense' (a projection) or "
+                    "kind='embedding' (a token table or an output head) to the group")
+            raise ValueError(
+                f"param group {index} has no kind and nothing places {listed}: add kind= "
+                f"({', '.join(repr(k) for k in self.kinds)}) and, for a matrix, "
+                "fan_in_dim=/fan_out_dim= to the group (e.g. kind='dense', fan_in_dim=1, "
+                "fan_out_dim=0 for an nn.Linear weight (out, in)), or give (name, tensor) "
+                "pairs whose names say it ('...weight' is (out, in))")
+        routes = [(name, result.routes[id(p)]) for name, p, _ in result.order]
+        kinds = sorted({r.kind for _, r in routes})
+        if len(kinds) > 1:
+            listed = ", ".join(f"{n} ({r.kind})" for n, r in routes)
+            raise ValueError(
+                f"param group {index} mixes kinds ({listed}): one group has one rule; split "
+                "it into one group per kind, or give kind= to say which rule they all get")
+        param_group["kind"] = kinds[0]
+        if kinds[0] == "vector" or "fan_in_dim" in param_group:
+            return
+        layouts = {_negative(r) for _, r in routes}
+        if len(layouts) > 1:
+            layouts = {(r.fan_in, r.fan_out) for _, r in routes}
+        if len(layouts) > 1:
+            listed = ", ".join(f"{n} (fan_in={r.fan_in}, fan_out={r.fan_out})"
+                               for n, r in routes)
+            raise ValueError(
+                f"param group {index} mixes matrix layouts ({listed}): a group has one "
+                "fan_in_dim/fan_out_dim; split it into one group per layout")
+        fan_in, fan_out = layouts.pop()
+        param_group["fan_in_dim"] = fan_in[0] if len(fan_in) == 1 else fan_in
+        param_group["fan_out_dim"] = fan_out[0] if len(fan_out) == 1 else fan_out
 
     def _check_fused(self, group: dict[str, Any]) -> None:
         """Check the group's ``fused``/``foreach`` options, as ``torch.optim`` does.

@@ -9,7 +9,8 @@ available, in this order (``docs/routing.md``):
    the layout of the module that owns the parameter (step 3), or, where that is unknown, is
    refused with a request for axes; a :class:`~sage_optim.routing.Route` with axes (or
    ``(kind, {"fan_in": ..., "fan_out": ...})``) is used as given.  A glob that matches no
-   parameter is an error naming the nearest names.
+   parameter is an error naming the nearest names; a glob equal to a parameter's name
+   matches that name literally (``"params[3]"``).
 2. **the model's own API**: the weight of ``model.get_input_embeddings()`` is the token
    embedding and that of ``model.get_output_embeddings()`` the output head (transformers
    models), and a parameter registered in two modules is *tied* (one ``Parameter``: one
@@ -19,36 +20,75 @@ available, in this order (``docs/routing.md``):
    position and token-type tables too); transformers' ``Conv1D`` ``(in, out)`` (dense, fan-in
    0, fan-out 1); ``nn.Conv1d/2d/3d`` ``(out, in/groups, *k)`` (dense, fan-in ``(1, 2, ...)``:
    input channels and taps merged, one ``(Cin·k) x Cout`` matrix); ``nn.MultiheadAttention``'s
-   ``in_proj_weight`` ``(3E, E)`` (dense, as a Linear).
+   ``in_proj_weight`` ``(3E, E)`` (dense, as a Linear); transformers'
+   ``XLNetRelativeAttention`` (``q``/``k``/``v``/``r`` ``(d_model, heads, d_head)`` read by
+   ``einsum('ibh,hnd->ibnd')``: fan-in 0, fan-out ``(1, 2)``; ``o`` read by
+   ``einsum('ibnd,hnd->ibh')``: fan-in ``(1, 2)``, fan-out 0; the per-head biases
+   ``r_*_bias`` are vectors; ``seg_embed`` ``(2, heads, d_head)``, read by
+   ``einsum('ibnd,snd->ibns')``, is a table of 2 segments per head: embedding, vocab axis 0,
+   fan-in 2, heads a batch axis); peft's LoRA ``Embedding`` (``lora_embedding_A`` ``(r, V)``
+   read as ``F.embedding(x, A.T)``: a table whose vocab axis is 1, fan-in 0;
+   ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``).  peft
+   and transformers are never imported: their classes are looked up in ``sys.modules``.
 4. **shapes and names, last and only where unambiguous**: 0-D/1-D parameters (and tensors
-   with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors; an
-   ``nn.Linear`` whose weight is ``(V, d)`` of *the* token embedding is the output head when
-   the model has no API that says otherwise and no other Linear fits (a head-marker name
-   such as ``lm_head`` breaks a tie).  A head is never found because one dimension equals
-   some table's length.
+   with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors.  The
+   output head by shape: when *the* token table is known (the model API's, the only
+   ``nn.Embedding``/``nn.EmbeddingBag``, or the one whose name marks it, ``wte``,
+   ``embed_tokens``, ...), an ``nn.Linear`` whose weight has its shape ``(V, d)`` is the head
+   when the model has no ``get_output_embeddings()`` and no other Linear fits.  When it is
+   not known, **every** table is a candidate: an ``nn.Linear`` weight with the exact shape of
+   some table is a head candidate for that table.  Exactly one candidate, fitting a table
+   whose name does not mark it as a position, token-type or segment table (``pos``,
+   ``position``, ``wpe``, ``type``, ``segment``, ...), is the head, and its evidence names
+   the table (``shape: (V, d) of table token_emb.emb.weight``).  Several candidates (or one
+   fitting only a position table: an MLP weight of ``max_seq_len`` rows looks like one) are
+   refused, unless exactly one has a head name (``lm_head``, ``head``, ``output``, ...),
+   which breaks the tie.  Frozen Linears are never candidates.  A head is never found
+   because one dimension equals some table's length; a classifier whose label count
+   equals the vocabulary has the table's shape and gets the head's rule (the routing table
+   shows why).
 
 Everything else (a ``ConvTranspose``, a custom ``nn.Parameter`` matrix, conflicting
-evidence) raises :class:`~sage_optim.routing.RoutingError` naming the parameter, its shape
-and the override that fixes it.  Sparse embeddings are refused (no rule takes sparse
-gradients).  PyTorch matrices are ``(out, in)``: SAGE reduces over the fan-out axis (the
-vocab axis of tables and heads), SinkGD normalises each output unit's fan-in first.
+evidence) is refused: :func:`route_params` raises **one**
+:class:`~sage_optim.routing.RoutingError` for all the parameters it cannot place, each with
+its options most likely first (``err.overrides`` holds the first of each) and a
+``route_overrides = {...}`` block to paste after checking it against the model's forward
+code.  Sparse embeddings are refused (no rule takes sparse gradients).
+
+Without the model: :func:`route_params` (and so :func:`sage_torch.make_optimizer`) also takes
+what ``torch.optim`` takes as ``params``.  Bare tensors (``model.parameters()``) are named
+``params[i]``; their shape is the only evidence, so vectors are placed and matrices refused.
+``(name, tensor)`` pairs (``model.named_parameters()``) are placed by PyTorch's names: a 2-D
+``weight`` is ``(out, in)`` (dense, fan-in 1, fan-out 0), and a table ``(V, d)`` (vocab axis
+0) where its name marks one (a component with a word that starts with ``emb`` or holds
+``embed``, or a token-table marker), with the head by shape as above; a ``weight`` whose
+name has no word besides its indices (``0.weight`` of an ``nn.Sequential``) could be a
+Linear or an Embedding, and is refused, as is any other matrix.  Param-group dicts carry
+``params`` (tensors or pairs), optionally ``param_names``, ``kind``, ``fan_in_dim``/
+``fan_out_dim`` (a group's kind and axes place its members) and other group options.
+PyTorch matrices are ``(out, in)``: SAGE reduces over the fan-out axis (the vocab axis of
+tables and heads), SinkGD normalises each output unit's fan-in first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import re
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from sage_optim.routing import (
+    TOKEN_EMBEDDING_MARKERS,
     ResolvedRoute,
     Route,
     RoutingError,
+    components,
     match_overrides,
     names_head,
     names_token_embedding,
@@ -63,6 +103,9 @@ __all__ = [
     "route_params",
     "state_nbytes",
 ]
+
+GROUP_ROUTE_KEYS: tuple[str, ...] = ("kind", "fan_in_dim", "fan_out_dim")
+"""Keys of a param-group dict that place its members (the other keys are group options)."""
 
 
 class RoutedParam(NamedTuple):
@@ -82,11 +125,17 @@ class RoutedParam(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Owner:
-    """One registration of a parameter: ``module.<attr>`` reached through ``path``."""
+    """One registration of a parameter: ``module.<attr>`` reached through ``path``.
+
+    ``parent`` is the module holding ``module`` (as its child ``slot``), for containers
+    such as peft's ``lora_embedding_A`` ``nn.ParameterDict``.
+    """
 
     path: str
     module: nn.Module
     attr: str
+    parent: nn.Module | None = None
+    slot: str = ""
 
 
 def _label(module: nn.Module) -> str:
@@ -95,17 +144,53 @@ def _label(module: nn.Module) -> str:
     return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__name__
 
 
+def _class_from(module_name: str, cls_name: str) -> type | None:
+    """``module_name.cls_name`` if that module is imported, else ``None`` (no import)."""
+    cls = getattr(sys.modules.get(module_name), cls_name, None)
+    return cls if isinstance(cls, type) else None
+
+
 def _is_conv1d_transformers(module: nn.Module) -> bool:
     """Whether ``module`` is transformers' ``Conv1D`` (weight ``(in, out)``).
 
     Without importing transformers: a model cannot hold one unless it has been imported.
     """
-    utils = sys.modules.get("transformers.pytorch_utils")
-    cls = getattr(utils, "Conv1D", None)
+    cls = _class_from("transformers.pytorch_utils", "Conv1D")
     return cls is not None and isinstance(module, cls)
 
 
+def _is_xlnet_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' ``XLNetRelativeAttention`` (without importing it)."""
+    cls = _class_from("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention")
+    return cls is not None and isinstance(module, cls)
+
+
+def _is_peft_lora_embedding(module: nn.Module | None) -> bool:
+    """Whether ``module`` is peft's LoRA ``Embedding`` layer (without importing peft)."""
+    cls = _class_from("peft.tuners.lora.layer", "Embedding")
+    return module is not None and cls is not None and isinstance(module, cls)
+
+
 _MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+_XLNET = "module XLNetRelativeAttention"
+
+
+def _xlnet_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
+    """The layout of an ``XLNetRelativeAttention`` parameter, from its forward's einsums."""
+    heads, d_head, d_model = (getattr(module, k, None) for k in ("n_head", "d_head", "d_model"))
+    shape = tuple(param.shape)
+    if attr in ("q", "k", "v", "r") and shape == (d_model, heads, d_head):
+        return Route("dense", fan_in=0, fan_out=(1, 2),
+                     evidence=f"{_XLNET}: einsum('ibh,hnd->ibnd')")
+    if attr == "o" and shape == (d_model, heads, d_head):
+        return Route("dense", fan_in=(1, 2), fan_out=0,
+                     evidence=f"{_XLNET}: einsum('ibnd,hnd->ibh')")
+    if attr in ("r_r_bias", "r_s_bias", "r_w_bias") and shape == (heads, d_head):
+        return Route("vector", evidence=f"{_XLNET}: a bias added to each head")
+    if attr == "seg_embed" and len(shape) == 3 and shape[1:] == (heads, d_head):
+        return Route("embedding", fan_in=2, fan_out=0,
+                     evidence=f"{_XLNET}: segment table, einsum('ibnd,snd->ibns')")
+    return None
 
 
 def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
@@ -114,6 +199,8 @@ def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | N
     ``None`` when the module type has no known layout for that parameter (a custom module,
     a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.
     """
+    if _is_xlnet_attention(module):
+        return _xlnet_route(module, attr, param)
     if attr != "weight" and not (isinstance(module, nn.MultiheadAttention)
                                  and attr in _MHA_WEIGHTS):
         return None
@@ -131,17 +218,38 @@ def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | N
     return None
 
 
+def _owner_route(owner: _Owner, param: torch.Tensor) -> Route | None:
+    """:func:`module_route`, or the layout a known container's parent gives (peft LoRA)."""
+    route = module_route(owner.module, owner.attr, param)
+    if route is not None or not _is_peft_lora_embedding(owner.parent):
+        return route
+    layer = owner.parent
+    vocab, width = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
+    shape = tuple(param.shape)
+    if owner.slot == "lora_embedding_A" and param.dim() == 2 and shape[1] == vocab:
+        return Route("embedding", fan_in=0, fan_out=1,
+                     evidence="module peft lora.Embedding: A (r, V) read as "
+                              "F.embedding(x, A.T)")
+    if owner.slot == "lora_embedding_B" and param.dim() == 2 and shape[0] == width:
+        return Route("dense", fan_in=1, fan_out=0,
+                     evidence="module peft lora.Embedding: B (d, r) read as x @ B.T")
+    return None
+
+
 def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
     """Every registration of every parameter, in module order."""
     owners: dict[int, list[_Owner]] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
     for mname, module in model.named_modules(remove_duplicate=False):
+        parent_path, _, slot = mname.rpartition(".")
+        parent = modules.get(parent_path) if mname else None
         for attr, p in module._parameters.items():  # noqa: SLF001 - the registrations
             if p is None:
                 continue
             path = f"{mname}.{attr}" if mname else attr
             regs = owners.setdefault(id(p), [])
             if all(o.path != path for o in regs):
-                regs.append(_Owner(path, module, attr))
+                regs.append(_Owner(path, module, attr, parent, slot))
     return owners
 
 
@@ -186,59 +294,267 @@ def _fmt_shape(shape: Sequence[int]) -> str:
     return str(tuple(int(s) for s in shape))
 
 
-def _layout_examples(name: str, shape: Sequence[int], kind: str | None) -> list[str]:
-    """Concrete overrides for a matrix parameter whose layout the router does not know."""
+# ------------------------------------------------------------------------------ the advice
+
+Option = tuple[Any, str]
+"""``(route, when)``: a remedy and when it is right ("it is a stack of (in, out) ...")."""
+
+_VECTOR_OPTION: Option = ("vector", "element-wise rules are wanted")
+
+
+def _says_emb(part: str) -> bool:
+    """Whether a name component has a word that says embedding (``pos_emb``, ``wordembed``)."""
+    return any(w.startswith("emb") or "embed" in w for w in re.split(r"[^a-z]+", part))
+
+
+def _names_embedding(name: str) -> bool:
+    """Whether a component of ``name`` (the leaf too) says embedding (``pos_emb``, ``wte``)."""
+    parts = components(name)
+    return names_token_embedding(name) or any(_says_emb(part) for part in parts) or any(
+        part in TOKEN_EMBEDDING_MARKERS for part in parts)
+
+
+_NON_VOCAB_WORDS = frozenset({
+    "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",
+    "segments", "seg", "rel", "relative", "bucket", "buckets",
+})
+
+
+def _names_non_vocab_table(name: str) -> bool:
+    """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
+    for part in components(name)[:-1]:
+        if "position" in part or any(w in _NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
+            return True
+    return False
+
+
+def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
+             vocab: int | None = None, torch_weight: bool = False) -> list[Option]:
+    """The remedies for a matrix whose layout is unknown, most likely first.
+
+    ``kind``: only routes of that kind (an override gave it).  ``table_first``: the name or
+    the module says embedding.  ``vocab``: the token table's row count; the reading whose
+    vocab axis has that size comes first.  ``torch_weight``: PyTorch named it ``weight``.
+    """
     shape = tuple(int(s) for s in shape)
     big = [a for a, n in enumerate(shape) if n != 1]
-    out = []
     if len(big) == 2 or len(shape) == 2:
         i, j = big if len(big) == 2 else (0, 1)
         rows, cols = shape[i], shape[j]
-        if kind in (None, "embedding"):
-            out.append(f"a table of {rows} rows of {cols} features (like nn.Embedding, a "
-                       f"position table, an output head (V, d)): "
-                       + override_advice(name, shape, Route("embedding", fan_in=j, fan_out=i)))
-        if kind in (None, "dense"):
-            out.append(f"used as F.linear(x, W), W (out, in) = ({rows}, {cols}): "
-                       + override_advice(name, shape, Route("dense", fan_in=j, fan_out=i)))
-            out.append(f"used as x @ W, W (in, out) = ({rows}, {cols}): "
-                       + override_advice(name, shape, Route("dense", fan_in=i, fan_out=j)))
-        if kind == "embedding":
-            out.append(f"a ({rows}, {cols}) = (d, V) matrix, vocab axis {j}: "
-                       + override_advice(name, shape, Route("embedding", fan_in=i, fan_out=j)))
+        table = (Route("embedding", fan_in=j, fan_out=i),
+                 f"it is a table of {rows} rows of {cols} features (like nn.Embedding, a "
+                 "position table, an output head (V, d))")
+        table_t = (Route("embedding", fan_in=i, fan_out=j),
+                   f"it is a ({rows}, {cols}) = (d, V) matrix, vocab axis {j} (a table read "
+                   "as F.embedding(x, W.T), a head used as x @ W)")
+        linear = (Route("dense", fan_in=j, fan_out=i),
+                  f"it is used as F.linear(x, W), W (out, in) = ({rows}, {cols})")
+        x_at_w = (Route("dense", fan_in=i, fan_out=j),
+                  f"it is used as x @ W, W (in, out) = ({rows}, {cols})")
+        options = [table, table_t, linear, x_at_w] if table_first else [
+            linear, x_at_w, table, table_t]
+        if vocab is not None and (rows == vocab) != (cols == vocab):
+            first = table if rows == vocab else table_t
+            options = [first, *(o for o in options if o is not first)]
     else:
-        k = kind or "dense"
         rest = tuple(range(1, len(shape)))
-        out.append("one matrix, fan-out axis 0 and the others merged as fan-in (a conv "
-                   "weight (out, in, *taps)): "
-                   + override_advice(name, shape, Route(k, fan_in=rest, fan_out=0)))
-        out.append("a stack of (out, in) matrices over the leading axes: "
-                   + override_advice(name, shape, Route(k, fan_in=-1, fan_out=-2)))
-    out.append(f"element-wise rules only: route_overrides={{{name!r}: 'vector'}}")
-    return out
+        stack_io = (Route("dense", fan_in=-2, fan_out=-1),
+                    "it is a stack of (in, out) matrices over the leading axes (x @ W per "
+                    "layer or expert)")
+        stack_oi = (Route("dense", fan_in=-1, fan_out=-2),
+                    "it is a stack of (out, in) matrices over the leading axes")
+        in_first = (Route("dense", fan_in=0, fan_out=rest),
+                    f"it is one matrix, axis 0 its input and axes {rest} merged as its output "
+                    "(an (in, heads, head_dim) projection, einsum 'ibh,hnd->ibnd')")
+        out_first = (Route("dense", fan_in=rest, fan_out=0),
+                     f"it is one matrix, axis 0 its output and axes {rest} merged as its "
+                     "input (a conv weight (out, in, *taps), einsum 'ibnd,hnd->ibh')")
+        if torch_weight and len(shape) >= 4:
+            options = [out_first, stack_oi, stack_io, in_first]
+        elif torch_weight:
+            options = [stack_oi, out_first, stack_io, in_first]
+        else:
+            options = [stack_io, stack_oi, in_first, out_first]
+        if table_first:
+            options.insert(0, (Route("embedding", fan_in=-1, fan_out=-2),
+                               "it is a stack of (V, d) tables over the leading axes"))
+    if kind is not None:  # the readings of that kind first, then the others' axes
+        ordered = [o for o in options if o[0].kind == kind]
+        ordered += [o for o in options if o[0].kind != kind]
+        options, seen = [], set()
+        for route, when in ordered:
+            if (route.fan_in, route.fan_out) not in seen:
+                seen.add((route.fan_in, route.fan_out))
+                options.append((dataclasses.replace(route, kind=kind), when))
+    return [*options, _VECTOR_OPTION]
 
 
-def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner],
-                    kind: str | None) -> RoutingError:
+def _advice_lines(name: str, shape: Sequence[int], options: Sequence[Option]) -> str:
+    """``  - <when>: route_overrides={name: route}`` per option, for the message."""
+    lines = []
+    for route, when in options:
+        text = when.removeprefix("it is ") if route != "vector" else "element-wise rules only"
+        lines.append(f"  - {text}: " + (override_advice(name, shape, route)
+                                         if isinstance(route, Route)
+                                         else f"route_overrides={{{name!r}: {route!r}}}"))
+    return "\n".join(lines)
+
+
+def _known_layouts() -> str:
+    return ("known: nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers Conv1D and "
+            "XLNetRelativeAttention, peft LoRA Embedding, nn.Conv1d/2d/3d")
+
+
+def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str | None,
+                    vocab: int | None = None) -> RoutingError:
+    """The error for a matrix of unknown layout, with its options most likely first."""
+    shape = tuple(int(s) for s in p.shape)
     module = owners[0].module if owners else None
     where = f"in module {_label(module)}" if module is not None else "(no owning module)"
     if isinstance(module, nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d):
-        rest = (0, *range(2, p.dim()))
+        taps = tuple(range(2, p.dim()))
+        conv = Route(kind or "dense", fan_in=(0, *taps), fan_out=1)
+        options = [(conv, "input channels and taps are its fan-in, as nn.Conv reads its weight"),
+                   (Route(kind or "dense", fan_in=0, fan_out=(1, *taps)),
+                    "output channels and taps are its fan-out"),
+                   _VECTOR_OPTION]
         why = ("a transposed convolution's weight is (in, out/groups, *taps), and which "
                "axes are its fan-in is a modelling choice; to read input channels and taps as "
-               "the fan-in, as for nn.Conv: "
-               + override_advice(name, p.shape, Route(kind or "dense", fan_in=rest,
-                                                      fan_out=1)))
-        return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(p.shape)} "
-                            f"{where}: {why}")
+               "the fan-in, as for nn.Conv: " + override_advice(name, shape, conv))
+        return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
+                            f"{where}: {why}", leaf=name, shape=shape, options=options)
+    embeddingish = _names_embedding(name) or any(
+        isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
+        or _is_peft_lora_embedding(o.parent) for o in owners)
+    options = _options(shape, kind=kind, table_first=embeddingish, vocab=vocab)
     what = f"routed {kind!r} by an override, but its" if kind else "its"
-    lines = "\n  - ".join(_layout_examples(name, p.shape, kind))
     return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(p.shape)} {where}: {what} "
-        f"layout is unknown (known: nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers "
-        f"Conv1D, nn.Conv1d/2d/3d). Say which axes are fan-in and fan-out, e.g. if it is\n  - "
-        f"{lines}\n(Route is sage_optim.routing.Route, also sage_torch.Route)"
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} {where}: {what} "
+        f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
+        f"e.g. if it is\n{_advice_lines(name, shape, options)}\n"
+        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+        leaf=name, shape=shape, options=options,
     )
+
+
+# ------------------------------------------------------------------------------- the heads
+
+
+@dataclasses.dataclass
+class _Heads:
+    """The heads found by shape, and the errors of the candidates that could not be told."""
+
+    found: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> evidence
+    refused: dict[int, RoutingError] = dataclasses.field(default_factory=dict)  # id -> error
+
+
+def _find_heads(token: tuple[str, torch.Tensor] | None,
+                tables: Sequence[tuple[str, torch.Tensor]],
+                linears: Sequence[tuple[str, torch.Tensor]],
+                overrides: Mapping[int, Route]) -> _Heads:
+    """The output head among ``linears`` ((out, in) weights) by the shapes of the tables.
+
+    The rules of the module docstring: only *the* token table's shape counts when
+    ``token`` is known, else every table's.  ``overrides`` (by ``id``) leave their
+    parameters out, and a linear the user routed ``embedding`` means there is no head to
+    find.
+    """
+    targets = [token] if token is not None else list(tables)
+    fits = []  # (name, weight, matching table names, vocabulary-like)
+    for lname, w in linears:
+        if any(w is t for _, t in targets) or not w.requires_grad:
+            continue
+        match = [t for t in targets if tuple(t[1].shape) == tuple(w.shape)]
+        if match:
+            vocab_like = token is not None or any(not _names_non_vocab_table(n) for n, _ in match)
+            fits.append((lname, w, [n for n, _ in match], vocab_like))
+    heads = _Heads()
+    if any(overrides[id(w)].kind == "embedding" for _, w, _, _ in fits if id(w) in overrides):
+        return heads  # the user named the head
+    fits = [f for f in fits if id(f[1]) not in overrides]
+    if not fits:
+        return heads
+
+    def source(names: list[str], shape: Sequence[int]) -> str:
+        if token is not None:
+            return f"shape: {_fmt_shape(shape)} of token embedding {names[0]}"
+        label = "table" if len(names) == 1 else "tables"
+        return f"shape: {_fmt_shape(shape)} of {label} {', '.join(names)}"
+
+    vocabularies = [f for f in fits if f[3]]
+    if len(fits) == 1 and vocabularies:
+        name, w, names, _ = fits[0]
+        heads.found[id(w)] = source(names, w.shape)
+        return heads
+    named = [f for f in fits if names_head(f[0])]
+    if len(fits) > 1 and len(named) == 1:
+        name, w, names, _ = named[0]
+        heads.found[id(w)] = f"{source(names, w.shape)} + name"
+        return heads
+    # refused: the last vocabulary-like candidate is the likeliest head (heads come last)
+    likely = vocabularies[-1][1] if vocabularies else None
+    problems = []
+    for name, w, names, _ in fits:
+        shape = tuple(w.shape)
+        head = (Route("embedding", fan_in=1, fan_out=0),
+                f"it is the output head over the rows of {names[0]} (vocab axis 0)")
+        dense = (Route("dense", fan_in=1, fan_out=0),
+                 "it is an ordinary nn.Linear (out, in), not the head")
+        options = [head, dense] if w is likely else [dense, head]
+        problems.append(RoutingError(
+            f"cannot tell whether nn.Linear weight {name!r} of shape {_fmt_shape(shape)} is "
+            f"the output head: it has the shape of {', '.join(names)}",
+            leaf=name, shape=shape, options=options))
+    if token is not None:
+        tname, table = token
+        listed = ", ".join(f[0] for f in fits)
+        message = (
+            f"cannot tell the output head: {len(fits)} nn.Linear weights have the shape "
+            f"{_fmt_shape(table.shape)} of the token embedding {tname!r} ({listed}) and the "
+            f"model has no get_output_embeddings(). Name the head, e.g. "
+            f"route_overrides={{{fits[-1][0]!r}: 'embedding'}} (its vocab axis 0 is the "
+            f"fan-out axis), or route them all as dense: "
+            + "route_overrides={" + ", ".join(f"{f[0]!r}: 'dense'" for f in fits) + "}")
+    else:
+        listed = "; ".join(
+            f"{f[0]} {_fmt_shape(f[1].shape)}: the shape of {', '.join(f[2])}"
+            + ("" if f[3] else " (a position/type table)") for f in fits)
+        why = ("several nn.Linear weights have the shape of a table" if len(fits) > 1 else
+               "an nn.Linear weight has the shape of a table whose name says positions or "
+               "types: most likely a layer whose size equals that table's length")
+        message = (
+            f"cannot tell the output head: {why} ({listed}), and the token table is not "
+            "known (no get_input_embeddings(), several tables, none named as the token "
+            "table such as 'wte' or 'embed_tokens'). Route the head 'embedding' (its vocab "
+            "axis 0 is the fan-out axis) and the others 'dense' in route_overrides; the "
+            "block below takes the likeliest head")
+    error = RoutingError(message)
+    error.problems = tuple(problems)
+    for _, w, _, _ in fits:
+        heads.refused[id(w)] = error
+    return heads
+
+
+# ------------------------------------------------------------------------ the module router
+
+
+def _literal_overrides(names: Sequence[str],
+                       overrides: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``overrides`` with each glob that equals a parameter's name made literal.
+
+    ``"params[3]"`` then matches the parameter ``params[3]`` (as a glob, ``[3]`` would be a
+    character class); every other glob is kept as written.
+    """
+    if not overrides:
+        return None
+    known = set(names)
+    return {glob.escape(k) if k in known and glob.escape(k) != k else k: v
+            for k, v in overrides.items()}
+
+
+def _match(names: Sequence[str], overrides: Mapping[str, Any] | None) -> dict[str, Route]:
+    """:func:`~sage_optim.routing.match_overrides` with literal names (see above)."""
+    return match_overrides(names, _literal_overrides(names, overrides))
 
 
 class _Router:
@@ -253,16 +569,19 @@ class _Router:
         all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         by_name = dict(model.named_parameters(remove_duplicate=False))
         self.overrides: dict[int, tuple[str, Route]] = {}
-        for pname, route in match_overrides(all_names, overrides).items():
+        for pname, route in _match(all_names, overrides).items():
             p = by_name[pname]
             seen = self.overrides.get(id(p))
             if seen is not None and seen[1] != route:
                 canonical = self.param_names[id(p)]
+                options = [(_as_option(seen[1]), f"{seen[0]}'s override is the right one"),
+                           (_as_option(route), f"{pname}'s override is the right one")]
                 raise RoutingError(
                     f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is tied "
                     f"({seen[0]} is {pname}: one parameter, one route), and the overrides "
                     f"route its names differently: {seen[1]} and {route}; give one, e.g. "
-                    + override_advice(canonical, p.shape, seen[1])
+                    + override_advice(canonical, p.shape, seen[1]),
+                    leaf=canonical, shape=p.shape, options=options,
                 )
             self.overrides[id(p)] = (pname, route)
         api = _api_owner(model)
@@ -271,62 +590,42 @@ class _Router:
         self.api_in = _api_weight(in_module, self.param_names) if has_in else None
         self.api_out = _api_weight(out_module, self.param_names) if has_out else None
         self.out_module = out_module if self.api_out is not None else None
+        self.tables = self._tables()
         self.token = self._token_embedding()
         # the head by shape only when the model has no API saying which one it is
-        self.heads = {} if has_out else self._heads_by_shape()
+        self.heads = _Heads() if has_out else _find_heads(
+            self.token, self.tables, self._linears(),
+            {pid: r for pid, (_, r) in self.overrides.items()})
 
     # -- evidence ----------------------------------------------------------------------
+
+    def _tables(self) -> list[tuple[str, torch.Tensor]]:
+        """Every ``nn.Embedding``/``nn.EmbeddingBag`` weight, once, under its first name."""
+        tables = [(o.path, o.module.weight) for regs in self.owners.values() for o in regs
+                  if isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
+                  and o.attr == "weight"]
+        unique = {id(w): (self.param_names.get(id(w), path), w) for path, w in tables}
+        return list(unique.values())
+
+    def _linears(self) -> list[tuple[str, torch.Tensor]]:
+        """The ``nn.Linear`` weights (the head candidates), in model order."""
+        out: list[tuple[str, torch.Tensor]] = []
+        for p_id, regs in self.owners.items():
+            if p_id not in self.param_names:
+                continue
+            linear = [o for o in regs if isinstance(o.module, nn.Linear) and o.attr == "weight"]
+            if linear:
+                out.append((self.param_names[p_id], self.named_params[p_id]))
+        return out
 
     def _token_embedding(self) -> tuple[str, torch.Tensor] | None:
         """*The* token embedding: the model API's, the only table, or the one so named."""
         if self.api_in is not None:
             return self.param_names[id(self.api_in)], self.api_in
-        tables = [(o.path, o.module.weight) for regs in self.owners.values() for o in regs
-                  if isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
-                  and o.attr == "weight"]
-        unique = {id(w): (self.param_names.get(id(w), path), w) for path, w in tables}
-        if len(unique) == 1:
-            return next(iter(unique.values()))
-        named = [v for v in unique.values() if names_token_embedding(v[0])]
+        if len(self.tables) == 1:
+            return self.tables[0]
+        named = [v for v in self.tables if names_token_embedding(v[0])]
         return named[0] if len(named) == 1 else None
-
-    def _heads_by_shape(self) -> dict[int, str]:
-        """``{id(weight): evidence}`` of the untied output head found by shape, if unique."""
-        if self.token is None:
-            return {}
-        tname, table = self.token
-        fits = []
-        for p_id, regs in self.owners.items():
-            if p_id == id(table) or p_id not in self.param_names:
-                continue
-            if not self.named_params[p_id].requires_grad:
-                continue  # frozen: not trained, so not in doubt
-            linear = [o for o in regs if isinstance(o.module, nn.Linear) and o.attr == "weight"]
-            weight = linear[0].module.weight if linear else None
-            if isinstance(weight, torch.Tensor) and tuple(weight.shape) == tuple(table.shape):
-                fits.append((self.param_names[p_id], p_id))
-        if any(self.overrides[pid][1].kind == "embedding" for _, pid in fits
-               if pid in self.overrides):
-            return {}  # the user named the head
-        fits = [(n, pid) for n, pid in fits if pid not in self.overrides]
-        shape = _fmt_shape(table.shape)
-        evidence = f"shape: {shape} of token embedding {tname}"
-        if len(fits) == 1:
-            return {fits[0][1]: evidence}
-        named = [(n, pid) for n, pid in fits if names_head(n)]
-        if len(fits) > 1 and len(named) == 1:
-            return {named[0][1]: f"{evidence} + name"}
-        if len(fits) > 1:
-            listed = ", ".join(n for n, _ in fits)
-            raise RoutingError(
-                f"cannot tell the output head: {len(fits)} nn.Linear weights have the shape "
-                f"{shape} of the token embedding {tname!r} ({listed}) and the model has no "
-                f"get_output_embeddings(). Name the head, e.g. "
-                f"route_overrides={{{fits[-1][0]!r}: 'embedding'}} (its vocab axis 0 is the "
-                f"fan-out axis), or route them all as dense: "
-                + "route_overrides={" + ", ".join(f"{n!r}: 'dense'" for n, _ in fits) + "}"
-            )
-        return {}
 
     def _layout(self, name: str, p: torch.Tensor) -> Route | None:
         """The route from the model API, tying and module types (no override, no shape)."""
@@ -338,16 +637,19 @@ class _Router:
             api = "model API: output embeddings"
         routes = []
         for o in regs:
-            r = module_route(o.module, o.attr, p)
+            r = _owner_route(o, p)
             if r is not None:
                 routes.append((o, r))
-        if len({(r.fan_in, r.fan_out) for _, r in routes}) > 1:
+        if len({(r.kind == "vector", r.fan_in, r.fan_out) for _, r in routes}) > 1:
             listed = "; ".join(f"{o.path} ({r.evidence}: fan_in={r.fan_in}, "
                                f"fan_out={r.fan_out})" for o, r in routes)
+            options = [(Route(r.kind, r.fan_in, r.fan_out),
+                        f"{o.path} reads it as its {r.evidence} says") for o, r in routes]
             raise RoutingError(
                 f"parameter {name!r} of shape {_fmt_shape(p.shape)} is tied between modules "
                 f"that read it with different layouts: {listed}; say which is right, e.g. "
-                + override_advice(name, p.shape, routes[0][1])
+                + override_advice(name, p.shape, routes[0][1]),
+                leaf=name, shape=p.shape, options=[*options, _VECTOR_OPTION],
             )
         aliases = [o.path for o in regs if o.path != name]
         # the output head first (a T5 table has four names): the alias that matters
@@ -358,7 +660,7 @@ class _Router:
             more = f" (+{len(aliases) - 2} more)" if len(aliases) > 2 else ""
             tied = f"tied to {', '.join(aliases[:2])}{more}"
         if api is not None:
-            if not routes:
+            if not routes or routes[0][1].kind == "vector":
                 return None  # an API module of unknown layout: asked for below
             evidence = api + (f", {tied}" if tied else "")
             return Route("embedding", routes[0][1].fan_in, routes[0][1].fan_out,
@@ -368,8 +670,8 @@ class _Router:
         embedding = [(o, r) for o, r in routes if r.kind == "embedding"]
         own = next((r for o, r in routes if o.path == name), None)
         kind = "embedding" if embedding else routes[0][1].kind
-        if id(p) in self.heads:
-            kind, evidence = "embedding", self.heads[id(p)]
+        if id(p) in self.heads.found:
+            kind, evidence = "embedding", self.heads.found[id(p)]
         elif embedding and all(o.path != name for o, _ in embedding):
             evidence = f"tied to {embedding[0][0].path}"  # a table through another name
         elif own is not None:
@@ -379,6 +681,11 @@ class _Router:
             evidence = f"tied to {source}"
         first = routes[0][1]
         return Route(kind, first.fan_in, first.fan_out, evidence=evidence)
+
+    @property
+    def vocab(self) -> int | None:
+        """The token table's row count, when the token table is known."""
+        return int(self.token[1].shape[0]) if self.token is not None else None
 
     # -- one parameter -----------------------------------------------------------------
 
@@ -392,7 +699,8 @@ class _Router:
                     f"{_label(o.module)}(sparse=True) at {o.path.rpartition('.')[0]!r}: it "
                     "gets sparse gradients, which no sage_torch rule takes (SAGE reduces over "
                     "the vocab axis, the others are dense). Build it with sparse=False, or "
-                    f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False"
+                    f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False",
+                    leaf=name, shape=p.shape,
                 )
         override = self.overrides.get(id(p))
         if override is not None:
@@ -400,29 +708,439 @@ class _Router:
             if route.kind == "vector" or route.has_axes:
                 return route.resolve(p.shape, name)
             if p.dim() < 2:
-                raise RoutingError(
-                    f"parameter {name!r} of shape {_fmt_shape(p.shape)} is routed "
-                    f"{route.kind!r} by an override, but it has fewer than two dimensions; "
-                    f"route it 'vector': route_overrides={{{name!r}: 'vector'}}"
-                )
+                raise _too_few_dims(name, p, route.kind)
             layout = self._layout(name, p)
-            if layout is None:
-                raise _unknown_layout(name, p, regs, route.kind)
+            if layout is None or layout.kind == "vector":
+                raise _unknown_layout(name, p, regs, route.kind, self.vocab)
             return Route(route.kind, layout.fan_in, layout.fan_out,
                          evidence="override").resolve(p.shape, name)
+        if id(p) in self.heads.refused:
+            raise self.heads.refused[id(p)]
         if p.dim() <= 1:
             return Route("vector", evidence=f"shape: {p.dim()}-D").resolve(p.shape, name)
         layout = self._layout(name, p)
         if layout is not None:
             return layout.resolve(p.shape, name)
         if p is self.api_in or p is self.api_out:  # the API's module has no known layout
-            raise _unknown_layout(name, p, regs, "embedding")
+            raise _unknown_layout(name, p, regs, "embedding", self.vocab)
         if sum(n != 1 for n in p.shape) <= 1:
             return Route("vector", evidence="shape: one non-unit axis").resolve(p.shape, name)
-        raise _unknown_layout(name, p, regs, None)
+        raise _unknown_layout(name, p, regs, None, self.vocab)
 
 
-def route_params(model: nn.Module,
+def _as_option(route: Route) -> Any:
+    """A parsed override as the value to paste: the kind alone when it gives no axes."""
+    return route.kind if not route.has_axes and route.batch is None else route
+
+
+def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
+    return RoutingError(
+        f"parameter {name!r} of shape {_fmt_shape(p.shape)} is routed {kind!r} by an "
+        f"override, but it has fewer than two dimensions; route it 'vector': "
+        f"route_overrides={{{name!r}: 'vector'}}",
+        leaf=name, shape=p.shape, options=[("vector", "it is a vector: element-wise rules")],
+    )
+
+
+# --------------------------------------------------------------- without the model: names
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One parameter given without its model: its name, tensor and param group."""
+
+    name: str
+    param: torch.Tensor
+    group: int | None = None
+    bare: bool = False  # no name given: ``params[i]``
+
+
+def _is_pair(x: Any) -> bool:
+    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+            and isinstance(x[1], torch.Tensor))
+
+
+def _group_members(group: Mapping[str, Any], index: int | None,
+                   prefix: str) -> list[_Entry]:
+    """The members of one param group (tensors or ``(name, tensor)`` pairs) as entries."""
+    params = group["params"]
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    elif isinstance(params, set):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, "
+                        "but the ordering of tensors in sets will change between runs; use a "
+                        "list")
+    params = list(params)
+    names = group.get("param_names")
+    if names is not None and len(list(names)) != len(params):
+        raise ValueError(f"param group {index}: {len(list(names))} param_names for "
+                         f"{len(params)} params")
+    out = []
+    for i, x in enumerate(params):
+        if _is_pair(x):
+            out.append(_Entry(x[0], x[1], index))
+        elif isinstance(x, torch.Tensor):
+            if names is not None:
+                out.append(_Entry(str(list(names)[i]), x, index))
+            else:
+                out.append(_Entry(f"{prefix}params[{i}]", x, index, bare=True))
+        else:
+            raise TypeError(f"optimizer can only optimize Tensors, but {prefix}params[{i}] "
+                            f"is a {type(x).__name__}")
+    if any(_is_pair(x) for x in params) and not all(_is_pair(x) for x in params):
+        raise ValueError("all optimizer params should be with/without names; some param names "
+                         f"are missing (param group {index})" if index is not None else
+                         "all optimizer params should be with/without names; some param "
+                         "names are missing")
+    return out
+
+
+def _entries(params: Any) -> tuple[list[_Entry], list[dict[str, Any]]]:
+    """What ``torch.optim`` accepts as ``params``, as entries and the groups' options."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of "
+                        "Tensors or dicts (or the nn.Module), but got a "
+                        f"{torch.typename(params)}")
+    if isinstance(params, Mapping):
+        raise TypeError("params must be an nn.Module, an iterable of tensors, of (name, "
+                        "tensor) pairs or of param-group dicts; got a mapping (for a state "
+                        "dict, pass list(state_dict.items()) or the model)")
+    items = list(params)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    if not all(isinstance(x, dict) for x in items):
+        if any(isinstance(x, dict) for x in items):
+            raise TypeError("params mixes param-group dicts with tensors; give groups only")
+        return _group_members({"params": items}, None, ""), []
+    entries, options = [], []
+    for gi, group in enumerate(items):
+        if "params" not in group:
+            raise ValueError(f"param group {gi} has no 'params'")
+        if "rule" in group:
+            raise ValueError(
+                f"param group {gi} sets rule={group['rule']!r}: make_optimizer gives each "
+                "kind its configuration's rule; give kind= (and fan_in_dim=/fan_out_dim=) "
+                "instead, or add the group afterwards with opt.add_param_group")
+        entries += _group_members(group, gi, f"param_groups[{gi}].")
+        options.append({k: v for k, v in group.items() if k not in ("params", "param_names")})
+    return entries, options
+
+
+def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
+    """The route PyTorch's names give a matrix (``weight`` (out, in), tables (V, d)), or None."""
+    if p.dim() != 2:
+        return None
+    parts = components(name)
+    leaf = parts[-1]
+    table = names_token_embedding(name) or any(_says_emb(part) for part in parts[:-1])
+    if leaf == "weight" and table:
+        return Route("embedding", fan_in=1, fan_out=0, evidence="name: table (V, d)")
+    if leaf in TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding"):
+        return Route("embedding", fan_in=1, fan_out=0, evidence=f"name {leaf!r}: table (V, d)")
+    if leaf == "weight" and any(not part.isdigit() for part in parts[:-1]):
+        return Route("dense", fan_in=1, fan_out=0, evidence="name 'weight': torch (out, in)")
+    return None
+
+
+class _NameRouter:
+    """Parameters given without their model: names (if any) and shapes are the evidence."""
+
+    def __init__(self, entries: Sequence[_Entry], overrides: Mapping[str, Any] | None,
+                 groups: Sequence[Mapping[str, Any]] = ()) -> None:
+        self.groups = groups
+        seen: dict[int, _Entry] = {}
+        for e in entries:
+            seen.setdefault(id(e.param), e)
+        self.entries = list(seen.values())
+        self.names = {e.name: e for e in self.entries}
+        all_names = {e.name: e for e in reversed(entries)}
+        self.overrides: dict[int, Route] = {}
+        for pname, route in _match([e.name for e in entries], overrides).items():
+            p = all_names[pname].param
+            canonical = seen[id(p)].name
+            before = self.overrides.get(id(p))
+            if before is not None and before != route:
+                raise RoutingError(
+                    f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is given under "
+                    f"several names (one tensor, one route), and the overrides route them "
+                    f"differently: {before} and {route}; give one, e.g. "
+                    + override_advice(canonical, p.shape, before),
+                    leaf=canonical, shape=p.shape,
+                    options=[(_as_option(before), "the first override is the right one"),
+                             (_as_option(route), "the second override is the right one")])
+            self.overrides[id(p)] = route
+        layouts = {id(e.param): _name_evidence(e.name, e.param) for e in self.entries}
+        self.layouts = layouts
+        tables = [(e.name, e.param) for e in self.entries
+                  if (r := layouts[id(e.param)]) is not None and r.kind == "embedding"]
+        linears = [(e.name, e.param) for e in self.entries
+                   if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
+                   and components(e.name)[-1] == "weight"]
+        token = tables[0] if len(tables) == 1 else None
+        if token is None:
+            named = [t for t in tables if names_token_embedding(t[0])]
+            token = named[0] if len(named) == 1 else None
+        self.token = token
+        by_id = dict(self.overrides)
+        for e in self.entries:  # a group's kind is an override of its members
+            if id(e.param) not in by_id and e.group is not None:
+                group = groups[e.group]
+                if group.get("kind") is not None:
+                    by_id[id(e.param)] = Route(group["kind"])
+        self.heads = _find_heads(token, tables, linears, by_id)
+
+    @property
+    def vocab(self) -> int | None:
+        return int(self.token[1].shape[0]) if self.token is not None else None
+
+    def _refuse(self, e: _Entry, kind: str | None,
+                axes: tuple[Any, Any] | None = None) -> RoutingError:
+        p = e.param
+        shape = tuple(int(s) for s in p.shape)
+        if axes is not None:  # the group gives the axes, not the kind
+            options: list[Option] = [
+                (Route("dense", fan_in=axes[0], fan_out=axes[1]),
+                 "it is a dense matrix (a projection), not a vocabulary"),
+                (Route("embedding", fan_in=axes[0], fan_out=axes[1]),
+                 "it is a vocabulary matrix (a token table or an output head)")]
+            return RoutingError(
+                f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: its param "
+                f"group gives fan_in_dim={axes[0]!r}, fan_out_dim={axes[1]!r} but no kind; add "
+                "kind='dense' or kind='embedding' to the group, or route it, e.g. if it is\n"
+                + _advice_lines(e.name, shape, options),
+                leaf=e.name, shape=shape, options=options)
+        parts = components(e.name)
+        options = _options(shape, kind=kind, table_first=_names_embedding(e.name),
+                           vocab=self.vocab, torch_weight=parts[-1] == "weight" and not e.bare)
+        if parts[-1] == "weight" and p.dim() == 2 and not e.bare:  # (out, in) or (V, d)
+            linear = (Route(kind or "dense", fan_in=1, fan_out=0),
+                      "it is an nn.Linear weight (out, in)")
+            table = (Route(kind or "embedding", fan_in=1, fan_out=0),
+                     "it is an nn.Embedding table (V, d) or an output head")
+            first_table = self.vocab is not None and shape[0] == self.vocab
+            options = [table, linear] if first_table else [linear, table]
+            options = [*options[:1 if kind else 2], _VECTOR_OPTION]
+        if e.bare:
+            why = ("a bare tensor (no name, no module), so nothing says which axes are its "
+                   "fan-in and fan-out, nor whether it is a vocabulary matrix")
+        elif parts[-1] == "weight" and p.dim() == 2:
+            why = ("its name has no word besides its indices, so it could be an nn.Linear "
+                   "(out, in) or an nn.Embedding table (V, d), which get different rules")
+        else:
+            why = (f"its name does not say its layout (PyTorch's names: a 2-D 'weight' is "
+                   f"(out, in), a 2-D 'weight' under an 'emb' name a table (V, d)); a "
+                   f"{p.dim()}-D parameter may be stacked layers, a multi-axis projection or "
+                   "a convolution" if p.dim() > 2 else
+                   "its name does not say its layout (PyTorch's names: a 2-D 'weight' is "
+                   "(out, in), a 2-D 'weight' under an 'emb' name a table (V, d))")
+        what = f"routed {kind!r}, but " if kind else ""
+        names = " or model.named_parameters()" if e.bare else ""
+        return RoutingError(
+            f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: {what}{why}. "
+            f"Pass the model (make_optimizer(name, model): its module types decide){names}, "
+            "or route it in route_overrides (per parameter), "
+            f"e.g. if it is\n{_advice_lines(e.name, shape, options)}\n"
+            "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+            leaf=e.name, shape=shape, options=options)
+
+    def route(self, e: _Entry) -> ResolvedRoute:
+        """The route of one entry (raises :class:`RoutingError`)."""
+        name, p = e.name, e.param
+        override = self.overrides.get(id(p))
+        layout = self.layouts[id(p)]
+        if override is not None:
+            if override.kind == "vector" or override.has_axes:
+                return override.resolve(p.shape, name)
+            if p.dim() < 2:
+                raise _too_few_dims(name, p, override.kind)
+            if layout is None:
+                raise self._refuse(e, override.kind)
+            return Route(override.kind, layout.fan_in, layout.fan_out,
+                         evidence="override").resolve(p.shape, name)
+        group = self.groups[e.group] if e.group is not None else {}
+        kind = group.get("kind")
+        fan_in, fan_out = group.get("fan_in_dim"), group.get("fan_out_dim")
+        if (fan_in is None) != (fan_out is None):
+            raise ValueError(f"param group {e.group} gives only one of fan_in_dim "
+                             f"({fan_in!r}) and fan_out_dim ({fan_out!r}); give both")
+        if kind is not None:
+            if kind == "vector":
+                return Route("vector", evidence="param group kind").resolve(p.shape, name)
+            if p.dim() < 2:
+                raise ValueError(f"parameter {name!r} of shape {_fmt_shape(p.shape)} is in a "
+                                 f"param group of kind {kind!r}, but has fewer than two dims; "
+                                 "put it in a 'vector' group")
+            if fan_in is not None:
+                return Route(kind, fan_in, fan_out,
+                             evidence="param group kind and axes").resolve(p.shape, name)
+            if layout is not None:
+                return Route(kind, layout.fan_in, layout.fan_out,
+                             evidence=f"param group kind, axes {layout.evidence}"
+                             ).resolve(p.shape, name)
+            return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
+                         "(out, in)").resolve(p.shape, name)
+        if id(p) in self.heads.refused:
+            raise self.heads.refused[id(p)]
+        if p.dim() <= 1:
+            return Route("vector", evidence=f"shape: {p.dim()}-D").resolve(p.shape, name)
+        if fan_in is not None:
+            if layout is not None:
+                kind = "embedding" if id(p) in self.heads.found else layout.kind
+                return Route(kind, fan_in, fan_out,
+                             evidence=f"param group axes, kind {layout.evidence}"
+                             ).resolve(p.shape, name)
+            raise self._refuse(e, None, (fan_in, fan_out))
+        if layout is not None:
+            if id(p) in self.heads.found:
+                return Route("embedding", layout.fan_in, layout.fan_out,
+                             evidence=self.heads.found[id(p)]).resolve(p.shape, name)
+            return layout.resolve(p.shape, name)
+        if sum(n != 1 for n in p.shape) <= 1:
+            return Route("vector", evidence="shape: one non-unit axis").resolve(p.shape, name)
+        raise self._refuse(e, None)
+
+
+# ------------------------------------------------------------------------------- routing
+
+
+@dataclasses.dataclass
+class Routing:
+    """The routes of every trainable parameter, and the errors of those not placed.
+
+    What :func:`route_params` computes before it raises; :func:`sage_torch.make_optimizer`
+    first lets :meth:`accept_equivalent` place the parameters whose every reading gets the
+    same update under its configuration.
+
+    Attributes:
+      order: ``(name, param, group index or None)`` of every trainable parameter, in order.
+      routes: the placed ones, by ``id(param)``.
+      errors: one :class:`RoutingError` per problem (an ambiguous head: one for all its
+        candidates).
+      groups: the options of the param groups given (``None`` for a model or a flat list).
+    """
+
+    order: list[tuple[str, torch.Tensor, int | None]]
+    routes: dict[int, ResolvedRoute]
+    errors: list[RoutingError]
+    groups: list[dict[str, Any]] | None = None
+
+    def placed(self) -> list[RoutedParam]:
+        """The routed parameters, in order (raises the combined error if any is not placed)."""
+        if self.errors:
+            raise RoutingError.combine(self.errors)
+        return [RoutedParam(n, p, self.routes[id(p)])  # type: ignore[arg-type]
+                for n, p, _ in self.order]
+
+    def accept_equivalent(self, key: Callable[[ResolvedRoute], Hashable], why: str) -> None:
+        """Place each refused parameter whose readings all give the same update.
+
+        ``key(route)`` says what update a route gets (its rule and hyperparameters, and its
+        axes where the rule reads them); a parameter whose matrix options (its remedies but
+        ``'vector'``) all have one key gets the first, with the evidence ``why``.  An error
+        whose parameters are all placed is dropped.
+        """
+        by_name = {n: (n, p) for n, p, _ in self.order}
+        kept: list[RoutingError] = []
+        for err in self.errors:
+            problems = err.problems or (err,)
+            left = []
+            for prob in problems:
+                route = None
+                if prob.leaf is not None and prob.leaf in by_name:
+                    name, p = by_name[prob.leaf]
+                    route = _same_update(prob, name, p, key, why)
+                if route is None or prob.leaf is None:
+                    left.append(prob)
+                else:
+                    self.routes[id(by_name[prob.leaf][1])] = route
+            if len(left) == len(problems):
+                kept.append(err)
+            else:
+                kept.extend(left)
+        self.errors = kept
+
+
+def _same_update(prob: RoutingError, name: str, p: torch.Tensor,
+                 key: Callable[[ResolvedRoute], Hashable], why: str) -> ResolvedRoute | None:
+    candidates = [r for r, _ in prob.options
+                  if isinstance(r, Route) and r.kind != "vector" and r.has_axes]
+    if not candidates:
+        return None
+    try:
+        resolved = [r.resolve(p.shape, name) for r in candidates]
+    except RoutingError:
+        return None
+    if len({key(r) for r in resolved}) != 1:
+        return None
+    return dataclasses.replace(resolved[0], evidence=why)
+
+
+def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
+             route: Callable[[str, torch.Tensor], ResolvedRoute],
+             skip_frozen: bool = True) -> tuple[list[tuple[str, torch.Tensor, int | None]],
+                                                dict[int, ResolvedRoute], list[RoutingError]]:
+    """Route every (trainable) parameter of ``named``, collecting the errors."""
+    routes: dict[int, ResolvedRoute] = {}
+    errors: list[RoutingError] = []
+    order = []
+    seen_errors: set[int] = set()
+    for name, p, group in named:
+        if not p.is_floating_point():
+            raise RoutingError(
+                f"cannot place parameter {name!r} of shape {_fmt_shape(p.shape)}: dtype "
+                f"{p.dtype} is not floating point, so no optimizer can train it; register it "
+                "as a buffer"
+            )
+        if skip_frozen and not p.requires_grad:
+            continue
+        order.append((name, p, group))
+        try:
+            routes[id(p)] = route(name, p)
+        except RoutingError as err:
+            if id(err) not in seen_errors:  # an ambiguous head: one error, several params
+                seen_errors.add(id(err))
+                errors.append(err)
+    return order, routes, errors
+
+
+def route_group(members: Sequence[tuple[str, torch.Tensor, bool]],
+                group: Mapping[str, Any]) -> Routing:
+    """Route the members of one param group added to an optimizer, frozen ones too.
+
+    ``members`` are ``(name, tensor, bare)``: ``bare`` when the name was generated
+    (``param_groups[3].params[0]``), so that only the shape is evidence.  ``group``'s
+    ``kind``/``fan_in_dim``/``fan_out_dim`` place them as in :func:`route_params`.
+    """
+    router = _NameRouter([_Entry(n, p, 0, bare) for n, p, bare in members], None, [group])
+    order, routes, errors = _collect(
+        [(e.name, e.param, e.group) for e in router.entries],
+        lambda name, p: router.route(router.names[name]), skip_frozen=False)
+    return Routing(order, routes, errors, [dict(group)])
+
+
+def routing(params: Any, overrides: Mapping[str, Any] | None = None) -> Routing:
+    """Route ``params`` (a model or what ``torch.optim`` takes), collecting every error.
+
+    :func:`route_params` is this and :meth:`Routing.placed`.
+
+    Raises:
+      RoutingError: a non-floating parameter, an override that matches nothing or that
+        conflicts on a tied parameter (at once: these are not per-parameter choices).
+      TypeError, ValueError: ``params`` of a form ``torch.optim`` does not take either.
+    """
+    if isinstance(params, nn.Module):
+        router = _Router(params, overrides)
+        order, routes, errors = _collect([(n, p, None) for n, p in router.named], router.route)
+        return Routing(order, routes, errors)
+    entries, groups = _entries(params)
+    names = _NameRouter(entries, overrides, groups)
+    order, routes, errors = _collect(
+        [(e.name, e.param, e.group) for e in names.entries],
+        lambda name, p: names.route(names.names[name]))
+    return Routing(order, routes, errors, groups or None)
+
+
+def route_params(model: nn.Module | Iterable[Any],
                  overrides: Mapping[str, Any] | None = None) -> list[RoutedParam]:
     """The route of every trainable parameter of ``model``, in ``named_parameters`` order.
 
@@ -430,38 +1148,27 @@ def route_params(model: nn.Module,
     embedding) appears once, under its first name; frozen parameters are left out.
 
     Args:
-      model: any ``nn.Module`` (transformers models are recognised through their API).
+      model: any ``nn.Module`` (transformers models are recognised through their API), or
+        what ``torch.optim`` takes as ``params``: an iterable of tensors (named
+        ``params[i]``; only vectors can be placed by shape), of ``(name, tensor)`` pairs
+        (``model.named_parameters()``: PyTorch's names are the evidence) or of param-group
+        dicts (``params``, optional ``param_names``, ``kind``, ``fan_in_dim``/``fan_out_dim``;
+        members named ``param_groups[g].params[i]`` when unnamed).  The module docstring
+        gives the rules.
       overrides: ``{glob: kind}``, ``{glob: Route(kind, fan_in=..., fan_out=...)}`` or
         ``{glob: (kind, {"fan_in": ..., "fan_out": ...})}``, matched against every name of
-        every parameter (first matching glob wins).
+        every parameter (first matching glob wins; a glob equal to a name matches it
+        literally).
 
     Raises:
-      RoutingError: a parameter that cannot be placed (non-float, unknown layout, sparse
-        embedding, an ambiguous head, conflicting evidence) or an override that matches
-        nothing; each message names the parameter, its shape and the override that fixes
-        it.  Every unplaceable parameter is listed at once.
+      RoutingError: the parameters that cannot be placed (non-float, unknown layout,
+        sparse embedding, an ambiguous head, conflicting evidence) or an override that
+        matches nothing: one error listing every parameter it cannot place, each with its
+        options most likely first (``err.overrides`` is the first of each), ending with a
+        ``route_overrides = {...}`` block to check against the model's forward code and
+        paste.
     """
-    router = _Router(model, overrides)
-    routed, errors = [], []
-    for name, p in router.named:
-        if not p.is_floating_point():
-            raise RoutingError(
-                f"cannot place parameter {name!r} of shape {_fmt_shape(p.shape)}: dtype "
-                f"{p.dtype} is not floating point, so no optimizer can train it; register it "
-                "as a buffer"
-            )
-        if not p.requires_grad:
-            continue
-        try:
-            routed.append(RoutedParam(name, p, router.route(name, p)))
-        except RoutingError as err:
-            errors.append(str(err))
-    if len(errors) == 1:
-        raise RoutingError(errors[0])
-    if errors:
-        raise RoutingError(f"cannot place {len(errors)} parameters:\n* "
-                           + "\n* ".join(errors))
-    return routed
+    return routing(model, overrides).placed()
 
 
 def route_parameters(

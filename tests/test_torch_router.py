@@ -114,13 +114,17 @@ def test_heads_come_from_the_token_embedding_never_from_a_table_length():
     assert all(routes[n].kind == "dense" for n in ("q.weight", "classifier.weight"))
 
 
-def test_without_a_token_embedding_no_linear_is_a_head():
+def test_without_a_token_embedding_every_table_is_a_candidate():
+    """No token table is known (two tables, neither named so): every table's shape counts,
+    and the one Linear that fits is the head, with the tables named as its evidence."""
     model = nn.ModuleDict({"a": nn.Embedding(V, D), "b": nn.Embedding(V, D),
                            "proj": nn.Linear(D, V)})
-    assert routes_of(model)["proj.weight"].kind == "dense"
-    # ...and naming it is the fix
-    route = routes_of(model, {"proj.weight": "embedding"})["proj.weight"]
-    assert axes(route) == ("embedding", (1,), (0,)) and route.evidence == "override"
+    route = routes_of(model)["proj.weight"]
+    assert axes(route) == ("embedding", (1,), (0,))  # vocab axis 0: fan-out
+    assert route.evidence == "shape: (32, 16) of tables a.weight, b.weight"
+    # ...and an override says otherwise
+    route = routes_of(model, {"proj.weight": "dense"})["proj.weight"]
+    assert axes(route) == ("dense", (1,), (0,)) and route.evidence == "override"
 
 
 def test_a_head_marker_breaks_a_tie_between_square_linears():
