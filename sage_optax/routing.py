@@ -647,8 +647,12 @@ def _find_head(leaves: list[_Leaf], vocab_size: int | None) -> None:
     tables = [token] if token is not None else _tables(leaves)
     shapes: dict[tuple[int | None, int], str] = {}
     what = "the token embedding" if token is not None else "the table"
+    non_vocab: set[str] = set()  # fits of only such a table are refused, not made heads
     for t in tables:
-        shapes.setdefault((t.shape[1], t.shape[0]), f"{what} {t.name!r}")
+        key = (t.shape[1], t.shape[0])
+        src = shapes.setdefault(key, f"{what} {t.name!r}")
+        if token is None and core.names_non_vocab_table(t.name) and src.endswith(f"{t.name!r}"):
+            non_vocab.add(src)
     if not tables and vocab_size is not None:
         shapes[(None, vocab_size)] = f"vocab_size={vocab_size}"
     if not shapes:
@@ -688,6 +692,17 @@ def _find_head(leaves: list[_Leaf], vocab_size: int | None) -> None:
             return
         fits = named
     for x, src in fits:
+        if src in non_vocab:
+            dense, head = _as(x, "dense"), _as(x, "embedding")
+            x.route = _refusal(
+                x.name, x.shape,
+                f"cannot place {x.name!r} of shape {x.shape}: it has the shape of {src}, whose "
+                "name says positions, token types or segments, not a vocabulary; route it "
+                f"{core.override_advice(x.name, x.shape, dense)} (a dense matrix) or "
+                f"{core.override_advice(x.name, x.shape, head)} (an output head)",
+                [(dense, "it is a dense matrix"), (head, "it is the output head")],
+            )
+            continue
         r = x.route
         assert isinstance(r, Route)
         x.route = dataclasses.replace(

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
@@ -50,6 +51,14 @@ Meta LLaMA ``tok_embeddings``, Hugging Face ``embed_tokens``/``word_embeddings``
 HEAD_MARKERS: tuple[str, ...] = ("lm_head", "head", "output", "unembed", "embed_out")
 """Path components that name an output head.  A name alone never makes a head: the leaf must
 also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
+
+NON_VOCAB_WORDS: frozenset[str] = frozenset({
+    "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",
+    "segments", "seg", "rel", "relative", "bucket", "buckets",
+})
+"""Words of a table's name that mark it as positions, token types or segments: a matrix that
+fits only such a table is not taken for an output head."""
+
 
 class RoutingError(ValueError):
     """A parameter the router cannot place, or an override that does not apply.
@@ -400,3 +409,11 @@ def paste_block(problems: Sequence[RoutingError]) -> str:
         lines.append(f"    {p.leaf!r}: {route_literal(first)},  # {note}")
     lines.append("}")
     return "\n".join(lines)
+
+
+def names_non_vocab_table(name: str) -> bool:
+    """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
+    for part in components(name)[:-1]:
+        if "position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
+            return True
+    return False

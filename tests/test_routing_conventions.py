@@ -419,3 +419,14 @@ def test_paste_block_is_python_for_every_route_form():
     scope = {"Route": Route}
     exec(core.paste_block(combined.problems).split("\n", 1)[1], scope)  # noqa: S102
     assert scope["route_overrides"] == {f"p{i}": r for i, r in enumerate(routes)}
+
+
+def test_a_matrix_shaped_like_only_a_position_table_is_refused_not_a_head():
+    """Tied model (no head), tables `word` and `pos` of unknown role, and one MLP matrix with
+    the shape of the position table (4d = positions): refused, never silently a head."""
+    params = {"word": {"embedding": jnp.ones((V, D))}, "pos": {"embedding": jnp.ones((4 * D, D))},
+              "mlp": {"kernel": jnp.ones((D, 4 * D))}}
+    with pytest.raises(RoutingError, match="positions") as info:
+        route_params(params)
+    assert info.value.overrides == {"mlp.kernel": Route("dense", -2, -1)}
+    assert routes_of(params, overrides=info.value.overrides)["mlp.kernel"][0] == "dense"
