@@ -23,9 +23,10 @@ from collections.abc import Iterable, Mapping
 EXTRAS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     "jax": ("jax", "optax"),
     "torch": ("torch",),
-    "train": ("jax", "optax", "flax", "orbax.checkpoint", "tokenizers", "tqdm", "matplotlib"),
+    "train": ("jax", "optax", "flax", "orbax.checkpoint", "tokenizers", "tqdm", "matplotlib",
+              "safetensors", "tensorboardX"),
     "all": ("jax", "optax", "torch", "flax", "orbax.checkpoint", "tokenizers", "tqdm",
-            "matplotlib"),
+            "matplotlib", "safetensors", "tensorboardX"),
 })
 """The modules each extra of ``pyproject.toml`` provides (import names)."""
 

@@ -281,6 +281,32 @@ class Checkpoints:
             self.log("--restart: no checkpoint can be restored; the run starts over from step 0")
         return found
 
+    def read(self, like: Any, step: int | None = None) -> Restored:
+        """A verified checkpoint, read without changing anything (``sage-train export``).
+
+        ``step``: that checkpoint; ``None``: the newest one that verifies and restores.
+        Nothing is moved aside or reported (a training run may own the directory).
+
+        Raises:
+          RunDirError: there is no such checkpoint, or none restores (each is named with
+            its problem).
+        """
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+        steps = self.steps() if step is None else [step]
+        if step is not None and not self.path(step).is_dir():
+            have = ", ".join(map(str, self.steps())) or "none"
+            raise RunDirError(f"{self.root} holds no checkpoint of step {step} (steps: {have})")
+        failed = []
+        for s in steps:
+            problem, restored = self._try_restore(s, abstract)
+            if restored is not None:
+                return restored
+            failed.append(f"step {s} in {self.path(s)}: {problem}")
+        if not failed:
+            raise RunDirError(f"{self.root} holds no checkpoint")
+        raise RunDirError(f"no checkpoint of {self.root} can be read ({'; '.join(failed)})")
+
     def recorded_settings(self) -> tuple[int, dict[str, Any]] | None:
         """``(step, settings)`` from the manifest of the newest checkpoint whose files verify.
 

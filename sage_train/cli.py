@@ -1,10 +1,13 @@
-"""``sage-train``: pretrain a LLaMA with one or several of the paper's configurations."""
+"""``sage-train``: pretrain a LLaMA with one or several of the paper's configurations.
+
+``sage-train export --hf DIR --run-dir RUN`` writes a run's checkpoint as a Hugging Face
+``LlamaForCausalLM`` directory with its tokenizer (:mod:`sage_train.export`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import pathlib
 import sys
 from collections.abc import Callable
@@ -28,6 +31,19 @@ from sage_train.train import (
 )
 
 EPILOG = """\
+output: a header of the run's settings as used (learning rate, schedule, tokens per step,
+parameters, optimizer-state bytes, kernels, data), then a progress bar on a terminal, or
+else (and with --no-progress) one line per --log-every steps:
+  step 40/300  loss 5.4321  lr 1.20e-03  gnorm 0.8731  tok/s 12,345  eta 0:01:23
+(evaluations add "  eval_loss L  ppl P"). --tensorboard writes TensorBoard event files
+into each run directory (tensorboard --logdir RUN_DIR); --wandb PROJECT logs the same
+scalars to Weights & Biases.
+
+Hugging Face: "sage-train export --hf DIR --run-dir RUN_DIR/MODEL-OPTIMIZER" writes a
+run's newest checkpoint (or --step N) with its tokenizer as a LlamaForCausalLM directory
+(AutoModelForCausalLM/AutoTokenizer.from_pretrained(DIR) load it offline); --init-from-hf
+DIR starts a run from such weights (of the --model's architecture).
+
 Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains; every run
 directory named is locked and checked before any is trained). Running the same command
 again resumes from the newest intact checkpoint, with bit-identical losses; a rerun with
@@ -122,13 +138,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seed of the initial weights and the batch order, >= 0")
     p.add_argument("--clip", type=_checked("clip", float), default=d.clip,
                    help="global-norm gradient clipping threshold, >= 0 (0: off)")
+    p.add_argument("--weight-decay", type=_checked("weight_decay", float), default=None,
+                   help="decoupled weight decay of every rule, >= 0 (default: the "
+                   "configuration's, 0.01 for each)")
+    p.add_argument("--b1", type=_checked("b1", float), default=None,
+                   help="beta1 of every rule that has one, in [0, 1) (default: the "
+                   "configuration's, 0.9)")
+    p.add_argument("--b2", type=_checked("b2", float), default=None,
+                   help="beta2 of every rule that has one, in [0, 1) (default: the "
+                   "configuration's, 0.99; APOLLO's projected moments 0.999)")
+    p.add_argument("--grad-accum", type=_checked("grad_accum", int), default=d.grad_accum,
+                   metavar="K", help="gradient accumulation: each step's --batch-size "
+                   "sequences run as K micro-batches of batch-size/K (K must divide it), "
+                   "one update per step: the same update as one batch, with the activation "
+                   "memory of a micro-batch")
     p.add_argument("--eval-every", type=_checked("eval_every", int), default=d.eval_every,
                    help="steps between test-perplexity evaluations, >= 1 (and at the end)")
     p.add_argument("--eval-batches", type=_checked("eval_batches", int),
                    default=d.eval_batches, help="batches of the fixed test windows, >= 1")
     p.add_argument("--log-every", type=_checked("log_every", int), default=d.log_every,
-                   help="steps between rows of metrics.jsonl, >= 1 (evaluations and "
-                   "checkpoints always get one)")
+                   help="steps between rows of metrics.jsonl and log lines (TensorBoard and W&B "
+                   "scalars too), >= 1 (evaluations and checkpoints always get one)")
     p.add_argument("--data", type=_checked("data", str), default=None,
                    help="a text file or folder, or a .u16/.u32/.npy/.bin token file "
                    "(default: the embedded standard-library corpus)")
@@ -199,7 +229,37 @@ def build_parser() -> argparse.ArgumentParser:
                    "deleted); without it such a run is refused")
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() first (multi-host)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--init-from-hf", type=_checked("init_from_hf", str), default=None,
+                   metavar="DIR", help="start from the weights of a Hugging Face LlamaForCausalLM "
+                   "checkpoint (config.json and safetensors, e.g. from sage-train export) of "
+                   "the --model's architecture (refused otherwise, naming the field)")
+    p.add_argument("--tensorboard", action="store_true",
+                   help="write TensorBoard event files into each run directory (needs "
+                   "tensorboardX)")
+    p.add_argument("--wandb", type=_checked("wandb", str), default=None, metavar="PROJECT",
+                   help="log the scalars to this Weights & Biases project (needs wandb; a "
+                   "resumed run continues its W&B run)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: plain log lines every --log-every steps, as when "
+                   "stderr is not a terminal")
+    return p
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    """The ``sage-train export`` parser."""
+    p = _Parser(prog="sage-train export", formatter_class=_Formatter,
+                description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
+                "directory\n(config.json, model.safetensors) with the run's tokenizer "
+                "(tokenizer.json,\ntokenizer_config.json): transformers' "
+                "AutoModelForCausalLM.from_pretrained(DIR)\nand "
+                "AutoTokenizer.from_pretrained(DIR) load it offline; sage-train\n"
+                "--init-from-hf DIR starts a run from it.")
+    p.add_argument("--hf", required=True, metavar="DIR", default=argparse.SUPPRESS,
+                   help="the directory to write (created; its files are replaced)")
+    p.add_argument("--run-dir", required=True, metavar="RUN", default=argparse.SUPPRESS,
+                   help="the run's own directory, RUN_DIR/MODEL-OPTIMIZER")
+    p.add_argument("--step", type=_checked("steps", int), default=None,
+                   help="the checkpoint of this step (default: the newest that verifies)")
     return p
 
 
@@ -230,6 +290,8 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             layers=args.layers, remat=args.remat, deterministic=args.deterministic,
             peak_tflops=args.peak_tflops, loss_chunk=args.loss_chunk,
             attention=args.attention, sinkgd_kernel=args.sinkgd_kernel,
+            weight_decay=args.weight_decay, b1=args.b1, b2=args.b2, grad_accum=args.grad_accum,
+            tensorboard=args.tensorboard, wandb=args.wandb, init_from_hf=args.init_from_hf,
         )
         for name in args.optimizer
     ]
@@ -245,6 +307,9 @@ def main(argv: list[str] | None = None, *, signals: StopSignals | None = None) -
     (``python -m sage_train`` catches them before it imports JAX); by default they are
     caught from here on.
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     with StopSignals() if signals is None else contextlib.nullcontext(signals) as signals:
         args = parse_args(argv)
         try:
@@ -264,6 +329,22 @@ def main(argv: list[str] | None = None, *, signals: StopSignals | None = None) -
             return INTERRUPTED
 
 
+def export_main(argv: list[str]) -> int:
+    """``sage-train export``: 0 when written, 2 on a bad run directory, 1 on a failed write."""
+    args = build_export_parser().parse_args(argv)
+    try:
+        from sage_train.export import export_hf
+
+        export_hf(args.run_dir, args.hf, step=args.step)
+    except UserError as e:
+        print(f"sage-train export: error: {e}", file=sys.stderr)
+        return 2
+    except RunFileError as e:
+        print(f"sage-train export: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _stopped_by(name: str, step: int | None) -> int:
     """Say why the command stopped on signal ``name`` (one line) and return its status."""
     where = f" at step {step}" if step is not None else ""
@@ -281,6 +362,7 @@ def _stopped_by(name: str, step: int | None) -> int:
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     from sage_train.train import (
         check_config,
+        check_init_from_hf,
         enable_determinism,
         implementations,
         preflight,
@@ -291,6 +373,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     cfgs = configs(args)
     for cfg in cfgs:
         check_config(cfg)
+        check_init_from_hf(cfg)
     if args.deterministic:
         enable_determinism()  # before anything starts a JAX backend
     import jax
@@ -320,8 +403,6 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         for cfg in cfgs:
             if signals.received is not None:
                 return _stopped_by(signals.received, None)
-            print(f"training {cfg.model} with {cfg.optimizer}: {dataclasses.asdict(cfg)}",
-                  flush=True)
             try:
                 result = train(cfg, allow_config_change=args.allow_config_change,
                                restart=args.restart, stop=signals, locked=True,

@@ -8,10 +8,20 @@ Either layout of the decoder layers converts: a scanned model (``layers="scan"``
 a leading layer axis) is sliced into HF's per-layer tensors on export and restacked on
 import (:func:`sage_train.model.per_layer_params`), so the conversion happens here, at the
 boundary, and HF names are always per layer.
+
+On disk (what ``sage-train export`` writes and ``--init-from-hf`` reads):
+:func:`save_pretrained` writes a directory that ``transformers``' ``AutoModelForCausalLM``
+and ``AutoTokenizer`` load offline (``config.json``, ``model.safetensors``, the tokenizer);
+:func:`read_config`, :func:`config_mismatches` and :func:`load_weights` read one back
+(``safetensors`` only: no torch, no transformers).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,7 +86,15 @@ def to_hf_config(
     """
     import transformers
 
-    fields: dict[str, Any] = {
+    fields = hf_config_fields(config, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+    fields.update(kwargs)
+    return transformers.LlamaConfig(**fields)
+
+
+def hf_config_fields(config: LlamaConfig, *, rope_theta: float = 10000.0,
+                     rms_norm_eps: float = 1e-6) -> dict[str, Any]:
+    """The ``transformers.LlamaConfig`` fields of ``config`` (:func:`to_hf_config`'s)."""
+    return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -93,8 +111,6 @@ def to_hf_config(
         "mlp_bias": False,
         "initializer_range": 0.02,
     }
-    fields.update(kwargs)
-    return transformers.LlamaConfig(**fields)
 
 
 def _to_numpy(x: Any) -> np.ndarray:
@@ -184,6 +200,160 @@ def to_hf_state_dict(model: Llama) -> dict[str, Any]:
     return {key: out[key] for key in _hf_order(model.config)}
 
 
+def to_hf_arrays(model: Llama) -> dict[str, np.ndarray]:
+    """The HF tensors of ``model`` as NumPy arrays (``bfloat16`` too), in HF's order.
+
+    Like :func:`to_hf_state_dict` without torch; a tied model has no ``lm_head.weight`` (HF
+    ties it to the embedding on load).
+    """
+    out = {}
+    for path, value in per_layer_params(model).items():
+        array = np.asarray(value)
+        out[hf_name(path)] = np.ascontiguousarray(array.T if _is_kernel(path) else array)
+    return {key: out[key] for key in _hf_order(model.config) if key in out}
+
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+
+def save_pretrained(model: Llama, directory: os.PathLike[str] | str, *,
+                    tokenizer_json: str | None = None, eos_token: str | None = None,
+                    **config_kwargs: Any) -> list[pathlib.Path]:
+    """Write ``model`` as a Hugging Face ``LlamaForCausalLM`` checkpoint in ``directory``.
+
+    ``config.json`` (:func:`to_hf_config` with ``config_kwargs``; its ``dtype`` the
+    parameters'), ``model.safetensors`` (the parameters in their dtype) and, given
+    ``tokenizer_json`` (a ``tokenizers`` tokenizer's JSON), ``tokenizer.json`` with a
+    ``tokenizer_config.json`` naming ``PreTrainedTokenizerFast`` and ``eos_token`` (also
+    the BOS token).  Each file is written atomically; the directory is created.
+
+    Returns:
+      The files written.
+
+    Raises:
+      RunFileError: a file could not be written (one line naming it).
+    """
+    import safetensors.numpy
+
+    from sage_train.errors import write_error
+    from sage_train.rundir import atomic_write_bytes
+
+    out = pathlib.Path(directory)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(out, e) from e
+    arrays = to_hf_arrays(model)
+    config = to_hf_config(model.config, rope_theta=model.rope_theta,
+                          rms_norm_eps=model.norm_eps, dtype=str(arrays[EMBED_KEY].dtype),
+                          architectures=["LlamaForCausalLM"], **config_kwargs)
+    files = [(out / WEIGHTS_FILE, safetensors.numpy.save(arrays, metadata={"format": "pt"})),
+             (out / CONFIG_FILE, config.to_json_string(use_diff=False).encode())]
+    if tokenizer_json is not None:
+        tokenizer_config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+            "model_max_length": model.config.max_position_embeddings}
+        if eos_token is not None:
+            tokenizer_config |= {"bos_token": eos_token, "eos_token": eos_token}
+        files += [(out / TOKENIZER_FILE, tokenizer_json.encode()),
+                  (out / TOKENIZER_CONFIG, json.dumps(tokenizer_config, indent=2).encode())]
+    for path, data in files:
+        atomic_write_bytes(path, lambda f, data=data: f.write(data))
+    return [path for path, _ in files]
+
+
+def read_config(directory: os.PathLike[str] | str) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face checkpoint directory.
+
+    Raises:
+      ValueError: it is missing or not a JSON object (one line naming it).
+    """
+    path = pathlib.Path(directory) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: not a Hugging Face checkpoint "
+                         "directory") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds no JSON object")
+    return config
+
+
+def config_mismatches(hf: Mapping[str, Any], config: LlamaConfig, *,
+                      rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6) -> list[str]:
+    """Every field of a HF ``config.json`` that differs from the architecture of ``config``.
+
+    Absent fields read as ``transformers.LlamaConfig``'s defaults; each mismatch as
+    ``"hidden_size 128 (not 96)"``.  Empty where the checkpoint's weights fit a
+    :class:`Llama` of ``config`` and compute as it does (model type, activation, biases,
+    RoPE, norm epsilon).
+    """
+    heads = hf.get("num_attention_heads", 32)
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    got = {
+        "model_type": hf.get("model_type"),
+        "vocab_size": hf.get("vocab_size", 32000),
+        "hidden_size": hf.get("hidden_size", 4096),
+        "intermediate_size": hf.get("intermediate_size", 11008),
+        "num_hidden_layers": hf.get("num_hidden_layers", 32),
+        "num_attention_heads": heads,
+        "num_key_value_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf.get("hidden_size", 4096) // max(heads, 1),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+        "hidden_act": hf.get("hidden_act", "silu"),
+        "attention_bias": hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+        "rope_type": rope.get("rope_type", rope.get("type", "default")),
+    }
+    want = hf_config_fields(config, rope_theta=rope_theta, rms_norm_eps=rms_norm_eps)
+    want |= {"model_type": "llama", "rope_theta": rope_theta, "rope_type": "default"}
+    out = []
+    for key, value in got.items():
+        expected = want[key]
+        if isinstance(expected, float) and isinstance(value, int | float) \
+                and not isinstance(value, bool):
+            same = math.isclose(value, expected, rel_tol=1e-9)
+        else:
+            same = value == expected
+        if not same:
+            out.append(f"{key} {value!r} (not {expected!r})")
+    return out
+
+
+def load_weights(directory: os.PathLike[str] | str) -> dict[str, np.ndarray]:
+    """The tensors of a HF checkpoint (``model.safetensors`` or its shards), as NumPy arrays.
+
+    Raises:
+      ValueError: ``directory`` holds no safetensors weights (one line).
+    """
+    from safetensors import safe_open
+
+    root = pathlib.Path(directory)
+    if (root / WEIGHTS_INDEX).is_file():
+        index = json.loads((root / WEIGHTS_INDEX).read_text())
+        files = sorted({root / name for name in index.get("weight_map", {}).values()})
+    elif (root / WEIGHTS_FILE).is_file():
+        files = [root / WEIGHTS_FILE]
+    else:
+        raise ValueError(f"{root} holds no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX}); a "
+                         "pytorch_model.bin checkpoint converts with transformers' "
+                         "save_pretrained(DIR), which writes safetensors")
+    out: dict[str, np.ndarray] = {}
+    for path in files:
+        with safe_open(str(path), framework="numpy") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
 def _hf_order(config: LlamaConfig) -> list[str]:
     names = [EMBED_KEY]
     for i in range(config.num_layers):
@@ -193,11 +363,22 @@ def _hf_order(config: LlamaConfig) -> list[str]:
 
 
 __all__ = [
+    "CONFIG_FILE",
     "EMBED_KEY",
     "IGNORED_SUFFIXES",
     "LM_HEAD_KEY",
+    "TOKENIZER_CONFIG",
+    "TOKENIZER_FILE",
+    "WEIGHTS_FILE",
+    "WEIGHTS_INDEX",
+    "config_mismatches",
     "from_hf_state_dict",
+    "hf_config_fields",
     "hf_name",
+    "load_weights",
+    "read_config",
+    "save_pretrained",
+    "to_hf_arrays",
     "to_hf_config",
     "to_hf_state_dict",
 ]

@@ -416,6 +416,7 @@ class Llama(nnx.Module):
         self.config = config
         self.layout, self.remat, self.loss_chunk = layers, remat, int(loss_chunk)
         self.attention = attention
+        self.rope_theta, self.norm_eps = float(rope_theta), float(norm_eps)
         d = config.hidden_size
         self.embed = nnx.Embed(
             config.vocab_size,

@@ -35,6 +35,9 @@ MATH_FIELDS: tuple[str, ...] = (
     "dtype", "param_dtype", "layers",  # the arithmetic, and the layout of the checkpoints
     "loss_chunk",  # the loss's summation order (float32 rounding of the gradients)
     "attention", "sinkgd_kernel",  # cuDNN/XLA, Pallas/jnp: the same math, other rounding
+    "weight_decay", "b1", "b2",  # the optimizer's hyperparameters
+    "grad_accum",  # micro-batches: the same batch and update, other rounding
+    "init_from_hf",  # the initial weights
 )
 """Settings that change the math, the data order or the evaluation of a run: a rerun with
 other values is refused unless the change is allowed (and then recorded)."""

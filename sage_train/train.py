@@ -4,8 +4,10 @@ One jitted train step with donated buffers over the (model, optimizer) state; da
 fully-sharded-data parallelism over ``jax.make_mesh`` on every local device; verified orbax
 checkpoints that resume bit-identically (:mod:`sage_train.checkpoints`); a locked run
 directory whose recorded settings, metrics and ``H_t`` history survive restarts
-(:mod:`sage_train.rundir`); a progress bar, JSONL metrics, SAGE's damper ``H_t`` of the
-embedding recorded with bounded memory, and a loss-curve PNG of the whole run.
+(:mod:`sage_train.rundir`); a start header, a progress bar on a terminal or plain log lines
+elsewhere, JSONL metrics (and TensorBoard/W&B scalars where asked for:
+:mod:`sage_train.report`), SAGE's damper ``H_t`` of the embedding recorded with bounded
+memory, and a loss-curve PNG of the whole run.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,9 +36,10 @@ from sage_optax.sinkhorn import KERNELS, resolved_kernel
 from sage_optim import kernels
 from sage_optim.models import MODELS as MODEL_NAMES
 from sage_optim.models import get_model_config
-from sage_optim.presets import CONFIG_NAMES, KINDS, get_preset
+from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
+from sage_optim.table import format_bytes
 from sage_train import data as data_lib
-from sage_train import rundir
+from sage_train import hf_convert, report, rundir
 from sage_train.checkpoints import Checkpoints, state_is_finite
 from sage_train.diagnostics import DamperRecorder, embedding_damper
 from sage_train.errors import ConfigError, DataError, RunDirError
@@ -89,6 +93,13 @@ class TrainConfig:
     loss_chunk: int | None = None  # tokens per chunk of the loss; 0: unchunked; None: auto
     attention: str = "auto"  # "auto" (cuDNN's where validated, else XLA's), "cudnn", "xla"
     sinkgd_kernel: str = "auto"  # SinkGD's scales: "auto" (jnp until validated), "pallas", "jnp"
+    weight_decay: float | None = None  # decoupled decay of every rule (None: the configuration's)
+    b1: float | None = None  # beta1 of every rule that has one (None: the configuration's)
+    b2: float | None = None  # beta2 of every rule that has one (None: the configuration's)
+    grad_accum: int = 1  # micro-batches per step (of batch_size // grad_accum sequences each)
+    tensorboard: bool = False  # TensorBoard event files in the run directory (tensorboardX)
+    wandb: str | None = None  # a Weights & Biases project to log the scalars to
+    init_from_hf: str | None = None  # a Hugging Face LLaMA checkpoint to start from (step 0)
 
 
 @dataclasses.dataclass
@@ -140,7 +151,8 @@ def make_tx(cfg: TrainConfig, model: Llama | None = None) -> optax.GradientTrans
     a ``(L, in, out)`` kernel as ``L`` stacked matrices (without it such a leaf is refused).
     """
     tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg), model=model,
-                                   kernel=cfg.sinkgd_kernel)
+                                   kernel=cfg.sinkgd_kernel, weight_decay=cfg.weight_decay,
+                                   b1=cfg.b1, b2=cfg.b2)
     return optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx
 
 
@@ -181,7 +193,7 @@ LOSS_CHUNK_TARGET_BYTES = 1 << 29
 def loss_chunk_tokens(cfg: TrainConfig, vocab_size: int | None = None) -> int:
     """Tokens per chunk of the loss of ``cfg`` (0: unchunked), ``auto`` resolved.
 
-    ``auto`` (``None``): unchunked while the float32 logits of a batch fit in
+    ``auto`` (``None``): unchunked while the float32 logits of a (micro-)batch fit in
     :data:`LOSS_CHUNK_AUTO_BYTES`; else the fewest chunks that divide the batch's tokens
     with at most :data:`LOSS_CHUNK_TARGET_BYTES` of logits each (or, where no such count
     is near, chunks of that size, the last one padded).  ``vocab_size`` defaults to the
@@ -190,7 +202,7 @@ def loss_chunk_tokens(cfg: TrainConfig, vocab_size: int | None = None) -> int:
     if cfg.loss_chunk is not None:
         return cfg.loss_chunk
     vocab = vocab_size if vocab_size is not None else get_model_config(cfg.model).vocab_size
-    tokens = cfg.batch_size * cfg.seq_len
+    tokens = cfg.batch_size // max(cfg.grad_accum, 1) * cfg.seq_len  # one micro-batch's
     if tokens * vocab * 4 <= LOSS_CHUNK_AUTO_BYTES:
         return 0
     most = max(1, LOSS_CHUNK_TARGET_BYTES // (4 * vocab))
@@ -222,11 +234,6 @@ class Implementations:
     attention_why: str
     sinkgd_kernel: str | None
     sinkgd_kernel_why: str
-
-    def lines(self) -> list[str]:
-        """The log lines of a run's start: ``attention: cudnn (auto: ...)`` and the kernel's."""
-        return [f"attention: {self.attention} ({self.attention_why})",
-                f"sinkgd kernel: {self.sinkgd_kernel or '-'} ({self.sinkgd_kernel_why})"]
 
 
 def implementations(cfg: TrainConfig, mesh: Any = None) -> Implementations:
@@ -312,7 +319,7 @@ def enable_determinism() -> bool:
 STEP_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
     "clip", "sharding", "dtype", "param_dtype", "layers", "remat", "loss_chunk", "attention",
-    "sinkgd_kernel",
+    "sinkgd_kernel", "weight_decay", "b1", "b2", "grad_accum",
 )
 """The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
 logging do not): runs that agree on these share one compiled step in a process."""
@@ -336,19 +343,58 @@ def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: boo
     if key not in _STEP_CACHE:
         if len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-        _STEP_CACHE[key] = make_steps(graphdef, record_h)
+        _STEP_CACHE[key] = make_steps(graphdef, record_h, cfg.grad_accum)
     return _STEP_CACHE[key]
 
 
-def make_steps(graphdef: Any, record_h: bool) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """The jitted train step (state donated) and eval step over the split state."""
+def loss_and_grads(model: Llama, inputs: jax.Array, targets: jax.Array,
+                   grad_accum: int = 1) -> tuple[jax.Array, Any]:
+    """The mean loss of a batch and its gradient, over ``grad_accum`` micro-batches.
+
+    With ``grad_accum`` ``K > 1`` the ``B`` sequences are split into ``K`` micro-batches of
+    ``B / K`` (micro-batch ``k``: sequences ``k, k + K, ...``, so that a batch sharded over
+    its rows stays sharded), whose losses and gradients a ``jax.lax.scan`` averages
+    (gradients summed in float32): the loss and gradient of the whole batch, up to the
+    order of the sums, with the activations of one micro-batch alive at a time.
+    """
+    if grad_accum == 1:
+        return nnx.value_and_grad(loss_fn)(model, inputs, targets)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def micro_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, p, rest), x, y)
+
+    def body(carry: tuple[jax.Array, Any], batch: tuple[jax.Array, jax.Array]
+             ) -> tuple[tuple[jax.Array, Any], None]:
+        total, acc = carry
+        loss, g = jax.value_and_grad(micro_loss)(params, *batch)
+        return (total + loss, jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)), None
+
+    def micro(a: jax.Array) -> jax.Array:
+        return a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (total, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                   (micro(inputs), micro(targets)))
+    grads = jax.tree.map(lambda a, p: (a / grad_accum).astype(p.dtype), acc, params)
+    return total / grad_accum, grads
+
+
+def make_steps(graphdef: Any, record_h: bool, grad_accum: int = 1
+               ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The jitted train step (state donated) and eval step over the split state.
+
+    The train step returns the new state, ``(loss, gradient norm)`` (the global norm of
+    the gradient before clipping) and SAGE's ``H_t`` of the embedding (``None`` unless
+    ``record_h``); it accumulates ``grad_accum`` micro-batches (:func:`loss_and_grads`).
+    """
 
     def train_step(state: Any, inputs: jax.Array, targets: jax.Array) -> Any:
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn)(model, inputs, targets)
+        loss, grads = loss_and_grads(model, inputs, targets, grad_accum)
         optimizer.update(model, grads)
         h = embedding_damper(optimizer, grads) if record_h else None
-        return nnx.state((model, optimizer)), loss, h
+        return nnx.state((model, optimizer)), (loss, optax.tree.norm(grads)), h
 
     def eval_step(state: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
         model, _ = nnx.merge(graphdef, state)
@@ -357,11 +403,17 @@ def make_steps(graphdef: Any, record_h: bool) -> tuple[Callable[..., Any], Calla
     return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
 
 
+def evaluate_loss(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh: Any,
+                  mode: str) -> float:
+    """Test loss: the mean loss over the fixed evaluation windows."""
+    return float(np.mean([float(eval_step(state, *shard_batch(b, mesh, mode)))
+                          for b in batches]))
+
+
 def evaluate(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh: Any,
              mode: str) -> float:
     """Test perplexity: exp of the mean loss over the fixed evaluation windows."""
-    losses = [float(eval_step(state, *shard_batch(b, mesh, mode))) for b in batches]
-    return float(math.exp(np.mean(losses)))
+    return float(math.exp(evaluate_loss(eval_step, state, batches, mesh, mode)))
 
 
 def peak_memory_bytes() -> int | None:
@@ -420,6 +472,14 @@ SETTING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
                    f"an integer >= 0 (0: unchunked; at most {MAX_COUNT}) or auto"),
     "data": (lambda v: v is None or (isinstance(v, str) and bool(v.strip())),
              "'stdlib', a text file or folder, or a token file (not empty)"),
+    "weight_decay": (lambda v: v is None or (_finite(v) and v >= 0), "a number >= 0"),
+    "b1": (lambda v: v is None or (_finite(v) and 0 <= v < 1), "a number in [0, 1)"),
+    "b2": (lambda v: v is None or (_finite(v) and 0 <= v < 1), "a number in [0, 1)"),
+    "grad_accum": (_int_in(1), f"an integer in [1, {MAX_COUNT}] that divides the batch size"),
+    "wandb": (lambda v: v is None or (isinstance(v, str) and bool(v.strip())),
+              "a W&B project name (not empty)"),
+    "init_from_hf": (lambda v: v is None or (isinstance(v, str) and bool(v.strip())),
+                     "a Hugging Face checkpoint directory (not empty)"),
 }
 """What each :class:`TrainConfig` field that takes a number (and ``data``) must be
 (checked by :func:`check_config` and by the ``sage-train`` options)."""
@@ -443,14 +503,46 @@ def check_config(cfg: TrainConfig) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    if cfg.batch_size % cfg.grad_accum:
+        raise ConfigError(f"grad_accum (--grad-accum) {cfg.grad_accum} does not divide "
+                          f"batch_size (--batch-size) {cfg.batch_size}: each step's batch is "
+                          f"split into {cfg.grad_accum} micro-batches of equal size")
+    for hp in ("b1", "b2"):
+        if getattr(cfg, hp) is not None and not _rules_with(cfg.optimizer, hp):
+            raise ConfigError(f"{hp} (--{hp}): no rule of {cfg.optimizer} has a {hp} "
+                              f"(its rules: {', '.join(_rule_names(cfg.optimizer))})")
+    if cfg.tensorboard:
+        report.require("tensorboardX", "--tensorboard")
+    if cfg.wandb is not None:
+        report.require("wandb", "--wandb")
+
+
+def _rule_names(optimizer: str) -> list[str]:
+    preset = get_preset(optimizer)
+    return sorted({preset.rule(kind).name for kind in KINDS})
+
+
+def _rules_with(optimizer: str, hp: str) -> list[Any]:
+    """The values of hyperparameter ``hp`` of the rules of ``optimizer`` that have one."""
+    preset = get_preset(optimizer)
+    return [preset.rule(k).hyperparams[hp] for k in KINDS
+            if hp in RULE_DEFAULTS[preset.rule(k).name]]
+
+
+def default_hyperparameter(optimizer: str, hp: str) -> float | None:
+    """The value of ``hp`` every rule of ``optimizer`` that has it shares (None: they differ)."""
+    values = set(_rules_with(optimizer, hp))
+    return values.pop() if len(values) == 1 else None
 
 
 def settings_of(cfg: TrainConfig, impl: Implementations) -> dict[str, Any]:
     """The settings recorded for a run (so that equal settings compare equal).
 
-    ``cfg`` with the peak learning rate resolved, the data source as an absolute path, and
-    every ``auto`` resolved: the attention and SinkGD kernel as ``impl`` says (the kernel
-    ``None`` for a configuration without SinkGD).
+    ``cfg`` with the peak learning rate resolved, the data source (and ``init_from_hf``) as
+    an absolute path, every ``auto`` resolved: the attention and SinkGD kernel as ``impl``
+    says (the kernel ``None`` for a configuration without SinkGD), and ``weight_decay``,
+    ``b1``, ``b2`` left unset resolved to the configuration's value where its rules share
+    one.
     """
     settings = dataclasses.asdict(cfg)
     if cfg.learning_rate is None:
@@ -461,6 +553,11 @@ def settings_of(cfg: TrainConfig, impl: Implementations) -> dict[str, Any]:
     settings["loss_chunk"] = loss_chunk_tokens(cfg)
     settings["attention"] = impl.attention
     settings["sinkgd_kernel"] = impl.sinkgd_kernel
+    for hp in ("weight_decay", "b1", "b2"):
+        if settings[hp] is None:  # the configuration's value, where its rules share one
+            settings[hp] = default_hyperparameter(cfg.optimizer, hp)
+    if cfg.init_from_hf is not None:
+        settings["init_from_hf"] = str(pathlib.Path(cfg.init_from_hf).expanduser().absolute())
     return settings
 
 
@@ -475,6 +572,9 @@ def _normalized(recorded: dict[str, Any] | None) -> dict[str, Any] | None:
     recorded = dict(recorded)
     if recorded.get("learning_rate") is None and recorded.get("optimizer") in CONFIG_NAMES:
         recorded["learning_rate"] = get_preset(recorded["optimizer"]).learning_rate
+    for hp in ("weight_decay", "b1", "b2"):  # None: the configuration's, as settings_of says
+        if hp in recorded and recorded[hp] is None and recorded.get("optimizer") in CONFIG_NAMES:
+            recorded[hp] = default_hyperparameter(recorded["optimizer"], hp)
     if "data" in recorded:
         recorded["data"] = rundir.normalize_data(recorded["data"])
     return recorded
@@ -532,6 +632,7 @@ def preflight(cfg: TrainConfig, *, allow_config_change: bool = False) -> None:
       ConfigError, RunDirError: as :func:`train` would, before it trains.
     """
     check_config(cfg)
+    check_init_from_hf(cfg)
     run_dir = pathlib.Path(cfg.run_dir).absolute()
     if not run_dir.is_dir():
         return
@@ -544,8 +645,36 @@ def preflight(cfg: TrainConfig, *, allow_config_change: bool = False) -> None:
     _check_carry(run_dir, changed, Checkpoints(run_dir / "checkpoints"))
 
 
+def say(message: str) -> None:
+    """Print one line of the log at once (``flush``: a job's log file shows it as it happens)."""
+    print(message, flush=True)
+
+
+def check_init_from_hf(cfg: TrainConfig) -> None:
+    """Refuse an ``init_from_hf`` checkpoint that is not of ``cfg.model``'s architecture.
+
+    Reads its ``config.json`` only (:func:`~sage_train.hf_convert.config_mismatches`).
+
+    Raises:
+      ConfigError: the directory holds no readable ``config.json``, or one whose fields
+        differ from the model's (each named, in one line).
+    """
+    if cfg.init_from_hf is None:
+        return
+    report.require("safetensors", "--init-from-hf")
+    try:
+        hf = hf_convert.read_config(pathlib.Path(cfg.init_from_hf).expanduser())
+    except ValueError as e:
+        raise ConfigError(f"--init-from-hf: {e}") from None
+    wrong = hf_convert.config_mismatches(hf, get_model_config(cfg.model))
+    if wrong:
+        raise ConfigError(f"--init-from-hf {cfg.init_from_hf} does not hold the {cfg.model} "
+                          f"model's architecture: {', '.join(wrong)}; pass the --model it "
+                          "was trained as")
+
+
 def train(cfg: TrainConfig, *, stop_after: int | None = None,
-          allow_config_change: bool = False, log: Callable[[str], None] = print,
+          allow_config_change: bool = False, log: Callable[[str], None] = say,
           restart: bool = False, stop: Callable[[], str | None] | None = None,
           locked: bool = False, data_exclude: Sequence[str | os.PathLike[str]] = ()
           ) -> RunResult:
@@ -574,6 +703,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 
     The attention and SinkGD kernel are resolved for the run's mesh (:func:`implementations`),
     logged at its start and recorded in ``config.json`` and in every ``metrics.jsonl`` row.
+    The start is a header of aligned ``key: value`` lines (:func:`header`); then, where
+    ``cfg.progress`` is off or stderr is no terminal, one plain line per ``metrics.jsonl`` row
+    (:func:`sage_train.report.step_line`), else a progress bar.  ``init_from_hf``: a run that
+    starts from step 0 starts from that Hugging Face checkpoint's weights.
 
     Raises:
       ConfigError: an invalid setting, or ``attention="cudnn"`` where cuDNN's attention
@@ -588,6 +721,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
     """
     check_config(cfg)
     implementations(cfg)  # refuses what cannot run before anything is written
+    check_init_from_hf(cfg)
     run_dir = pathlib.Path(cfg.run_dir).absolute()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -681,8 +815,6 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, opts: _Options,
             "before it did")
     mesh = make_mesh(cfg.sharding)
     impl = implementations(cfg, mesh)
-    for line in impl.lines():
-        log(line)
     settings = settings_of(cfg, impl)
     changed = rundir.check_settings(run_dir, recorded, settings, opts.allow_change)
     ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
@@ -693,21 +825,123 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, opts: _Options,
     changed |= rundir.check_settings(run_dir, recorded, settings, opts.allow_change,
                                      ("data_fingerprint",))
     ckpts.settings = settings
+    if cfg.init_from_hf is not None:
+        _check_hf_tokenizer(cfg, tokens)
     model, optimizer = build(cfg, tokens.vocab_size)
     graphdef, state = nnx.split((model, optimizer))
     state = jax.device_put(state, state_shardings(state, mesh, cfg.sharding))
     opt_bytes = sage_optax.state_bytes(optimizer.opt_state)
+    n_params = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     del model, optimizer
     saved_as = None  # how the checkpoints were saved, where that differs from ``state``
     if recorded is not None and any(f in changed for f in STRUCTURE_FIELDS):
         old = dataclasses.replace(cfg, **{f: recorded[f] for f in STRUCTURE_FIELDS
                                           if f in changed})
         saved_as = _abstract_state(old, tokens.vocab_size, mesh)
-    try:
+    for line in header(cfg, run_dir, settings, impl, tokens, n_params, opt_bytes):
+        log(line)
+    init = (None if cfg.init_from_hf is None else
+            lambda fresh: _init_from_hf(cfg, graphdef, fresh, mesh))  # only at step 0
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(ckpts.close)
         return _run(cfg, run_dir, ckpts, settings, changed, tokens, eval_set, graphdef, state,
-                    mesh, opt_bytes, opts, saved_as, log)
-    finally:
-        ckpts.close()
+                    mesh, opt_bytes, opts, saved_as, log, init, cleanup)
+
+
+def header(cfg: TrainConfig, run_dir: pathlib.Path, settings: dict[str, Any],
+           impl: Implementations, tokens: data_lib.TokenData, n_params: int,
+           opt_bytes: int) -> list[str]:
+    """The start of a run's log: what it trains, with what, on what, as ``key: value`` lines.
+
+    Every value is the one the run uses (the learning rate and hyperparameters resolved from
+    the configuration, every ``auto`` resolved).
+    """
+    m = get_model_config(cfg.model)
+    lr = settings["learning_rate"]
+    warmup = max(1, int(cfg.warmup_frac * cfg.steps))
+    decay = ("constant" if cfg.schedule == "constant" else
+             f"{cfg.schedule} decay to {cfg.final_lr_frac:g} x the peak at step {cfg.steps}")
+    hps = ", ".join(f"{name} {settings[hp]:g}" if settings[hp] is not None else
+                    f"{name} per rule" for hp, name in
+                    (("b1", "b1"), ("b2", "b2"), ("weight_decay", "weight decay"))
+                    if _rules_with(cfg.optimizer, hp))
+    micro = cfg.batch_size // cfg.grad_accum
+    batch = (f"{cfg.batch_size} x {cfg.seq_len}" if cfg.grad_accum == 1 else
+             f"{cfg.batch_size} x {cfg.seq_len}, accumulated over {cfg.grad_accum} "
+             f"micro-batches of {micro}")
+    chunk = settings["loss_chunk"]
+    outputs = [f"metrics.jsonl every {cfg.log_every} steps",
+               f"test loss every {cfg.eval_every}", f"checkpoint every {cfg.checkpoint_every}"]
+    if cfg.tensorboard:
+        outputs.append("TensorBoard")
+    if cfg.wandb is not None:
+        outputs.append(f"W&B project {cfg.wandb}")
+    rows = [
+        ("run", str(run_dir)),
+        ("model", f"{cfg.model}, {n_params:,} parameters ({m.num_layers} layers, hidden "
+                  f"{m.hidden_size}, {m.num_heads} heads, {m.num_kv_heads} kv heads, vocab "
+                  f"{tokens.vocab_size:,}, {'tied' if m.tie_embeddings else 'untied'} "
+                  "embeddings)"),
+        ("initial weights", settings.get("init_from_hf") or f"seed {cfg.seed}"),
+        ("optimizer", f"{cfg.optimizer}, state {format_bytes(opt_bytes)}"
+                      + (f" ({hps})" if hps else "")),
+        ("learning rate", f"{lr:.3g} peak ("
+                          + ("--lr" if cfg.learning_rate is not None else
+                             f"{cfg.optimizer}'s default") + ")"),
+        ("schedule", f"{warmup} warmup step{'' if warmup == 1 else 's'}, then {decay}"),
+        ("clipping", f"global norm {cfg.clip:g}" if cfg.clip > 0 else "off"),
+        ("tokens per step", f"{cfg.batch_size * cfg.seq_len:,} ({batch})"),
+        ("dtype", f"{settings['dtype']} compute, {cfg.param_dtype} parameters"),
+        ("layers", f"{settings['layers']} (remat {cfg.remat}; loss "
+                   + (f"in chunks of {chunk} tokens)" if chunk else "unchunked)")),
+        ("attention", f"{impl.attention} ({impl.attention_why})"),
+        ("sinkgd kernel", f"{impl.sinkgd_kernel or '-'} ({impl.sinkgd_kernel_why})"),
+        ("devices", f"{impl.devices} {impl.platform} (sharding {cfg.sharding})"),
+        ("data", f"{tokens.source}: {len(tokens.train):,} train and {len(tokens.test):,} test "
+                 "tokens"),
+        ("length", f"{cfg.steps:,} steps ({cfg.steps * cfg.batch_size * cfg.seq_len:,} "
+                   "tokens)"),
+        ("outputs", ", ".join(outputs)),
+    ]
+    return report.header_lines(f"training {cfg.model} with {cfg.optimizer}", rows)
+
+
+def _check_hf_tokenizer(cfg: TrainConfig, tokens: data_lib.TokenData) -> None:
+    """Refuse ``init_from_hf`` weights whose tokenizer is not the one of the run's data.
+
+    Raises:
+      DataError: both have a tokenizer, with other vocabularies (one line).
+    """
+    path = pathlib.Path(cfg.init_from_hf or ".").expanduser() / hf_convert.TOKENIZER_FILE
+    if tokens.tokenizer is None or not path.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        theirs = Tokenizer.from_file(str(path)).get_vocab()
+    except Exception as e:  # noqa: BLE001 - any unreadable tokenizer is one line
+        raise DataError(f"--init-from-hf: cannot read {path}: {e}") from None
+    if theirs != tokens.tokenizer.get_vocab():
+        raise DataError(
+            f"--init-from-hf {cfg.init_from_hf}: its tokenizer is not the one of the data "
+            f"{tokens.source!r} (the weights' token ids would stand for other tokens); train "
+            "on the data it was trained on")
+
+
+def _init_from_hf(cfg: TrainConfig, graphdef: Any, state: Any, mesh: Any) -> Any:
+    """``state`` with the parameters of ``cfg.init_from_hf`` (the optimizer state as it is).
+
+    Raises:
+      ConfigError: the checkpoint's weights do not fit the model (each key named).
+    """
+    model, optimizer = nnx.merge(graphdef, state)
+    try:
+        hf_convert.from_hf_state_dict(model, hf_convert.load_weights(
+            pathlib.Path(cfg.init_from_hf or ".").expanduser()))
+    except ValueError as e:
+        raise ConfigError(f"--init-from-hf {cfg.init_from_hf}: {e}") from None
+    new = nnx.state((model, optimizer))
+    return jax.device_put(new, state_shardings(new, mesh, cfg.sharding))
 
 
 def _abstract_state(cfg: TrainConfig, vocab_size: int, mesh: Any) -> Any:
@@ -789,7 +1023,8 @@ def carry_over(saved: Any, target: Any, keep_optimizer: bool) -> tuple[Any, str]
 def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: dict[str, Any],
          changed: dict[str, Any], tokens: data_lib.TokenData, eval_set: list[Any],
          graphdef: Any, state: Any, mesh: Any, opt_bytes: int, opts: _Options,
-         saved_as: Any, log: Callable[[str], None]) -> RunResult:
+         saved_as: Any, log: Callable[[str], None], init: Callable[[Any], Any] | None,
+         cleanup: contextlib.ExitStack) -> RunResult:
     stop, stop_after = opts.stop, opts.stop_after
     restored = ckpts.restore_latest(saved_as if saved_as is not None else state,
                                     restart=opts.restart)
@@ -805,6 +1040,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
         else:
             state = restored.state
         log(f"resumed {run_dir} at step {start}")
+    elif init is not None:
+        state = init(state)
+        log(f"initial weights from the Hugging Face checkpoint {cfg.init_from_hf}")
     if start > cfg.steps:
         raise RunDirError(
             f"steps={cfg.steps} is below the newest checkpoint of {run_dir} (step {start}); "
@@ -817,9 +1055,16 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
                          interrupted=signal_name)
     primary = jax.process_index() == 0  # with several hosts, one writes the history
     rows = []
+    trackers = None
     if primary:
         rundir.record_segment(run_dir, settings, start, changed)
         rows = rundir.resume_metrics(run_dir, start)
+        if tokens.tokenizer is not None:
+            _save_tokenizer(run_dir, tokens.tokenizer.to_str())
+        if cfg.tensorboard or cfg.wandb is not None:
+            trackers = cleanup.enter_context(contextlib.closing(report.Trackers(
+                run_dir, tensorboard=cfg.tensorboard, wandb_project=cfg.wandb,
+                start_step=start, settings=settings, name=run_dir.name)))
     if changed:
         log(f"settings changed at step {start}: {rundir.format_differences(changed)} "
             f"(recorded in {run_dir / rundir.HISTORY})")
@@ -845,14 +1090,15 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     # checkpointing and the host's logging and H_t records; read only after a host sync, so
     # it covers finished device work.
     t0, excluded, timed_steps, test_ppl, stopped = _clock(), 0.0, 0, None, None
+    wall0, wall_step0 = time.monotonic(), start  # the ETA's clock: wall time, all included
     elapsed, tps = prior_elapsed, (prior_tokens / prior_elapsed if prior_elapsed > 0 else 0.0)
     timed_tokens = prior_tokens
     good = start if restored is not None else None  # the newest finite checkpoint
-    pending: list[tuple[int, Any, Any]] = []  # (step, loss, H_t) still on the device
+    pending: list[tuple[int, Any, Any]] = []  # (step, (loss, grad norm), H_t) on the device
     interrupted: str | None = None
     for step in range(start, end):
         inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
-        state, loss, h = train_step(state, inputs, targets)
+        state, loss, h = train_step(state, inputs, targets)  # loss: (loss, grad norm)
         done = step + 1
         keep_h = recorder is not None and done % cfg.record_h_every == 0
         pending.append((done, loss, h if keep_h else None))
@@ -870,16 +1116,19 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
         now = _clock()
         if step == start:  # compilation: start the clock after the first step
             t0, excluded, timed_steps = now, 0.0, 0
+            wall0, wall_step0 = time.monotonic(), done
         else:
             timed_steps += len(pending)
         kept_h = []
-        for (d, _, _), (value, h_value) in zip(pending, fetched, strict=True):
+        grad_norm = math.nan
+        for (d, _, _), ((value, norm), h_value) in zip(pending, fetched, strict=True):
             value = float(value)
             if not math.isfinite(value):
                 stopped = (f"loss became {value} at step {d}: stopping; "
                            + _newest(ckpts, good))
                 break
             losses.append(value)
+            grad_norm = float(norm)
             if h_value is not None:
                 kept_h.append((d, h_value))
         pending = []
@@ -899,23 +1148,35 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
         if not log_now:
             continue
         record: dict[str, Any] = {"step": done, "loss": loss_value,
-                                  "lr": float(sched(step)), "tokens_per_s": tps,
+                                  "lr": float(sched(step)), "grad_norm": float(grad_norm),
+                                  "tokens_per_s": tps,
                                   "elapsed_s": elapsed, "opt_state_bytes": opt_bytes,
                                   "attention": settings["attention"],
                                   "sinkgd_kernel": settings["sinkgd_kernel"]}
         if (u := mfu(tps, flops_token, peak)) is not None:
             record["mfu"] = u
+        test_loss = None
         if evaluate_now:
             t_eval = _clock()
-            test_ppl = evaluate(eval_step, state, eval_set, mesh, cfg.sharding)
+            test_loss = evaluate_loss(eval_step, state, eval_set, mesh, cfg.sharding)
+            test_ppl = math.exp(test_loss)
             excluded += _clock() - t_eval
-            record["test_ppl"] = test_ppl
+            record["test_loss"], record["test_ppl"] = test_loss, test_ppl
         if (peak_bytes := peak_memory_bytes()) is not None:
             record["peak_memory_bytes"] = peak_bytes
         t_host = _clock()
         if primary:
             rundir.append_line(run_dir / rundir.METRICS, json.dumps(record), sync=False)
-        bar(done, loss_value, tps)
+            if bar is not None:
+                bar(done, loss_value, tps)
+            else:
+                seconds = time.monotonic() - wall0
+                eta = (seconds / (done - wall_step0) * (cfg.steps - done)
+                       if done > wall_step0 else None)
+                log(report.step_line(done, cfg.steps, loss_value, record["lr"],
+                                     record["grad_norm"], tps, eta, test_loss))
+            if trackers is not None:
+                trackers.write(done, record)
         excluded += _clock() - t_host
         if save:
             t_save = _clock()
@@ -1003,9 +1264,32 @@ def _uses_sage_embedding(cfg: TrainConfig) -> bool:
     return get_preset(cfg.optimizer).embedding.name == "sage"
 
 
-def _progress(start: int, total: int, enabled: bool) -> Callable[[int, float, float], None]:
-    if not enabled:
-        return lambda step, loss, tps: None
+def _save_tokenizer(run_dir: pathlib.Path, text: str) -> None:
+    """Keep the run's tokenizer in ``run_dir/tokenizer.json`` (what ``export`` writes out).
+
+    Raises:
+      RunFileError: it could not be written (one line naming it).
+    """
+    path = run_dir / hf_convert.TOKENIZER_FILE
+    with contextlib.suppress(OSError):
+        if path.read_text() == text:
+            return
+    rundir.atomic_write_text(path, text)
+
+
+def is_terminal() -> bool:
+    """Whether the progress bar's stream (stderr) is a terminal: a bar there, else log lines."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
+
+
+def _progress(start: int, total: int, enabled: bool
+              ) -> Callable[[int, float, float], None] | None:
+    """A progress bar where ``enabled`` and on a terminal; ``None``: plain log lines instead."""
+    if not (enabled and is_terminal()):
+        return None
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)

@@ -205,10 +205,6 @@ MESSAGES = {
     "sage-parity": "sage-parity needs the [jax,torch] extras: pip install 'sage-optim[jax,torch]'",
     "sage-train": "sage-train needs the [train] extra: pip install 'sage-optim[train]'",
 }
-SIGNALS_GUARDED = "sage_optim._entry" in (ROOT / "sage_train" / "signals.py").read_text()
-NEEDS_SIGNALS_GUARD = pytest.mark.xfail(
-    not SIGNALS_GUARDED, strict=True,
-    reason="sage_train/signals.py: launch() does not call sage_optim._entry.require yet")
 
 
 def test_every_script_has_a_message():
@@ -219,8 +215,8 @@ def test_every_script_has_a_message():
     ("sage-memory", JAX_SIDE),
     ("sage-parity", TORCH_SIDE),
     ("sage-parity", JAX_SIDE),
-    pytest.param("sage-train", JAX_SIDE, marks=NEEDS_SIGNALS_GUARD),
-    pytest.param("sage-train", ("tokenizers",), marks=NEEDS_SIGNALS_GUARD),
+    ("sage-train", JAX_SIDE),
+    ("sage-train", ("tokenizers",)),
 ])
 def test_script_without_its_extra_prints_one_line(script, hidden):
     module, _, function = SCRIPTS[script].partition(":")
@@ -235,7 +231,7 @@ def test_script_without_its_extra_prints_one_line(script, hidden):
 @pytest.mark.parametrize(("module", "script", "hidden"), [
     ("sage_repro.memory_report", "sage-memory", JAX_SIDE),
     ("sage_repro.parity", "sage-parity", TORCH_SIDE),
-    pytest.param("sage_train", "sage-train", JAX_SIDE, marks=NEEDS_SIGNALS_GUARD),
+    ("sage_train", "sage-train", JAX_SIDE),
 ])
 def test_python_m_without_its_extra_prints_one_line(module, script, hidden):
     proc = run_hidden(hidden, f"""
@@ -259,7 +255,7 @@ def test_llama_mode_names_transformers():
 # --------------------------------------------------------------------------------------------
 # The metadata: base dependencies, extras, and the guard's table agree
 
-IMPORT_TO_DIST = {"orbax.checkpoint": "orbax-checkpoint"}
+IMPORT_TO_DIST = {"orbax.checkpoint": "orbax-checkpoint", "tensorboardX": "tensorboardx"}
 
 
 def _name(requirement: str) -> str:
@@ -505,7 +501,7 @@ def test_clean_venv_base_install(built, tmp_path):
         print(sage_optim.get_preset("sage-hybrid").name, "OK")
     """)
     assert_ok(proc)
-    for script in ("sage-memory", "sage-parity") + (("sage-train",) if SIGNALS_GUARDED else ()):
+    for script in ("sage-memory", "sage-parity", "sage-train"):
         proc = _run_in(env, script)
         assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", MESSAGES[script] + "\n")
 

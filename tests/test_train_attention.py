@@ -310,13 +310,13 @@ def test_cli_prints_and_records_the_choices(train_corpus, tmp_path, capsys):
                  "--sinkgd-kernel", "auto"])
     assert code == 0
     out = capsys.readouterr().out.splitlines()
-    attention = "attention: xla (auto: cuDNN attention needs a CUDA GPU, and the computation " \
-                "runs on cpu)"
+    attention = "attention:       xla (auto: cuDNN attention needs a CUDA GPU, and the " \
+                "computation runs on cpu)"  # a line of the aligned start header
     assert out.count(attention) == 2
     kernel = [x for x in out if x.startswith("sinkgd kernel: ")]
-    assert kernel[0].startswith("sinkgd kernel: jnp (auto: ")
+    assert kernel[0].startswith("sinkgd kernel:   jnp (auto: ")
     assert kernel[0].endswith(" cpu devices)") or kernel[0].endswith(" cpu device)")
-    assert kernel[1] == "sinkgd kernel: - (adamw runs no SinkGD)"
+    assert kernel[1] == "sinkgd kernel:   - (adamw runs no SinkGD)"
     for name, want in (("sage-hybrid", "jnp"), ("adamw", None)):
         run = tmp_path / f"tiny-{name}"
         settings = json.loads((run / "config.json").read_text())
@@ -337,7 +337,7 @@ def test_sage_kernels_off_records_jnp(train_corpus, tmp_path, monkeypatch):
         warnings.simplefilter("ignore", RuntimeWarning)
         result, messages = quiet(cfg)
     assert result.steps_done == 1
-    assert any(m.startswith("sinkgd kernel: jnp (pallas: ") and "SAGE_KERNELS=off" in m
+    assert any(m.startswith("sinkgd kernel:   jnp (pallas: ") and "SAGE_KERNELS=off" in m
                for m in messages)
     assert json.loads((tmp_path / "pallas" / "config.json").read_text())["sinkgd_kernel"] == "jnp"
     assert [r["sinkgd_kernel"] for r in rundir.iter_metrics(tmp_path / "pallas")] == ["jnp"]
@@ -377,8 +377,8 @@ def test_attention_is_checked_on_resume_and_older_runs_continue_with_xla(
     result, messages = quiet(config(train_corpus, run), stop_after=2)
     assert result.start_step == 1 and result.steps_done == 2
     assert set(seen) == {"xla"}  # continued as it computed
-    assert "attention: xla (requested: XLA's attention, float32 T x T scores materialised)" \
-        in messages
+    assert "attention:       xla (requested: XLA's attention, float32 T x T scores " \
+        "materialised)" in messages
     assert json.loads((run / "config.json").read_text())["attention"] == "xla"
 
 

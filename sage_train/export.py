@@ -1,0 +1,136 @@
+"""``sage-train export``: a run's checkpoint as a Hugging Face ``LlamaForCausalLM`` directory.
+
+The newest verified checkpoint (or ``--step N``) is read without touching the run (a
+training process may hold it), and written with :func:`sage_train.hf_convert.save_pretrained`:
+``config.json``, ``model.safetensors`` and the run's tokenizer (``tokenizer.json`` and
+``tokenizer_config.json``), which ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
+and ``AutoTokenizer.from_pretrained(DIR)`` load offline; ``sage_export.json`` says where it
+came from.  ``sage-train --init-from-hf DIR`` starts a run from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+from sage_optim.models import get_model_config
+from sage_train import data as data_lib
+from sage_train import hf_convert, report, rundir
+from sage_train.checkpoints import Checkpoints
+from sage_train.errors import RunDirError
+from sage_train.sharding import make_mesh, state_shardings
+from sage_train.train import TrainConfig, _legacy, build, data_fingerprint, say
+
+PROVENANCE = "sage_export.json"
+"""The file of an exported directory naming the run and step it came from."""
+
+
+def run_settings(run_dir: pathlib.Path) -> dict[str, Any]:
+    """The recorded settings of a run: ``config.json``, its history, else a checkpoint's.
+
+    Raises:
+      RunDirError: ``run_dir`` is not a run's own directory (the runs below it named).
+    """
+    if not run_dir.is_dir():
+        raise RunDirError(f"--run-dir {run_dir} does not exist")
+    settings = rundir.read_settings(run_dir)
+    if settings is None:
+        found = Checkpoints(run_dir / "checkpoints").recorded_settings()
+        settings = found[1] if found is not None else None
+    if settings is None:
+        runs = sorted(p.name for p in run_dir.iterdir() if (p / rundir.CONFIG).is_file())
+        below = f" (the runs in it: {', '.join(runs)})" if runs else ""
+        raise RunDirError(f"{run_dir} holds no run ({rundir.CONFIG}): give a run's own "
+                          f"directory, RUN_DIR/MODEL-OPTIMIZER{below}")
+    return settings
+
+
+def _config(settings: dict[str, Any], run_dir: pathlib.Path) -> TrainConfig:
+    """The run's configuration, for one device and the reference implementations."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in settings.items() if k in names})
+    return dataclasses.replace(_legacy(cfg, settings), sharding="none", attention="xla",
+                               sinkgd_kernel="jnp", progress=False, tensorboard=False,
+                               wandb=None, run_dir=str(run_dir))
+
+
+def _tokenizer_json(run_dir: pathlib.Path, settings: dict[str, Any]
+                    ) -> tuple[str | None, str]:
+    """The run's tokenizer as JSON (``None`` where it has none) and where it came from.
+
+    ``run_dir/tokenizer.json`` (kept by every run on text since it was introduced); for an
+    older run, the tokenizer of its data where the data is still the same (its recorded
+    fingerprint).
+    """
+    kept = run_dir / hf_convert.TOKENIZER_FILE
+    if kept.is_file():
+        return kept.read_text(), str(kept)
+    data = settings.get("data")
+    if data not in (None, "stdlib") and pathlib.Path(data).suffix.lower() in \
+            data_lib.PRETOKENIZED_SUFFIXES:
+        return None, f"none: the run was trained on the token ids of {data}"
+    try:
+        tokens = data_lib.load_data(None if data == "stdlib" else data,
+                                    vocab_size=get_model_config(settings["model"]).vocab_size,
+                                    exclude=[run_dir])
+    except (OSError, ValueError) as e:
+        return None, f"none: the run keeps no tokenizer and its data cannot be read ({e})"
+    if settings.get("data_fingerprint") not in (None, data_fingerprint(tokens)):
+        return None, f"none: the run keeps no tokenizer and its data {data} has changed"
+    assert tokens.tokenizer is not None
+    return tokens.tokenizer.to_str(), f"retrained from the run's data {data}"
+
+
+def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, *,
+              step: int | None = None, log: Callable[[str], None] = say) -> list[pathlib.Path]:
+    """Write a checkpoint of ``run_dir`` to ``out_dir`` as a Hugging Face checkpoint.
+
+    The checkpoint of ``step`` (default: the newest that verifies), with the run's tokenizer.
+
+    Returns:
+      The files written.
+
+    Raises:
+      RunDirError: ``run_dir`` is no run, holds no readable checkpoint (of ``step``), or
+        ``out_dir`` is inside a run directory.
+      ConfigError: ``transformers`` is not installed.
+      RunFileError: a file could not be written.
+    """
+    run_dir = pathlib.Path(run_dir).expanduser().absolute()
+    out = pathlib.Path(out_dir).expanduser().absolute()
+    settings = run_settings(run_dir)
+    if out == run_dir or run_dir in out.parents or (out / rundir.LOCK).exists():
+        raise RunDirError(f"--hf {out} is inside a run directory (its config.json would be "
+                          "overwritten): give a directory of its own")
+    report.require("transformers", "sage-train export")
+    report.require("safetensors", "sage-train export")
+    cfg = _config(settings, run_dir)
+    vocab = get_model_config(cfg.model).vocab_size
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(cfg, vocab)))
+    shardings = state_shardings(abstract, make_mesh("none"), "none")
+    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract, shardings)
+    ckpts = Checkpoints(run_dir / "checkpoints", log=log)
+    try:
+        restored = ckpts.read(like, step)
+    finally:
+        ckpts.close()
+    model, _ = nnx.merge(graphdef, restored.state)
+    tokenizer, source = _tokenizer_json(run_dir, settings)
+    special = {"bos_token_id": None, "eos_token_id": None}
+    if tokenizer is not None:
+        special = {"bos_token_id": data_lib.EOT_ID, "eos_token_id": data_lib.EOT_ID}
+    files = hf_convert.save_pretrained(model, out, tokenizer_json=tokenizer,
+                                       eos_token=data_lib.EOT if tokenizer else None, **special)
+    provenance = {"run_dir": str(run_dir), "step": restored.step, "settings": settings}
+    rundir.atomic_write_text(out / PROVENANCE, json.dumps(provenance, indent=2))
+    log(f"exported step {restored.step} of {run_dir} to {out}: "
+        f"{', '.join(p.name for p in files)} (tokenizer: {source})")
+    return [*files, out / PROVENANCE]
