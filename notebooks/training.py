@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -23,7 +25,7 @@
 # With `SAGE_NOTEBOOK_FAST=1` (the test suite) every run is a few steps of the `tiny` model
 # and everything goes into a temporary directory. Otherwise the runs go into
 # `runs/notebooks/training/` under the working directory (the `tiny` model, 400 steps of
-# 16x128 tokens: about two minutes a run, half an hour in all on a 2-core CPU); a finished
+# 16x128 tokens: under a minute a run, about seven minutes in all on a 2-core CPU); a finished
 # run found there is reused (delete the directory to train again).
 
 # %%
