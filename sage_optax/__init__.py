@@ -26,7 +26,6 @@ from sage_optax.routing import (
     ResolvedRoute,
     Route,
     RoutingError,
-    label_params,
     module_routes,
     route_params,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "SCALE_TYPES",
     "ScaleBySageState",
     "apollo",
-    "label_params",
     "make_optimizer",
     "module_routes",
     "route_params",

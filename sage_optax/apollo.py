@@ -167,7 +167,6 @@ def scale_by_apollo(
     *,
     axes: axes_lib.AxesSpec = _KERNEL,
     projection: Projection | None = None,
-    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""Rescale each gradient matrix by APOLLO's projected AdamW ratio (Zhu et al. 2024).
 
@@ -219,7 +218,6 @@ def scale_by_apollo(
         ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
         through unchanged, without state) or a callable of the params.
       projection: optional :data:`Projection` replacing :func:`gaussian_projection`.
-      dims: deprecated name of ``axes``.
 
     With ``optax.inject_hyperparams`` the numeric hyperparameters (``scale``, ``b1``,
     ``b2``, ``eps``, ``limiter_gamma``) may be arrays; ``rank``, ``scale_type``,
@@ -238,7 +236,6 @@ def scale_by_apollo(
         "apollo", rank=rank, scale_type=scale_type, scale=scale,
         update_proj_gap=update_proj_gap, b1=b1, b2=b2, eps=eps, limiter_gamma=limiter_gamma,
     )
-    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     project_fn = projection if projection is not None else gaussian_projection(seed)
 
     def get_projection(path: str, k: jax.Array, n: int, dtype: Any) -> jax.Array:
@@ -451,7 +448,6 @@ def apollo(
     mask: Any | None = None,
     axes: axes_lib.AxesSpec = _KERNEL,
     projection: Projection | None = None,
-    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""The APOLLO optimizer (Zhu et al. 2024) with decay after the step, as its code does.
 
@@ -478,7 +474,6 @@ def apollo(
       mask: which leaves get weight decay (pytree of bools or callable).
       axes: per-leaf axes, see :func:`scale_by_apollo`.
       projection: optional injected projection, see :func:`scale_by_apollo`.
-      dims: deprecated name of ``axes``.
 
     Under ``optax.inject_hyperparams`` list ``rank``, ``scale_type``, ``update_proj_gap``,
     ``seed`` and any callable ``projection``, ``mask`` or ``axes`` in ``static_args``;
@@ -490,7 +485,6 @@ def apollo(
     """
     validation.check_learning_rate(learning_rate)
     validation.check_hyperparameters("apollo", weight_decay=weight_decay)
-    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     return optax.chain(
         scale_by_apollo(
             rank,

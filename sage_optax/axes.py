@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
@@ -170,28 +169,6 @@ class ResolvedAxes:
         nb = len(self.batch)
         shape = (*(self.shape[a] for a in self.batch), self.fan_in_size, self.fan_out_size)
         return ResolvedAxes((nb,), (nb + 1,), tuple(range(nb)), shape)
-
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-UNSET: Any = _Unset()
-"""Default of the deprecated axis arguments (``vocab_axis=``, ``dims=``): not given."""
-
-
-def renamed_axes(axes: Any, old_value: Any, old_name: str, default: Any) -> Any:
-    """``axes``, or the value of its deprecated name ``old_name`` (with a warning)."""
-    if old_value is UNSET:
-        return axes
-    if axes is not default:
-        raise TypeError(f"pass axes= or its deprecated name {old_name}=, not both")
-    warnings.warn(
-        f"{old_name}= is deprecated; pass axes= (the same values)", DeprecationWarning,
-        stacklevel=3,
-    )
-    return old_value
 
 
 EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)

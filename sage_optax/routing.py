@@ -62,7 +62,6 @@ __all__ = [
     "Route",
     "RoutingError",
     "iter_leaves",
-    "label_params",
     "leaf_name_path",
     "equinox_routes",
     "module_routes",
@@ -901,18 +900,3 @@ def _is_nnx_state(x: Any) -> bool:
     except ImportError:  # pragma: no cover - flax is optional for sage_optax
         return False
     return isinstance(x, nnx.State)
-
-
-def label_params(
-    params: Any,
-    overrides: Mapping[str, Any] | None = None,
-    *,
-    vocab_size: int | None = None,
-) -> ParamRouting:
-    """Deprecated name of :func:`route_params` (same arguments and result)."""
-    warnings.warn(
-        "sage_optax.label_params is deprecated; use sage_optax.route_params (same arguments)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return route_params(params, overrides, vocab_size=vocab_size)

@@ -186,7 +186,6 @@ def scale_by_sage(
     axes: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
     mu_dtype: Any | None = None,
     damper: str = _DEFAULTS["damper"],
-    vocab_axis: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""Rescale updates by the SAGE rule: ``sign(momentum) ⊙ H_t`` (Algorithm 1).
 
@@ -209,13 +208,11 @@ def scale_by_sage(
         ``int`` would become an array: pass it in ``static_args`` (the default needs not).
       mu_dtype: dtype of ``M`` (defaults to the parameter dtype), as in ``optax.lion``.
       damper: which dampers enter ``H_t``; see :data:`DAMPERS`.
-      vocab_axis: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation`` with state :class:`ScaleBySageState`.
     """
     validation.check_hyperparameters("sage", b1=b1, b2=b2, eps=eps, damper=damper)
-    axes = axes_lib.renamed_axes(axes, vocab_axis, "vocab_axis", axes_lib.EMBEDDING_TABLE)
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
 
     def init_fn(params: optax.Params) -> ScaleBySageState:
@@ -283,7 +280,6 @@ def sage(
     axes: axes_lib.AxesSpec = axes_lib.EMBEDDING_TABLE,
     mu_dtype: Any | None = None,
     damper: str = _DEFAULTS["damper"],
-    vocab_axis: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""The SAGE optimizer (paper Algorithm 1) with decoupled weight decay.
 
@@ -305,14 +301,12 @@ def sage(
         reduce dense kernels over their fan-out axis.
       mu_dtype: dtype of the momentum state.
       damper: see :data:`DAMPERS`.
-      vocab_axis: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
     validation.check_hyperparameters("sage", weight_decay=weight_decay)
-    axes = axes_lib.renamed_axes(axes, vocab_axis, "vocab_axis", axes_lib.EMBEDDING_TABLE)
     return optax.chain(
         scale_by_sage(b1, b2, eps, axes=axes, mu_dtype=mu_dtype, damper=damper),
         optax.add_decayed_weights(weight_decay, mask),

@@ -407,7 +407,6 @@ def scale_by_sinkhorn(
     grouping: str = "auto",
     group_bytes: int = GROUP_BYTES,
     kernel: str = "auto",
-    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
 
@@ -428,7 +427,6 @@ def scale_by_sinkhorn(
         ``"pallas"`` runs the Pallas kernel (compiled on CUDA arrays), ``"auto"`` only on a
         single GPU where ``scripts/gpu-check`` has validated it (none yet) and the jnp path
         elsewhere.  Both compute the same math (float32 within rounding, not bit for bit).
-      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.  A leaf with fewer than two
@@ -437,7 +435,6 @@ def scale_by_sinkhorn(
     validation.check_hyperparameters(
         "sinkgd", num_iters=num_iters, eps=eps, normalization=normalization
     )
-    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     validation.check_choice("grouping", grouping, GROUPINGS)
     validation.check_positive_int("group_bytes", group_bytes)
     validation.check_choice("kernel", kernel, KERNELS)
@@ -501,7 +498,6 @@ def sinkgd(
     grouping: str = "auto",
     group_bytes: int = GROUP_BYTES,
     kernel: str = "auto",
-    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
 
@@ -520,14 +516,12 @@ def sinkgd(
       grouping: see :func:`scale_by_sinkhorn`.
       group_bytes: see :func:`scale_by_sinkhorn`.
       kernel: see :func:`scale_by_sinkhorn` (``"pallas"``: the Pallas kernel on a GPU).
-      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
     validation.check_hyperparameters("sinkgd", alpha=alpha, weight_decay=weight_decay)
-    axes = axes_lib.renamed_axes(axes, dims, "dims", _KERNEL)
     return optax.chain(
         scale_by_sinkhorn(num_iters, eps, normalization, axes=axes, grouping=grouping,
                           group_bytes=group_bytes, kernel=kernel),

@@ -16,7 +16,7 @@ _DEFAULTS = RULE_DEFAULTS["unit_norm"]
 
 
 def scale_by_unit_norm(
-    eps: float = _DEFAULTS["eps"], *, axes: axes_lib.AxesSpec = None, dims: Any = axes_lib.UNSET
+    eps: float = _DEFAULTS["eps"], *, axes: axes_lib.AxesSpec = None
 ) -> optax.GradientTransformation:
     r"""Divide each leaf by its own L2 norm: :math:`u = g / (\|g\|_2 + \epsilon)` (stateless).
 
@@ -24,13 +24,11 @@ def scale_by_unit_norm(
       eps: ε added to the norm.
       axes: per-leaf axes; only the batch axes are used (a stacked leaf is normalised per
         batch index).  ``None`` normalises every leaf as a whole.
-      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.
     """
     validation.check_hyperparameters("unit_norm", eps=eps)
-    axes = axes_lib.renamed_axes(axes, dims, "dims", None)
 
     def update_fn(
         updates: optax.Updates, state: optax.EmptyState, params: optax.Params | None = None
@@ -58,7 +56,6 @@ def unit_norm_descent(
     eps: float = _DEFAULTS["eps"],
     mask: Any | None = None,
     axes: axes_lib.AxesSpec = None,
-    dims: Any = axes_lib.UNSET,
 ) -> optax.GradientTransformation:
     r"""Normalised descent with decay: :math:`\theta(1-\eta w) - \eta\, g/(\|g\|+\epsilon)`.
 
@@ -68,14 +65,12 @@ def unit_norm_descent(
       eps: ε added to the norm.
       mask: which leaves get weight decay.
       axes: per-leaf axes (batch axes only), see :func:`scale_by_unit_norm`.
-      dims: deprecated name of ``axes``.
 
     Returns:
       An ``optax.GradientTransformation``.
     """
     validation.check_learning_rate(learning_rate)
     validation.check_hyperparameters("unit_norm", weight_decay=weight_decay)
-    axes = axes_lib.renamed_axes(axes, dims, "dims", None)
     return optax.chain(
         scale_by_unit_norm(eps, axes=axes),
         optax.add_decayed_weights(weight_decay, mask),

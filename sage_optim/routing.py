@@ -27,7 +27,6 @@ import dataclasses
 import difflib
 import fnmatch
 import re
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -163,18 +162,7 @@ class Route:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise RoutingError(f"route kind must be one of {KINDS}, got {self.kind!r}")
-        fan_in = self.fan_in
-        if hasattr(fan_in, "fan_in") and hasattr(fan_in, "fan_out"):  # Route(kind, LeafAxes)
-            warnings.warn(
-                "Route(kind, LeafAxes(...)) is deprecated; pass the axes as "
-                "Route(kind, fan_in=..., fan_out=..., batch=...)",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-            object.__setattr__(self, "fan_out", fan_in.fan_out)
-            object.__setattr__(self, "batch", fan_in.batch)
-            fan_in = fan_in.fan_in
-        object.__setattr__(self, "fan_in", as_axis_group(fan_in, "fan_in"))
+        object.__setattr__(self, "fan_in", as_axis_group(self.fan_in, "fan_in"))
         object.__setattr__(self, "fan_out", as_axis_group(self.fan_out, "fan_out"))
         if self.batch is not None and self.batch != ():
             object.__setattr__(self, "batch", as_axis_group(self.batch, "batch"))
@@ -286,7 +274,7 @@ def parse_override(pattern: str, value: Any) -> Route:
     """Turn one override value into a :class:`Route` (``evidence="override"``).
 
     Accepted: a kind (``"dense"``), a :class:`Route`, ``(kind,)``, ``(kind, {"fan_in": ...,
-    "fan_out": ..., "batch": ...})`` or the deprecated ``(kind, LeafAxes)``.
+    "fan_out": ..., "batch": ...})``.
     """
     if isinstance(value, Route):
         return dataclasses.replace(value, evidence="override")
@@ -306,8 +294,6 @@ def parse_override(pattern: str, value: Any) -> Route:
                     "fan_out and batch"
                 )
             return Route(kind, **rest[0])
-        if len(rest) == 1:
-            return Route(kind, rest[0])  # deprecated (kind, LeafAxes)
     raise RoutingError(
         f"override {pattern!r} -> {value!r}: give a kind {KINDS}, a Route(kind, fan_in=..., "
         "fan_out=...) or (kind, {'fan_in': ..., 'fan_out': ...})"

@@ -3,18 +3,23 @@
 ``torch.optim.Optimizer`` classes :class:`SAGE`, :class:`SinkGD`, :class:`Lion` and
 :class:`APOLLO`; :func:`make_optimizer` builds any of the paper's eight configurations for
 an ``nn.Module`` as one :class:`RuleOptimizer` whose param groups carry their rule, from the
-table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`).  :func:`route_params` places
-every parameter (kind, fan-in/fan-out axes, evidence; :mod:`sage_torch.routing`), and
-:func:`routing_table` prints it.
+table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`); each algorithm module
+registers its rule in :mod:`sage_torch.registry`, which the base optimizer reads.
+:func:`route_params` places every parameter (kind, fan-in/fan-out axes, evidence;
+:mod:`sage_torch.routing`), and :func:`routing_table` prints it.
 """
 
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.routing import Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
+
+# The algorithm modules register their rules in sage_torch.registry as they are imported;
+# the base optimizer (sage_torch.optimizer) imports none of them.
+from sage_torch import adamw, apollo, lion, sage, sinkgd, unit_norm  # noqa: F401
 from sage_torch.apollo import gaussian_projection
 from sage_torch.configs import make_optimizer, param_groups, routing_table
 from sage_torch.optim import APOLLO, SAGE, Lion, MomentumError, RuleOptimizer, SinkGD
-from sage_torch.routing import RoutedParam, route_parameters, route_params
+from sage_torch.routing import RoutedParam, route_params
 from sage_torch.sage import sage_damper
 from sage_torch.sinkgd import sinkhorn_normalize
 
@@ -36,7 +41,6 @@ __all__ = [
     "gaussian_projection",
     "make_optimizer",
     "param_groups",
-    "route_parameters",
     "route_params",
     "routing_table",
     "sage_damper",

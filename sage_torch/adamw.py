@@ -16,6 +16,7 @@ from torch import Tensor
 
 from sage_torch import chunked
 from sage_torch.common import Rule, bias_correction, decayed_step, lr_of, wide
+from sage_torch.registry import register
 
 
 def _single_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
@@ -80,10 +81,13 @@ def _chunked_adamw(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *, 
     chunked.for_chunks(p, update, threads)
 
 
+@register
 class AdamWRule(Rule):
     """AdamW as ``optax.adamw`` (and ``torch.optim.AdamW``): bias-corrected ``m̂/(√v̂+ε)``."""
 
     name = "adamw"
+
+    layout_free = True
 
     checked = ("eps",)
 

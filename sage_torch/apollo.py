@@ -27,6 +27,7 @@ from sage_torch.common import (
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
+from sage_torch.registry import register
 
 _APOLLO = RULE_DEFAULTS["apollo"]
 
@@ -69,6 +70,7 @@ def _one_minus_pow(b: float, t: float) -> float:
     return -math.expm1(t * math.log1p(-(1 - b)))
 
 
+@register
 class ApolloRule(Rule):
     """APOLLO (Zhu et al. 2024, ``docs/algorithms.md``); decay is applied after the step."""
 
@@ -76,6 +78,10 @@ class ApolloRule(Rule):
 
     def __init__(self, projection: Projection | None = None) -> None:
         self.projection = projection
+
+    @classmethod
+    def create(cls, projection: Projection | None = None) -> ApolloRule:  # noqa: D102
+        return cls(projection)
 
     checked = ("rank", "update_proj_gap", "scale_type", "scale", "limiter_gamma", "eps")
 
@@ -295,8 +301,9 @@ class APOLLO(RuleOptimizer):
       fan_in_dim: dim (or tuple of dims, merged in that order) of the fan-in axis.
       fan_out_dim: dim (or tuple of dims, merged in that order) of the fan-out axis.
       maximize: ascend instead of descend.
-      foreach: the multi-tensor path (default: on CUDA): same-shape matrices stacked, one
-        batched projection product, foreach kernels for the moments and the step.
+      foreach: the multi-tensor path (default: on CUDA and under ``torch.compile``):
+        same-shape matrices stacked, one batched projection product, foreach kernels for
+        the moments and the step.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,

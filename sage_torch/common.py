@@ -242,12 +242,12 @@ the other paths round it: :mod:`sage_torch.triton_kernels`)."""
 
 FUSED_DOC = """fused: ``True`` runs the rule's Triton kernels (:mod:`sage_torch.triton_kernels`;
         float32, float64 or bfloat16 CUDA parameters, ``triton`` installed).  Opt-in, as
-        ``torch.optim``'s ``fused``: the default ``None`` takes foreach on CUDA and the
-        single-tensor path elsewhere.  The kernels have not yet been measured on a GPU; a
-        kernel becomes a default only after ``scripts/gpu-check`` on a GPU shows it
-        correct and faster.  ``fused=True`` with ``foreach=True``, or on a parameter the
-        kernels cannot take, raises a ``ValueError`` naming it.  Before the first fused
-        step on a device and dtype the kernels are checked against the single-tensor path
+        ``torch.optim``'s ``fused``: the default ``None`` takes foreach on CUDA (and under
+        ``torch.compile``) and the single-tensor path elsewhere.  The kernels have not yet been
+        measured on a GPU; a kernel becomes a default only after ``scripts/gpu-check`` on a GPU
+        shows it correct and faster.  ``fused=True`` with ``foreach=True``, or on a parameter
+        the kernels cannot take, raises a ``ValueError`` naming it.  Before the first fused step
+        on a device and dtype the kernels are checked against the single-tensor path
         (:mod:`sage_torch.fused_check`; on a failure, one warning and the foreach path), and
         ``SAGE_KERNELS=off`` in the environment turns them off (:mod:`sage_optim.kernels`)."""
 """The ``fused`` paragraph of the optimizer classes' docstrings (``{fused_doc}`` there),
@@ -305,7 +305,8 @@ class ConstCache:
     A fused kernel reads its hyperparameters from a tensor of its arithmetic dtype (the
     parameters' :func:`wide` dtype, so that float64 keeps them exact), on the parameters'
     device; making it on the first step only keeps later steps free of host-to-device
-    copies (CUDA graph capture forbids them).
+    copies (CUDA graph capture forbids them).  Under ``torch.compile`` the tensor is a
+    constant of the graph and is not kept (storing it would make the next step recompile).
     """
 
     def __init__(self) -> None:
@@ -316,7 +317,9 @@ class ConstCache:
         key = (tuple(float(v) for v in values), dtype, str(device))
         t = self._tensors.get(key)
         if t is None:
-            t = self._tensors[key] = torch.tensor(key[0], dtype=dtype, device=device)
+            t = torch.tensor(key[0], dtype=dtype, device=device)
+            if not torch.compiler.is_compiling():  # a traced store: a recompile next step
+                self._tensors[key] = t
         return t
 
 
@@ -359,10 +362,28 @@ class Rule:
     has_fused: bool = False
     """Whether the rule has a fused (Triton) path (:data:`FUSED_RULES`)."""
 
+    layout_free: bool = False
+    """Whether the update reads no matrix axes (element-wise, or one norm over the tensor):
+    every layout of a parameter then gets the same update."""
+
     largest_param_bytes: int = 0
     """Bytes of the optimizer's largest parameter, over all param groups (set by
     :class:`~sage_torch.RuleOptimizer` before each step): the multi-tensor steps hold a few
     temporaries of that size, a scale a rule's batching can use (SinkGD's ``group_bytes``)."""
+
+    @classmethod
+    def create(cls, projection: Projection | None = None) -> Rule:
+        """A fresh instance for one optimizer (``projection``: APOLLO's; others ignore it)."""
+        return cls()
+
+    @classmethod
+    def check_fused(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """The first-use check of the fused path on ``device`` and ``dtype``.
+
+        ``None`` when its kernels agree with the single-tensor path, else what differs
+        (:mod:`sage_torch.fused_check` runs it for every rule with :attr:`has_fused`).
+        """
+        return None
 
     def validate(self, group: dict[str, Any]) -> None:
         """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""

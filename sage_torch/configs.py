@@ -14,8 +14,7 @@ from sage_optim.routing import ResolvedRoute, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
 from sage_torch.nonfinite import SkipNonFinite
-from sage_torch.optim import RuleOptimizer
-from sage_torch.optimizer import update_key
+from sage_torch.optimizer import RuleOptimizer, update_key
 from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, routing, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",

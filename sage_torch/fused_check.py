@@ -2,13 +2,16 @@
 
 ``triton`` importing says nothing of whether its kernels compile and compute right with
 this driver, GPU and Triton.  So before the first fused step on a device and dtype in a
-process, :func:`fused_ready` runs every kernel once on small problems (SAGE with a
-fan-out dim of each kind and a vector, Lion over two blocks, SinkGD with a stacked chunk
-and a lone matrix) through :func:`~sage_torch.sage._fused_sage`,
-:func:`~sage_torch.lion._fused_lion` and :func:`~sage_torch.sinkgd._fused_sinkgd`, and
-compares the results with the single-tensor functions of the same modules on the same
-device.  On any exception or mismatch it warns once (``RuntimeWarning`` naming the device,
-the dtype and the error) and every fused step on that device and dtype takes the path of
+process, :func:`fused_ready` runs every kernel once on small problems: the
+:meth:`~sage_torch.common.Rule.check_fused` of each rule with a fused path, found in
+:mod:`sage_torch.registry` (SAGE with a fan-out dim of each kind and a vector, Lion over two
+blocks, SinkGD with a stacked chunk and a lone matrix), runs
+:func:`~sage_torch.sage._fused_sage`, :func:`~sage_torch.lion._fused_lion` and
+:func:`~sage_torch.sinkgd._fused_sinkgd` and compares their results
+(:func:`first_error`) with the single-tensor functions of the same modules on the same
+device; this module imports no algorithm module (they import it).  On any exception or
+mismatch it warns once (``RuntimeWarning`` naming the device, the dtype and the error) and
+every fused step on that device and dtype takes the path of
 ``fused=None`` instead, foreach on CUDA (:class:`~sage_torch.RuleOptimizer`): a failing
 kernel never stops training half-way.  The verdict is kept for the process.
 
@@ -26,16 +29,12 @@ bfloat16 roundings that a float32 difference can flip.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from sage_torch.common import wide
-from sage_torch.lion import _fused_lion, _single_tensor_lion
-from sage_torch.sage import _fused_sage, _single_tensor_sage
-from sage_torch.sinkgd import _fused_sinkgd, _single_tensor_sinkgd
+from sage_torch import registry
+from sage_torch.common import FUSED_RULES, wide
 
 _VERDICTS: dict[tuple[str, torch.dtype], str | None] = {}
 """``(device, dtype) -> None`` (passed) or the error, for this process."""
@@ -50,7 +49,8 @@ BF16_ROUNDINGS = 4
 """bfloat16 roundings of one update the kernels and the reference share (SinkGD: ``X``,
 ``α·X``, ``u + w·θ``, ``θ``) that a float32 difference between them can flip."""
 
-_LR, _WD = 1e-2, 0.1
+LR, WD = 1e-2, 0.1
+"""Learning rate and weight decay of the check problems."""
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -104,7 +104,7 @@ def compare(name: str, got: Tensor, want: Tensor, start: Tensor | None, dtype: t
     return None
 
 
-def _problem(shapes: list[tuple[int, ...]], device: torch.device, dtype: torch.dtype,
+def problem(shapes: list[tuple[int, ...]], device: torch.device, dtype: torch.dtype,
              seed: int) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Parameters, gradients and momenta of ``shapes``, drawn in float64 on the CPU.
 
@@ -125,53 +125,12 @@ def _to(xs: list[Tensor], device: torch.device, dtype: torch.dtype) -> list[Tens
     return [x.to(device=device, dtype=dtype) for x in xs]
 
 
-def _clones(xs: list[Tensor]) -> list[Tensor]:
+def clones(xs: list[Tensor]) -> list[Tensor]:
+    """A copy of each tensor (every path of a check steps its own)."""
     return [x.clone() for x in xs]
 
 
-def _check_sage(device: torch.device, dtype: torch.dtype) -> str | None:
-    """SAGE: an H per column, an H per row, and an element-wise vector."""
-    ps, gs, ms = _problem([(24, 40), (16, 24), (40,)], device, dtype, 1)
-    w = wide(dtype)
-    scales = [torch.full(s, 0.75, dtype=w, device=device) for s in [(40,), (16,), (40,)]]
-    kw: dict[str, Any] = {"reduce_dims": [0, 1, None], "rms_dims": [None, None, None],
-                          "lr": _LR, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8,
-                          "weight_decay": _WD, "damper": "both"}
-    out: dict[str, tuple[list[Tensor], ...]] = {}
-    for path, fn in (("fused", _fused_sage), ("single", _single_tensor_sage)):
-        p, m, s = _clones(ps), _clones(ms), _clones(scales)
-        fn(p, gs, m, s, [torch.tensor(3.0) for _ in ps], **kw)
-        out[path] = (p, m, s)
-    return _first_error(ps, out, ("parameter", "exp_avg", "scale_avg"), dtype)
-
-
-def _check_lion(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Lion: a vector over two blocks of the kernel (a masked tail) and a matrix."""
-    ps, gs, ms = _problem([(1100,), (24, 40)], device, dtype, 2)
-    kw: dict[str, Any] = {"lr": _LR, "beta1": 0.9, "beta2": 0.99, "weight_decay": _WD}
-    out: dict[str, tuple[list[Tensor], ...]] = {}
-    for path, fn in (("fused", _fused_lion), ("single", _single_tensor_lion)):
-        p, m = _clones(ps), _clones(ms)
-        fn(p, gs, m, **kw)
-        out[path] = (p, m)
-    return _first_error(ps, out, ("parameter", "exp_avg"), dtype)
-
-
-def _check_sinkgd(device: torch.device, dtype: torch.dtype) -> str | None:
-    """SinkGD: two same-shape matrices (one stacked chunk) and one alone (in place)."""
-    ps, gs, _ = _problem([(24, 40), (24, 40), (17, 9)], device, dtype, 3)
-    kw: dict[str, Any] = {"axes": [((1,), (0,))] * 3, "lr": _LR, "alpha": 10.0,
-                          "num_iters": ITERS, "eps": 1e-8, "normalization": "unit",
-                          "weight_decay": _WD}
-    out: dict[str, tuple[list[Tensor], ...]] = {}
-    for path, fn in (("fused", _fused_sinkgd), ("single", _single_tensor_sinkgd)):
-        p = _clones(ps)
-        fn(p, gs, **kw)
-        out[path] = (p,)
-    return _first_error(ps, out, ("parameter",), dtype)
-
-
-def _first_error(start: list[Tensor], out: dict[str, tuple[list[Tensor], ...]],
+def first_error(start: list[Tensor], out: dict[str, tuple[list[Tensor], ...]],
                  names: tuple[str, ...], dtype: torch.dtype) -> str | None:
     """The first difference of the fused results from the single-tensor ones, or ``None``."""
     for k, name in enumerate(names):
@@ -182,20 +141,16 @@ def _first_error(start: list[Tensor], out: dict[str, tuple[list[Tensor], ...]],
     return None
 
 
-CHECKS: dict[str, Callable[[torch.device, torch.dtype], str | None]] = {
-    "sage": _check_sage, "lion": _check_lion, "sinkgd": _check_sinkgd}
-"""The check of each rule's fused path."""
-
-
 def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     """Run every rule's check on ``device`` and ``dtype``: ``None``, or the first error.
 
     Never raises: an exception of a check (a kernel that does not compile or launch) is
     its error, as ``"rule: ExceptionType: first line of the message"``.
     """
-    for rule, check in CHECKS.items():
+    rules = registry.rule_classes()
+    for rule in FUSED_RULES:
         try:
-            err = check(device, dtype)
+            err = rules[rule].check_fused(device, dtype)
         except Exception as e:  # noqa: BLE001 - any failure of the kernels is a verdict
             lines = str(e).strip().splitlines()
             err = f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
-from sage_torch import chunked
+from sage_torch import chunked, fused_check
 from sage_torch.common import (
     ConstCache,
     Rule,
@@ -28,6 +28,7 @@ from sage_torch.common import (
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
+from sage_torch.registry import register
 
 _LION = RULE_DEFAULTS["lion"]
 
@@ -120,15 +121,31 @@ def _chunked_lion(p: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, b
     chunked.for_chunks(p, update, threads)
 
 
+@register
 class LionRule(Rule):
     """Lion: ``u = sign(b1·m + (1−b1)·g)``, then ``m ← b2·m + (1−b2)·g``."""
 
     name = "lion"
 
+    layout_free = True
+
     has_fused = True
 
     def __init__(self) -> None:
         self._consts = ConstCache()  # _fused_lion's hyperparameter tensors
+
+    @classmethod
+    def check_fused(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Lion's fused path: a vector over two blocks of the kernel (a masked tail), a matrix."""
+        ps, gs, ms = fused_check.problem([(1100,), (24, 40)], device, dtype, 2)
+        kw: dict[str, Any] = {"lr": fused_check.LR, "beta1": 0.9, "beta2": 0.99,
+                              "weight_decay": fused_check.WD}
+        out: dict[str, tuple[list[Tensor], ...]] = {}
+        for path, fn in (("fused", _fused_lion), ("single", _single_tensor_lion)):
+            p, m = fused_check.clones(ps), fused_check.clones(ms)
+            fn(p, gs, m, **kw)
+            out[path] = (p, m)
+        return fused_check.first_error(ps, out, ("parameter", "exp_avg"), dtype)
 
     def init_state(self, p, group, name):  # noqa: D102
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
@@ -160,7 +177,8 @@ class Lion(RuleOptimizer):
       betas: ``(b1, b2)``.
       weight_decay: decoupled decay.
       maximize: ascend instead of descend.
-      foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      foreach: use the ``torch._foreach_*`` path (default: on CUDA and under
+        ``torch.compile``).
       {fused_doc}
       capturable: keep the step count on the parameters' device and accept a device tensor
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from sage_optim.hyperparams import check_skip_nonfinite
 from sage_torch.common import Projection
-from sage_torch.optim import ParamsT, RuleOptimizer
+from sage_torch.optimizer import ParamsT, RuleOptimizer
 
 __all__ = ["SkipNonFinite", "all_finite", "check_skip_nonfinite"]
 

@@ -5,6 +5,9 @@ rule (``group["rule"]``) and that rule's hyperparameters, so one optimizer can r
 the embedding and SinkGD on the dense matrices (what :func:`sage_torch.make_optimizer`
 returns) while ``torch.optim.lr_scheduler`` and ``state_dict`` work as with any optimizer.
 Defaults come from the table shared with :mod:`sage_optax` (:mod:`sage_optim.presets`).
+As ``torch.optim.Optimizer``, this base knows no algorithm: it imports no algorithm module
+and finds the rules in :mod:`sage_torch.registry`, where each algorithm module registers
+its own.
 """
 
 from __future__ import annotations
@@ -19,12 +22,10 @@ from torch import Tensor
 from sage_optim.kernels import kernels_enabled, warn_overridden
 from sage_optim.presets import RULE_DEFAULTS
 from sage_optim.routing import ResolvedRoute
+from sage_torch import fused_check, registry
 from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
-
-LAYOUT_FREE_RULES: frozenset[str] = frozenset({"adamw", "lion", "unit_norm"})
-"""Rules whose update reads no matrix axes (element-wise, or one norm over the tensor)."""
 
 
 def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRoute], Hashable]:
@@ -33,13 +34,16 @@ def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRout
     Its kind's rule and options (learning rate and hyperparameters), plus its axes where the
     rule reads them.  Two routes with one key get the same update: under ``adamw`` every
     route of a matrix, under ``sage-pure`` a table and a dense matrix with the same axes.
+    Whether a rule reads the axes is its :attr:`~sage_torch.common.Rule.layout_free`.
     """
+    rules = registry.rule_classes()
 
     def key(route: ResolvedRoute) -> Hashable:
         options = kinds[route.kind]
         hp = tuple(sorted((k, repr(v)) for k, v in options.items()
                           if k not in ("kind", "fan_in_dim", "fan_out_dim")))
-        if options.get("rule") in LAYOUT_FREE_RULES:
+        rule = rules.get(options.get("rule", ""))
+        if rule is not None and rule.layout_free:
             return hp
         return hp, route.fan_in, route.fan_out, route.batch
 
@@ -48,26 +52,6 @@ def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRout
 _COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fused": None, "capturable": False,
                     "fan_in_dim": -1, "fan_out_dim": -2}
 _MOMENTUM_KEYS = ("betas", "momentum")
-
-
-def make_rules(projection: Projection | None = None) -> dict[str, Rule]:
-    r"""One instance of every rule, by name (APOLLO's with ``projection``).
-
-    The algorithm modules import this one (their optimizer classes are
-    :class:`RuleOptimizer`\ s), so they are imported here when the first optimizer is built.
-    """
-    from sage_torch.adamw import AdamWRule
-    from sage_torch.apollo import ApolloRule
-    from sage_torch.lion import LionRule
-    from sage_torch.sage import SageRule
-    from sage_torch.sinkgd import SinkGDRule
-    from sage_torch.unit_norm import UnitNormRule
-
-    rules: list[Rule] = [SageRule(), LionRule(), AdamWRule(), SinkGDRule(), UnitNormRule(),
-                         ApolloRule(projection)]
-    out = {r.name: r for r in rules}
-    assert set(out) == set(RULE_DEFAULTS), "every shared rule has a PyTorch implementation"
-    return out
 
 
 def _negative(route: ResolvedRoute) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -123,8 +107,8 @@ class RuleOptimizer(torch.optim.Optimizer):
       defaults: default group options (``lr``, ``weight_decay``, ``maximize``,
         ``foreach``, ``fused``, ``capturable``, ``fan_in_dim``, ``fan_out_dim`` and rule
         hyperparameters).  ``foreach``/``fused`` default as in ``torch.optim``: foreach on
-        CUDA, single-tensor elsewhere, the fused (Triton) path only with ``fused=True``
-        (:data:`sage_torch.common.FUSED_DOC`).
+        CUDA (and under ``torch.compile``, :meth:`_unfused`), single-tensor elsewhere, the
+        fused (Triton) path only with ``fused=True`` (:data:`sage_torch.common.FUSED_DOC`).
       projection: APOLLO's projection, ``projection(name, refresh_index, n, rank) -> P``,
         to inject a fixed ``P`` (parity with :mod:`sage_optax`); default Gaussian.
       cpu_threads: threads of the chunked in-place CPU path (:mod:`sage_torch.chunked`);
@@ -140,7 +124,9 @@ class RuleOptimizer(torch.optim.Optimizer):
     in ``betas``, the key torch's schedulers read; asking to cycle the momentum of a group
     whose rule has none raises a :class:`MomentumError` naming it.
 
-    Parameter state is created lazily on the first step.  A parameter's ``state`` holds a
+    Parameter state is created lazily on the first step, by :meth:`_init_group` (which
+    ``torch.compile`` runs outside the graph, as ``torch.optim``'s: a compiled step compiles
+    once, as with ``torch.optim.AdamW``).  A parameter's ``state`` holds a
     float32 ``"step"`` and the rule's tensors; floating state keeps its own dtype through
     ``state_dict``/``load_state_dict`` (``torch.optim.Optimizer`` would cast it to the
     parameter's dtype, turning SAGE's float32 ``S`` of a bfloat16 parameter into bfloat16).
@@ -162,7 +148,7 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     def _make_rules(self) -> dict[str, Rule]:
         """A fresh instance of every rule, with this optimizer's projection and threads."""
-        rules = make_rules(self._projection)
+        rules = registry.make_rules(self._projection)
         for rule in rules.values():
             rule.cpu_threads = self._cpu_threads
         return rules
@@ -383,28 +369,28 @@ class RuleOptimizer(torch.optim.Optimizer):
         index = next(i for i, g in enumerate(self.param_groups) if g is group)
         return [f"param_groups[{index}].params[{i}]" for i in range(len(group["params"]))]
 
-    @torch.no_grad()
-    def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
-        self, closure: Callable[[], float] | None = None
-    ) -> float | None:
-        """Perform one optimization step (``closure`` re-evaluates the model, as usual)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        sizes = [p.numel() * p.element_size() for group in self.param_groups
-                 for p in group["params"]]
-        largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))
-        for rule in self._rules.values():
-            rule.largest_param_bytes = largest
-        for group in self.param_groups:
+    def _init_group(self) -> None:
+        """Check every group's gradients and create the state its parameters lack.
+
+        :meth:`step` calls it first, once for all groups (``torch.optim``'s optimizers call
+        theirs once per group).  Under ``torch.compile`` Dynamo runs a method of this name
+        eagerly instead of tracing it (``torch/_dynamo/variables/optimizer.py``), then
+        traces the rest of the step, which only reads the state: the first compiled step
+        creates the state outside the graph, so the second reuses the graph instead of
+        recompiling for the state that now exists (a traced ``if not state:`` would guard
+        on the state being empty).  One call for all groups: Dynamo takes its view of
+        ``self.state`` after the first call, and would not see state created by a later one.
+
+        Raises:
+          RuntimeError: a sparse gradient (from ``nn.Embedding(sparse=True)``).
+          ValueError: a complex parameter.
+        """
+        for index, group in enumerate(self.param_groups):
             rule = self.rule_of(group)
-            params, grads, states, names = [], [], [], []
             for p, name in zip(group["params"], self._names(group), strict=True):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    index = next(i for i, g in enumerate(self.param_groups) if g is group)
                     raise RuntimeError(
                         f"{type(self).__name__} does not support sparse gradients: parameter "
                         f"{name} of shape {tuple(p.shape)} (param group {index}, rule "
@@ -421,10 +407,31 @@ class RuleOptimizer(torch.optim.Optimizer):
                         0.0, dtype=torch.float32,
                         device=p.device if group.get("capturable", False) else None)
                     state.update(rule.init_state(p, group, name))
-                params.append(p)
-                grads.append(-p.grad if group["maximize"] else p.grad)
-                states.append(state)
-                names.append(name)
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
+        """Perform one optimization step (``closure`` re-evaluates the model, as usual)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sizes = [p.numel() * p.element_size() for group in self.param_groups
+                 for p in group["params"]]
+        largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))
+        for rule in self._rules.values():
+            rule.largest_param_bytes = largest
+        self._init_group()
+        for group in self.param_groups:
+            rule = self.rule_of(group)
+            params, grads, states, names = [], [], [], []
+            for p, name in zip(group["params"], self._names(group), strict=True):
+                if p.grad is not None:
+                    params.append(p)
+                    grads.append(-p.grad if group["maximize"] else p.grad)
+                    states.append(self.state[p])
+                    names.append(name)
             if not params:
                 continue
             foreach, fused = self._paths(group, rule, params, names)
@@ -456,8 +463,6 @@ class RuleOptimizer(torch.optim.Optimizer):
         process; a failure warns once, and those steps take the path of ``fused=None``
         (:meth:`_unfused`: foreach on CUDA).
         """
-        from sage_torch import fused_check  # imports the algorithm modules: at step time
-
         return fused_check.fused_ready(p.device, p.dtype)
 
     @staticmethod
@@ -465,11 +470,18 @@ class RuleOptimizer(torch.optim.Optimizer):
         """Whether ``group`` takes foreach where it does not take the fused path.
 
         Its ``foreach`` when set, else ``torch.optim``'s default: foreach when every
-        parameter is a CUDA tensor, single-tensor otherwise.
+        parameter is a CUDA tensor, single-tensor otherwise; and foreach under
+        ``torch.compile``, on any device.  The single-tensor path is the CPU's eager default
+        for its speed there (foreach kernels are loops on the CPU) and its memory (the
+        chunked path, :mod:`sage_torch.chunked`), neither of which holds in a compiled
+        step, while it traces one set of operations per parameter where foreach traces one
+        per group (SinkGD: one per matrix shape), which Inductor compiles several times
+        faster (``benchmarks/torch_compile.py``).
         """
         foreach = group["foreach"]
         if foreach is None:
-            return all(p.device.type == "cuda" for p in params)
+            return (torch.compiler.is_compiling()
+                    or all(p.device.type == "cuda" for p in params))
         return bool(foreach)
 
     @staticmethod
@@ -478,8 +490,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         """``(foreach, fused)`` for this step of ``group``, by ``torch.optim``'s default rule.
 
         Neither ``foreach`` nor ``fused`` set: foreach when every parameter is a CUDA
-        tensor, else single-tensor; never fused, which is opt-in (``fused=True``) as in
-        ``torch.optim`` (``_default_to_fused_or_foreach``): the kernels have not yet been
+        tensor or under ``torch.compile`` (:meth:`_unfused`), else single-tensor; never
+        fused, which is opt-in (``fused=True``) as in ``torch.optim``
+        (``_default_to_fused_or_foreach``): the kernels have not yet been
         measured on a GPU.  ``fused=True`` is checked again (a parameter moved since the
         optimizer was built, a group edited): a parameter the kernels cannot take, or a
         rule without a fused path, raises a ``ValueError`` naming it.  ``SAGE_KERNELS``

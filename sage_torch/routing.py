@@ -76,7 +76,6 @@ import dataclasses
 import glob
 import re
 import sys
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -99,7 +98,6 @@ __all__ = [
     "RoutedParam",
     "RoutingError",
     "module_route",
-    "route_parameters",
     "route_params",
     "state_nbytes",
 ]
@@ -1169,22 +1167,6 @@ def route_params(model: nn.Module | Iterable[Any],
         paste.
     """
     return routing(model, overrides).placed()
-
-
-def route_parameters(
-    model: nn.Module, overrides: Mapping[str, Any] | None = None
-) -> list[tuple[str, nn.Parameter, str]]:
-    """Deprecated: ``(name, parameter, kind)`` triples; use :func:`route_params`.
-
-    The kinds are those of :func:`route_params` (which also gives the axes and evidence).
-    """
-    warnings.warn(
-        "sage_torch.route_parameters is deprecated; use sage_torch.route_params, which "
-        "returns RoutedParam(name, param, route) with the axes and the evidence",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return [(r.name, r.param, r.route.kind) for r in route_params(model, overrides)]
 
 
 def state_nbytes(state: Mapping[str, Any]) -> int:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
-from sage_torch import chunked
+from sage_torch import chunked, fused_check
 from sage_torch.common import (
     Axes,
     ConstCache,
@@ -37,6 +37,7 @@ from sage_torch.common import (
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
+from sage_torch.registry import register
 
 _SAGE = RULE_DEFAULTS["sage"]
 
@@ -402,6 +403,7 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
     chunked.for_chunks(p, update, threads)
 
 
+@register
 class SageRule(Rule):
     """SAGE (Algorithm 1 + instantaneous damper): ``u = sign(b1·M + (1−b1)·g) ⊙ H``."""
 
@@ -413,6 +415,22 @@ class SageRule(Rule):
 
     def __init__(self) -> None:
         self._consts = ConstCache()  # _fused_sage's hyperparameter tensors
+
+    @classmethod
+    def check_fused(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """SAGE's fused path: an H per column, an H per row, and an element-wise vector."""
+        ps, gs, ms = fused_check.problem([(24, 40), (16, 24), (40,)], device, dtype, 1)
+        w = wide(dtype)
+        scales = [torch.full(s, 0.75, dtype=w, device=device) for s in [(40,), (16,), (40,)]]
+        kw: dict[str, Any] = {"reduce_dims": [0, 1, None], "rms_dims": [None, None, None],
+                              "lr": fused_check.LR, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8,
+                              "weight_decay": fused_check.WD, "damper": "both"}
+        out: dict[str, tuple[list[Tensor], ...]] = {}
+        for path, fn in (("fused", _fused_sage), ("single", _single_tensor_sage)):
+            p, m, s = (fused_check.clones(xs) for xs in (ps, ms, scales))
+            fn(p, gs, m, s, [torch.tensor(3.0) for _ in ps], **kw)
+            out[path] = (p, m, s)
+        return fused_check.first_error(ps, out, ("parameter", "exp_avg", "scale_avg"), dtype)
 
     def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> ReduceDim:
         """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
@@ -503,7 +521,8 @@ class SAGE(RuleOptimizer):
       fan_out_dim: dim (or tuple of dims) ``s`` averages over for matrices; ``None``:
         element-wise for every shape.
       maximize: ascend instead of descend.
-      foreach: use the ``torch._foreach_*`` path (default: on CUDA).
+      foreach: use the ``torch._foreach_*`` path (default: on CUDA and under
+        ``torch.compile``).
       {fused_doc}
       capturable: keep the step count on the parameters' device and accept a device tensor
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from sage_optim.hyperparams import SINKHORN_GROUP_BYTES
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
-from sage_torch import chunked
+from sage_torch import chunked, fused_check
 from sage_torch.common import (
     Axes,
     ConstCache,
@@ -38,6 +38,7 @@ from sage_torch.common import (
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
+from sage_torch.registry import register
 
 _SINK = RULE_DEFAULTS["sinkgd"]
 
@@ -257,7 +258,9 @@ def _multi_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
 
     ``cache``: a dict kept by the caller across steps, holding the small index tensors of
     each bucket layout, so that a step after the first copies nothing from the host (CUDA
-    graph capture forbids such copies).
+    graph capture forbids such copies).  Under ``torch.compile`` it is read, never written:
+    the tensors are constants of the graph, and a store would fail the guard on the cache
+    at the next step (a recompile).
     """
     if not params:
         return
@@ -360,8 +363,8 @@ def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Buck
                 torch.repeat_interleave(
                     torch.tensor([math.sqrt(b.out) for b in buckets for _ in range(b.batch)],
                                  dtype=w, device=device), reps_c, output_size=n_c))
-        if cache is not None:
-            cache[layout] = fixed
+        if cache is not None and not torch.compiler.is_compiling():
+            cache[layout] = fixed  # (a traced store would make the next step recompile)
     reps_c, reps_r = fixed[:2]
     eps_first = torch.repeat_interleave(eps / m, reps_r, output_size=n_r)
     t_in: float | Tensor = 1.0 if normalization == "unit" else fixed[2]
@@ -604,6 +607,7 @@ def _chunked_matrix(p: Tensor, g: Tensor, fi: int, fo: int, k_buf: Tensor | None
     chunked.for_chunks(p, update)
 
 
+@register
 class SinkGDRule(Rule):
     """SinkGD: ``u = α·X`` with ``X`` the Sinkhorn normalisation of the gradient (stateless)."""
 
@@ -616,6 +620,20 @@ class SinkGDRule(Rule):
     def __init__(self) -> None:
         self._layouts: dict[Any, tuple[Tensor, ...]] = {}  # _multi_tensor_sinkgd's cache
         self._consts = ConstCache()  # _fused_sinkgd's hyperparameter tensors
+
+    @classmethod
+    def check_fused(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """SinkGD's fused path: two same-shape matrices (one stacked chunk), one alone."""
+        ps, gs, _ = fused_check.problem([(24, 40), (24, 40), (17, 9)], device, dtype, 3)
+        kw: dict[str, Any] = {"axes": [((1,), (0,))] * 3, "lr": fused_check.LR,
+                              "alpha": 10.0, "num_iters": fused_check.ITERS, "eps": 1e-8,
+                              "normalization": "unit", "weight_decay": fused_check.WD}
+        out: dict[str, tuple[list[Tensor], ...]] = {}
+        for path, fn in (("fused", _fused_sinkgd), ("single", _single_tensor_sinkgd)):
+            p = fused_check.clones(ps)
+            fn(p, gs, **kw)
+            out[path] = (p,)
+        return fused_check.first_error(ps, out, ("parameter",), dtype)
 
     def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
         super().validate(group)
@@ -712,7 +730,7 @@ class SinkGD(RuleOptimizer):
       fan_out_dim: dim (or tuple of dims) of the fan-out axis.
       maximize: ascend instead of descend.
       foreach: use the ``torch._foreach_*`` path, the Sinkhorn iterations batched over
-        same-shape matrices (default: on CUDA).
+        same-shape matrices (default: on CUDA and under ``torch.compile``).
       {fused_doc}
       capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
         graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from sage_torch.common import Rule, decayed_step, lr_of
+from sage_torch.registry import register
 
 
 def _single_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: float | Tensor,
@@ -30,10 +31,13 @@ def _multi_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: fl
     decayed_step(params, updates, lr, weight_decay, True)
 
 
+@register
 class UnitNormRule(Rule):
     """The stateless step of ``sinkgd-pure`` on vectors: ``u = g / (‖g‖₂ + ε)``."""
 
     name = "unit_norm"
+
+    layout_free = True
 
     checked = ("eps",)
 

@@ -60,3 +60,123 @@ def test_importing_a_package_loads_no_other_framework(package, absent):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, check=True).stdout.strip()
     assert out == "", f"importing {package} loaded {out}"
+
+
+def torch_import_graph() -> dict[str, set[str]]:
+    """``module -> the sage_torch modules it imports`` (``sage_torch`` is the package's
+    ``__init__``), every import statement counted, the lazy ones too."""
+    package = ROOT / "sage_torch"
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
+
+    def name(path: pathlib.Path) -> str:
+        return "sage_torch" if path.stem == "__init__" else f"sage_torch.{path.stem}"
+
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package.glob("*.py")):
+        edges = graph.setdefault(name(path), set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from .x import y
+                    base = "sage_torch" + (f".{base}" if base else "")
+                targets = [f"{base}.{a.name}" if base == "sage_torch" and a.name in modules
+                           else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                if parts[0] == "sage_torch":
+                    edges.add(".".join(parts[:2]))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` (its modules in order, the first repeated), or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def algorithm_modules() -> set[str]:
+    """The sage_torch modules that define an update rule (a subclass of ``Rule``)."""
+    found = set()
+    for path in (ROOT / "sage_torch").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and b.id == "Rule" for b in node.bases):
+                found.add(f"sage_torch.{path.stem}")
+    return found
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_sage_torch_imports_have_no_cycle():
+    graph = torch_import_graph()
+    assert "sage_torch.optimizer" in graph and "sage_torch.registry" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, f"sage_torch modules import each other in a cycle: {' -> '.join(cycle)}"
+
+
+def test_the_base_optimizer_imports_no_algorithm():
+    """As torch.optim.Optimizer, RuleOptimizer knows no algorithm: the rules register."""
+    graph = torch_import_graph()
+    algorithms = algorithm_modules()
+    assert algorithms == {f"sage_torch.{m}" for m in
+                          ("adamw", "apollo", "lion", "sage", "sinkgd", "unit_norm")}
+    for base in ("sage_torch.optimizer", "sage_torch.registry", "sage_torch.common",
+                 "sage_torch.fused_check"):
+        below = reachable(graph, base)
+        assert not below & (algorithms | {"sage_torch"}), (
+            f"{base} imports {sorted(below & (algorithms | {'sage_torch'}))}")
+
+
+def test_the_cycle_check_can_fail(tmp_path):
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_every_shared_rule_is_registered_once_per_optimizer():
+    torch = pytest.importorskip("torch")
+    import sage_torch
+    from sage_optim.presets import RULE_DEFAULTS
+    from sage_torch import registry
+
+    classes = registry.rule_classes()
+    assert set(classes) == set(RULE_DEFAULTS)
+    assert {c.__module__ for c in classes.values()} == algorithm_modules()
+    with pytest.raises(ValueError, match="two rule classes named 'sage'"):
+        registry.register(type("OtherSage", (classes["adamw"],), {"name": "sage"}))
+    projection = sage_torch.gaussian_projection(3)
+    w = torch.nn.Parameter(torch.ones(4, 4))
+    a = sage_torch.APOLLO([w], projection=projection)
+    b = sage_torch.APOLLO([w])
+    assert a.rule_of(a.param_groups[0]).projection is projection
+    assert b.rule_of(b.param_groups[0]).projection is None
+    assert set(a._rules) == set(RULE_DEFAULTS)
+    assert not {id(r) for r in a._rules.values()} & {id(r) for r in b._rules.values()}

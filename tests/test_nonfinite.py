@@ -19,7 +19,7 @@ from sage_optax.sinkhorn import sinkhorn_normalize as jax_sinkhorn
 torch = pytest.importorskip("torch")
 
 import sage_torch  # noqa: E402
-from sage_torch import rules  # noqa: E402
+from sage_torch import chunked, sinkgd  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -40,7 +40,7 @@ def jax_x(g, normalization="unit", eps=1e-8):
 
 def torch_x(g, normalization="unit", eps=1e-8, matvec=None):
     # the Flax layout (in, out) is fan_in_dim=0, fan_out_dim=1 in torch terms
-    return rules.sinkhorn_normalize(torch.tensor(g), 0, 1, 5, eps, normalization,
+    return sinkgd.sinkhorn_normalize(torch.tensor(g), 0, 1, 5, eps, normalization,
                                     matvec=matvec).numpy()
 
 
@@ -80,7 +80,7 @@ def test_torch_fast_path_is_finite_for_huge_gradients():
     """The in-place CPU path of SinkGD (matrices of >= FAST_MIN_NUMEL elements)."""
     g = np.random.default_rng(2).standard_normal((256, 256)).astype(np.float32) * 1e20
     p = torch.nn.Parameter(torch.zeros(256, 256))
-    assert rules.use_fast_path(p, torch.tensor(g))
+    assert chunked.use_fast_path(p, torch.tensor(g))
     opt = sage_torch.SinkGD([p], lr=1.0, alpha=1.0, weight_decay=0.0)
     p.grad = torch.tensor(g)
     opt.step()

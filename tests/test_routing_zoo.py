@@ -341,16 +341,6 @@ def test_override_forms_are_equivalent():
     for form in forms:
         r = route_params(params, {"k": form}).routes["k"]
         assert (r.fan_in, r.fan_out, r.batch, r.evidence) == ((0,), (1, 2), (), "override")
-    with pytest.warns(DeprecationWarning):
-        old = Route("dense", sage_optax.LeafAxes(0, 1))
-    assert (old.fan_in, old.fan_out) == ((0,), (1,))
-
-
-def test_label_params_is_a_deprecated_alias():
-    params = {"k": {"kernel": jnp.ones((4, 4))}}
-    with pytest.warns(DeprecationWarning, match="route_params"):
-        r = sage_optax.label_params(params)
-    assert r.labels == route_params(params).labels
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)

@@ -111,5 +111,6 @@ def test_optimizer_step_traces_without_graph_breaks(name, whole_step):
     foreign = {reason.splitlines()[0]: n for reason, n in stats["breaks"].items()
                if not any(word in reason for word in EXPECTED_BREAKS)}
     assert not foreign, f"graph breaks inside opt.step(): {foreign}"
-    # forward (+ backward), the first opt.step() (creating the state), later opt.step()s.
-    assert stats["graphs"] <= 4, stats
+    # forward (+ backward) and opt.step(): the state is created outside the graph
+    # (RuleOptimizer._init_group), so later steps reuse it (tests/test_torch_recompile.py)
+    assert stats["graphs"] <= 2, stats

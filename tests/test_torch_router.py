@@ -82,10 +82,6 @@ def test_one_error_type_and_the_new_names():
                                                          strict=True)] == [
         ("0.weight", True), ("1.weight", True), ("1.bias", True)]
     assert routed[0].route.shape == (V, D) and routed[0].route.evidence == "module nn.Embedding"
-    with pytest.warns(DeprecationWarning, match="route_params"):
-        old = sage_torch.route_parameters(model)
-    assert [(n, k) for n, _, k in old] == [("0.weight", "embedding"), ("1.weight", "dense"),
-                                          ("1.bias", "vector")]
 
 
 class Tables(nn.Module):
