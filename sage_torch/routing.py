@@ -90,6 +90,7 @@ from sage_optim.routing import (
     components,
     match_overrides,
     names_head,
+    names_non_vocab_table,
     names_token_embedding,
     override_advice,
 )
@@ -312,20 +313,6 @@ def _names_embedding(name: str) -> bool:
         part in TOKEN_EMBEDDING_MARKERS for part in parts)
 
 
-_NON_VOCAB_WORDS = frozenset({
-    "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",
-    "segments", "seg", "rel", "relative", "bucket", "buckets",
-})
-
-
-def _names_non_vocab_table(name: str) -> bool:
-    """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
-    for part in components(name)[:-1]:
-        if "position" in part or any(w in _NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
-            return True
-    return False
-
-
 def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
              vocab: int | None = None, torch_weight: bool = False) -> list[Option]:
     """The remedies for a matrix whose layout is unknown, most likely first.
@@ -464,7 +451,7 @@ def _find_heads(token: tuple[str, torch.Tensor] | None,
             continue
         match = [t for t in targets if tuple(t[1].shape) == tuple(w.shape)]
         if match:
-            vocab_like = token is not None or any(not _names_non_vocab_table(n) for n, _ in match)
+            vocab_like = token is not None or any(not names_non_vocab_table(n) for n, _ in match)
             fits.append((lname, w, [n for n, _ in match], vocab_like))
     heads = _Heads()
     if any(overrides[id(w)].kind == "embedding" for _, w, _, _ in fits if id(w) in overrides):
