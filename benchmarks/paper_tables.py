@@ -46,6 +46,8 @@ from collections.abc import Sequence
 from sage_optim import CONFIG_NAMES, get_preset
 from sage_optim.table import format_bytes, format_markdown_table
 from sage_repro.paper import PAPER_LR_GRID, PAPER_TEST_PPL
+from sage_repro.sweep_report import first_reaching
+from sage_repro.sweep_report import mean_curve as mean_ppl
 
 DEFAULT_OUT = pathlib.Path("runs/paper")
 SAGE_RUN = "sage-hybrid"  # whose embedding damper H_t the figures show
@@ -149,19 +151,9 @@ def mean_curve(curves: Sequence[Curve]) -> tuple[list[int], list[float], list[fl
 
     Seconds are a median, not a mean: on a shared machine one run slowed by another job
     should not move the figure (perplexities do not depend on the machine's load)."""
-    common = sorted(set.intersection(*(set(c.steps) for c in curves)))
-    ppl = [statistics.fmean(c.ppl[c.steps.index(s)] for c in curves) for s in common]
+    common, ppl = mean_ppl(curves)
     sec = [statistics.median(c.seconds[c.steps.index(s)] for c in curves) for s in common]
     return common, ppl, sec
-
-
-def first_reaching(ppl: Sequence[float], target: float,
-                   values: Sequence[float]) -> float | None:
-    """``values`` at the first evaluation whose perplexity is at most ``target``."""
-    for p, v in zip(ppl, values, strict=True):
-        if p <= target:
-            return v
-    return None
 
 
 def effective_throughput(reference: Sequence[Curve], curves: Sequence[Curve],

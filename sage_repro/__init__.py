@@ -11,7 +11,11 @@ above both:
   ``jax.eval_shape`` (``sage-memory``);
 * :mod:`sage_repro.llama_shapes`: the LLaMA parameter shapes of the paper's models;
 * :mod:`sage_repro.traffic`: the bytes-moved model of both step benchmarks;
-* :mod:`sage_repro.paper`: the figures printed in the paper, for side-by-side reports.
+* :mod:`sage_repro.paper`: the figures printed in the paper, for side-by-side reports;
+* :mod:`sage_repro.sweep`: the paper's comparison as configurations x seeds x learning
+  rates, each run a resumable ``sage-train`` process (``sage-repro sweep``), and
+  :mod:`sage_repro.sweep_report`, its results table (effective throughput included) and
+  plots.
 
 Importing this package imports neither framework; each module imports what it needs.
 """

@@ -1,7 +1,8 @@
-"""Console scripts of :mod:`sage_repro` whose modules import a framework when loaded.
+"""Console scripts of :mod:`sage_repro` that need a framework's extra.
 
-``sage-parity`` checks for its extras before :mod:`sage_repro.parity` imports PyTorch, so a
-missing one is one line naming it (exit status 1), not a traceback
+``sage-parity`` checks for its extras before :mod:`sage_repro.parity` imports PyTorch, and
+``sage-repro`` for the ``[train]`` extra its runs (the trainer) and figures (matplotlib)
+need, so a missing one is one line naming it (exit status 1), not a traceback
 (:func:`sage_optim._entry.require`).
 """
 
@@ -14,5 +15,13 @@ def parity() -> int:
     """``sage-parity``: :func:`sage_repro.parity.main` once JAX and PyTorch are there."""
     require("sage-parity", "jax", "torch")
     from sage_repro.parity import main
+
+    return main()
+
+
+def repro() -> int:
+    """``sage-repro``: :func:`sage_repro.sweep.main` once the ``[train]`` extra is there."""
+    require("sage-repro", "train")
+    from sage_repro.sweep import main
 
     return main()

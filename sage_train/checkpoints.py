@@ -18,6 +18,16 @@ complete.  So:
   is deleted).  A checkpoint without manifest (written before manifests existed, or
   interrupted between orbax's rename and the manifest) is used if it restores, with a
   note that its bytes could not be verified.
+
+In a job of several processes (:mod:`sage_train.distributed`) every process calls
+:meth:`Checkpoints.save` and :meth:`Checkpoints.restore_latest` at the same step: orbax
+writes each process's shards and process 0 finalizes the checkpoint; the run directory
+must be one that every process sees (checked by :meth:`Checkpoints.prepare`).  The
+checksums of the manifest are computed and verified by all processes together, each
+hashing its share of the files (:func:`shared_digests`), so that every process reaches the
+same verdict; the manifest records the number of processes and devices that wrote it.  A
+checkpoint restores onto any number of processes and devices (orbax reads each array
+into the shardings asked for), so a run saved by 2 processes resumes on 1 and back.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from sage_train import distributed
 from sage_train.errors import CheckpointError, RunDirError
 from sage_train.rundir import atomic_write_text
 
@@ -57,24 +69,65 @@ def state_is_finite(state: Any) -> bool:
     return bool(_all_finite(state))
 
 
+def _files(directory: pathlib.Path) -> list[pathlib.Path]:
+    """The files a manifest covers: every file under ``directory`` but the manifest."""
+    return [p for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}")]
+
+
+def _sha256(path: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def file_digests(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"size", "sha256"}}`` of every file under ``directory``."""
-    out = {}
-    for p in sorted(directory.rglob("*")):
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(f".{MANIFEST}"):
-            h = hashlib.sha256()
-            with open(p, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-            out[str(p.relative_to(directory))] = {"size": p.stat().st_size,
-                                                 "sha256": h.hexdigest()}
-    return out
+    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in _files(directory)}
 
 
-def verify_files(directory: pathlib.Path) -> tuple[str | None, dict[str, Any] | None]:
+def shared_digests(directory: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """:func:`file_digests`, computed by every process of a job together.
+
+    Process ``i`` of ``n`` hashes files ``i, i + n, ...`` of the sorted listing; the sizes
+    and digests are gathered so that every process returns the whole dictionary (alone:
+    :func:`file_digests`).  A collective: every process calls it for the same directory.
+
+    Raises:
+      JobError: the processes see different files under ``directory`` (it is not shared).
+    """
+    n = distributed.process_count()
+    if n == 1:
+        return file_digests(directory)
+    files = _files(directory)
+    names = [str(p.relative_to(directory)) for p in files]
+    listing = hashlib.sha256("\n".join(names).encode()).hexdigest()
+    distributed.same_everywhere(f"{len(names)} files, listing {listing[:16]}",
+                                f"the listing of {directory}")
+    if not names:
+        return {}
+    me = distributed.process_index()
+    sizes = np.zeros(len(names), np.int64)
+    sums = np.zeros((len(names), 32), np.uint8)
+    for i in range(me, len(names), n):
+        sizes[i] = files[i].stat().st_size
+        sums[i] = np.frombuffer(bytes.fromhex(_sha256(files[i])), np.uint8)
+    all_sizes, all_sums = distributed.allgather(sizes), distributed.allgather(sums)
+    return {name: {"size": int(all_sizes[i % n, i]), "sha256": all_sums[i % n, i].tobytes().hex()}
+            for i, name in enumerate(names)}
+
+
+def verify_files(directory: pathlib.Path,
+                 digests: Callable[[pathlib.Path], dict[str, dict[str, Any]]] = file_digests
+                 ) -> tuple[str | None, dict[str, Any] | None]:
     """``(problem, manifest)``: ``problem`` is ``None`` when every file matches the manifest.
 
     A directory without manifest gives ``(None, None)`` (nothing to verify against).
+    ``digests`` computes the actual checksums (:func:`shared_digests`: a job's processes
+    together).
     """
     path = directory / MANIFEST
     if not path.exists():
@@ -84,7 +137,7 @@ def verify_files(directory: pathlib.Path) -> tuple[str | None, dict[str, Any] | 
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its manifest is damaged ({type(e).__name__})", None
-    actual = file_digests(directory)
+    actual = digests(directory)
     for name, want in files.items():
         got = actual.get(name)
         if got is None:
@@ -104,6 +157,12 @@ class Restored:
     state: Any
     progress: dict[str, Any]
     verified: bool
+    written_by: tuple[int, int] | None = None  # (processes, devices), where recorded
+
+
+def _layout(processes: int, devices: int) -> str:
+    return (f"{processes} process{'' if processes == 1 else 'es'} with {devices} "
+            f"device{'' if devices == 1 else 's'}")
 
 
 def _first_line(e: BaseException, limit: int = 160) -> str:
@@ -147,9 +206,45 @@ class Checkpoints:
             probe.unlink()
         except OSError as e:
             raise RunDirError(f"cannot write checkpoints to {self.root}: {e.strerror}") from e
+        if not distributed.is_primary():
+            return
         for tmp in sorted(self.root.glob(f"*{_TMP_MARK}*")):
             shutil.rmtree(tmp, ignore_errors=True)
             self.log(f"removed {tmp.name}, a checkpoint write that was interrupted")
+
+    def check_shared(self) -> None:
+        """Check that every process of a job sees this directory (nothing alone).
+
+        Process 0 writes a probe file that every other process must see: orbax's
+        multi-process checkpoints are one directory that all processes write into and read
+        from.  A collective: every process calls it.
+
+        Raises:
+          JobError: on every process, where some process cannot see the probe (the run
+            directory is not on a file system all processes share).
+        """
+        if distributed.process_count() == 1:
+            return
+        probe = self.root / f".shared-probe-{distributed.job_token()}"
+        problem = None
+        if distributed.is_primary():
+            try:
+                probe.write_text("sage-train: every process of the job must see this file\n")
+            except OSError as e:
+                problem = f"cannot write checkpoints to {self.root}: {e.strerror}"
+        distributed.barrier("sage-train: shared probe written")
+        if not distributed.is_primary() and not probe.exists():
+            problem = (f"{self.root} is not shared with process 0 (a file it wrote there "
+                       "is not seen here): a job's processes must share the run directory "
+                       "(one file system that all hosts mount) for orbax's checkpoints")
+        try:
+            with distributed.together("to share the run directory"):
+                if problem is not None:
+                    raise RunDirError(problem)
+        finally:
+            if distributed.is_primary():
+                with contextlib.suppress(OSError):
+                    probe.unlink()
 
     def steps(self) -> list[int]:
         """Steps of the checkpoint directories, newest first."""
@@ -181,14 +276,18 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         target = self.path(step)
+        primary = distributed.is_primary()
         try:
-            if target.exists() and jax.process_index() == 0:
+            if target.exists() and primary:
                 dest = self._move_aside(step)
                 self.log(f"{target} was in the way of a new checkpoint; moved to {dest}")
+            distributed.barrier(f"sage-train: checkpoint {step} can be written")
             self._orbax().save(target, args=ocp.args.StandardSave(state))
-            if jax.process_index() == 0:
+            files = shared_digests(target)
+            if primary:
                 manifest = {"format": FORMAT, "step": step, "progress": progress,
-                            "files": file_digests(target)}
+                            "processes": jax.process_count(), "devices": jax.device_count(),
+                            "files": files}
                 if self.settings is not None:
                     manifest["settings"] = self.settings
                 atomic_write_text(target / MANIFEST, json.dumps(manifest, indent=1))
@@ -197,7 +296,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"could not save the checkpoint of step {step} to {target}: {_first_line(e)}"
             ) from e
-        if jax.process_index() == 0:
+        if primary:
             self._rotate()
 
     def _discard_partial(self, step: int) -> None:
@@ -206,7 +305,7 @@ class Checkpoints:
         Orbax's temporary directory, and the checkpoint itself where its manifest is missing
         (it was never reported saved).
         """
-        if jax.process_index() != 0:
+        if not distributed.is_primary():
             return
         with contextlib.suppress(OSError):
             for tmp in self.root.glob(f"{step}{_TMP_MARK}*"):
@@ -265,10 +364,10 @@ class Checkpoints:
             failed.append((step, problem or "?"))
         if found is None and failed and not restart:
             named = "; ".join(f"step {s} in {self.path(s)}: {p}" for s, p in failed)
-            raise RunDirError(
+            raise distributed.everywhere(RunDirError(
                 f"no checkpoint of {self.root} can be restored ({named}); pass --restart to "
-                "start the run over from step 0 (they are then moved aside, not deleted)")
-        if jax.process_index() == 0:  # one host reports and moves them
+                "start the run over from step 0 (they are then moved aside, not deleted)"))
+        if distributed.is_primary():  # one process reports and moves them
             for step, problem in failed:
                 dest = self._move_aside(step)
                 self.log(f"checkpoint of step {step} is unusable ({problem}); moved to {dest} "
@@ -277,6 +376,11 @@ class Checkpoints:
         if found is not None and not found.verified:
             self.log(f"checkpoint {self.path(found.step)} has no checksum manifest (written "
                      "by an older sage-train or cut short before it): restored unverified")
+        if found is not None and found.written_by is not None:
+            now = (jax.process_count(), jax.device_count())
+            if found.written_by != now:
+                self.log(f"the checkpoint of step {found.step} was written by "
+                         f"{_layout(*found.written_by)}: restored onto {_layout(*now)}")
         if found is None and failed:
             self.log("--restart: no checkpoint can be restored; the run starts over from step 0")
         return found
@@ -321,16 +425,28 @@ class Checkpoints:
         return None
 
     def _try_restore(self, step: int, abstract: Any) -> tuple[str | None, Restored | None]:
+        """``(problem, restored)`` of the checkpoint of ``step``: the same on every process.
+
+        The checksums are verified by the processes together (:func:`shared_digests`) and a
+        failure of orbax on any process fails the checkpoint on all of them.
+        """
         import orbax.checkpoint as ocp
 
         path = self.path(step)
-        problem, manifest = verify_files(path)
+        problem, manifest = verify_files(path, shared_digests)
         if problem is not None:
             return problem, None
+        failure = ""
         try:
             state = self._orbax().restore(path, args=ocp.args.StandardRestore(abstract))
         except Exception as e:  # noqa: BLE001 - any failure means: not this checkpoint
-            return f"orbax cannot restore it: {_first_line(e)}", None
+            failure = f"orbax cannot restore it: {_first_line(e)}"
+        failures = distributed.allgather_text(failure)
+        if any(failures):
+            if failure:
+                return failure, None
+            i = next(i for i, f in enumerate(failures) if f)
+            return f"process {i}: {failures[i]}", None
         want = [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
         got = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
         if jax.tree.structure(abstract) != jax.tree.structure(state) or want != got:
@@ -338,7 +454,11 @@ class Checkpoints:
         if not state_is_finite(state):
             return "it holds NaN/Inf values", None
         progress = dict(manifest.get("progress", {})) if manifest else {}
-        return None, Restored(step, state, progress, manifest is not None)
+        written_by = None
+        if manifest and isinstance(manifest.get("processes"), int) and isinstance(
+                manifest.get("devices"), int):
+            written_by = (manifest["processes"], manifest["devices"])
+        return None, Restored(step, state, progress, manifest is not None, written_by)
 
     def close(self) -> None:
         """Release orbax's resources (no background work is pending: saves are synchronous)."""

@@ -17,6 +17,7 @@ from sage_optax.sinkhorn import KERNELS
 from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
+from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
 from sage_train.errors import CheckpointError, RunDirError, RunFileError, UserError
 from sage_train.model import ATTENTIONS, REMAT_POLICIES
 from sage_train.sharding import MODES
@@ -55,6 +56,14 @@ the new settings, carries over what fits (the parameters and optimizer state acr
 files are gone takes its settings from its newest verified checkpoint; one whose
 checkpoints all fail verification is refused unless --restart. A run directory is never
 read as part of the data.
+
+several processes (docs/scaling.md): every process runs the same command with
+--coordinator HOST:PORT --num-processes N --process-id I (or JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID; or --distributed under SLURM or Open MPI); the mesh spans
+the devices of all, each process feeds its own rows of the same batches, process 0 writes
+the run's files, the run directory must be shared. A failure on any process stops all of
+them (a process that dies: within --heartbeat-timeout, the others ending on SIGABRT with
+JAX's message); checkpoints resume on any number of processes.
 
 preemption: SIGTERM or SIGUSR1 (a cluster's preemption; SLURM: --signal=USR1@120) saves a
 checkpoint of the step reached, then exits with status 75; SIGINT (Ctrl-C) stops between
@@ -95,6 +104,31 @@ def _checked(field: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
+def _at_least(lo: int) -> Callable[[str], int]:
+    """An integer ``>= lo`` (``ValueError`` otherwise)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lo:
+            raise ValueError(f"must be an integer >= {lo}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _launch_value(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` for a launch flag: its error is one line."""
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as e:  # ConfigError is one
+            message = str(e)
+            if message.startswith("invalid literal"):
+                message = f"must be an integer, got {text!r}"
+            raise argparse.ArgumentTypeError(message.removeprefix("--coordinator ")) from None
+
+    return parse
+
+
 def _loss_chunk(text: str) -> int | None:
     """``--loss-chunk``: ``auto`` (``None``) or an integer."""
     return None if text.strip().lower() == "auto" else int(text)
@@ -115,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                 formatter_class=_Formatter)
     d = _DEFAULTS
     p.add_argument("--model", default=d.model, choices=list(MODELS),
-                   help="LLaMA size (tiny: tests, small: CPU, 60m ... 1.3b: the paper's)")
+                   help="LLaMA size (tiny: tests, small: CPU, 20m and 60m: the paper's "
+                   "proportions for a GPU run on --data installed, 130m, 270m ... 1.3b: the "
+                   "paper's)")
     p.add_argument("--optimizer", nargs="+", default=[d.optimizer], choices=CONFIG_NAMES,
                    metavar="NAME", help="one or more of the paper's configurations, trained "
                    f"one after the other: {', '.join(CONFIG_NAMES)}")
@@ -160,8 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="steps between rows of metrics.jsonl and log lines (TensorBoard and W&B "
                    "scalars too), >= 1 (evaluations and checkpoints always get one)")
     p.add_argument("--data", type=_checked("data", str), default=None,
-                   help="a text file or folder, or a .u16/.u32/.npy/.bin token file "
-                   "(default: the embedded standard-library corpus)")
+                   help="'installed' (the offline ~100M-token corpus of this machine's "
+                   "installed packages and documentation, split 8:2 by document, built and "
+                   "cached on first use), a text file or folder, or a .u16/.u32/.npy/.bin "
+                   "token file (default: the embedded standard-library corpus)")
     p.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
                    help="dtype of a raw .bin token file: required for .bin, checked against "
                    "the extension of .u16/.u32/.npy (default: from the extension)")
@@ -228,7 +266,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "verification (they are moved aside to checkpoints/STEP.unusable, not "
                    "deleted); without it such a run is refused")
     p.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (multi-host)")
+                   help="join a job of several processes (jax.distributed.initialize()): its "
+                   "layout from --coordinator, --num-processes and --process-id, else from "
+                   "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, else from "
+                   "the cluster manager JAX detects (SLURM's srun, Open MPI's mpirun); any of "
+                   "those flags or variables implies it")
+    p.add_argument("--coordinator", type=_launch_value(check_coordinator), default=None,
+                   metavar="HOST:PORT", help="the address of process 0's coordination "
+                   "service, which every process of the job connects to (default: "
+                   "JAX_COORDINATOR_ADDRESS, or the cluster's)")
+    p.add_argument("--num-processes", type=_launch_value(_at_least(1)), default=None,
+                   metavar="N", help="the number of processes of the job (default: "
+                   "JAX_NUM_PROCESSES, or the cluster's)")
+    p.add_argument("--process-id", type=_launch_value(_at_least(0)), default=None,
+                   metavar="I", help="this process's index in the job, 0 to N-1; process 0 "
+                   "writes the run's files (default: JAX_PROCESS_ID, or the cluster's)")
+    p.add_argument("--heartbeat-timeout", type=_launch_value(_at_least(1)),
+                   default=HEARTBEAT_TIMEOUT_S, metavar="SECONDS",
+                   help="in a job, a process silent for this long is taken for dead and "
+                   "JAX stops the others (each exits non-zero with its message), so that "
+                   "none waits forever on a collective")
     p.add_argument("--init-from-hf", type=_checked("init_from_hf", str), default=None,
                    metavar="DIR", help="start from the weights of a Hugging Face LlamaForCausalLM "
                    "checkpoint (config.json and safetensors, e.g. from sage-train export) of "
@@ -315,18 +372,60 @@ def main(argv: list[str] | None = None, *, signals: StopSignals | None = None) -
         try:
             return _main(args, signals)
         except UserError as e:
-            print(f"sage-train: error: {e}", file=sys.stderr)
-            return 2
+            print(f"sage-train: error: {_where()}{e}", file=sys.stderr)
+            return _leave(2, e)
         except RunFileError as e:
             more = "" if isinstance(e, CheckpointError) else (
                 "; training stopped (the earlier checkpoints are intact: run the same command "
                 "again to resume once it can be written)")
-            print(f"sage-train: error: {e}{more}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            print("sage-train: interrupted; run the same command again to resume from the "
-                  "newest checkpoint", file=sys.stderr)
-            return INTERRUPTED
+            print(f"sage-train: error: {_where()}{e}{more}", file=sys.stderr)
+            return _leave(1, e)
+        except KeyboardInterrupt as e:
+            print(f"sage-train: {_where()}interrupted; run the same command again to resume "
+                  "from the newest checkpoint", file=sys.stderr)
+            return _leave(INTERRUPTED, e)
+        except Exception as e:
+            if not _in_job():
+                raise
+            import traceback
+
+            traceback.print_exc()
+            print(f"sage-train: error: {_where()}{type(e).__name__} (traceback above); "
+                  "this process leaves the job, which stops the others", file=sys.stderr)
+            return _leave(1, e)
+
+
+def _in_job() -> bool:
+    """Whether this process is one of a job of several (JAX imported and joined)."""
+    if "jax" not in sys.modules:
+        return False
+    from sage_train import distributed
+
+    return distributed.joined()
+
+
+def _where() -> str:
+    """``"process 1 of 2: "`` in a job of several processes, else ``""``."""
+    if not _in_job():
+        return ""
+    from sage_train import distributed
+
+    return distributed.where()
+
+
+def _leave(status: int, error: BaseException) -> int:
+    """``status``; in a job, a process that failed alone leaves it at once.
+
+    A :class:`~sage_train.distributed.JobError` was raised by every process at the same
+    point: they all return, and leave the job together.  Any other failure is this
+    process's alone: it exits now (:func:`~sage_train.distributed.abandon`), and JAX's
+    runtime stops the others within the heartbeat timeout.
+    """
+    if _in_job() and not isinstance(error, JobError):
+        from sage_train import distributed
+
+        distributed.abandon(status)
+    return status
 
 
 def export_main(argv: list[str]) -> int:
@@ -349,13 +448,13 @@ def _stopped_by(name: str, step: int | None) -> int:
     """Say why the command stopped on signal ``name`` (one line) and return its status."""
     where = f" at step {step}" if step is not None else ""
     if name == "SIGINT":
-        print(f"sage-train: interrupted{where}; run the same command again to resume from "
-              "the newest checkpoint", file=sys.stderr)
+        print(f"sage-train: {_where()}interrupted{where}; run the same command again to "
+              "resume from the newest checkpoint", file=sys.stderr)
         return INTERRUPTED
     saved = (" with a checkpoint of the step reached" if step else
              " before it trained a step")
-    print(f"sage-train: stopped by {name}{where}{saved}; run the same command again to "
-          "resume from the newest checkpoint", file=sys.stderr)
+    print(f"sage-train: {_where()}stopped by {name}{where}{saved}; run the same command "
+          "again to resume from the newest checkpoint", file=sys.stderr)
     return PREEMPTED
 
 
@@ -376,33 +475,45 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         check_init_from_hf(cfg)
     if args.deterministic:
         enable_determinism()  # before anything starts a JAX backend
-    import jax
-
+    from sage_train import distributed
     from sage_train.rundir import RunLock
 
-    if args.distributed:
-        jax.distributed.initialize()
-    for cfg in cfgs:
-        implementations(cfg)  # --attention cudnn where it cannot run: refused before any run
+    launch = distributed.launch_from(args.distributed, args.coordinator, args.num_processes,
+                                     args.process_id, args.heartbeat_timeout)
+    if launch is not None:
+        print(f"sage-train: joining the job as {launch.describe()} (waiting up to "
+              f"{distributed.INIT_TIMEOUT_S} s for every process)", flush=True)
+        distributed.join(launch)  # before anything starts a JAX backend
+    primary = distributed.is_primary()
+    if launch is not None and distributed.joined():
+        print(f"sage-train: joined the job as {distributed.where().rstrip(': ')} "
+              f"({distributed.describe_job()}); "
+              + ("this process writes the run's files and log" if primary else
+                 "process 0 writes the run's files and log, this one only its errors")
+              + f"; a process that dies stops the others within {launch.heartbeat_timeout} s "
+              "(--heartbeat-timeout)", flush=True)
     results: list[Any] = []
     with contextlib.ExitStack() as locks:
         # every run directory locked and checked before any trains: exit status 2 still
-        # means that nothing was trained
+        # means that nothing was trained (in a job: on every process, or on none)
+        with distributed.together("to check the runs"):
+            for cfg in cfgs:
+                implementations(cfg)  # --attention cudnn where it cannot run: refused first
+            for cfg in cfgs:
+                run_dir = pathlib.Path(cfg.run_dir).absolute()
+                try:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise RunDirError(f"cannot create the run directory {run_dir}: "
+                                      f"{e.strerror}") from e
+                if primary:
+                    lock = locks.enter_context(RunLock(run_dir))
+                    if lock.stale:
+                        print(lock.stale, flush=True)
+                preflight(cfg, allow_config_change=args.allow_config_change)
         for cfg in cfgs:
-            run_dir = pathlib.Path(cfg.run_dir).absolute()
-            try:
-                run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise RunDirError(f"cannot create the run directory {run_dir}: "
-                                  f"{e.strerror}") from e
-            if jax.process_index() == 0:
-                lock = locks.enter_context(RunLock(run_dir))
-                if lock.stale:
-                    print(lock.stale, flush=True)
-            preflight(cfg, allow_config_change=args.allow_config_change)
-        for cfg in cfgs:
-            if signals.received is not None:
-                return _stopped_by(signals.received, None)
+            if signals.received is not None and not distributed.joined():
+                return _stopped_by(signals.received, None)  # (a job: agreed by train)
             try:
                 result = train(cfg, allow_config_change=args.allow_config_change,
                                restart=args.restart, stop=signals, locked=True,
@@ -412,11 +523,14 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                     raise
                 # refused after earlier runs trained: 2 would say that nothing was
                 done = ", ".join(r.config.optimizer for r in results)
-                print(f"sage-train: error: {e} (trained before it: {done})", file=sys.stderr)
-                return 1
+                print(f"sage-train: error: {_where()}{e} (trained before it: {done})",
+                      file=sys.stderr)
+                return _leave(1, e)
             if result.interrupted is not None:
                 return _stopped_by(result.interrupted, result.steps_done)
             results.append(result)
+    if not primary:
+        return 1 if any(r.stopped_reason for r in results) else 0  # process 0 reports
     rows = [(r.config.optimizer, r.steps_done,
              "-" if r.final_test_ppl is None else f"{r.final_test_ppl:.2f}",
              format_bytes(r.opt_state_bytes), f"{r.tokens_per_s:,.0f}",

@@ -6,6 +6,9 @@ Sources accepted by :func:`load_data`:
 
 * ``None`` or ``"stdlib"`` -- the embedded default: the Python standard library's own ``.py``
   files (:func:`stdlib_corpus`), present on every machine with Python.
+* ``"installed"`` -- the offline ~100M-token corpus of every text the machine has (standard
+  library, installed packages' sources and documentation, system documentation), split 8:2
+  *by document* and cached once (:mod:`sage_train.corpus`).
 * a text file or a folder of text files (:func:`read_text_source`).
 * a pre-tokenized token file prepared elsewhere: ``.u16`` / ``.u32`` (raw little-endian
   uint16 / uint32), ``.bin`` (raw, dtype given by ``token_dtype``) or ``.npy`` (1-D uint16 /
@@ -20,6 +23,7 @@ The split is fixed: the documents, in their deterministic order and each followe
 ``<|endoftext|>``, form one token stream; its first 80% (``n * 4 // 5`` tokens) is the train
 split and the rest the test split. The cut is at a token, not a document, boundary, so a
 single-file source still gets a test split. Pre-tokenized files are split the same way.
+The ``installed`` corpus alone is split by document (see :mod:`sage_train.corpus`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import sys
 import sysconfig
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +115,9 @@ class TokenData:
         vocab_size: size of the model vocabulary; every token id is ``< vocab_size``.
         tokenizer: the byte-level BPE for text sources, ``None`` for pre-tokenized files.
         source: human-readable description of where the tokens came from.
+        info: figures of the source that a run records in its ``config.json`` (the
+            ``installed`` corpus: ``corpus_fingerprint`` and ``corpus_tokens``); empty for
+            the other sources.
     """
 
     train: np.ndarray
@@ -118,6 +125,7 @@ class TokenData:
     vocab_size: int
     tokenizer: Tokenizer | None = field(repr=False)
     source: str
+    info: Mapping[str, str | int] = field(default_factory=dict)
 
     def __repr__(self) -> str:
         return (
@@ -380,7 +388,14 @@ def _check_ids(entry: Path, train: np.ndarray, test: np.ndarray, vocab_size: int
 def _tokenize_cached(
     docs: Sequence[str], vocab_size: int, source: str, key_extra: dict[str, str]
 ) -> TokenData:
-    """Train/encode text (or load both from the cache) and split it 8:2."""
+    """Train/encode text (or load both from the cache) and split it 8:2.
+
+    The cache entry is written to a temporary folder that is renamed into place when
+    complete, so processes that build the same entry at once (the processes of a job on
+    hosts without a shared cache, or several runs) never see a partial one: the first
+    rename wins and the others use it.  A damaged entry (one that no longer loads) is
+    replaced the same way.
+    """
     _check_text_vocab(vocab_size)
     vocab_size = int(vocab_size)
     key_fields = {
@@ -411,6 +426,13 @@ def _tokenize_cached(
             meta = {**key_fields, "source": source, "documents": len(docs),
                     "train_tokens": len(train), "test_tokens": len(test)}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            if entry.is_dir() and _load_cached(entry) is None:  # damaged: replace it
+                aside = root / f".{key}.damaged-{os.getpid()}"
+                try:
+                    os.rename(entry, aside)
+                except OSError:
+                    pass  # another process moved it first
+                shutil.rmtree(aside, ignore_errors=True)
             try:
                 os.rename(tmp, entry)  # atomic; fails if a concurrent process won the race
             except OSError:
@@ -489,9 +511,10 @@ def load_data(
 
     Args:
         source: ``None`` or ``"stdlib"`` for the embedded standard-library corpus (use
-            ``"./stdlib"`` for a path of that name); a ``.bin``/``.u16``/``.u32``/``.npy``
-            file of pre-tokenized ids (memory-mapped); any other file or folder is text
-            (:func:`read_text_source`).
+            ``"./stdlib"`` for a path of that name); ``"installed"`` for the offline corpus
+            of :mod:`sage_train.corpus` (split by document; ``"./installed"`` for a path);
+            a ``.bin``/``.u16``/``.u32``/``.npy`` file of pre-tokenized ids
+            (memory-mapped); any other file or folder is text (:func:`read_text_source`).
         vocab_size: model vocabulary size. For text it is the exact size of the BPE trained
             on the *whole* text of the source (train and test; simpler, and the tokenizer
             only sees merge statistics) and must be ``>= MIN_VOCAB_SIZE``. For token files
@@ -517,14 +540,20 @@ def load_data(
         docs = stdlib_corpus(max_bytes)
         py = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}"
         return _tokenize_cached(docs, vocab_size, f"stdlib ({py})", {"python": py})
+    if isinstance(source, str) and source == "installed":
+        if token_dtype is not None:
+            raise ValueError("token_dtype only applies to pre-tokenized token files")
+        from sage_train import corpus  # imports this module: loaded when first used
+
+        return corpus.load_installed(vocab_size)
     if not str(source).strip():
-        raise ValueError("the data source is empty: give 'stdlib', a text file or folder, or a "
-                         ".bin/.u16/.u32/.npy token file")
+        raise ValueError("the data source is empty: give 'stdlib', 'installed', a text file or "
+                         "folder, or a .bin/.u16/.u32/.npy token file")
     path = Path(source).expanduser()
     if not path.exists():
         raise FileNotFoundError(
-            f"data source {str(source)!r} does not exist (expected 'stdlib', a text file or "
-            "folder, or a .bin/.u16/.u32/.npy token file)"
+            f"data source {str(source)!r} does not exist (expected 'stdlib', 'installed', a "
+            "text file or folder, or a .bin/.u16/.u32/.npy token file)"
         )
     if path.is_file() and path.suffix.lower() in PRETOKENIZED_SUFFIXES:
         return _load_pretokenized(path, vocab_size, token_dtype)
@@ -550,8 +579,20 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[np.n
     return np.ascontiguousarray(win[:, :-1]), np.ascontiguousarray(win[:, 1:])
 
 
+def _check_rows(rows: slice | None, batch_size: int) -> slice:
+    """``rows`` as a ``slice(start, stop)`` within ``batch_size`` rows (``None``: all)."""
+    if rows is None:
+        return slice(0, batch_size)
+    start, stop, step = rows.indices(batch_size)
+    if step != 1 or stop <= start:
+        raise ValueError(f"rows must be a non-empty contiguous slice of the {batch_size} rows "
+                         f"of a batch, got {rows}")
+    return slice(start, stop)
+
+
 def batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0
+    tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0,
+    rows: slice | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Infinite, deterministic, resumable stream of random training windows.
 
@@ -560,34 +601,42 @@ def batches(
     ``start_step=k`` yields exactly the batches an uninterrupted run saw from step ``k`` on.
     Arguments are validated when this function is called, not at the first ``next``.
 
+    ``rows`` picks some rows of every batch: a process of a multi-process job reads (and
+    feeds) only its own rows, and the rows of all processes together are the batch one
+    process would read alone.
+
     Args:
         tokens: 1-D token array (e.g. ``TokenData.train``; may be a memmap).
-        batch_size: windows per batch.
+        batch_size: windows per batch (of the whole batch, whatever ``rows``).
         seq_len: tokens per window.
         seed: non-negative integer seed.
         start_step: index of the first batch to yield.
+        rows: the rows of each batch to yield (a contiguous slice; ``None``: all).
 
     Returns:
-        An iterator of ``(inputs, targets)``, both int32 of shape ``(batch_size, seq_len)``,
-        with ``targets[:, t] == inputs[:, t + 1]`` (targets are inputs shifted by one).
+        An iterator of ``(inputs, targets)``, both int32 of shape ``(rows, seq_len)``
+        (``(batch_size, seq_len)`` for all rows), with ``targets[:, t] == inputs[:, t + 1]``
+        (targets are inputs shifted by one).
     """
     _check_windows(tokens, batch_size, seq_len)
     if seed < 0 or start_step < 0:
         raise ValueError(f"seed and start_step must be >= 0, got {seed}, {start_step}")
+    mine = _check_rows(rows, batch_size)
     high = len(tokens) - seq_len
 
     def gen() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         step = int(start_step)
         while True:
             starts = np.random.default_rng([int(seed), step]).integers(0, high, size=batch_size)
-            yield _windows(tokens, starts, seq_len)
+            yield _windows(tokens, starts[mine], seq_len)
             step += 1
 
     return gen()
 
 
 def eval_batches(
-    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None
+    tokens: np.ndarray, batch_size: int, seq_len: int, max_batches: int | None = None,
+    rows: slice | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Fixed, deterministic evaluation batches of non-overlapping windows (for perplexity).
 
@@ -601,11 +650,15 @@ def eval_batches(
         batch_size: windows per batch.
         seq_len: tokens per window.
         max_batches: at most this many batches (``None``: all full batches).
+        rows: the rows of each batch to return (a contiguous slice, as for
+            :func:`batches`; ``None``: all).
 
     Returns:
-        A list of ``(inputs, targets)``, int32 of shape ``(batch_size, seq_len)``.
+        A list of ``(inputs, targets)``, int32 of shape ``(batch_size, seq_len)`` (or of
+        ``rows`` rows).
     """
     _check_windows(tokens, batch_size, seq_len)
+    mine = _check_rows(rows, batch_size)
     n_windows = (len(tokens) - 1) // seq_len
     n_batches = n_windows // batch_size
     if n_batches == 0:
@@ -619,9 +672,8 @@ def eval_batches(
         n_batches = min(n_batches, max_batches)
     n_used = n_batches * batch_size
     starts = (np.arange(n_used, dtype=np.int64) * n_windows // n_used) * seq_len
-    inputs, targets = _windows(tokens, starts, seq_len)
-    return [
-        (inputs[i : i + batch_size], targets[i : i + batch_size])
-        for i in range(0, n_used, batch_size)
-    ]
+    per_batch = starts.reshape(n_batches, batch_size)[:, mine]
+    inputs, targets = _windows(tokens, per_batch.reshape(-1), seq_len)
+    k = mine.stop - mine.start
+    return [(inputs[i : i + k], targets[i : i + k]) for i in range(0, len(inputs), k)]
 

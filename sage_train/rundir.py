@@ -216,9 +216,11 @@ def _now() -> str:
 
 
 def normalize_data(data: str | None) -> str:
-    """``"stdlib"`` for the embedded corpus, else the absolute path of the source."""
+    """``"stdlib"``/``"installed"`` for those corpora, else the absolute path of the source."""
     if data is None or data == "stdlib":
         return "stdlib"
+    if data == "installed":
+        return data
     return str(pathlib.Path(data).expanduser().absolute())
 
 

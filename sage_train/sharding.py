@@ -1,4 +1,10 @@
-"""Data and fully-sharded-data parallelism over a ``jax.make_mesh`` of all local devices."""
+"""Data and fully-sharded-data parallelism over a mesh of every device of the job.
+
+In a job of several processes (:mod:`sage_train.distributed`) the mesh spans the devices of
+all of them; each process feeds only the rows of a batch that its own devices hold
+(:func:`local_rows`, :func:`shard_batch`), and the global batch is the same whatever the
+number of processes.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sage_optax import placement
+from sage_train.errors import ConfigError
 
 MODES: tuple[str, ...] = ("none", "dp", "fsdp")
 """``none``: one device; ``dp``: batch split, state replicated; ``fsdp``: state split too."""
@@ -25,6 +32,9 @@ def make_mesh(mode: str = "dp") -> Mesh:
     """
     if mode not in MODES:
         raise ValueError(f"sharding must be one of {MODES}, got {mode!r}")
+    if mode == "none" and jax.process_count() > 1:
+        raise ConfigError(f"--sharding none trains on one device, not on the "
+                          f"{jax.process_count()} processes of this job: use dp or fsdp")
     devices = mesh_devices()
     return Mesh(np.array(devices[:1] if mode == "none" else devices), (AXIS,))
 
@@ -54,7 +64,7 @@ def leaf_spec(shape: tuple[int, ...], n: int, mode: str) -> P:
     axes = sorted(range(len(shape)), key=lambda a: -shape[a])
     for a in axes:
         if shape[a] % n == 0 and shape[a] >= n:
-            spec = [None] * len(shape)
+            spec: list[str | None] = [None] * len(shape)
             spec[a] = AXIS
             return P(*spec)
     return P()
@@ -66,13 +76,51 @@ def state_shardings(state: Any, mesh: Mesh, mode: str) -> Any:
     return jax.tree.map(lambda x: NamedSharding(mesh, leaf_spec(tuple(x.shape), n, mode)), state)
 
 
-def shard_batch(batch: tuple[np.ndarray, np.ndarray], mesh: Mesh, mode: str) -> tuple[Any, Any]:
-    """Put a batch on the mesh, split along its first (batch) axis."""
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """How a batch lies on ``mesh``: split along its first (batch) axis."""
+    return NamedSharding(mesh, P(AXIS) if mesh.devices.size > 1 else P())
+
+
+def local_rows(mesh: Mesh, batch_size: int) -> slice:
+    """The rows of a global batch of ``batch_size`` that this process's devices hold.
+
+    All of them with one process; in a job, the contiguous block of the devices of this
+    process (the mesh lists the devices process by process).
+
+    Raises:
+      ConfigError: ``batch_size`` is not divisible by the devices of the mesh.
+    """
+    n = int(mesh.devices.size)
+    if batch_size % n:
+        raise ConfigError(f"batch size {batch_size} is not divisible by the {n} devices of the "
+                          "mesh; pick a multiple (or --sharding none on one process)")
+    index = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    spans = sorted({s[0].indices(batch_size)[:2] for s in index.values() if s is not None})
+    if not spans:
+        raise ConfigError("this process holds no device of the mesh")
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:
+        raise ConfigError("the devices of this process hold rows of the batch that are not "
+                          "contiguous; sage-train's mesh lists the devices process by process")
+    return slice(start, stop)
+
+
+def shard_batch(batch: tuple[np.ndarray, np.ndarray], mesh: Mesh, mode: str,
+                batch_size: int | None = None) -> tuple[Any, Any]:
+    """Put a batch on the mesh, split along its first (batch) axis.
+
+    ``batch`` holds this process's rows (:func:`local_rows`) of a global batch of
+    ``batch_size`` rows (default: all of them, as with one process); every process passes
+    its own rows (``jax.make_array_from_process_local_data``).
+    """
     n = mesh.devices.size
-    if batch[0].shape[0] % n:
+    size = batch[0].shape[0] if batch_size is None else batch_size
+    if size % n:
         raise ValueError(
-            f"batch size {batch[0].shape[0]} is not divisible by the {n} devices of the mesh; "
+            f"batch size {size} is not divisible by the {n} devices of the mesh; "
             "pick a multiple, or --sharding none"
         )
-    sharding = NamedSharding(mesh, P(AXIS) if n > 1 else P())
-    return tuple(jax.device_put(x, sharding) for x in batch)  # type: ignore[return-value]
+    sharding = batch_sharding(mesh)
+    inputs, targets = (jax.make_array_from_process_local_data(
+        sharding, x, (size, *x.shape[1:])) for x in batch)
+    return inputs, targets

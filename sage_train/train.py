@@ -1,8 +1,10 @@
 """Pretrain a Flax NNX LLaMA with any of the paper's eight optimizer configurations.
 
 One jitted train step with donated buffers over the (model, optimizer) state; data and
-fully-sharded-data parallelism over ``jax.make_mesh`` on every local device; verified orbax
-checkpoints that resume bit-identically (:mod:`sage_train.checkpoints`); a locked run
+fully-sharded-data parallelism over a mesh of every device of the job, on one process or
+several (:mod:`sage_train.distributed`: each process feeds its own rows of the same global
+batch, process 0 writes the run's files); verified orbax checkpoints that resume
+bit-identically, on any number of processes (:mod:`sage_train.checkpoints`); a locked run
 directory whose recorded settings, metrics and ``H_t`` history survive restarts
 (:mod:`sage_train.rundir`); a start header, a progress bar on a terminal or plain log lines
 elsewhere, JSONL metrics (and TensorBoard/W&B scalars where asked for:
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 import sage_optax
 from sage_optax import placement
@@ -39,10 +42,10 @@ from sage_optim.models import get_model_config
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_optim.table import format_bytes
 from sage_train import data as data_lib
-from sage_train import hf_convert, report, rundir
+from sage_train import distributed, hf_convert, report, rundir
 from sage_train.checkpoints import Checkpoints, state_is_finite
 from sage_train.diagnostics import DamperRecorder, embedding_damper
-from sage_train.errors import ConfigError, DataError, RunDirError
+from sage_train.errors import ConfigError, DataError, RunDirError, UserError
 from sage_train.model import (
     ATTENTIONS,
     LAYOUTS,
@@ -54,7 +57,13 @@ from sage_train.model import (
     loss_fn,
 )
 from sage_train.sharding import MODES as SHARDING_MODES
-from sage_train.sharding import make_mesh, mesh_platform, shard_batch, state_shardings
+from sage_train.sharding import (
+    local_rows,
+    make_mesh,
+    mesh_platform,
+    shard_batch,
+    state_shardings,
+)
 from sage_train.throughput import device_peak_tflops, flops_per_token, mfu
 
 
@@ -328,7 +337,7 @@ _STEP_CACHE: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[..., Any]]
 
 
 def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: bool,
-                 resolved: tuple[Any, ...] = ()
+                 resolved: tuple[Any, ...] = (), mesh: Any = None
                  ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """:func:`make_steps` for ``graphdef``, shared by every run with the same step fields.
 
@@ -336,14 +345,14 @@ def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: boo
     (the optimizer holds fresh closures), so the cache is keyed on the configuration instead:
     several seeds, a resumed run or the same configuration again compile once per process.
     ``resolved`` joins the key: what the step was traced with beyond ``cfg`` (the
-    implementations, which ``SAGE_KERNELS`` can change).
+    implementations, which ``SAGE_KERNELS`` can change), and ``mesh``.
     """
-    key = (*(getattr(cfg, f) for f in STEP_FIELDS), loss_chunk_tokens(cfg), vocab_size,
-           record_h, *resolved)
+    key = (tuple(getattr(cfg, f) for f in STEP_FIELDS), loss_chunk_tokens(cfg), vocab_size,
+           record_h, tuple(resolved), mesh)
     if key not in _STEP_CACHE:
         if len(_STEP_CACHE) >= 8:
             _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
-        _STEP_CACHE[key] = make_steps(graphdef, record_h, cfg.grad_accum)
+        _STEP_CACHE[key] = make_steps(graphdef, record_h, cfg.grad_accum, mesh)
     return _STEP_CACHE[key]
 
 
@@ -380,40 +389,51 @@ def loss_and_grads(model: Llama, inputs: jax.Array, targets: jax.Array,
     return total / grad_accum, grads
 
 
-def make_steps(graphdef: Any, record_h: bool, grad_accum: int = 1
+def make_steps(graphdef: Any, record_h: bool, grad_accum: int = 1, mesh: Any = None
                ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The jitted train step (state donated) and eval step over the split state.
 
     The train step returns the new state, ``(loss, gradient norm)`` (the global norm of
     the gradient before clipping) and SAGE's ``H_t`` of the embedding (``None`` unless
     ``record_h``); it accumulates ``grad_accum`` micro-batches (:func:`loss_and_grads`).
+    With a ``mesh``, what the host reads (the loss, the norm, ``H_t``) is replicated on
+    its devices, so that process 0 of a job of several reads it from its own devices.
     """
+    replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+    def host_side(x: Any) -> Any:
+        return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
 
     def train_step(state: Any, inputs: jax.Array, targets: jax.Array) -> Any:
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = loss_and_grads(model, inputs, targets, grad_accum)
         optimizer.update(model, grads)
         h = embedding_damper(optimizer, grads) if record_h else None
-        return nnx.state((model, optimizer)), (loss, optax.tree.norm(grads)), h
+        return (nnx.state((model, optimizer)), host_side((loss, optax.tree.norm(grads))),
+                host_side(h))
 
     def eval_step(state: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
         model, _ = nnx.merge(graphdef, state)
-        return loss_fn(model, inputs, targets)
+        return host_side(loss_fn(model, inputs, targets))
 
     return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
 
 
 def evaluate_loss(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh: Any,
-                  mode: str) -> float:
-    """Test loss: the mean loss over the fixed evaluation windows."""
-    return float(np.mean([float(eval_step(state, *shard_batch(b, mesh, mode)))
+                  mode: str, batch_size: int | None = None) -> float:
+    """Test loss: the mean loss over the fixed evaluation windows.
+
+    ``batches`` hold this process's rows of global batches of ``batch_size`` rows (default:
+    all rows, as with one process).
+    """
+    return float(np.mean([float(eval_step(state, *shard_batch(b, mesh, mode, batch_size)))
                           for b in batches]))
 
 
 def evaluate(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh: Any,
-             mode: str) -> float:
+             mode: str, batch_size: int | None = None) -> float:
     """Test perplexity: exp of the mean loss over the fixed evaluation windows."""
-    return float(math.exp(evaluate_loss(eval_step, state, batches, mesh, mode)))
+    return float(math.exp(evaluate_loss(eval_step, state, batches, mesh, mode, batch_size)))
 
 
 def peak_memory_bytes() -> int | None:
@@ -595,21 +615,52 @@ def data_fingerprint(tokens: data_lib.TokenData) -> str:
     return h.hexdigest()[:16]
 
 
-def _load_tokens(cfg: TrainConfig, exclude: Sequence[Any] = ()
+def _load_tokens(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | None = None
                  ) -> tuple[data_lib.TokenData, list[Any]]:
     """The tokens and the evaluation batches; every data problem as a :class:`DataError`.
 
     Folders in ``exclude`` (the run directories) are never read as part of a text corpus.
+    ``rows``: this process's rows of each evaluation batch (default: all).
     """
     try:
         tokens = data_lib.load_data(cfg.data, vocab_size=get_model_config(cfg.model).vocab_size,
                                     token_dtype=cfg.token_dtype, exclude=exclude)
-        data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+        data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rows=rows)
         eval_set = data_lib.eval_batches(tokens.test, cfg.batch_size, cfg.seq_len,
-                                         cfg.eval_batches)
+                                         cfg.eval_batches, rows=rows)
     except (OSError, ValueError, TypeError) as e:
         raise DataError(f"data {cfg.data or 'stdlib'!r}: {e}") from e
     return tokens, eval_set
+
+
+def load_tokens_once(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | None = None
+                     ) -> tuple[data_lib.TokenData, list[Any]]:
+    """:func:`_load_tokens` for every process of a job, the token cache built once.
+
+    Process 0 loads first (training the tokenizer and writing the cache where it is
+    missing); the others then load it from the cache (on hosts that share no cache, each
+    builds its own, with the same result: the tokenizer's training is deterministic).
+    A data problem on any process stops every process (:class:`~distributed.together`),
+    and so does data that differs between them (the fingerprints are compared).
+    """
+    if distributed.process_count() == 1:
+        return _load_tokens(cfg, exclude, rows)
+    loaded: tuple[data_lib.TokenData, list[Any]] | None = None
+    problem: UserError | None = None
+    for turn in ("primary", "others"):
+        if (turn == "primary") == distributed.is_primary():
+            try:
+                loaded = _load_tokens(cfg, exclude, rows)
+            except UserError as e:
+                problem = e
+        if turn == "primary":
+            distributed.barrier("sage-train: the token cache is built")
+    with distributed.together("to load the data"):
+        if problem is not None:
+            raise problem
+    assert loaded is not None
+    distributed.same_everywhere(data_fingerprint(loaded[0]), "the data's fingerprint")
+    return loaded
 
 
 PREEMPT_SIGNALS: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
@@ -727,7 +778,9 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"cannot create the run directory {run_dir}: {e.strerror}") from e
-    primary = jax.process_index() == 0
+    primary = distributed.is_primary()
+    if not primary:
+        log = _quiet  # process 0 logs the run; the others log their own errors (raised)
     lock: Any = rundir.RunLock(run_dir) if primary and not locked else contextlib.nullcontext()
     with lock:
         if getattr(lock, "stale", None):
@@ -735,6 +788,10 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
         opts = _Options(stop_after, allow_config_change, restart, stop,
                         (run_dir, *data_exclude))
         return _train_locked(cfg, run_dir, opts, log)
+
+
+def _quiet(message: str) -> None:
+    """The log of a process other than process 0 of a job: nothing (process 0 logs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -806,27 +863,33 @@ def _check_carry(run_dir: pathlib.Path, changed: dict[str, Any], ckpts: Checkpoi
 
 def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, opts: _Options,
                   log: Callable[[str], None]) -> RunResult:
-    recorded = _recorded_settings(cfg, run_dir, opts.allow_change, log)
-    if recorded is not None:
-        cfg = _legacy(cfg, recorded)
-    if cfg.deterministic and not enable_determinism():
-        log("--deterministic: JAX had already started its backend, so XLA's deterministic "
-            "GPU reductions apply only if XLA_FLAGS held --xla_gpu_deterministic_ops=true "
-            "before it did")
-    mesh = make_mesh(cfg.sharding)
-    impl = implementations(cfg, mesh)
-    settings = settings_of(cfg, impl)
-    changed = rundir.check_settings(run_dir, recorded, settings, opts.allow_change)
-    ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
-    _check_carry(run_dir, changed, ckpts)
-    ckpts.prepare()
-    tokens, eval_set = _load_tokens(cfg, opts.data_exclude)
-    settings["data_fingerprint"] = data_fingerprint(tokens)
-    changed |= rundir.check_settings(run_dir, recorded, settings, opts.allow_change,
-                                     ("data_fingerprint",))
-    ckpts.settings = settings
-    if cfg.init_from_hf is not None:
-        _check_hf_tokenizer(cfg, tokens)
+    # in a job, the checks run on every process and fail on all of them or on none
+    with distributed.together("to check the run"):
+        recorded = _recorded_settings(cfg, run_dir, opts.allow_change, log)
+        if recorded is not None:
+            cfg = _legacy(cfg, recorded)
+        if cfg.deterministic and not enable_determinism():
+            log("--deterministic: JAX had already started its backend, so XLA's "
+                "deterministic GPU reductions apply only if XLA_FLAGS held "
+                "--xla_gpu_deterministic_ops=true before it did")
+        mesh = make_mesh(cfg.sharding)
+        impl = implementations(cfg, mesh)
+        settings = settings_of(cfg, impl)
+        changed = rundir.check_settings(run_dir, recorded, settings, opts.allow_change)
+        rows = local_rows(mesh, cfg.batch_size)  # this process's rows of every batch
+        ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
+        _check_carry(run_dir, changed, ckpts)
+        ckpts.prepare()
+    ckpts.check_shared()
+    tokens, eval_set = load_tokens_once(cfg, opts.data_exclude, rows)
+    with distributed.together("to check the data"):
+        settings["data_fingerprint"] = data_fingerprint(tokens)
+        settings.update(tokens.info)  # --data installed: corpus_fingerprint, corpus_tokens
+        changed |= rundir.check_settings(run_dir, recorded, settings, opts.allow_change,
+                                         ("data_fingerprint",))
+        ckpts.settings = settings
+        if cfg.init_from_hf is not None:
+            _check_hf_tokenizer(cfg, tokens)
     model, optimizer = build(cfg, tokens.vocab_size)
     graphdef, state = nnx.split((model, optimizer))
     state = jax.device_put(state, state_shardings(state, mesh, cfg.sharding))
@@ -845,7 +908,7 @@ def _train_locked(cfg: TrainConfig, run_dir: pathlib.Path, opts: _Options,
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(ckpts.close)
         return _run(cfg, run_dir, ckpts, settings, changed, tokens, eval_set, graphdef, state,
-                    mesh, opt_bytes, opts, saved_as, log, init, cleanup)
+                    mesh, opt_bytes, opts, saved_as, log, init, cleanup, rows)
 
 
 def header(cfg: TrainConfig, run_dir: pathlib.Path, settings: dict[str, Any],
@@ -896,7 +959,8 @@ def header(cfg: TrainConfig, run_dir: pathlib.Path, settings: dict[str, Any],
                    + (f"in chunks of {chunk} tokens)" if chunk else "unchunked)")),
         ("attention", f"{impl.attention} ({impl.attention_why})"),
         ("sinkgd kernel", f"{impl.sinkgd_kernel or '-'} ({impl.sinkgd_kernel_why})"),
-        ("devices", f"{impl.devices} {impl.platform} (sharding {cfg.sharding})"),
+        ("devices", f"{impl.devices} {impl.platform} (sharding {cfg.sharding}"
+                    + (f"; {distributed.describe_job()})" if distributed.joined() else ")")),
         ("data", f"{tokens.source}: {len(tokens.train):,} train and {len(tokens.test):,} test "
                  "tokens"),
         ("length", f"{cfg.steps:,} steps ({cfg.steps * cfg.batch_size * cfg.seq_len:,} "
@@ -1024,8 +1088,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
          changed: dict[str, Any], tokens: data_lib.TokenData, eval_set: list[Any],
          graphdef: Any, state: Any, mesh: Any, opt_bytes: int, opts: _Options,
          saved_as: Any, log: Callable[[str], None], init: Callable[[Any], Any] | None,
-         cleanup: contextlib.ExitStack) -> RunResult:
-    stop, stop_after = opts.stop, opts.stop_after
+         cleanup: contextlib.ExitStack, my_rows: slice | None = None) -> RunResult:
+    stop_after = opts.stop_after
+    poll = distributed.StopPoll(opts.stop)  # the same stops on every process of a job
     restored = ckpts.restore_latest(saved_as if saved_as is not None else state,
                                     restart=opts.restart)
     start, progress = 0, {}
@@ -1044,16 +1109,16 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
         state = init(state)
         log(f"initial weights from the Hugging Face checkpoint {cfg.init_from_hf}")
     if start > cfg.steps:
-        raise RunDirError(
+        raise distributed.everywhere(RunDirError(
             f"steps={cfg.steps} is below the newest checkpoint of {run_dir} (step {start}); "
-            f"pass --steps {start} or more, or use another --run-dir")
+            f"pass --steps {start} or more, or use another --run-dir"))
     if start == cfg.steps:
         log(f"{run_dir} is complete (step {start} of {cfg.steps}): nothing to train")
         return _complete(cfg, run_dir, opt_bytes)
-    if stop is not None and (signal_name := stop()) is not None:
+    if (signal_name := poll.now()) is not None:
         return RunResult(cfg, start, [], None, opt_bytes, 0.0, start_step=start,
                          interrupted=signal_name)
-    primary = jax.process_index() == 0  # with several hosts, one writes the history
+    primary = distributed.is_primary()  # in a job of several processes, one writes
     rows = []
     trackers = None
     if primary:
@@ -1074,11 +1139,12 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     recorder = DamperRecorder(run_dir / "damper_h.npz", cfg.record_h_every, cfg.h_max_records,
                               start_step=start, log=log) if record_h and primary else None
     train_step, eval_step = cached_steps(cfg, tokens.vocab_size, graphdef, record_h,
-                                         (settings["attention"], settings["sinkgd_kernel"]))
+                                         (settings["attention"], settings["sinkgd_kernel"]),
+                                         mesh)
     sched = lr_schedule(cfg)
     losses: list[float] = []
     stream = data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed,
-                              start_step=start)
+                              start_step=start, rows=my_rows)  # this process's rows
     end = cfg.steps if stop_after is None else max(start, min(cfg.steps, stop_after))
     bar = _progress(start, cfg.steps, cfg.progress)
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -1097,13 +1163,17 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     pending: list[tuple[int, Any, Any]] = []  # (step, (loss, grad norm), H_t) on the device
     interrupted: str | None = None
     for step in range(start, end):
-        inputs, targets = shard_batch(next(stream), mesh, cfg.sharding)
+        inputs, targets = shard_batch(next(stream), mesh, cfg.sharding, cfg.batch_size)
         state, loss, h = train_step(state, inputs, targets)  # loss: (loss, grad norm)
         done = step + 1
         keep_h = recorder is not None and done % cfg.record_h_every == 0
         pending.append((done, loss, h if keep_h else None))
         evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
-        signal_name = stop() if stop is not None else None
+        # the host syncs of the schedule: the same steps on every process of a job, where
+        # the signals one of them received are agreed
+        scheduled = (done % cfg.log_every == 0 or evaluate_now or done == end
+                     or done % cfg.checkpoint_every == 0 or step == start)
+        signal_name = poll(done, scheduled)
         if signal_name is not None and signal_name not in PREEMPT_SIGNALS:
             interrupted = signal_name  # Ctrl-C: stop now (the newest checkpoint stays)
             break
@@ -1158,7 +1228,8 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
         test_loss = None
         if evaluate_now:
             t_eval = _clock()
-            test_loss = evaluate_loss(eval_step, state, eval_set, mesh, cfg.sharding)
+            test_loss = evaluate_loss(eval_step, state, eval_set, mesh, cfg.sharding,
+                                      cfg.batch_size)
             test_ppl = math.exp(test_loss)
             excluded += _clock() - t_eval
             record["test_loss"], record["test_ppl"] = test_loss, test_ppl

@@ -191,7 +191,7 @@ def test_sage_optim_needs_neither_framework():
     import_all("sage_optim")
     # the reproduction package and its JAX-free modules import without a framework too
     import sage_repro, sage_repro.paper, sage_repro.traffic, sage_repro.memory_report
-    import sage_repro.commands
+    import sage_repro.commands, sage_repro.sweep, sage_repro.sweep_report
     """, check_none_loaded=True)
     assert_ok(proc)
 
@@ -203,6 +203,7 @@ SCRIPTS = PROJECT["scripts"]
 MESSAGES = {
     "sage-memory": "sage-memory needs the [jax] extra: pip install 'sage-optim[jax]'",
     "sage-parity": "sage-parity needs the [jax,torch] extras: pip install 'sage-optim[jax,torch]'",
+    "sage-repro": "sage-repro needs the [train] extra: pip install 'sage-optim[train]'",
     "sage-train": "sage-train needs the [train] extra: pip install 'sage-optim[train]'",
 }
 
@@ -217,6 +218,7 @@ def test_every_script_has_a_message():
     ("sage-parity", JAX_SIDE),
     ("sage-train", JAX_SIDE),
     ("sage-train", ("tokenizers",)),
+    ("sage-repro", JAX_SIDE),
 ])
 def test_script_without_its_extra_prints_one_line(script, hidden):
     module, _, function = SCRIPTS[script].partition(":")

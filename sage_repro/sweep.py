@@ -1,0 +1,896 @@
+"""``sage-repro sweep``: the paper's comparison as configurations x seeds x learning rates.
+
+Every run is one invocation of the trainer (``python -m sage_train``) in its own run
+directory, ``OUT/runs/CONFIG/lrLR-seedSEED/MODEL-CONFIG``, under the paper's protocol
+(Section "Experimental Setup"): a cosine schedule after a 10% linear warmup, each
+configuration's β=(0.9, 0.99) and weight decay 0.01, an 8:2 train/test split, sequences of
+512 tokens (or the model's longest, if shorter) and about 130k tokens per step
+(256 x 512 = 131,072).  The model, data, length, batch, seeds, rates and configurations are
+options.
+
+* **Resumable.** Running the same command again skips every finished run (and every run
+  that diverged: its outcome is a result) without starting the trainer, and resumes every
+  unfinished one from its newest checkpoint (the trainer's own resume, bit-identical).
+  ``OUT/sweep.json`` records the protocol; a rerun under another one is refused.
+* **Learning-rate sweep.** With several rates (``--lrs``, or ``--lr-factors`` times each
+  configuration's paper rate) every configuration is trained at each; its best rate is the
+  one with the lowest mean final test perplexity among the rates at which every seed
+  finished (a rate at which a seed diverged is never best).
+* **Seeds at the best rate.** ``--best-seeds`` then trains these seeds at each
+  configuration's best rate (``--top K``: only the K best configurations).
+* **Report.** ``OUT/results.md`` and ``OUT/results.json``: per configuration, the mean and
+  standard deviation over seeds of the final test perplexity, peak memory, tokens/s and the
+  paper's effective throughput, beside the paper's 270M perplexity, with the tokens,
+  parameters, hardware, software and date; ``OUT/loss_vs_tokens.png`` (and
+  ``OUT/lr_sweep.png``).  :mod:`sage_repro.sweep_report` holds the definitions.
+
+Why a process per run rather than :func:`sage_train.cli.main` in this process: the device
+allocator's peak (the trainer's ``peak_memory_bytes``) is a high-water mark of the whole
+process that is never reset, so only one process per run measures each run's peak alone
+(and on the CPU the process's peak resident set, read from ``wait4``, is the only memory
+figure there is); a run that crashes or runs out of memory takes only itself down; and a
+GPU's memory is returned between runs.  The cost, starting Python and JAX and compiling the
+step once per run, is seconds against the minutes of a run at the paper's scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import pathlib
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sage_optim.models import MODELS, get_model_config
+from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
+from sage_repro import sweep_report as report
+from sage_repro.paper import PAPER_LR_GRID
+from sage_train.signals import StopSignals
+
+DEFAULT_OUT = pathlib.Path("runs/sweep")
+PAPER_SEQ_LEN = 512
+"""The paper's sequence length (Section "Experimental Setup")."""
+PAPER_TOKENS_PER_STEP = 256 * 512
+"""The paper's "global batch size of 130k tokens": 256 sequences of 512."""
+PAPER_REFERENCE = "lion-hybrid"
+"""The paper's baseline of the effective throughput (Appendix)."""
+STATE = "sweep.json"
+"""The sweep's record in ``OUT``: its protocol and its latest plan."""
+EXIT_PREEMPTED = 75
+EXIT_INTERRUPTED = 130
+
+
+class SweepError(Exception):
+    """A problem with what was asked: printed as one line, exit status 2."""
+
+
+# ---------------------------------------------------------------------------
+# protocol and plan
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """What every run of a sweep shares (the trainer's options, one value each).
+
+    ``b1``, ``b2``, ``weight_decay``: ``None`` keeps each configuration's own (the paper's
+    β=(0.9, 0.99) and 0.01; APOLLO's projected moments keep their β2=0.999).
+    ``trainer_args``: further ``sage-train`` options given to every run.
+    """
+
+    model: str
+    data: str | None
+    steps: int
+    batch_size: int
+    seq_len: int
+    eval_every: int
+    eval_batches: int
+    log_every: int
+    checkpoint_every: int
+    schedule: str = "cosine"
+    warmup_frac: float = 0.1
+    final_lr_frac: float = 0.1
+    clip: float = 1.0
+    b1: float | None = None
+    b2: float | None = None
+    weight_decay: float | None = None
+    trainer_args: tuple[str, ...] = ()
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens per optimizer step."""
+        return self.batch_size * self.seq_len
+
+    def trainer_argv(self, spec: RunSpec, group: pathlib.Path) -> list[str]:
+        """The ``sage-train`` options of one run (its ``--run-dir`` is ``group``)."""
+        argv = ["--model", self.model, "--optimizer", spec.config, "--lr", repr(spec.lr),
+                "--seed", str(spec.seed), "--steps", str(self.steps),
+                "--batch-size", str(self.batch_size), "--seq-len", str(self.seq_len),
+                "--schedule", self.schedule, "--warmup-frac", repr(self.warmup_frac),
+                "--final-lr-frac", repr(self.final_lr_frac), "--clip", repr(self.clip),
+                "--eval-every", str(self.eval_every), "--eval-batches", str(self.eval_batches),
+                "--log-every", str(self.log_every),
+                "--checkpoint-every", str(self.checkpoint_every),
+                "--run-dir", str(group), "--no-progress"]
+        if self.data is not None:
+            argv += ["--data", self.data]
+        for hp in ("b1", "b2", "weight_decay"):
+            value = getattr(self, hp)
+            if value is not None and (hp == "weight_decay" or has_hyperparameter(spec.config,
+                                                                                  hp)):
+                argv += [f"--{hp.replace('_', '-')}", repr(value)]
+        return argv + list(self.trainer_args)
+
+    def setup(self) -> dict[str, Any]:
+        """The protocol with what follows from it, for the report."""
+        return {**dataclasses.asdict(self), "trainer_args": list(self.trainer_args),
+                "tokens_per_step": self.tokens_per_step,
+                "tokens_per_run": self.steps * self.tokens_per_step,
+                "parameters": get_model_config(self.model).param_count(),
+                "data": self.data or "stdlib"}
+
+
+MANAGED: frozenset[str] = frozenset({
+    "--model", "--optimizer", "--lr", "--seed", "--steps", "--batch-size", "--seq-len",
+    "--schedule", "--warmup-frac", "--final-lr-frac", "--clip", "--eval-every",
+    "--eval-batches", "--log-every", "--checkpoint-every", "--run-dir", "--data", "--b1",
+    "--b2", "--weight-decay",
+})
+"""``sage-train`` options the sweep sets itself (refused after ``--``)."""
+
+_UNCOMPARED = ("checkpoint_every", "log_every")  # a rerun may change these
+
+
+def has_hyperparameter(config: str, hp: str) -> bool:
+    """Whether some rule of ``config`` takes ``hp`` (``sage-train`` refuses ``--b1`` else)."""
+    preset = get_preset(config)
+    return any(hp in RULE_DEFAULTS[preset.rule(kind).name] for kind in KINDS)
+
+
+def canonical_lr(lr: float) -> float:
+    """``lr`` rounded to 6 significant digits: one run directory per printed rate."""
+    return float(f"{lr:.6g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """One run: a configuration at a peak learning rate with a seed."""
+
+    config: str
+    lr: float
+    seed: int
+
+    def group(self, out: pathlib.Path) -> pathlib.Path:
+        """The directory given to the trainer as ``--run-dir`` (and the harness's records)."""
+        return out / "runs" / self.config / f"lr{self.lr:g}-seed{self.seed}"
+
+    def run_dir(self, out: pathlib.Path, model: str) -> pathlib.Path:
+        """The trainer's own run directory."""
+        return self.group(out) / f"{model}-{self.config}"
+
+    def label(self) -> str:
+        """``sage-hybrid lr 0.002 seed 1``."""
+        return f"{self.config} lr {self.lr:g} seed {self.seed}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a sweep trains.
+
+    Attributes:
+      configs: the configurations.
+      seeds: the seeds of every configuration at every rate (the sweep's seeds).
+      lrs: the rates of every configuration, or ``None`` to use ``lr_factors``.
+      lr_factors: rates as multiples of each configuration's paper rate.
+      best_seeds: seeds then trained at each configuration's best rate (``()``: none).
+      top: only the ``top`` best configurations get ``best_seeds`` (``None``: all).
+      reference: the effective throughput's baseline, a configuration or ``"slowest"``.
+    """
+
+    configs: tuple[str, ...]
+    seeds: tuple[int, ...]
+    lrs: tuple[float, ...] | None = None
+    lr_factors: tuple[float, ...] = (1.0,)
+    best_seeds: tuple[int, ...] = ()
+    top: int | None = None
+    reference: str = PAPER_REFERENCE
+
+    def rates(self, config: str) -> tuple[float, ...]:
+        """The rates ``config`` is trained at, in increasing order."""
+        if self.lrs is not None:
+            rates = self.lrs
+        else:
+            base = get_preset(config).learning_rate
+            rates = tuple(base * f for f in self.lr_factors)
+        return tuple(sorted({canonical_lr(lr) for lr in rates}))
+
+    def grid(self) -> list[RunSpec]:
+        """The first stage: every configuration at every rate with every seed.
+
+        Seeds are outermost, so that a partial sweep covers every configuration.
+        """
+        return [RunSpec(c, lr, s) for s in self.seeds for c in self.configs
+                for lr in self.rates(c)]
+
+
+def read_state(out: pathlib.Path) -> tuple[Protocol, Plan] | None:
+    """The protocol and plan recorded in ``OUT/sweep.json`` (``None``: no sweep there).
+
+    Raises:
+      SweepError: the file is damaged.
+    """
+    path = out / STATE
+    try:
+        data = json.loads(path.read_text())
+        protocol = Protocol(**{**data["protocol"],
+                               "trainer_args": tuple(data["protocol"]["trainer_args"])})
+        p = data["plan"]
+        plan = Plan(configs=tuple(p["configs"]), seeds=tuple(p["seeds"]),
+                    lrs=None if p["lrs"] is None else tuple(p["lrs"]),
+                    lr_factors=tuple(p["lr_factors"]), best_seeds=tuple(p["best_seeds"]),
+                    top=p["top"], reference=str(p["reference"]))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SweepError(f"{path} is damaged ({e}); move it away to start the record "
+                         "anew") from None
+    return protocol, plan
+
+
+def write_state(out: pathlib.Path, protocol: Protocol, plan: Plan) -> None:
+    """Record ``protocol`` and ``plan`` in ``OUT/sweep.json`` (atomically).
+
+    Raises:
+      SweepError: ``OUT`` holds a sweep of another protocol (every difference named).
+    """
+    from sage_train.rundir import atomic_write_text
+
+    recorded = read_state(out)
+    if recorded is not None:
+        old, new = dataclasses.asdict(recorded[0]), dataclasses.asdict(protocol)
+        diff = [f"{_option(k)} {old[k]!r} -> {new[k]!r}" for k in new
+                if k not in _UNCOMPARED and old.get(k) != new[k]]
+        if diff:
+            raise SweepError(f"{out / STATE} records a sweep under other settings: "
+                             f"{', '.join(diff)}; pass the same ones to continue it, or use "
+                             "another --out")
+    atomic_write_text(out / STATE, json.dumps(
+        {"protocol": dataclasses.asdict(protocol), "plan": dataclasses.asdict(plan),
+         "updated": _now()}, indent=2))
+
+
+def _option(field: str) -> str:
+    return "options after --" if field == "trainer_args" else f"--{field.replace('_', '-')}"
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------
+# what the run directories say
+# ---------------------------------------------------------------------------
+
+
+def read(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> report.RunRecord:
+    """The record of ``spec``'s run (:func:`sage_repro.sweep_report.read_run`)."""
+    return report.read_run(spec.config, spec.lr, spec.seed, spec.group(out),
+                           spec.run_dir(out, protocol.model), protocol.steps)
+
+
+def sweep_cells(out: pathlib.Path, protocol: Protocol, plan: Plan
+                ) -> dict[tuple[str, float], tuple[report.RunRecord, ...]]:
+    """Every ``(configuration, rate)`` of the first stage and its runs (the sweep's seeds)."""
+    return {(c, lr): tuple(read(out, protocol, RunSpec(c, lr, s)) for s in plan.seeds)
+            for c in plan.configs for lr in plan.rates(c)}
+
+
+def chosen_rates(plan: Plan, cells: dict[tuple[str, float], tuple[report.RunRecord, ...]]
+                 ) -> dict[str, float | None]:
+    """Each configuration's rate for the main table: its only rate, or its best."""
+    best = report.best_rates(cells)
+    return {c: (plan.rates(c)[0] if len(plan.rates(c)) == 1 else best.get(c))
+            for c in plan.configs}
+
+
+def ranked(plan: Plan, cells: dict[tuple[str, float], tuple[report.RunRecord, ...]],
+           rates: dict[str, float | None]) -> list[str]:
+    """The configurations with a usable rate, best mean final perplexity first."""
+    def score(config: str) -> float:
+        runs = cells[(config, rates[config])]  # type: ignore[index]
+        return sum(r.final_ppl or 0.0 for r in runs) / len(runs)
+
+    usable = [c for c in plan.configs if rates[c] is not None
+              and all(r.status == "finished" for r in cells[(c, rates[c])])]  # type: ignore
+    return sorted(usable, key=score)
+
+
+def second_stage(plan: Plan, cells: dict[tuple[str, float], tuple[report.RunRecord, ...]]
+                 ) -> tuple[list[RunSpec], list[str]]:
+    """The runs of ``--best-seeds`` and the configurations that get them."""
+    if not plan.best_seeds:
+        return [], []
+    rates = chosen_rates(plan, cells)
+    chosen = ranked(plan, cells, rates)[:plan.top]
+    specs = [RunSpec(c, rates[c], s) for s in plan.best_seeds for c in chosen  # type: ignore
+             if s not in plan.seeds]
+    return specs, chosen
+
+
+def summarize(out: pathlib.Path, protocol: Protocol, plan: Plan) -> report.Summary:
+    """The report of the sweep in ``out`` as its run directories stand."""
+    cells = sweep_cells(out, protocol, plan)
+    rates = chosen_rates(plan, cells)
+    _, chosen = second_stage(plan, cells)
+    eligible = ranked(plan, cells, rates)
+    rows = []
+    for config in plan.configs:
+        lr = rates[config]
+        if lr is None:
+            runs = tuple(r for (c, _), rs in cells.items() if c == config for r in rs)
+            parts = [f"{rate:g}: " + report.Row(config, rate, cells[(config, rate)]).ppl_cell()
+                     for rate in plan.rates(config)]
+            rows.append(report.Row(config, None, runs,
+                                   note="no rate at which every seed finished (" +
+                                   "; ".join(parts) + ")"))
+            continue
+        seeds = list(plan.seeds)
+        remark = ""
+        if plan.best_seeds:
+            if config in chosen:
+                seeds += [s for s in plan.best_seeds if s not in seeds]
+            elif config in eligible:
+                remark = f"not in the top {plan.top}: no --best-seeds"
+            else:
+                remark = "no --best-seeds: a seed at this rate did not finish"
+        runs = tuple(read(out, protocol, RunSpec(config, lr, s)) for s in seeds)
+        rows.append(report.Row(config, lr, runs, remark=remark))
+    reference = plan.reference
+    if reference != "slowest" and reference not in plan.configs:
+        reference = "slowest"
+    setup = protocol.setup()
+    setup["data_tokens"] = _data_tokens(out, protocol, plan)
+    return report.summarize(rows, cells, reference, setup)
+
+
+_DATA_LINE = re.compile(r"^data:\s+.*: ([\d,]+ train and [\d,]+ test tokens)$", re.M)
+
+
+def _data_tokens(out: pathlib.Path, protocol: Protocol, plan: Plan) -> str | None:
+    """The size of the data's splits, from the header of a trainer's log (where one ran)."""
+    for spec in plan.grid():
+        with contextlib.suppress(OSError):
+            with open(spec.group(out) / "train.log", "rb") as f:
+                head = f.read(1 << 16).decode(errors="replace")  # the header is at the top
+            match = _DATA_LINE.search(head)
+            if match:
+                return match.group(1)
+    return None
+
+
+def write_report(out: pathlib.Path, protocol: Protocol, plan: Plan) -> report.Summary:
+    """Write ``results.md``, ``results.json`` and the figures into ``out``; return the summary."""
+    from sage_train.rundir import atomic_write_text
+
+    summary = summarize(out, protocol, plan)
+    figures = []
+    if any(r.losses for row in summary.rows for r in row.runs):
+        figures.append(report.plot_loss_vs_tokens(summary, out / "loss_vs_tokens.png"))
+    if report.sweeps_rates(summary.cells) and any(
+            r.final_ppl is not None for runs in summary.cells.values() for r in runs):
+        figures.append(report.plot_lr_sweep(summary, out / "lr_sweep.png"))
+    atomic_write_text(out / "results.md", report.to_markdown(summary, figures))
+    atomic_write_text(out / "results.json",
+                      json.dumps(report.to_json(summary, figures), indent=2) + "\n")
+    return summary
+
+
+# ---------------------------------------------------------------------------
+# running the trainer
+# ---------------------------------------------------------------------------
+
+
+_PROBE = """\
+import json, jax
+d = jax.devices()
+print(json.dumps({"platform": d[0].platform, "device_kind": d[0].device_kind,
+                  "device_count": len(d)}))
+"""
+
+
+def environment() -> dict[str, Any]:
+    """The hardware and software the runs use, for the report.
+
+    The devices are asked in a short child process (importing JAX here would start a
+    backend in the harness, which on a GPU takes memory from the runs).
+    """
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                              env=env, timeout=300, check=False)
+        found = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {}
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        found = {}
+    versions = {"python": platform.python_version()}
+    for dist in ("sage-optim", "jax", "jaxlib", "flax", "optax", "numpy"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            versions[dist] = importlib.metadata.version(dist)
+    return {**found, "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "versions": versions}
+
+
+def _cpu_model() -> str | None:
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or None
+
+
+COMPILE_CACHE = "xla_cache"
+"""JAX's persistent compilation cache of a sweep's runs, in ``OUT`` (unless the environment
+names one: ``JAX_COMPILATION_CACHE_DIR``)."""
+
+
+def child_environment(out: pathlib.Path) -> dict[str, str]:
+    """The trainer's environment: this one, with JAX's persistent compilation cache in ``out``.
+
+    Seeds (and resumed runs) of a configuration at one rate compile the same step, which
+    the cache then compiles once per sweep.  Compilation is outside every figure of the
+    report (the trainer's clock starts after the first step), so the cache changes no
+    result, only the sweep's wall time.  A ``JAX_COMPILATION_CACHE_DIR`` already set is kept.
+    """
+    env = dict(os.environ)
+    if "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = str((out / COMPILE_CACHE).absolute())
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return env
+
+
+class Signals(StopSignals):
+    """The harness's signals while it runs the trainer (:class:`~sage_train.signals.StopSignals`).
+
+    SIGTERM and SIGUSR1 (a preemption) are also passed on to the running trainer, which
+    saves a checkpoint of the step reached and exits with status 75; the sweep then stops.
+    SIGINT (Ctrl-C, which the terminal sends to the trainer too) stops the sweep once the
+    trainer has stopped; a second one exits at once.  Calling the object names the first
+    signal received.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child: int | None = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        super()._handle(signum, frame)
+        if signum != signal.SIGINT and self.child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one invocation of the trainer did for a run."""
+
+    action: str  # "skipped", "started" or "resumed"
+    outcome: str  # "finished", "diverged", "failed", "stopped" (a signal), or as skipped
+    detail: str = ""
+    returncode: int | None = None
+
+
+def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signals,
+            env: Callable[[], dict[str, Any]]) -> Outcome:
+    """Train (or resume) one run in a child process, unless it finished or diverged.
+
+    The trainer's output goes to ``train.log`` and ``train.err`` beside the run directory;
+    the invocation is recorded in ``sweep.jsonl`` (its outcome, the child's peak resident
+    set, the hardware and software).
+
+    Raises:
+      SweepError: the trainer refused the run (exit status 2: its one-line reason).
+    """
+    before = read(out, protocol, spec)
+    if before.status in ("finished", "diverged"):
+        return Outcome("skipped", before.status, before.describe())
+    group = spec.group(out)
+    group.mkdir(parents=True, exist_ok=True)
+    action = "resumed" if before.step_reached else "started"
+    cmd = [sys.executable, "-m", "sage_train", *protocol.trainer_argv(spec, group)]
+    info = env()
+    if signals() is not None:  # arrived while the devices were asked: start nothing
+        return Outcome("skipped", "stopped", f"not started: {signals()}")
+    log, err = group / "train.log", group / "train.err"
+    offset = err.stat().st_size if err.exists() else 0
+    started, t0 = _now(), time.monotonic()
+    with open(log, "ab") as out_f, open(err, "ab") as err_f:
+        out_f.write(f"# sage-repro sweep, {started}: {shlex.join(cmd)}\n".encode())
+        out_f.flush()
+        proc = subprocess.Popen(cmd, stdout=out_f, stderr=err_f, env=child_environment(out))
+        signals.child = proc.pid
+        if (name := signals()) in ("SIGTERM", "SIGUSR1"):  # arrived as it started
+            os.kill(proc.pid, getattr(signal, str(name)))
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            signals.child = None
+    rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    stderr = err.read_bytes()[offset:].decode(errors="replace")
+    after = read(out, protocol, spec)
+    last_line = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
+    step: int | None = None
+    if rc == 0 and after.status == "finished":
+        outcome, detail = "finished", ""
+    elif rc == 1 and (stop := report.stop_reason(spec.config, stderr)) is not None:
+        outcome, (detail, step) = "diverged", stop
+    elif rc in (EXIT_PREEMPTED, EXIT_INTERRUPTED) or rc < 0:
+        outcome, detail = "stopped", last_line or f"exit status {rc}"
+    else:
+        outcome, detail = "failed", last_line or f"exit status {rc}"
+        step = after.step_reached
+    record = {"started": started, "ended": _now(), "action": action,
+              "start_step": before.step_reached, "end_step": after.step_reached,
+              "returncode": rc, "outcome": outcome, "reason": detail, "step": step,
+              "wall_s": round(time.monotonic() - t0, 3),
+              "max_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
+              "environment": info, "argv": cmd[1:]}
+    from sage_train.rundir import append_line
+
+    append_line(group / report.SEGMENTS, json.dumps(record))
+    if rc == 2:
+        raise SweepError(f"the trainer refused {spec.label()}: {last_line} (log: {err})")
+    return Outcome(action, outcome, detail, rc)
+
+
+def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], signals: Signals,
+            env: Callable[[], dict[str, Any]], say: Callable[[str], None]) -> list[Outcome]:
+    """Run ``specs`` in order, one line each; stop at the first signal."""
+    outcomes = []
+    for i, spec in enumerate(specs, 1):
+        if signals.received is not None:
+            break
+        where = f"[{i}/{len(specs)}] {spec.label()}"
+        before = read(out, protocol, spec)
+        if before.status not in ("finished", "diverged"):
+            doing = (f"resuming at step {before.step_reached}" if before.step_reached else
+                     "training")
+            say(f"{where}: {doing} (log: {spec.group(out) / 'train.log'})")
+        result = run_one(out, protocol, spec, signals, env)
+        outcomes.append(result)
+        record = read(out, protocol, spec)
+        if result.action == "skipped":
+            say(f"{where}: {result.detail}, skipped")
+        elif result.outcome == "finished":
+            say(f"{where}: finished, test ppl {record.final_ppl:.2f}, "
+                f"{record.tokens_per_s or 0:,.0f} tokens/s")
+        else:
+            say(f"{where}: {result.outcome}: {result.detail}")
+        if result.outcome == "stopped":
+            break
+    return outcomes
+
+
+# ---------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (usage is in ``--help``), exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Print ``message`` as one line and exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where an option has one and its help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str
+             ) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)``, refused unless ``ok`` (naming ``what`` it must be)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_COUNT = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_SEED = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_RATE = _checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+_FRACTION = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+_FINITE = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``sage-repro`` parser (subcommands ``sweep`` and ``report``)."""
+    p = _Parser(prog="sage-repro", description="The SAGE paper's comparison, reproduced: "
+                "configurations x seeds x learning rates (see docs/reproduce.md).")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    s = sub.add_parser("sweep", help="train the sweep (resumable) and write its report",
+                       description="The paper's comparison as configurations x seeds x "
+                       "learning rates, each run resumable in its own run directory, under "
+                       "the paper's protocol (cosine schedule, 10%% warmup, 8:2 split, "
+                       "sequences of 512, 130k tokens per step); then OUT/results.md and "
+                       ".json and the figures.",
+                       formatter_class=_Formatter,
+                       epilog="Options after -- go to every sage-train run (for example "
+                       "-- --sharding none --remat dots). Exit status: 0 done (diverged runs "
+                       "are results), 1 a run failed, 2 invalid options or a refused run, "
+                       "75 preempted (SIGTERM/SIGUSR1: the running trainer saved a "
+                       "checkpoint), 130 interrupted; rerun the same command to resume.")
+    s.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                   help="the sweep's directory: runs, results.md, results.json, figures")
+    s.add_argument("--model", default="small", choices=list(MODELS), help="LLaMA size")
+    s.add_argument("--data", default=None,
+                   help="sage-train --data (a text folder or file, a token file, or a corpus "
+                   "name such as installed); default: the trainer's, the standard library")
+    s.add_argument("--configs", nargs="+", default=list(CONFIG_NAMES), choices=CONFIG_NAMES,
+                   metavar="NAME", help="configurations: " + ", ".join(CONFIG_NAMES))
+    s.add_argument("--seeds", nargs="+", type=_SEED, default=[0, 1, 2],
+                   help="seeds of every configuration at every rate")
+    rates = s.add_mutually_exclusive_group()
+    rates.add_argument("--lrs", nargs="+", type=_RATE,
+                       help="peak learning rates of every configuration (the paper's grid: "
+                       f"{' '.join(f'{x:g}' for x in PAPER_LR_GRID)}); default: each "
+                       "configuration's paper rate")
+    rates.add_argument("--lr-factors", nargs="+", type=_RATE,
+                       help="peak learning rates as multiples of each configuration's paper "
+                       "rate (0.5 1 2: a short sweep around it)")
+    s.add_argument("--best-seeds", nargs="+", type=_SEED, default=None,
+                   help="then train these seeds at each configuration's best rate")
+    s.add_argument("--top", type=_COUNT, default=None,
+                   help="with --best-seeds: only the TOP configurations of lowest perplexity")
+    s.add_argument("--reference", default=None, choices=[*CONFIG_NAMES, "slowest"],
+                   metavar="NAME", help="the effective throughput's baseline (default: the paper's "
+                   f"{PAPER_REFERENCE} where it is swept, else slowest: the highest mean "
+                   "final perplexity)")
+    length = s.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=_COUNT,
+                        help="optimizer steps of every run")
+    length.add_argument("--tokens", type=_COUNT,
+                        help="training tokens of every run (rounded down to whole steps)")
+    batch = s.add_mutually_exclusive_group()
+    batch.add_argument("--tokens-per-step", type=_COUNT,
+                       default=PAPER_TOKENS_PER_STEP,
+                       help="tokens per step, a multiple of --seq-len (the paper: 130k)")
+    batch.add_argument("--batch-size", type=_COUNT,
+                       help="sequences per step (instead of --tokens-per-step)")
+    s.add_argument("--seq-len", type=_COUNT, default=None,
+                   help=f"tokens per sequence (default: {PAPER_SEQ_LEN}, or the model's "
+                   "longest if shorter)")
+    s.add_argument("--warmup-frac", type=_FRACTION, default=0.1,
+                   help="fraction of the steps in linear warmup")
+    s.add_argument("--final-lr-frac", type=_FRACTION, default=0.1,
+                   help="the cosine's final rate as a fraction of the peak")
+    s.add_argument("--clip", type=_FINITE, default=1.0,
+                   help="global-norm gradient clipping (0: off)")
+    for hp, paper, kind in (("b1", "0.9", _FRACTION), ("b2", "0.99", _FRACTION),
+                            ("weight-decay", "0.01", _FINITE)):
+        s.add_argument(f"--{hp}", type=kind, default=None,
+                       help=f"every rule's {hp} (default: each configuration's, the "
+                       f"paper's {paper})")
+    s.add_argument("--eval-every", type=_COUNT, default=None,
+                   help="steps between test evaluations (default: steps/40): the "
+                   "resolution of the effective throughput")
+    s.add_argument("--eval-batches", type=_COUNT, default=4,
+                   help="batches of the fixed test windows per evaluation")
+    s.add_argument("--log-every", type=_COUNT, default=None,
+                   help="steps between training-loss rows (default: steps/200)")
+    s.add_argument("--checkpoint-every", type=_COUNT,
+                   default=None, help="steps between checkpoints (default: steps/10)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="print the runs and their 6·N·D FLOPs, train nothing")
+    s.add_argument("--assume-tflops", type=_RATE, default=None,
+                   help="with --dry-run: the time at this many achieved TFLOP/s")
+    r = sub.add_parser("report", help="write the report of a sweep from its run directories",
+                       description="Rebuild OUT/results.md, results.json and the figures "
+                       "from what the runs recorded (also while a sweep is half done).")
+    r.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="the sweep's directory")
+    r.add_argument("--reference", default=None, choices=[*CONFIG_NAMES, "slowest"],
+                   metavar="NAME",
+                   help="the effective throughput's baseline (default: as the sweep said)")
+    return p
+
+
+def protocol_and_plan(args: argparse.Namespace, trainer_args: Sequence[str]
+                      ) -> tuple[Protocol, Plan]:
+    """The :class:`Protocol` and :class:`Plan` of ``sage-repro sweep``'s options.
+
+    Raises:
+      SweepError: inconsistent options (each message names the option).
+    """
+    model = get_model_config(args.model)
+    seq_len = args.seq_len or min(PAPER_SEQ_LEN, model.max_position_embeddings)
+    if seq_len > model.max_position_embeddings:
+        raise SweepError(f"--seq-len {seq_len} is longer than the {args.model} model's "
+                         f"{model.max_position_embeddings} positions")
+    if args.batch_size is not None:
+        batch = args.batch_size
+    elif args.tokens_per_step % seq_len:
+        raise SweepError(f"--tokens-per-step {args.tokens_per_step} is not a multiple of the "
+                         f"sequence length {seq_len} (--seq-len)")
+    else:
+        batch = args.tokens_per_step // seq_len
+    tokens_per_step = batch * seq_len
+    if args.steps is not None:
+        steps = args.steps
+    elif args.tokens is not None:
+        if args.tokens < tokens_per_step:
+            raise SweepError(f"--tokens {args.tokens:,} is less than one step of "
+                             f"{tokens_per_step:,} tokens")
+        steps = args.tokens // tokens_per_step
+    else:
+        raise SweepError("the length of each run is missing: give --steps N or --tokens N")
+    if args.top is not None and args.best_seeds is None:
+        raise SweepError("--top chooses the configurations that get --best-seeds: give "
+                         "--best-seeds too")
+    for flag in trainer_args:
+        name = flag.split("=", 1)[0]
+        if name in MANAGED:
+            raise SweepError(f"{name} after -- is set by sage-repro sweep itself: use its own "
+                             f"{name if name != '--lr' else '--lrs'} option")
+    eval_every = args.eval_every or max(1, steps // 40)
+    protocol = Protocol(
+        model=args.model, data=args.data, steps=steps, batch_size=batch, seq_len=seq_len,
+        eval_every=eval_every, eval_batches=args.eval_batches,
+        log_every=args.log_every or max(1, steps // 200),
+        checkpoint_every=args.checkpoint_every or max(1, steps // 10),
+        warmup_frac=args.warmup_frac, final_lr_frac=args.final_lr_frac, clip=args.clip,
+        b1=args.b1, b2=args.b2, weight_decay=args.weight_decay,
+        trainer_args=tuple(trainer_args))
+    configs = tuple(dict.fromkeys(args.configs))
+    reference = args.reference or (PAPER_REFERENCE if PAPER_REFERENCE in configs else "slowest")
+    if reference not in (*configs, "slowest"):
+        raise SweepError(f"--reference {reference} is not among --configs")
+    plan = Plan(configs=configs, seeds=tuple(dict.fromkeys(args.seeds)),
+                lrs=None if args.lrs is None else tuple(args.lrs),
+                lr_factors=tuple(args.lr_factors or (1.0,)),
+                best_seeds=tuple(dict.fromkeys(args.best_seeds or ())), top=args.top,
+                reference=reference)
+    return protocol, plan
+
+
+def dry_run(protocol: Protocol, plan: Plan, assume_tflops: float | None,
+            say: Callable[[str], None]) -> None:
+    """Print the runs of ``plan`` and their FLOPs (6·N·D), training nothing."""
+    grid = plan.grid()
+    n = get_model_config(protocol.model).param_count()
+    tokens = protocol.steps * protocol.tokens_per_step
+    flops = 6 * n * tokens
+    later = len([s for s in plan.best_seeds if s not in plan.seeds]) * min(
+        len(plan.configs), plan.top or len(plan.configs))
+    say(f"{len(grid)} runs of {protocol.model} ({n:,} parameters), each {protocol.steps:,} "
+        f"steps x {protocol.tokens_per_step:,} tokens = {tokens:,} tokens, "
+        f"6·N·D = {flops:.3g} FLOP")
+    for spec in grid:
+        say(f"  {spec.label()}")
+    if later:
+        say(f"then up to {later} runs of --best-seeds at the best rates")
+    total = flops * (len(grid) + later)
+    line = f"in all {len(grid) + later} runs, {total:.3g} FLOP"
+    if assume_tflops is not None:
+        line += (f": {total / (assume_tflops * 1e12) / 60:.1f} minutes at "
+                 f"{assume_tflops:g} TFLOP/s")
+    say(line)
+
+
+def _split_trainer_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``sage-repro``: run a sweep or rebuild its report; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, trainer_args = _split_trainer_args(argv)
+    args = build_parser().parse_args(own)
+    prog = f"sage-repro {args.command}"
+    if trainer_args and args.command != "sweep":
+        print(f"{prog}: error: options after -- are for sweep only", file=sys.stderr)
+        return 2
+    try:
+        if args.command == "report":
+            return _report(args)
+        return _sweep(args, trainer_args)
+    except SweepError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _report(args: argparse.Namespace) -> int:
+    state = read_state(args.out)
+    if state is None:
+        raise SweepError(f"--out {args.out} holds no sweep ({STATE} is missing)")
+    protocol, plan = state
+    if args.reference is not None:
+        if args.reference not in (*plan.configs, "slowest"):
+            raise SweepError(f"--reference {args.reference} is not among the sweep's "
+                             f"configurations ({', '.join(plan.configs)})")
+        plan = dataclasses.replace(plan, reference=args.reference)
+    _say(report.to_markdown(write_report(args.out, protocol, plan)))
+    return 0
+
+
+def _sweep(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    protocol, plan = protocol_and_plan(args, trainer_args)
+    if args.dry_run:
+        dry_run(protocol, plan, args.assume_tflops, _say)
+        return 0
+    out: pathlib.Path = args.out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SweepError(f"cannot create --out {out}: {e.strerror}") from e
+    write_state(out, protocol, plan)
+    env_cache: dict[str, Any] = {}
+
+    def env() -> dict[str, Any]:
+        if not env_cache:
+            env_cache.update(environment())
+        return env_cache
+
+    outcomes: list[Outcome] = []
+    signals = Signals()
+    with signals:
+        grid = plan.grid()
+        _say(f"sweep: {len(grid)} runs ({len(plan.configs)} configurations x "
+             f"{len(plan.seeds)} seeds x their rates) in {out}")
+        outcomes += run_all(out, protocol, grid, signals, env, _say)
+        if (plan.best_seeds and signals.received is None
+                and not any(o.outcome == "stopped" for o in outcomes)):
+            cells = sweep_cells(out, protocol, plan)
+            specs, chosen = second_stage(plan, cells)
+            rates = chosen_rates(plan, cells)
+            _say("best rates: " + ", ".join(
+                f"{c} {'-' if rates[c] is None else format(rates[c], 'g')}"
+                for c in plan.configs))
+            _say(f"--best-seeds: {len(specs)} runs for {', '.join(chosen) or 'no configuration'}")
+            outcomes += run_all(out, protocol, specs, signals, env, _say)
+    summary = write_report(out, protocol, plan)
+    _say(report.to_markdown(summary))
+    counts = {k: sum(o.action == k for o in outcomes) for k in ("started", "resumed", "skipped")}
+    _say(f"runs: {counts['started']} started, {counts['resumed']} resumed, {counts['skipped']} "
+         f"skipped (finished or diverged before); report: {out / 'results.md'}")
+    if signals.received is not None:
+        print(f"sage-repro sweep: stopped by {signals.received}; run the same command again to "
+              "resume", file=sys.stderr)
+        return EXIT_INTERRUPTED if signals.received == "SIGINT" else EXIT_PREEMPTED
+    stopped = [o for o in outcomes if o.outcome == "stopped"]
+    if stopped:
+        print(f"sage-repro sweep: a run was stopped ({stopped[0].detail}); run the same "
+              "command again to resume", file=sys.stderr)
+        return stopped[0].returncode if stopped[0].returncode in (
+            EXIT_PREEMPTED, EXIT_INTERRUPTED) else EXIT_INTERRUPTED
+    return 1 if any(o.outcome == "failed" for o in outcomes) else 0
+

@@ -1,0 +1,785 @@
+"""What a sweep's run directories say: each run's outcome, the table over seeds, the plots.
+
+:mod:`sage_repro.sweep` trains; this module only reads what the trainer and the harness
+wrote, so a report can be rebuilt at any time (``sage-repro report``), also while a sweep
+is half done.  Nothing here imports JAX; matplotlib is imported only to draw.
+
+**A run's outcome** (:func:`read_run`) comes from the trainer's ``metrics.jsonl`` and the
+harness's ``sweep.jsonl`` (one record per invocation of the trainer): *finished* (a row of
+the last step with its test perplexity), *diverged* (the trainer stopped on a NaN/Inf: its
+reason and step are recorded; or a non-finite loss or perplexity in the metrics),
+*unfinished* (stopped part way: a rerun resumes it), *failed* (the trainer exited with an
+error that is not a divergence) or *not started*.
+
+**The table** (:func:`summarize`): per configuration and rate, the mean and sample
+standard deviation over the finished seeds of the final test perplexity, peak memory,
+tokens/s and effective throughput, with a status naming every seed that diverged or did
+not finish, so that nothing is averaged silently or dropped.
+
+**Effective throughput** (the paper's Appendix, "Throughput Analysis and Metrics", after
+Scetbon et al.)::
+
+    T_eff(O) = N_base / T_O
+
+* ``P*``: the final test perplexity of the baseline (``--reference``; the paper's is
+  Lion-Hybrid, "which exhibited the slowest convergence"), the mean over its finished seeds
+  (the paper reports means over seeds).
+* ``N_base``: the training tokens the baseline needed to reach ``P*``: ``step x tokens per
+  step`` at the first evaluation where the baseline's mean test-perplexity curve (over its
+  seeds, at the evaluations all of them have) is at most ``P*``; its last evaluation unless
+  the curve rose at the end.
+* ``T_O``: the wall-clock seconds optimizer ``O`` needed to reach ``P*``: ``k_O`` is the first
+  evaluation where O's mean curve is at most ``P*``, and ``T_O,s`` the trainer's training
+  clock of seed ``s`` at step ``k_O`` (``elapsed_s`` in ``metrics.jsonl``: wall time from
+  the end of the first, compiling step, without evaluations, checkpoints and logging).
+* The table gives the mean and standard deviation over seeds of ``N_base / T_O,s``; ``-``
+  where O never reaches ``P*``.  Evaluations are discrete, so ``T_O`` is the time of the
+  first evaluation at or below ``P*`` (resolution: ``--eval-every`` steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sage_optim.table import format_bytes, format_markdown_table
+from sage_repro.paper import PAPER_TEST_PPL
+
+SEGMENTS = "sweep.jsonl"
+"""The harness's record of a run: one JSON line per invocation of the trainer, in the
+directory given to the trainer as ``--run-dir`` (the run's own directory is inside it)."""
+
+STATUSES: tuple[str, ...] = ("finished", "diverged", "unfinished", "failed", "not started")
+"""A run's possible outcomes (:attr:`RunRecord.status`)."""
+
+_STEP = re.compile(r"\bat step (\d+)\b")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalCurve:
+    """One run's evaluations: step, test perplexity and training seconds at that step."""
+
+    steps: tuple[int, ...]
+    ppl: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One run as its directory records it.
+
+    Attributes:
+      config, lr, seed: what was trained.
+      path: the trainer's run directory.
+      steps: the planned number of steps.
+      status: one of :data:`STATUSES`.
+      step_reached: the last step ``metrics.jsonl`` records (0: none).
+      evals: the test-perplexity evaluations.
+      losses: ``(step, training loss)`` rows.
+      tokens_per_s: the trainer's tokens/s over the whole run (its last row).
+      opt_state_bytes: the optimizer state's bytes.
+      peak_device_bytes: the device allocator's high-water mark (``None`` on the CPU).
+      peak_rss_bytes: the trainer process's peak resident set (largest over invocations).
+      stop_step: the step the run diverged (or failed) at, where known.
+      reason: the trainer's reason for stopping, or the failure's line.
+      environment: the hardware and software of the newest invocation.
+      dates: the first start and last end of the invocations (ISO 8601).
+    """
+
+    config: str
+    lr: float
+    seed: int
+    path: pathlib.Path
+    steps: int
+    status: str
+    step_reached: int = 0
+    evals: EvalCurve = EvalCurve((), (), ())
+    losses: tuple[tuple[int, float], ...] = ()
+    tokens_per_s: float | None = None
+    opt_state_bytes: int | None = None
+    peak_device_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    stop_step: int | None = None
+    reason: str = ""
+    environment: Mapping[str, Any] | None = None
+    dates: tuple[str, str] | None = None
+
+    @property
+    def final_ppl(self) -> float | None:
+        """The test perplexity of the last step, for a finished run (else ``None``)."""
+        return self.evals.ppl[-1] if self.status == "finished" else None
+
+    def describe(self) -> str:
+        """The outcome in a few words: ``diverged at step 40``, ``unfinished (step 3/8)``."""
+        if self.status == "diverged":
+            return "diverged" + (f" at step {self.stop_step}" if self.stop_step else "")
+        if self.status == "unfinished":
+            return f"unfinished (step {self.step_reached}/{self.steps})"
+        if self.status == "failed":
+            return f"failed at step {self.step_reached}/{self.steps}: {self.reason}"
+        return self.status
+
+
+def _number(x: Any) -> float | None:
+    return float(x) if isinstance(x, int | float) and not isinstance(x, bool) else None
+
+
+def read_segments(group: pathlib.Path) -> list[dict[str, Any]]:
+    """The harness's records of a run (``group/sweep.jsonl``), damaged lines skipped."""
+    try:
+        lines = (group / SEGMENTS).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def read_run(config: str, lr: float, seed: int, group: pathlib.Path, run_dir: pathlib.Path,
+             steps: int) -> RunRecord:
+    """The outcome and measurements of one run (see the module docstring).
+
+    Args:
+      config: the run's configuration.
+      lr: its peak learning rate.
+      seed: its seed.
+      group: the directory the harness gave the trainer as ``--run-dir`` (its
+        :data:`SEGMENTS` record is there).
+      run_dir: the trainer's run directory.
+      steps: the planned number of steps.
+    """
+    from sage_train.rundir import iter_metrics
+
+    rows = list(iter_metrics(run_dir)) if run_dir.is_dir() else []
+    segments = read_segments(group)
+    base = RunRecord(config, lr, seed, run_dir, steps, "not started")
+    evals = [r for r in rows if "test_ppl" in r]
+    losses = tuple((int(r["step"]), float(r["loss"])) for r in rows
+                   if _number(r.get("loss")) is not None)
+    peaks = [int(r["peak_memory_bytes"]) for r in rows
+             if _number(r.get("peak_memory_bytes")) is not None]
+    rss = [int(s["max_rss_bytes"]) for s in segments
+           if _number(s.get("max_rss_bytes")) is not None]
+    last = rows[-1] if rows else {}
+    record = dataclasses.replace(
+        base,
+        step_reached=int(last.get("step", 0)),
+        evals=EvalCurve(tuple(int(r["step"]) for r in evals),
+                        tuple(float(r["test_ppl"]) for r in evals),
+                        tuple(float(r.get("elapsed_s", math.nan)) for r in evals)),
+        losses=losses,
+        tokens_per_s=_number(last.get("tokens_per_s")),
+        opt_state_bytes=int(last["opt_state_bytes"]) if _number(
+            last.get("opt_state_bytes")) is not None else None,
+        peak_device_bytes=max(peaks) if peaks else None,
+        peak_rss_bytes=max(rss) if rss else None,
+        environment=next((s["environment"] for s in reversed(segments)
+                          if isinstance(s.get("environment"), dict)), None),
+        dates=(str(segments[0].get("started")), str(segments[-1].get("ended")))
+        if segments else None,
+    )
+    for r in rows:  # a non-finite loss or perplexity that was recorded
+        for key in ("loss", "test_ppl"):
+            value = _number(r.get(key))
+            if value is not None and not math.isfinite(value):
+                return dataclasses.replace(record, status="diverged", stop_step=int(r["step"]),
+                                           reason=f"{key} {value} at step {r['step']}")
+    outcome = segments[-1] if segments else {}
+    finished = bool(evals) and record.step_reached >= steps and evals[-1]["step"] >= steps
+    if outcome.get("outcome") == "diverged" and not finished:
+        return dataclasses.replace(record, status="diverged", stop_step=outcome.get("step"),
+                                   reason=str(outcome.get("reason", "")))
+    if finished:
+        return dataclasses.replace(record, status="finished")
+    if outcome.get("outcome") == "failed":
+        return dataclasses.replace(record, status="failed", stop_step=outcome.get("step"),
+                                   reason=str(outcome.get("reason", "")))
+    if rows or segments:
+        return dataclasses.replace(record, status="unfinished")
+    return record
+
+
+def stop_reason(config: str, stderr: str) -> tuple[str, int | None] | None:
+    """The reason ``sage-train`` gave for stopping ``config`` early, and its step.
+
+    ``sage-train`` ends a run stopped on a NaN/Inf (its loss, or its parameters or
+    optimizer state) with a line ``CONFIG: REASON`` on stderr and exit status 1; ``None``
+    where ``stderr`` holds no such line (another error).
+    """
+    lines = [ln[len(config) + 2:] for ln in stderr.splitlines() if ln.startswith(f"{config}: ")]
+    if not lines:
+        return None
+    match = _STEP.search(lines[-1])
+    return lines[-1].strip(), int(match.group(1)) if match else None
+
+
+# ---------------------------------------------------------------------------
+# effective throughput
+# ---------------------------------------------------------------------------
+
+
+def mean_curve(curves: Sequence[EvalCurve]) -> tuple[list[int], list[float]]:
+    """The steps every curve evaluated, and the mean test perplexity there."""
+    if not curves:
+        return [], []
+    common = sorted(set.intersection(*(set(c.steps) for c in curves)))
+    return common, [statistics.fmean(c.ppl[c.steps.index(s)] for c in curves) for s in common]
+
+
+def first_reaching(ppl: Sequence[float], target: float, values: Sequence[Any]) -> Any:
+    """``values`` at the first evaluation whose perplexity is at most ``target`` (or ``None``)."""
+    for p, v in zip(ppl, values, strict=True):
+        if p <= target:
+            return v
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The baseline of the effective throughput: ``P*`` and ``N_base`` (module docstring)."""
+
+    config: str
+    lr: float
+    ppl: float
+    step: int
+    tokens: int
+
+
+def baseline_target(config: str, lr: float, curves: Sequence[EvalCurve],
+                    tokens_per_step: int) -> Target | None:
+    """``P*`` (the mean final perplexity of ``curves``) and ``N_base`` (tokens to reach it)."""
+    steps, ppl = mean_curve(curves)
+    if not steps:
+        return None
+    target = statistics.fmean(c.ppl[-1] for c in curves)
+    step = first_reaching(ppl, target, steps)
+    if step is None:  # the seeds' last evaluations differ: the mean curve never gets there
+        return None
+    return Target(config, lr, target, step, step * tokens_per_step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Effective:
+    """``N_base / T_O,s`` per seed, and the evaluation step ``k_O`` where O reaches ``P*``."""
+
+    step: int | None
+    values: tuple[float, ...]
+
+
+def effective_throughput(curves: Sequence[EvalCurve], target: Target) -> Effective:
+    """Each seed's ``N_base / T_O,s`` (the module docstring's definition).
+
+    ``curves`` are the finished seeds of one optimizer at one rate.  ``step`` is ``None``
+    (and ``values`` empty) where their mean curve never reaches ``target.ppl``; a seed whose
+    clock reads 0 at that step (reached before the clock started) gives no value.
+    """
+    steps, ppl = mean_curve(curves)
+    step = first_reaching(ppl, target.ppl, steps)
+    if step is None:
+        return Effective(None, ())
+    seconds = [c.seconds[c.steps.index(step)] for c in curves]
+    return Effective(step, tuple(target.tokens / t for t in seconds if t > 0))
+
+
+# ---------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------
+
+
+def mean_sd(values: Sequence[float]) -> tuple[float | None, float | None]:
+    """The mean and the sample standard deviation (``n - 1``; ``None`` below two values)."""
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One configuration at one rate: its seeds' runs and what they add up to."""
+
+    config: str
+    lr: float | None
+    runs: tuple[RunRecord, ...]
+    note: str = ""  # replaces the status (e.g. "no rate at which every seed finished")
+    remark: str = ""  # added to the status (e.g. "not in the top 4: sweep seeds only")
+
+    @property
+    def finished(self) -> tuple[RunRecord, ...]:
+        """The runs that finished."""
+        return tuple(r for r in self.runs if r.status == "finished")
+
+    def status(self) -> str:
+        """``3/3 seeds finished``, or every seed that did not, named with its outcome."""
+        n, done = len(self.runs), len(self.finished)
+        parts = [f"{done}/{n} seeds finished"] if n else ["no runs"]
+        for status in STATUSES[1:]:
+            runs = [r for r in self.runs if r.status == status]
+            if runs:
+                parts.append("; ".join(f"seed {r.seed} {r.describe()}" for r in runs))
+        if self.note:
+            parts = [self.note]
+        return "; ".join(parts + ([self.remark] if self.remark else []))
+
+    def ppl_cell(self) -> str:
+        """Mean ± sd of the final test perplexity, or why there is none."""
+        values = [r.final_ppl for r in self.finished if r.final_ppl is not None]
+        if values:
+            return _pm(values, lambda x: f"{x:.2f}")
+        diverged = [r for r in self.runs if r.status == "diverged"]
+        if diverged:
+            first = min((r.stop_step for r in diverged if r.stop_step), default=None)
+            return "diverged" + (f" at step {first}" if first else "")
+        if any(r.status == "unfinished" for r in self.runs):
+            return "unfinished"
+        if any(r.status == "failed" for r in self.runs):
+            return "failed"
+        return "not run"
+
+
+def _pm(values: Sequence[float], fmt: Any) -> str:
+    mean, sd = mean_sd(values)
+    if mean is None:
+        return "-"
+    return fmt(mean) if sd is None else f"{fmt(mean)} ± {fmt(sd)}"
+
+
+def _bytes_pm(values: Sequence[int]) -> str:
+    mean, sd = mean_sd([float(v) for v in values])
+    if mean is None:
+        return "-"
+    text = format_bytes(int(mean))
+    if sd is None:
+        return text
+    unit = text.split()[-1]
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}[unit]
+    return f"{text} ± {sd / scale:.2f} {unit}"
+
+
+def peak_memory(run: RunRecord) -> tuple[int | None, str]:
+    """The run's peak memory and its source: the device's, else the host process's."""
+    if run.peak_device_bytes is not None:
+        return run.peak_device_bytes, "device"
+    return run.peak_rss_bytes, "host RSS"
+
+
+def best_rates(cells: Mapping[tuple[str, float], Sequence[RunRecord]]
+               ) -> dict[str, float | None]:
+    """Each configuration's best rate: the lowest mean final test perplexity.
+
+    Only a rate whose every seed finished is eligible: a rate at which a seed diverged (or
+    did not finish) is never best.  ``None`` for a configuration with no eligible rate.
+    """
+    best: dict[str, tuple[float, float] | None] = {}
+    for (config, lr), runs in cells.items():
+        best.setdefault(config, None)
+        if not runs or any(r.status != "finished" for r in runs):
+            continue
+        ppl = statistics.fmean(r.final_ppl or math.inf for r in runs)
+        current = best[config]
+        if math.isfinite(ppl) and (current is None or ppl < current[0]):
+            best[config] = (ppl, lr)
+    return {c: (None if b is None else b[1]) for c, b in best.items()}
+
+
+def pick_reference(rows: Sequence[Row], wanted: str) -> Row | None:
+    """The baseline row: ``wanted``'s, or with ``"slowest"`` the highest mean final perplexity.
+
+    Only rows with a finished seed count; ``None`` where there is none (or ``wanted`` has
+    none).
+    """
+    candidates = [r for r in rows if r.finished and r.lr is not None]
+    if wanted != "slowest":
+        return next((r for r in candidates if r.config == wanted), None)
+    return max(candidates, default=None,
+               key=lambda r: statistics.fmean(x.final_ppl or math.inf for x in r.finished))
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The report of a sweep, built by :func:`summarize`.
+
+    Attributes:
+      rows: the main table, one row per configuration (at its best or only rate).
+      cells: every ``(configuration, rate)`` of the learning-rate sweep and its runs
+        (the sweep seeds only).
+      best: each configuration's best rate (:func:`best_rates`), ``None`` where none.
+      target: ``P*`` and ``N_base`` of the effective throughput (``None``: no baseline).
+      reference: the baseline asked for (a configuration or ``"slowest"``).
+      effective: each row's effective throughput, by configuration.
+      setup: what every run shares (the protocol, tokens, parameters...).
+    """
+
+    rows: tuple[Row, ...]
+    cells: Mapping[tuple[str, float], tuple[RunRecord, ...]]
+    best: Mapping[str, float | None]
+    target: Target | None
+    reference: str
+    effective: Mapping[str, Effective]
+    setup: Mapping[str, Any]
+
+
+def summarize(rows: Sequence[Row], cells: Mapping[tuple[str, float], Sequence[RunRecord]],
+              reference: str, setup: Mapping[str, Any]) -> Summary:
+    """The effective throughput of every row against ``reference``, with the rows and cells.
+
+    ``setup`` must hold ``tokens_per_step``.
+    """
+    ref = pick_reference(rows, reference)
+    target = None if ref is None or ref.lr is None else baseline_target(
+        ref.config, ref.lr, [r.evals for r in ref.finished], int(setup["tokens_per_step"]))
+    effective = {}
+    if target is not None:
+        effective = {row.config: effective_throughput([r.evals for r in row.finished], target)
+                     for row in rows if row.finished}
+    best = best_rates(cells)
+    return Summary(tuple(rows), {k: tuple(v) for k, v in cells.items()}, best, target,
+                   reference, effective, dict(setup))
+
+
+def _effective_cell(summary: Summary, row: Row) -> str:
+    if summary.target is None:
+        return "-"
+    eff = summary.effective.get(row.config)
+    if eff is None or eff.step is None:
+        return f"never reaches {summary.target.ppl:.2f}" if row.finished else "-"
+    text = _pm(eff.values, lambda x: f"{x:,.0f}")
+    if len(eff.values) < len(row.finished):
+        text += f" ({len(eff.values)}/{len(row.finished)} seeds)"
+    return text
+
+
+def main_table(summary: Summary) -> str:
+    """The results table (markdown): one row per configuration."""
+    rows = []
+    sources = {peak_memory(r)[1] for row in summary.rows for r in row.finished
+               if peak_memory(r)[0] is not None}
+    for row in summary.rows:
+        finished = row.finished
+        peaks = [p for p, _ in map(peak_memory, finished) if p is not None]
+        state = next((r.opt_state_bytes for r in row.runs if r.opt_state_bytes is not None),
+                     None)
+        paper = PAPER_TEST_PPL["270m"].get(row.config)
+        memory = _bytes_pm(peaks)
+        if len(sources) > 1 and peaks:
+            memory += f" ({peak_memory(finished[0])[1]})"
+        rows.append([
+            row.config,
+            "-" if row.lr is None else f"{row.lr:g}",
+            f"{len(finished)}/{len(row.runs)}",
+            row.ppl_cell(),
+            "-" if paper is None else f"{paper:g}",
+            memory,
+            "-" if state is None else format_bytes(state),
+            _pm([r.tokens_per_s for r in finished if r.tokens_per_s is not None],
+                lambda x: f"{x:,.0f}"),
+            _effective_cell(summary, row),
+            row.status(),
+        ])
+    memory_head = "peak memory" + (f" ({sources.pop()})" if len(sources) == 1 else "")
+    headers = ["configuration", "lr", "seeds finished", "test ppl (mean ± sd)",
+               "paper 270M ppl", memory_head, "optimizer state", "tokens/s (mean ± sd)",
+               "effective tokens/s (mean ± sd)", "status"]
+    return format_markdown_table(headers, rows)
+
+
+def lr_table(summary: Summary) -> str:
+    """Final test perplexity per rate (rows) and configuration (columns), and the best rate."""
+    configs = list(dict.fromkeys(c for c, _ in summary.cells))
+    rates = sorted({lr for _, lr in summary.cells})
+    rows = []
+    for lr in rates:
+        line: list[Any] = [f"{lr:g}"]
+        for config in configs:
+            runs = summary.cells.get((config, lr))
+            line.append("" if runs is None else Row(config, lr, runs).ppl_cell())
+        rows.append(line)
+    rows.append(["best", *(_best_cell(summary, c) for c in configs)])
+    return format_markdown_table(["lr", *configs], rows)
+
+
+def sweeps_rates(cells: Mapping[tuple[str, float], Any]) -> bool:
+    """Whether some configuration of ``cells`` was trained at more than one rate."""
+    configs = [c for c, _ in cells]
+    return len(configs) > len(set(configs))
+
+
+def _best_cell(summary: Summary, config: str) -> str:
+    lr = summary.best.get(config)
+    if lr is None:
+        return "none finished"
+    rates = sorted(r for c, r in summary.cells if c == config)
+    edge = len(rates) > 1 and lr in (rates[0], rates[-1])
+    return f"**{lr:g}**" + (" (edge of the grid)" if edge else "")
+
+
+def setup_lines(summary: Summary) -> list[str]:
+    """The report's header: tokens, parameters, protocol, hardware, software, date."""
+    s = summary.setup
+    runs = [r for row in summary.rows for r in row.runs] + [
+        r for runs in summary.cells.values() for r in runs]
+    dates = sorted(d for r in runs if r.dates for d in r.dates if d and d != "None")
+    envs = {json.dumps(_hardware(r.environment), sort_keys=True): r.environment
+            for r in runs if r.environment}
+    hardware = "; ".join(_describe_hardware(e) for e in envs.values()) or "unknown (no run yet)"
+    software = "; ".join(sorted({_describe_software(e) for e in envs.values()})) or "unknown"
+    lines = [
+        f"generated {_now()}" + (f"; runs trained from {dates[0]} to {dates[-1]}"
+                                 if dates else ""),
+        f"model `{s['model']}`: {s['parameters']:,} parameters; data `{s['data']}`"
+        + (f": {s['data_tokens']}" if s.get("data_tokens") else ""),
+        f"each run: {s['steps']:,} steps x {s['tokens_per_step']:,} tokens ({s['batch_size']} "
+        f"sequences of {s['seq_len']}) = {s['steps'] * s['tokens_per_step']:,} training "
+        f"tokens; {s['schedule']} schedule, {s['warmup_frac']:.0%} warmup, final rate "
+        f"{s['final_lr_frac']:g} x peak; clipping {s['clip']:g}; " + _hyperparameters(s)
+        + f"; test perplexity every {s['eval_every']} steps on {s['eval_batches']} "
+        f"batch{'' if s['eval_batches'] == 1 else 'es'} of the held-out 20% (8:2 split)",
+        f"hardware: {hardware}" + (" (more than one: timings are not comparable across them)"
+                                   if len(envs) > 1 else ""),
+        f"software: {software}",
+    ]
+    if s.get("trainer_args"):
+        lines.append("trainer options added to every run: `" + " ".join(s["trainer_args"]) + "`")
+    t = summary.target
+    if t is not None:
+        lines.append(f"effective throughput: N_base / T_O against {t.config} (lr {t.lr:g}): "
+                     f"P* = {t.ppl:.2f}, its mean final test perplexity, reached after N_base "
+                     f"= {t.tokens:,} tokens (step {t.step})")
+    else:
+        lines.append(f"effective throughput: no finished run of the baseline "
+                     f"({summary.reference}) yet")
+    return lines
+
+
+def _hyperparameters(setup: Mapping[str, Any]) -> str:
+    given = {k: setup.get(k) for k in ("b1", "b2", "weight_decay")}
+    if all(v is None for v in given.values()):
+        return ("each configuration's b1, b2 and weight decay (the paper's 0.9, 0.99 and "
+                "0.01)")
+    return ", ".join(f"{k} {v:g}" if v is not None else f"{k} the configuration's"
+                     for k, v in given.items())
+
+
+def _hardware(env: Mapping[str, Any] | None) -> dict[str, Any]:
+    env = env or {}
+    return {k: env.get(k) for k in ("platform", "device_kind", "device_count", "cpu",
+                                     "cpu_count")}
+
+
+def _describe_hardware(env: Mapping[str, Any] | None) -> str:
+    h = _hardware(env)
+    cpu = f"{h['cpu'] or 'CPU'} ({h['cpu_count']} cores)"
+    if h["platform"] is None:
+        return f"{cpu}; devices unknown (JAX could not be asked)"
+    if h["platform"] == "cpu":
+        return f"{cpu}, no accelerator"
+    return f"{h['device_count']} x {h['device_kind']} ({h['platform']}); host {cpu}"
+
+
+def _describe_software(env: Mapping[str, Any] | None) -> str:
+    versions = (env or {}).get("versions") or {}
+    return ", ".join(f"{k} {v}" for k, v in versions.items())
+
+
+def _now() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def to_json(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> dict[str, Any]:
+    """The report as JSON-ready data (``None`` where a value is missing or not finite)."""
+    def num(x: float | None) -> float | None:
+        return x if x is not None and math.isfinite(x) else None
+
+    def stats(values: Sequence[float]) -> dict[str, Any]:
+        mean, sd = mean_sd(values)
+        return {"mean": num(mean), "sd": num(sd), "n": len(values)}
+
+    def run(r: RunRecord) -> dict[str, Any]:
+        peak, source = peak_memory(r)
+        return {"seed": r.seed, "lr": r.lr, "status": r.status, "outcome": r.describe(),
+                "final_test_ppl": num(r.final_ppl), "step_reached": r.step_reached,
+                "tokens_per_s": num(r.tokens_per_s), "peak_memory_bytes": peak,
+                "peak_memory_source": source if peak is not None else None,
+                "opt_state_bytes": r.opt_state_bytes, "path": str(r.path)}
+
+    rows = []
+    for row in summary.rows:
+        eff = summary.effective.get(row.config)
+        finished = row.finished
+        rows.append({
+            "config": row.config, "lr": row.lr, "status": row.status(),
+            "test_ppl": stats([r.final_ppl for r in finished if r.final_ppl is not None]),
+            "paper_270m_test_ppl": PAPER_TEST_PPL["270m"].get(row.config),
+            "peak_memory_bytes": stats([float(p) for p, _ in map(peak_memory, finished)
+                                        if p is not None]),
+            "tokens_per_s": stats([r.tokens_per_s for r in finished
+                                   if r.tokens_per_s is not None]),
+            "effective_tokens_per_s": None if eff is None else {
+                **stats(eff.values), "step": eff.step, "values": list(eff.values)},
+            "runs": [run(r) for r in row.runs],
+        })
+    return {
+        "generated": _now(),
+        "setup": dict(summary.setup),
+        "header": setup_lines(summary),
+        "reference": summary.reference,
+        "target": None if summary.target is None else dataclasses.asdict(summary.target),
+        "rows": rows,
+        "lr_sweep": [{"config": c, "lr": lr, "cell": Row(c, lr, runs).ppl_cell(),
+                      "runs": [run(r) for r in runs]}
+                     for (c, lr), runs in summary.cells.items()],
+        "best_lr": dict(summary.best),
+        "figures": [str(p) for p in figures],
+    }
+
+
+def to_markdown(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> str:
+    """The report as markdown: the setup, the main table, the rate sweep and the figures."""
+    title = (f"Sweep results: LLaMA {summary.setup['model']}, "
+             f"{len(summary.rows)} configurations")
+    parts = [f"# {title}", "", *(f"- {line}" for line in setup_lines(summary)), "",
+             "## Final test perplexity, memory and throughput", "", main_table(summary), "",
+             "Mean ± sample standard deviation over the seeds that finished; the status names "
+             "every seed that diverged or did not finish (never averaged in). Peak memory: the "
+             "device allocator's high-water mark on an accelerator; on the CPU, which reports "
+             "none, the trainer process's peak resident set, compilation included (a "
+             "run whose step came from the compilation cache compiled less). tokens/s: "
+             "training steps only "
+             "(compilation, evaluation and checkpoints excluded). The paper's column is its "
+             "270M model on 6.6B tokens of The Pile: a reference point, not the same "
+             "experiment.", ""]
+    if sweeps_rates(summary.cells):
+        parts += ["## Learning-rate sweep (final test perplexity)", "", lr_table(summary), "",
+                  "Best: the rate with the lowest mean final test perplexity among those at "
+                  "which every seed finished (a rate at which a seed diverged is never best); "
+                  "a best rate at the edge of its grid says that the grid should reach "
+                  "further.", ""]
+    if figures:
+        parts += ["## Figures", "", *(f"- `{p.name}`" for p in figures), ""]
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# figures
+# ---------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float) -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    return fig, FigureCanvasAgg(fig)
+
+
+def _band(points: Sequence[Sequence[tuple[float, float]]]
+          ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Mean, min and max at the x values every run has."""
+    tables = [dict(p) for p in points]
+    xs = sorted(set.intersection(*(set(t) for t in tables))) if tables else []
+    ys = [[t[x] for t in tables] for x in xs]
+    return xs, [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
+def plot_loss_vs_tokens(summary: Summary, path: pathlib.Path) -> pathlib.Path:
+    """Training loss and test perplexity against training tokens, one colour per row.
+
+    Each row's finished seeds give the mean line and a min-max band; a seed that diverged
+    or did not finish is a thin dashed line of its own (ending in ``x`` where it diverged),
+    never part of the band.  ``P*`` of the effective throughput is a dotted line.
+    """
+    tokens = int(summary.setup["tokens_per_step"])
+    fig, _ = _figure(12.0, 4.6)
+    loss_ax, ppl_ax = fig.subplots(1, 2)
+    for i, row in enumerate(summary.rows):
+        color = f"C{i % 10}"
+        finished = row.finished
+        label = f"{row.config}" + ("" if row.lr is None else f" lr {row.lr:g}")
+        label += f" ({len(finished)}/{len(row.runs)} seeds)"
+        for ax, series in ((loss_ax, lambda r: r.losses),
+                           (ppl_ax, lambda r: list(zip(r.evals.steps, r.evals.ppl,
+                                                       strict=True)))):
+            if finished:
+                xs, mean, lo, hi = _band([[(s * tokens, y) for s, y in series(r)]
+                                          for r in finished])
+                ax.plot(xs, mean, color=color, label=label)
+                if len(finished) > 1:
+                    ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0)
+            for r in row.runs:
+                if r.status == "finished" or not series(r):
+                    continue
+                pts = [(s * tokens, y) for s, y in series(r) if math.isfinite(y)]
+                if not pts:
+                    continue
+                ax.plot(*zip(*pts, strict=True), color=color, linewidth=0.8, linestyle="--",
+                        label=None if finished else label)
+                if r.status == "diverged":
+                    ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", color=color)
+    if summary.target is not None:
+        ppl_ax.axhline(summary.target.ppl, color="gray", linestyle=":", linewidth=1,
+                       label=f"P* = {summary.target.ppl:.2f} ({summary.target.config})")
+    loss_ax.set_ylabel("training loss")
+    ppl_ax.set_ylabel("test perplexity")
+    ppl_ax.set_yscale("log")
+    for ax in (loss_ax, ppl_ax):
+        ax.set_xlabel("training tokens")
+        ax.grid(True, which="both", alpha=0.3)
+    ppl_ax.legend(loc="upper right", fontsize="small")
+    fig.suptitle(f"LLaMA {summary.setup['model']}: mean over finished seeds, min-max band; "
+                 "dashed: diverged (x) or unfinished seeds", fontsize="medium")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def plot_lr_sweep(summary: Summary, path: pathlib.Path) -> pathlib.Path:
+    """Final test perplexity against the learning rate per configuration (log-log).
+
+    Mean over the rate's finished seeds with a bar of one standard deviation; a rate where
+    a seed diverged is an ``x`` at the top of the plot.
+    """
+    fig, _ = _figure(7.5, 4.6)
+    ax = fig.add_subplot()
+    configs = list(dict.fromkeys(c for c, _ in summary.cells))
+    top = max((r.final_ppl for runs in summary.cells.values() for r in runs
+               if r.final_ppl is not None), default=1.0)
+    for i, config in enumerate(configs):
+        color = f"C{i % 10}"
+        rates = sorted(lr for c, lr in summary.cells if c == config)
+        xs, ys, errs, bad = [], [], [], []
+        for lr in rates:
+            runs = summary.cells[(config, lr)]
+            values = [r.final_ppl for r in runs if r.final_ppl is not None]
+            if any(r.status == "diverged" for r in runs):
+                bad.append(lr)
+            if values:
+                mean, sd = mean_sd(values)
+                xs.append(lr)
+                ys.append(mean)
+                errs.append(sd or 0.0)
+        ax.errorbar(xs, ys, yerr=errs, color=color, marker="o", capsize=3, label=config)
+        if bad:
+            ax.plot(bad, [top * 1.5] * len(bad), color=color, marker="x", linestyle="none")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final test perplexity")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title("learning-rate sweep: mean ± sd over seeds; x at the top: a seed diverged",
+                 fontsize="medium")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

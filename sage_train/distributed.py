@@ -1,0 +1,425 @@
+"""``sage-train`` on several processes: JAX's multi-controller runtime, joined and kept in step.
+
+A job of several processes (one per host, or several on one host) is one
+``jax.distributed`` job: every process runs the same ``sage-train`` command, JAX joins them
+into one set of devices (:func:`join`), the mesh spans them all and GSPMD compiles one
+program for it; nothing here replaces JAX's runtime.  What this module adds is what a
+trainer needs around it:
+
+* **Launch** (:func:`launch_from`): the job's layout from ``--coordinator``,
+  ``--num-processes`` and ``--process-id``, else from ``JAX_COORDINATOR_ADDRESS``,
+  ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``, else from the cluster environment that
+  ``jax.distributed.initialize()`` detects itself (SLURM, Open MPI...: ``--distributed``).
+  A layout that cannot be completed is one line naming the flags and variables it needs.
+* **Agreement**: every process takes the same branch at the same step, or some process
+  waits forever on a collective that the others never enter.  Checks that may fail on one
+  process only (a lock, a file, the data) run inside :class:`together`: a
+  :class:`~sage_train.errors.UserError` on any process becomes a :class:`JobError` on every
+  process at the same point, naming the process that found it.  Stop signals are agreed
+  the same way (:class:`StopPoll`): SIGTERM by JAX's own preemption sync point
+  (``multihost_utils.reached_preemption_sync_point``), the others at the trainer's
+  scheduled host syncs.
+* **Failure**: a process that fails outside such a check (a full disk on the writer, a
+  crash) logs its own error and leaves at once (:func:`abandon`, no wait at JAX's
+  shutdown barrier); JAX's coordination service then finds it gone within
+  ``--heartbeat-timeout`` seconds and terminates every other process with its message
+  ("...another task died..."), so that none hangs on a collective.
+
+Single-process runs never touch any of this: every helper is the identity there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import sys
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import NoReturn
+
+import numpy as np
+
+from sage_train.errors import ConfigError, UserError
+
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+HEARTBEAT_TIMEOUT_S = 30
+"""Default ``--heartbeat-timeout``: seconds after which JAX's coordination service takes a
+silent process for dead and stops the others (JAX's own default is 100)."""
+
+INIT_TIMEOUT_S = 300
+"""Seconds a process waits for the others (and the coordinator) to join the job."""
+
+TEXT_BYTES = 2048
+"""Bytes of a message shared between processes (:func:`allgather_text`); longer ones are cut."""
+
+NEEDS = (f"pass --coordinator HOST:PORT --num-processes N --process-id I (or set "
+         f"{ENV_COORDINATOR}, {ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}), or run under a "
+         "cluster manager JAX detects (SLURM's srun, Open MPI's mpirun)")
+"""What a job needs to know, in the words of the one-line error that says it is missing."""
+
+
+class JobError(UserError):
+    """A problem found on some process of a job, raised on every process at the same point.
+
+    Raised by :class:`together`; ``sage-train`` exits with status 2 on every process, all
+    together (no process is left waiting for another).
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process joins a multi-process job (``None`` fields: JAX detects them).
+
+    Attributes:
+      coordinator: ``HOST:PORT`` of process 0's coordination service.
+      num_processes: processes in the job.
+      process_id: this process's index, ``0 <= process_id < num_processes``.
+      heartbeat_timeout: seconds after which a silent process is taken for dead (and every
+        other process stopped).
+    """
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = HEARTBEAT_TIMEOUT_S
+
+    def describe(self) -> str:
+        """``process 1 of 2, coordinator 127.0.0.1:1234`` (what is known before joining)."""
+        who = ("process ?" if self.process_id is None else f"process {self.process_id}")
+        of = "" if self.num_processes is None else f" of {self.num_processes}"
+        where = (f", coordinator {self.coordinator}" if self.coordinator else
+                 ", layout from the cluster environment")
+        return f"{who}{of}{where}"
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {text!r}") from None
+
+
+def check_coordinator(address: str) -> str:
+    """``address`` if it is ``HOST:PORT`` with a port in 1..65535.
+
+    Raises:
+      ConfigError: it is not (one line, with an example).
+    """
+    host, sep, port = address.strip().rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"--coordinator must be HOST:PORT (e.g. 10.0.0.1:1234, the address "
+                          f"of process 0), got {address!r}")
+    return address.strip()
+
+
+def launch_from(distributed: bool = False, coordinator: str | None = None,
+                num_processes: int | None = None, process_id: int | None = None,
+                heartbeat_timeout: int = HEARTBEAT_TIMEOUT_S,
+                environ: Mapping[str, str] | None = None) -> Launch | None:
+    """The job this process belongs to, or ``None`` for a single-process run.
+
+    A flag given wins over its environment variable (``JAX_COORDINATOR_ADDRESS``,
+    ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``); any of them, or ``distributed``
+    (``--distributed``: whatever the cluster environment says), makes a job.
+
+    Raises:
+      ConfigError: a value that cannot be right (a port-less coordinator, a process id
+        outside ``[0, num_processes)``, a variable that is not an integer...).
+    """
+    env = os.environ if environ is None else environ
+    coordinator = coordinator if coordinator is not None else (
+        env.get(ENV_COORDINATOR) or None)
+    if num_processes is None:
+        num_processes = _env_int(env, ENV_NUM_PROCESSES)
+    if process_id is None:
+        process_id = _env_int(env, ENV_PROCESS_ID)
+    if not distributed and coordinator is None and num_processes is None and process_id is None:
+        return None
+    if coordinator is not None:
+        coordinator = check_coordinator(coordinator)
+    if num_processes is not None and num_processes < 1:
+        raise ConfigError(f"--num-processes must be >= 1, got {num_processes}")
+    if process_id is not None and process_id < 0:
+        raise ConfigError(f"--process-id must be >= 0, got {process_id}")
+    if None not in (num_processes, process_id) and process_id >= num_processes:  # type: ignore[operator]
+        raise ConfigError(f"--process-id must be below --num-processes ({num_processes}), "
+                          f"got {process_id}")
+    if isinstance(heartbeat_timeout, bool) or not 1 <= heartbeat_timeout <= 86_400:
+        raise ConfigError(f"--heartbeat-timeout must be an integer in [1, 86400] seconds, got "
+                          f"{heartbeat_timeout!r}")
+    return Launch(coordinator, num_processes, process_id, heartbeat_timeout)
+
+
+def join(launch: Launch) -> None:
+    """Join the job (``jax.distributed.initialize``), before anything starts a JAX backend.
+
+    The heartbeat timeout is ``launch.heartbeat_timeout``: a process that dies is noticed
+    by the others within that time.  The shutdown barrier keeps JAX's timeout (300 s): at
+    the end of a run the others wait there while process 0 writes the loss curve and the
+    table; a process that fails alone never waits there (:func:`abandon`).
+
+    Raises:
+      ConfigError: the layout is incomplete (the flags and variables it needs named), or
+        the job could not be joined (the coordinator unreachable within
+        :data:`INIT_TIMEOUT_S`...): one line.
+    """
+    import jax
+
+    try:
+        jax.distributed.initialize(
+            coordinator_address=launch.coordinator, num_processes=launch.num_processes,
+            process_id=launch.process_id, initialization_timeout=INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=launch.heartbeat_timeout)
+    except (ValueError, TypeError) as e:
+        text = str(e)
+        if "must be defined" in text or "should be defined" in text:
+            raise ConfigError(f"the job's layout is incomplete (JAX: {text.rstrip('.')}): "
+                              f"{NEEDS}") from None
+        raise ConfigError(f"cannot join the job as {launch.describe()}: {_first_line(e)}"
+                          ) from None
+    except RuntimeError as e:  # the runtime's errors (unreachable coordinator, timeout...)
+        raise ConfigError(f"cannot join the job as {launch.describe()} within "
+                          f"{INIT_TIMEOUT_S} s: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException, limit: int = 240) -> str:
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# ---------------------------------------------------------------------------
+# who am I
+# ---------------------------------------------------------------------------
+
+
+def joined() -> bool:
+    """Whether this process is one of a job of several processes."""
+    import jax
+
+    return jax.distributed.is_initialized() and jax.process_count() > 1
+
+
+def process_index() -> int:
+    """The index of this process in the job (0 alone)."""
+    import jax
+
+    return int(jax.process_index())
+
+
+def process_count() -> int:
+    """The number of processes of the job (1 alone)."""
+    import jax
+
+    return int(jax.process_count())
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files (process 0)."""
+    return process_index() == 0
+
+
+def where() -> str:
+    """``"process 1 of 2: "`` in a job of several processes, else ``""`` (a log prefix)."""
+    if not joined():
+        return ""
+    return f"process {process_index()} of {process_count()}: "
+
+
+# ---------------------------------------------------------------------------
+# collectives of the host (every process must call them, in the same order)
+# ---------------------------------------------------------------------------
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier ``name`` (nothing alone)."""
+    if process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def allgather(x: np.ndarray) -> np.ndarray:
+    """``x`` of every process, stacked (``[process_count, *x.shape]``).
+
+    ``x`` must have the same shape and dtype on every process.
+    """
+    x = np.asarray(x)
+    if process_count() == 1:
+        return x[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x))
+
+
+def allgather_text(text: str) -> list[str]:
+    """``text`` of every process (UTF-8, cut to :data:`TEXT_BYTES` bytes)."""
+    raw = text.encode()[:TEXT_BYTES]
+    buf = np.zeros(TEXT_BYTES + 4, np.uint8)
+    buf[:4] = np.frombuffer(len(raw).to_bytes(4, "little"), np.uint8)
+    buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+    out = []
+    for row in allgather(buf):
+        n = int.from_bytes(row[:4].tobytes(), "little")
+        out.append(row[4:4 + n].tobytes().decode(errors="replace"))
+    return out
+
+
+def same_everywhere(value: str, what: str) -> None:
+    """Check that ``value`` (a short text: a hash, a listing) is the same on every process.
+
+    Raises:
+      JobError: on every process, naming the first one that differs from process 0.
+    """
+    values = allgather_text(value)
+    for i, v in enumerate(values):
+        if v != values[0]:
+            raise JobError(f"{what} differs between processes: process 0 has {values[0]!r}, "
+                           f"process {i} {v!r}")
+
+
+def everywhere(error: UserError) -> UserError:
+    """``error`` as raised by every process of the job at the same point (a :class:`JobError`).
+
+    For a check whose inputs every process shares (what a collective returned, the
+    run's settings): each process raises it, and the job ends together.  Alone: ``error``.
+    """
+    if process_count() == 1 or isinstance(error, JobError):
+        return error
+    job = JobError(str(error))
+    job.__cause__ = error
+    return job
+
+
+class together:  # noqa: N801 - used as a statement: ``with together("..."):``
+    """A block of checks every process runs, failing on all processes or on none.
+
+    ``with together("checking the run"): ...``: where the block raises a
+    :class:`~sage_train.errors.UserError` on some process, every process raises a
+    :class:`JobError` when it leaves the block (the failing process with its own message,
+    the others naming it).  The block must hold no collective (no JAX computation on the
+    job's arrays): a process that fails early must not leave the others inside one.  Other
+    exceptions pass through (the process then leaves the job: :func:`abandon`).  Alone,
+    the block is an ordinary one.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self) -> together:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if process_count() == 1:
+            return
+        if error is not None and not isinstance(error, UserError):
+            return  # a crash: this process leaves; the runtime stops the others
+        mine = "" if error is None else (str(error) or type(error).__name__)
+        texts = allgather_text(mine)
+        failed = [(i, t) for i, t in enumerate(texts) if t]
+        if not failed:
+            return
+        if mine:
+            raise JobError(mine) from error
+        i, text = failed[0]
+        raise JobError(f"process {i} of {len(texts)} failed {self.what}: {text}") from error
+
+
+# ---------------------------------------------------------------------------
+# stopping together
+# ---------------------------------------------------------------------------
+
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+
+def agreed_signal(local: str | None) -> str | None:
+    """The stop signal of the job: the first of :data:`_SIGNALS` any process received.
+
+    A collective: every process calls it at the same step (alone: ``local``).
+    """
+    if process_count() == 1:
+        return local
+    code = _SIGNALS.index(local) + 1 if local in _SIGNALS else 0
+    codes = [int(c) for c in allgather(np.asarray(code, np.int32)) if int(c)]
+    return _SIGNALS[min(codes) - 1] if codes else None
+
+
+class StopPoll:
+    """The trainer's stop poll, agreed between the processes of a job.
+
+    Alone, ``poll(step, scheduled)`` is ``stop()`` at every step.  In a job, a SIGTERM to
+    any process is JAX's preemption notice, and ``reached_preemption_sync_point``
+    (called at every step, as JAX asks) stops every process at the same step; other
+    signals caught by ``stop`` (SIGUSR1, SIGINT, a SIGTERM before the job was joined) are
+    agreed at the steps where ``scheduled`` is true, which are the same steps on every
+    process (the trainer's host syncs).
+    """
+
+    _calls = 0  # JAX's sync point ids: one per step of every run of this process, increasing
+
+    def __init__(self, stop: Callable[[], str | None] | None) -> None:
+        self.stop = stop
+        self.multi = process_count() > 1
+
+    def local(self) -> str | None:
+        """The signal this process received (``None``: none)."""
+        return self.stop() if self.stop is not None else None
+
+    def now(self) -> str | None:
+        """The agreed signal before training starts (a collective in a job)."""
+        return agreed_signal(self.local()) if self.multi else self.local()
+
+    def __call__(self, step: int, scheduled: bool) -> str | None:
+        """The signal that stops the run after ``step`` (``None``: go on)."""
+        if not self.multi:
+            return self.local()
+        from jax.experimental import multihost_utils
+
+        # the id counts the steps of every run of the process (several --optimizer runs
+        # restart their step numbers; JAX's ids must only increase, in step on all processes)
+        StopPoll._calls += 1
+        try:
+            preempted = multihost_utils.reached_preemption_sync_point(StopPoll._calls)
+        except RuntimeError:  # jax_enable_preemption_service off: SIGTERM reaches ``stop``
+            preempted = False
+        if preempted:
+            return "SIGTERM"
+        return agreed_signal(self.local()) if scheduled else None
+
+
+def abandon(status: int) -> NoReturn:
+    """Leave the job at once with ``status`` (the error is already logged).
+
+    No wait at JAX's shutdown barrier, which the other processes (busy in the step, or in
+    a collective this process never enters) would not reach: JAX's coordination service
+    notices this process gone within the heartbeat timeout and stops them, each with its
+    own message.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def job_token() -> str:
+    """A name shared by the processes of this job (process 0's choice)."""
+    mine = hashlib.sha256(f"{os.getpid()}-{os.urandom(8).hex()}".encode()).hexdigest()[:16]
+    return allgather_text(mine)[0]
+
+
+def describe_job() -> str:
+    """``2 processes of 4 devices`` (alone: ``1 process of 8 devices``)."""
+    import jax
+
+    n, local = process_count(), jax.local_device_count()
+    return (f"{n} process{'' if n == 1 else 'es'} of {local} "
+            f"device{'' if local == 1 else 's'}")
