@@ -53,11 +53,9 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import site
 import sys
 import sysconfig
-import tempfile
 import time
 import warnings
 import zlib
@@ -557,33 +555,14 @@ def build_corpus(
         "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": platform.python_version(), "machine": platform.machine(),
     }
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
-        try:
-            tok.save(str(tmp / "tokenizer.json"))
-            np.save(tmp / "train.npy", train)
-            np.save(tmp / "test.npy", test)
-            (tmp / "documents.tsv").write_text("".join(
-                f"{'test' if d.test else 'train'}\t{d.sha256}\t{d.nbytes}\t{d.root}/{d.path}\n"
-                for d in listing.documents))
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            if entry.is_dir():  # damaged (it did not load): set it aside
-                aside = root / f".{entry.name}.damaged-{os.getpid()}"
-                try:
-                    os.rename(entry, aside)
-                except OSError:
-                    pass  # another process moved it first
-                shutil.rmtree(aside, ignore_errors=True)
-            try:
-                os.rename(tmp, entry)  # atomic; fails if a concurrent process won the race
-            except OSError:
-                if not entry.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        warnings.warn(f"could not write the corpus cache under {root}: {e}", stacklevel=2)
+    documents = "".join(
+        f"{'test' if d.test else 'train'}\t{d.sha256}\t{d.nbytes}\t{d.root}/{d.path}\n"
+        for d in listing.documents)
+    files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
+             "documents.tsv": documents, "meta.json": json.dumps(meta, indent=1)}
+    # an existing entry is damaged here: it did not load above
+    if (error := data_lib.publish_entry(entry, files, damaged=lambda: True)):
+        warnings.warn(f"could not write the corpus cache under {root}: {error}", stacklevel=2)
         return Corpus(train, test, tok, vocab_size, fp, meta, entry)
     return _load_entry(entry, vocab_size) or Corpus(train, test, tok, vocab_size, fp, meta,
                                                     entry)

@@ -36,7 +36,7 @@ import sys
 import sysconfig
 import tempfile
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -385,6 +385,46 @@ def _check_ids(entry: Path, train: np.ndarray, test: np.ndarray, vocab_size: int
             )
 
 
+def publish_entry(entry: Path, files: Mapping[str, str | np.ndarray], *,
+                  damaged: Callable[[], bool]) -> str | None:
+    """Write a cache entry whole or not at all; ``None``, or why it could not be written.
+
+    The ``files`` (text, or arrays saved with :func:`numpy.save`) are written into a fresh
+    directory beside ``entry`` that is then renamed to ``entry`` (atomic), so a reader sees
+    a complete entry or none.  An existing ``entry`` for which ``damaged()`` is true (it did
+    not load) is set aside first; when another process renamed its own entry in first, that
+    one is kept.  Shared by the token cache and the ``installed`` corpus
+    (:mod:`sage_train.corpus`); several processes may publish the same entry at once.
+    """
+    root = entry.parent
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
+        try:
+            for name, content in files.items():
+                if isinstance(content, str):
+                    (tmp / name).write_text(content)
+                else:
+                    np.save(tmp / name, content)
+            if entry.is_dir() and damaged():
+                aside = root / f".{entry.name}.damaged-{os.getpid()}"
+                try:
+                    os.rename(entry, aside)
+                except OSError:
+                    pass  # another process moved it first
+                shutil.rmtree(aside, ignore_errors=True)
+            try:
+                os.rename(tmp, entry)  # atomic; fails if a concurrent process won the race
+            except OSError:
+                if not entry.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        return str(e)
+    return None
+
+
 def _tokenize_cached(
     docs: Sequence[str], vocab_size: int, source: str, key_extra: dict[str, str]
 ) -> TokenData:
@@ -416,32 +456,12 @@ def _tokenize_cached(
     tok = train_tokenizer(docs, vocab_size)
     tokens = _encode_documents(tok, docs, _token_dtype(vocab_size))
     train, test = _split(tokens, source)
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
-        try:
-            tok.save(str(tmp / "tokenizer.json"))
-            np.save(tmp / "train.npy", train)
-            np.save(tmp / "test.npy", test)
-            meta = {**key_fields, "source": source, "documents": len(docs),
-                    "train_tokens": len(train), "test_tokens": len(test)}
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-            if entry.is_dir() and _load_cached(entry) is None:  # damaged: replace it
-                aside = root / f".{key}.damaged-{os.getpid()}"
-                try:
-                    os.rename(entry, aside)
-                except OSError:
-                    pass  # another process moved it first
-                shutil.rmtree(aside, ignore_errors=True)
-            try:
-                os.rename(tmp, entry)  # atomic; fails if a concurrent process won the race
-            except OSError:
-                if not entry.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        warnings.warn(f"could not write token cache under {root}: {e}", stacklevel=3)
+    meta = {**key_fields, "source": source, "documents": len(docs),
+            "train_tokens": len(train), "test_tokens": len(test)}
+    files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
+             "meta.json": json.dumps(meta, indent=1)}
+    if (error := publish_entry(entry, files, damaged=lambda: _load_cached(entry) is None)):
+        warnings.warn(f"could not write token cache under {root}: {error}", stacklevel=3)
         return TokenData(train, test, vocab_size, tok, source)
     if (cached := _load_cached(entry)) is not None:
         tok, train, test = cached
