@@ -54,6 +54,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sage_optim.cli_args import OneLineParser, checked
 from sage_optim.models import MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_repro import sweep_report as report
@@ -586,14 +587,6 @@ def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], sig
 # ---------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line (usage is in ``--help``), exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        """Print ``message`` as one line and exit with status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults shown where an option has one and its help does not already say it."""
 
@@ -604,33 +597,18 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _checked(kind: Callable[[str], Any], ok: Callable[[Any], bool], what: str
-             ) -> Callable[[str], Any]:
-    """An argparse ``type``: ``kind(text)``, refused unless ``ok`` (naming ``what`` it must be)."""
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-
-    return parse
-
-
-_COUNT = _checked(int, lambda v: v >= 1, "an integer >= 1")
-_SEED = _checked(int, lambda v: v >= 0, "an integer >= 0")
-_RATE = _checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
-_FRACTION = _checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
-_FINITE = _checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
+_COUNT = checked(int, lambda v: v >= 1, "an integer >= 1")
+_SEED = checked(int, lambda v: v >= 0, "an integer >= 0")
+_RATE = checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
+_FRACTION = checked(float, lambda v: 0 <= v < 1, "a number in [0, 1)")
+_FINITE = checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-repro`` parser (subcommands ``sweep`` and ``report``)."""
-    p = _Parser(prog="sage-repro", description="The SAGE paper's comparison, reproduced: "
+    p = OneLineParser(prog="sage-repro", description="The SAGE paper's comparison, reproduced: "
                 "configurations x seeds x learning rates (see docs/reproduce.md).")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     s = sub.add_parser("sweep", help="train the sweep (resumable) and write its report",
                        description="The paper's comparison as configurations x seeds x "
                        "learning rates, each run resumable in its own run directory, under "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sage_optax.sinkhorn import KERNELS
+from sage_optim.cli_args import OneLineParser, checked
 from sage_optim.models import MODELS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
@@ -80,28 +81,10 @@ of the step reached was saved; 130 interrupted (SIGINT)."""
 _DEFAULTS = TrainConfig()
 
 
-class _Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (usage is in ``--help``)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        """Print ``message`` as one line and exit with status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def _checked(field: str, convert: Callable[[str], Any]) -> Callable[[str], Any]:
     """An argparse ``type`` that converts and checks a value as :func:`check_config` does."""
     ok, what = SETTING_CHECKS[field]
-
-    def parse(text: str) -> Any:
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
-        return value
-
-    return parse
+    return checked(convert, ok, what)
 
 
 def _at_least(lo: int) -> Callable[[str], int]:
@@ -145,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-train`` parser: help text and default for every option."""
-    p = _Parser(prog="sage-train", description=__doc__, epilog=EPILOG,
+    p = OneLineParser(prog="sage-train", description=__doc__, epilog=EPILOG,
                 formatter_class=_Formatter)
     d = _DEFAULTS
     p.add_argument("--model", default=d.model, choices=list(MODELS),
@@ -304,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_export_parser() -> argparse.ArgumentParser:
     """The ``sage-train export`` parser."""
-    p = _Parser(prog="sage-train export", formatter_class=_Formatter,
+    p = OneLineParser(prog="sage-train export", formatter_class=_Formatter,
                 description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
                 "directory\n(config.json, model.safetensors) with the run's tokenizer "
                 "(tokenizer.json,\ntokenizer_config.json): transformers' "
