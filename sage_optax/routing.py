@@ -190,14 +190,9 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
         elif isinstance(module, nnx.ConvTranspose):
             taps = len(shape) - 2
             conv = Route("dense", (-2, *range(-2 - taps, -2)), -1)
-            out[full] = RoutingError(
-                f"cannot place {full!r} of shape {shape}: an nnx.ConvTranspose kernel "
-                "(*taps, Cin, Cout) has no layout this router knows (which axes are its fan-in "
-                "is a modelling choice); give it, e.g. " + core.override_advice(full, shape, conv),
-                leaf=full, shape=shape,
-                options=[(conv, "input channels and taps are its fan-in, as for nnx.Conv"),
-                         ("vector", "element-wise rules are wanted")],
-            )
+            out[full] = _conv_transpose_refusal(
+                full, shape, conv, "an nnx.ConvTranspose kernel (*taps, Cin, Cout)",
+                "input channels and taps are its fan-in, as for nnx.Conv")
         elif isinstance(module, nnx.Conv):
             size = module.kernel_size
             taps = len(size) if isinstance(size, tuple | list) else 1
@@ -290,14 +285,9 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
             elif isinstance(node, convts):
                 taps = _spatial(node)
                 conv = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2)
-                out[full] = RoutingError(
-                    f"cannot place {full!r} of shape {shape}: an eqx.nn.ConvTranspose weight has "
-                    "no layout this router knows (which axes are its fan-in is a modelling "
-                    "choice); give it, e.g. " + core.override_advice(full, shape, conv),
-                    leaf=full, shape=shape,
-                    options=[(conv, "axis 1 and the taps are its fan-in, as for eqx.nn.Conv"),
-                             ("vector", "element-wise rules are wanted")],
-                )
+                out[full] = _conv_transpose_refusal(
+                    full, shape, conv, "an eqx.nn.ConvTranspose weight",
+                    "axis 1 and the taps are its fan-in, as for eqx.nn.Conv")
             elif isinstance(node, types("Embedding")):
                 out[full] = Route("embedding", -1, -2, evidence=ev + " (V, d)")
             elif isinstance(node, convs):
@@ -892,6 +882,22 @@ def route_params(
     unflat = jax.tree_util.tree_unflatten
     return ParamRouting(unflat(treedef, labels), unflat(treedef, leaf_axes),
                         unflat(treedef, routes))
+
+
+def _conv_transpose_refusal(full: str, shape: tuple[int, ...], conv: Route, what: str,
+                            when: str) -> RoutingError:
+    """The refusal of a transposed convolution's kernel, ``what``: its fan-in is a choice.
+
+    The first option, ``conv`` (right ``when``), reads it as the library's own convolution
+    reads its kernel; the other gives it the element-wise rules.
+    """
+    return RoutingError(
+        f"cannot place {full!r} of shape {shape}: {what} has no layout this router knows "
+        "(which axes are its fan-in is a modelling choice); give it, e.g. "
+        + core.override_advice(full, shape, conv),
+        leaf=full, shape=shape,
+        options=[(conv, when), ("vector", "element-wise rules are wanted")],
+    )
 
 
 def _is_nnx_state(x: Any) -> bool:

@@ -430,3 +430,38 @@ def test_a_matrix_shaped_like_only_a_position_table_is_refused_not_a_head():
         route_params(params)
     assert info.value.overrides == {"mlp.kernel": Route("dense", -2, -1)}
     assert routes_of(params, overrides=info.value.overrides)["mlp.kernel"][0] == "dense"
+
+
+class Deconv(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.ConvTranspose(3, 5, kernel_size=(2, 2), rngs=rngs)
+        self.conv = nnx.Conv(3, 5, kernel_size=(2, 2), rngs=rngs)
+
+
+def test_transposed_convolutions_are_refused_and_the_advice_reads_them_as_convolutions():
+    """A transposed convolution's fan-in is a modelling choice, so nnx.ConvTranspose and
+    eqx.nn.ConvTranspose2d kernels are refused; the first option, applied, routes the kernel
+    as the library's own convolution of the same shape is routed (nnx: (kh, kw, Cin, Cout),
+    input channels and taps in; Equinox: (Cout, Cin, kh, kw))."""
+    model = Deconv(nnx.Rngs(0))
+    with pytest.raises(RoutingError) as info:
+        route_params(nnx.state(model, nnx.Param), model=model)
+    err = info.value
+    assert [p.leaf for p in err.problems] == ["up.kernel"]
+    assert "an nnx.ConvTranspose kernel (*taps, Cin, Cout)" in str(err)
+    got = routes_of(nnx.state(model, nnx.Param), model=model, overrides=err.overrides)
+    # the same axes in (a group's order does not change SinkGD: it sums over the group)
+    assert [(k, tuple(sorted(i)), o) for k, i, o, _ in (got["up.kernel"], got["conv.kernel"])
+            ] == [("dense", (0, 1, 2), (3,))] * 2
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    eqx_params = eqx.filter(
+        {"up": eqx.nn.ConvTranspose2d(3, 5, (2, 2), key=keys[0]),
+         "conv": eqx.nn.Conv2d(3, 5, (2, 2), key=keys[1])}, eqx.is_inexact_array)
+    with pytest.raises(RoutingError) as info:
+        route_params(eqx_params)
+    err = info.value
+    assert [p.leaf for p in err.problems] == ["up.weight"]
+    assert "an eqx.nn.ConvTranspose weight has no layout" in str(err)
+    got = routes_of(eqx_params, overrides=err.overrides)
+    assert got["up.weight"][:3] == got["conv.weight"][:3] == ("dense", (1, 2, 3), (0,))
