@@ -1,6 +1,6 @@
 """The fused (Triton) path on CUDA: the evidence for (or against) making it a default.
 
-Skipped without a CUDA device; ``scripts/gpu-check.d/30-torch.sh`` runs this file on a
+Skipped without a CUDA device; ``scripts/gpu-check`` (part a) runs this file on a
 GPU and reports it next to the fused-vs-foreach timings of ``benchmarks/torch_step.py``.
 
 * SAGE, Lion and SinkGD, fused against foreach and single-tensor, float32 (over steps:
