@@ -193,18 +193,18 @@ def plan(smoke: bool = False) -> list[Part]:
     return [
         Part("env", "the machine and the software", (
             Step("versions, devices, and the project's imports",
-                 ("{py}", "scripts/gpu_check.py", "env"), 20, needs=()),
+                 ("{py}", "scripts/gpu_check.py", "env"), 30, needs=()),
         )),
         Part("a", "(a) correctness: the CUDA tests that decide the GPU paths", (
             Step("JAX on the GPU: compiled Pallas kernel, placement, grouping, cuDNN "
                  "attention, configurations, numerics at float32's limits",
-                 _pytest(pick(JAX_CORRECTNESS), "jax-correctness", 1 if smoke else 6), 140,
+                 _pytest(pick(JAX_CORRECTNESS), "jax-correctness", 1 if smoke else 6), 135,
                  kind="pytest", needs=("jax", "optax", "flax", "pytest", "xdist"),
                  gpu=jax_gpu, env=jax_env),
             Step("torch on CUDA: foreach vs single-tensor vs fused (float32, bfloat16), "
                  "CUDA graphs, device guard",
                  _pytest(pick(TORCH_CORRECTNESS), "torch-correctness", 1 if smoke else 4),
-                 140, kind="pytest", needs=("torch", "triton", "pytest", "xdist"),
+                 135, kind="pytest", needs=("torch", "triton", "pytest", "xdist"),
                  gpu=torch_gpu),
         ), concurrent=True),
         Part("b", "(b) the optimizer update at 270M and 1.3B", (
@@ -233,7 +233,7 @@ def plan(smoke: bool = False) -> list[Part]:
         Part("d", "(d) the kernel comparisons that decide the defaults", (
             Step(f"JAX {big}: SinkGD's Pallas kernel against its jnp path",
                  (*jax_step, "--configs", "sinkgd-pure", "sage-hybrid", "--compare-kernels",
-                  "sinkgd-pure", "sage-hybrid"), 45, needs=("jax", "optax"), gpu=jax_gpu,
+                  "sinkgd-pure", "sage-hybrid"), 40, needs=("jax", "optax"), gpu=jax_gpu,
                  env=jax_bench_env),
             Step("attention: cuDNN against XLA (270M heads, 16 x 1024, bfloat16)",
                  ("{py}", "benchmarks/attention.py", "--repeats", "20",
