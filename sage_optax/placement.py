@@ -53,23 +53,37 @@ def _device_platform(device: Any) -> str:
     return "rocm" if "rocm" in version else "cuda"
 
 
-def concrete_platform(args: Any) -> str | None:
-    """The platform of the concrete arrays of ``args``, or None under a trace.
+def default_device() -> Any:
+    """The device that uncommitted data and computations go to.
 
-    Leaves that are not JAX arrays (NumPy arrays, Python numbers) would be placed on the
-    default device.  Arrays on several platforms give ``"mixed"``.
+    ``jax.default_device``'s if set (a device or a platform name), else the first device of
+    the default backend.
+    """
+    device = getattr(jax.config, "jax_default_device", None)  # a device, a name or None
+    if device is None:
+        return jax.devices()[0]
+    if isinstance(device, str):
+        return jax.devices(device)[0]
+    return device
+
+
+def concrete_platform(args: Any) -> str | None:
+    """The platform an eager computation on ``args`` runs on, or None under a trace.
+
+    As JAX places it: arrays committed to devices (``jax.device_put`` to a device, results
+    of computations on them) decide; without any, the computation and its inputs (NumPy
+    arrays, Python numbers, uncommitted arrays) go to the default device
+    (:func:`default_device`).  Committed arrays on several platforms give ``"mixed"``.
     """
     leaves = jax.tree_util.tree_leaves(args)
     if any(isinstance(x, jax.core.Tracer) for x in leaves):
         return None
     platforms: set[str] = set()
     for x in leaves:
-        if isinstance(x, jax.Array):
+        if isinstance(x, jax.Array) and x.committed:
             platforms.update(_device_platform(d) for d in x.devices())
-        else:
-            platforms.add(_device_platform(jax.devices()[0]))
     if not platforms:
-        return _device_platform(jax.devices()[0])
+        return _device_platform(default_device())
     return platforms.pop() if len(platforms) == 1 else "mixed"
 
 

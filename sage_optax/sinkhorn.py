@@ -312,6 +312,24 @@ def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
     return batches
 
 
+def _layout_bytes(group_bytes: Any) -> int:
+    """``group_bytes`` as a Python int (``None``: :data:`GROUP_BYTES`), or a one-line error.
+
+    It shapes the compiled program (how many matrices one batch stacks), not the numbers, so
+    it must be known when the update is traced: an array (``optax.inject_hyperparams``
+    injects every numeric argument it is given) is refused at ``init``, with the remedy.
+    """
+    if group_bytes is None:
+        return GROUP_BYTES
+    if not validation.is_static_number(group_bytes) and not isinstance(group_bytes, bool):
+        raise TypeError(
+            "group_bytes is a memory layout option, not a hyperparameter: it must be a Python "
+            f"int, got {type(group_bytes).__name__} (under optax.inject_hyperparams, leave it "
+            "out or pass static_args=('group_bytes',))")
+    validation.check_positive_int("group_bytes", group_bytes)
+    return int(group_bytes)
+
+
 def use_kernel(kernel: str, platform: str, device_count: int,
                device_kind: str | None = None) -> bool:
     """Whether ``kernel`` (:data:`KERNELS`) runs the Pallas kernel for arrays on ``platform``.
@@ -321,8 +339,9 @@ def use_kernel(kernel: str, platform: str, device_count: int,
     ``device_kind`` their name.  ``kernel="pallas"`` runs the kernel (compiled on CUDA, in
     Pallas's interpreter elsewhere).  ``"auto"`` takes it on a single CUDA device of a kind
     on which ``scripts/gpu-check`` has shown it correct and faster
-    (:func:`sage_optim.kernels.validated`; none yet, so ``auto`` is the jnp path
-    everywhere today), never on several devices: a Pallas call is one device's
+    (:func:`sage_optim.kernels.validated`; none yet: on an H100 it was correct but slower,
+    so ``auto`` is the jnp path everywhere today), never on several devices: a Pallas
+    call is one device's
     computation, so under sharding (FSDP) XLA would gather a sharded gradient to run it,
     and the jnp path partitions instead.  ``SAGE_KERNELS=off`` turns both off.
     """
@@ -405,7 +424,7 @@ def scale_by_sinkhorn(
     *,
     axes: axes_lib.AxesSpec = _KERNEL,
     grouping: str = "auto",
-    group_bytes: int = GROUP_BYTES,
+    group_bytes: int | None = None,
     kernel: str = "auto",
 ) -> optax.GradientTransformation:
     """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
@@ -419,13 +438,16 @@ def scale_by_sinkhorn(
         through unchanged) or a callable of the params.
       grouping: :data:`GROUPINGS`; every choice computes the same numbers (each matrix
         of a stacked group gets exactly its own iteration).
-      group_bytes: largest stacked group, in bytes of gradients (``"stack"``/``"auto"``):
-        the batched computation holds a copy of the group and its ``K``.  The kernel path
-        caps it at :data:`~sage_optax.sinkhorn_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's
-        ``2L`` passes stay in an H100's L2).
+      group_bytes: largest stacked group, in bytes of gradients (``"stack"``/``"auto"``;
+        ``None``: :data:`GROUP_BYTES`): the batched computation holds a copy of the group
+        and its ``K``.  The kernel path caps it at
+        :data:`~sage_optax.sinkhorn_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's ``2L``
+        passes stay in an H100's L2).  A layout option, so a Python int: under
+        ``optax.inject_hyperparams`` leave it out (or name it in ``static_args``).
       kernel: :data:`KERNELS`; decided by where the arrays are (:func:`use_kernel`):
         ``"pallas"`` runs the Pallas kernel (compiled on CUDA arrays), ``"auto"`` only on a
-        single GPU where ``scripts/gpu-check`` has validated it (none yet) and the jnp path
+        single GPU where ``scripts/gpu-check`` has validated it (none yet: slower on an
+        H100) and the jnp path
         elsewhere.  Both compute the same math (float32 within rounding, not bit for bit).
 
     Returns:
@@ -436,7 +458,7 @@ def scale_by_sinkhorn(
         "sinkgd", num_iters=num_iters, eps=eps, normalization=normalization
     )
     validation.check_choice("grouping", grouping, GROUPINGS)
-    validation.check_positive_int("group_bytes", group_bytes)
+    group_bytes = _layout_bytes(group_bytes)
     validation.check_choice("kernel", kernel, KERNELS)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
@@ -496,7 +518,7 @@ def sinkgd(
     mask: Any | None = None,
     axes: axes_lib.AxesSpec = _KERNEL,
     grouping: str = "auto",
-    group_bytes: int = GROUP_BYTES,
+    group_bytes: int | None = None,
     kernel: str = "auto",
 ) -> optax.GradientTransformation:
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.

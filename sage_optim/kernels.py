@@ -41,14 +41,23 @@ PATHS: tuple[str, ...] = ("sinkgd-pallas", "torch-fused", "cudnn-attention")
 (``fused=True``), and cuDNN's flash attention in ``sage-train`` (``--attention cudnn``)."""
 
 VALIDATED_ON: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    # H100, 2026-11-26: correct (its tests pass) but slower than the jnp path (270M float32:
+    # sinkgd-pure 10.1 ms against 8.1, sage-hybrid 7.0 against 6.9).
     "sinkgd-pallas": (),
+    # H100, 2026-11-26: correct, faster in 6 of 8 configurations in float32 but slower for
+    # SinkGD's rule (sinkgd-pure 2.05x foreach's time; bfloat16 lion-hybrid 1.09x,
+    # sinkgd-hybrid 1.12x); and sage_torch's default never takes it (torch.optim's rule).
     "torch-fused": (),
-    "cudnn-attention": (),
+    # H100, 2026-11-26: 5.23x XLA's speed at the 270M model's attention (16 x 1024,
+    # bfloat16, head dim 64), temporaries 130 MiB against 2,561, errors against a float32
+    # reference within 2x of XLA's bfloat16 attention's; 270M trained with it at 16 x 1024
+    # and 64 x 1024.
+    "cudnn-attention": ("H100",),
 })
 """Per path, the GPUs (substrings of the device name, e.g. ``"H100"``) on which
 ``scripts/gpu-check`` has shown it correct and faster than the reference path, so that
-``auto`` takes it there.  Empty for every path: no GPU has run them yet
-(``benchmarks/RESULTS.md``, "GPU paths and their defaults")."""
+``auto`` takes it there: cuDNN's attention on H100s; SinkGD's Pallas kernel and the torch
+Triton kernels nowhere (``benchmarks/RESULTS.md``, "GPU figures, 2026-11-26")."""
 
 _warned: set[str] = set()
 

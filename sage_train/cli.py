@@ -218,14 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "no T x T scores in memory; a CUDA GPU, bfloat16/float16, head dim a "
                    "multiple of 8 up to 128; refused elsewhere), xla (XLA's, float32 scores "
                    "materialised), auto (cudnn where it can run and scripts/gpu-check has "
-                   "validated it on this GPU, else xla: xla everywhere today); the choice is "
+                   "validated it on this GPU, else xla: cudnn on H100s today); the choice is "
                    "printed at the start and recorded in config.json and metrics.jsonl")
     p.add_argument("--sinkgd-kernel", default=d.sinkgd_kernel, choices=KERNELS,
                    help="how SinkGD computes its scales (configurations with SinkGD): pallas "
                    "(the Pallas kernel; interpreted off a GPU), jnp, auto (pallas on a single "
                    "GPU where scripts/gpu-check has validated it, else jnp: jnp everywhere "
-                   "today); SAGE_KERNELS=off in the environment forces jnp (and xla "
-                   "attention); recorded like --attention")
+                   "today: the kernel was slower on an H100); SAGE_KERNELS=off in the "
+                   "environment forces jnp (and xla attention); recorded like --attention")
     p.add_argument("--deterministic", action="store_true",
                    help="reproducible GPU runs (XLA's --xla_gpu_deterministic_ops=true; set "
                    "before JAX starts; costs some GPU speed)")

@@ -24,7 +24,7 @@ head, and ``"cudnn"``, cuDNN's fused (flash) attention, which never forms them b
 a CUDA GPU in bfloat16/float16 with a head dim that is a multiple of 8 (at most 128 here).
 ``attention="cudnn"`` opts in to cuDNN's; ``attention="auto"`` (the default) takes it only
 where the computation runs on a CUDA device, cuDNN can run it and ``scripts/gpu-check`` has
-shown it correct and faster on that GPU (:mod:`sage_optim.kernels`; on none yet), XLA's
+shown it correct and faster on that GPU (:mod:`sage_optim.kernels`: H100s), XLA's
 elsewhere; the choice is made per compiled program, by where the arrays are
 (:mod:`sage_optax.placement`), and the rule lives in :func:`attention_choice`.
 
@@ -169,7 +169,7 @@ def attention_choice(requested: str, platform: str, dtype: Any, head_dim: int, *
     The one rule of the choice: ``"auto"`` takes ``"cudnn"`` where :func:`cudnn_supported`
     (a CUDA platform, cuDNN present, bfloat16/float16, a head dim that is a multiple of 8
     and at most 128) *and* ``scripts/gpu-check`` has shown it correct and faster on that GPU
-    (``device_kind``, :func:`sage_optim.kernels.validated`; on none yet), ``"xla"``
+    (``device_kind``, :func:`sage_optim.kernels.validated`: H100s), ``"xla"``
     elsewhere; ``"xla"`` is XLA's everywhere; ``"cudnn"`` is cuDNN's (the opt-in), and
     refused where it cannot run.  Other arguments as :func:`cudnn_problem`.
 

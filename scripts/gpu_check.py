@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -84,6 +85,14 @@ TORCH_CORRECTNESS = (
 NOT_ON_GPU = (
     "tests/test_notebooks.py", "tests/test_torch_distributed.py", "tests/test_install.py",
     "tests/test_train_multiprocess.py", "tests/test_train_soak.py",
+)
+
+# The updates whose compiled temporaries XLA:GPU made larger than the CPU's bounds on
+# 2026-11-26 (benchmarks/gpu/2026-11-26-h100.md): their buffer assignments go to the logs.
+MEMORY_DIAG = (
+    "tests/test_grouping.py::test_stacking_adds_no_copy_of_the_gradients",
+    "tests/test_memory.py::test_donated_step_needs_no_more_temporary_memory_than_the_largest_"
+    "parameter",
 )
 
 JAX_GPU_ENV = {
@@ -246,6 +255,13 @@ def plan(smoke: bool = False) -> list[Part]:
                  needs=("torch",), gpu=torch_gpu),
         )),
         Part("e", "(e) the rest, while time is left", greedy=True, steps=(
+            Step("XLA's buffer assignment of the updates whose temporaries exceed the CPU's "
+                 "bounds (tests/test_grouping.py, tests/test_memory.py; dumped to the logs)",
+                 _pytest(MEMORY_DIAG, "memory-diag", 1), 30, kind="pytest",
+                 needs=("jax", "optax", "pytest"), gpu=jax_gpu,
+                 env=_env({**JAX_GPU_ENV, "XLA_FLAGS": JAX_GPU_ENV["XLA_FLAGS"]
+                           + " --xla_dump_to={work}/xla-dump --xla_dump_hlo_as_text"
+                           " --xla_dump_hlo_module_re=jit_(step|update_fn)"})),
             Step(f"JAX {huge} bfloat16 stacked: sage-hybrid against optax.adamw",
                  ("{py}", "benchmarks/jax_step.py", "--model", huge, "--dtype", "bfloat16",
                   "--layout", "stacked", *reps, "--schedule", "pairwise", "--bw-mib",
@@ -390,6 +406,10 @@ class Runner:
                 tar.add(p, arcname=str(p.relative_to(self.work)))
             for p in sorted(self.work.glob("train*/**/config.json")):
                 tar.add(p, arcname=str(p.relative_to(self.work)))
+            for p in sorted(self.work.glob("xla-dump/*")):  # memory-diag: the assignments
+                if p.name.endswith(("buffer-assignment.txt", "memory-usage-report.txt")) \
+                        and p.stat().st_size < 4 * 2**20:
+                    tar.add(p, arcname=str(p.relative_to(self.work)))
         os.replace(tmp, self.out / "logs.tar.gz")
 
     # -- steps ----------------------------------------------------------------------------
@@ -490,6 +510,26 @@ def _kill_group(proc: subprocess.Popen) -> None:
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+SOURCE_DIRS = ("sage_optim", "sage_optax", "sage_torch", "sage_train", "sage_repro", "scripts",
+               "benchmarks", "tests")
+
+
+def source_fingerprint(root: Path = ROOT) -> str:
+    """SHA-256 of the project's code (``SOURCE_DIRS``' ``.py`` files and scripts), by content.
+
+    A copy of the working tree carries no trustworthy history (a device machine gets the
+    files, not the commits), so the report names the code by this, which
+    ``scripts/gpu_check.py fingerprint`` computes in any checkout to compare.
+    """
+    h = hashlib.sha256()
+    for d in SOURCE_DIRS:
+        for p in sorted((root / d).rglob("*")):
+            if p.is_file() and (p.suffix == ".py" or p.parent.name == "scripts") \
+                    and "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(root)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _slug(title: str) -> str:
@@ -722,8 +762,10 @@ def dry_run(parts: list[Part], budget: float, only: set[str] | None, py: str) ->
     for part in parts:
         for s in part.steps:
             for a in s.argv:
-                if a.startswith(("tests/", "benchmarks/", "scripts/")) and not (ROOT / a).exists():
-                    bad.append(a)
+                path = a.split("::")[0]  # a test's node id names its file
+                if path.startswith(("tests/", "benchmarks/", "scripts/")) \
+                        and not (ROOT / path).exists():
+                    bad.append(path)
             print(f"- {part.key}: `{shlex.join(s.argv)}`")
     if bad:
         print(f"\nmissing files: {', '.join(sorted(set(bad)))}")
@@ -734,6 +776,9 @@ def dry_run(parts: list[Part], budget: float, only: set[str] | None, py: str) ->
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the check (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "fingerprint":
+        print(source_fingerprint())
+        return 0
     if argv and argv[0] in ("env", "tokens", "train-table"):
         sub = argparse.ArgumentParser(prog=f"gpu_check.py {argv[0]}")
         if argv[0] == "tokens":
@@ -781,6 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "# GPU check", "",
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; commit {commit}"
         + (" with uncommitted changes" if dirty else ""),
+        f"- code: source fingerprint {source_fingerprint()} (`scripts/gpu_check.py fingerprint` "
+        "in a checkout gives its own)",
         f"- command: `scripts/gpu-check {shlex.join(argv)}`",
         f"- budget: {args.budget:.0f} s" + (" (smoke: tiny sizes on any device)" if args.smoke
                                             else ""),

@@ -54,7 +54,9 @@ def test_plan_names_files_that_exist():
             for step in part.steps:
                 for arg in step.argv:
                     if arg.startswith(("tests/", "benchmarks/", "scripts/")):
-                        assert (ROOT / arg).exists(), arg
+                        path, _, test = arg.partition("::")
+                        assert (ROOT / path).exists(), arg
+                        assert not test or f"def {test}(" in (ROOT / path).read_text(), arg
 
 
 def test_every_test_file_runs_somewhere_on_the_gpu_host():
@@ -196,3 +198,17 @@ def test_train_table_from_metrics(tmp_path, capsys):
 def test_train_table_without_runs_fails(tmp_path, capsys):
     assert gc.cmd_train_table(str(tmp_path)) == 1
     assert "no run" in capsys.readouterr().out
+
+
+def test_source_fingerprint_names_the_code(tmp_path):
+    """Equal code, equal fingerprint wherever it lies; one changed byte, another."""
+    for d in gc.SOURCE_DIRS:
+        (tmp_path / d).mkdir()
+    (tmp_path / "sage_optax" / "a.py").write_text("x = 1\n")
+    (tmp_path / "scripts" / "gpu-check").write_text("#!/bin/sh\n")
+    (tmp_path / "README.md").write_text("not code\n")
+    first = gc.source_fingerprint(tmp_path)
+    (tmp_path / "README.md").write_text("changed, still not code\n")
+    assert gc.source_fingerprint(tmp_path) == first
+    (tmp_path / "sage_optax" / "a.py").write_text("x = 2\n")
+    assert gc.source_fingerprint(tmp_path) != first
