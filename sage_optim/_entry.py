@@ -30,6 +30,11 @@ EXTRAS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
 })
 """The modules each extra of ``pyproject.toml`` provides (import names)."""
 
+ON_DEMAND: frozenset[str] = frozenset({"tensorboardX", "safetensors"})
+"""Modules of an extra that only an option imports, and that option checks for them itself
+(``sage-train --tensorboard``, ``--init-from-hf``, ``sage-train export``): a command does not
+require them to start, so ``sage-train`` runs where ``tensorboardX`` is not installed."""
+
 
 def missing(modules: Iterable[str]) -> list[str]:
     """The modules of ``modules`` that the import system cannot find, in order."""
@@ -51,7 +56,8 @@ def require(command: str, *extras: str, packages: tuple[str, ...] = ()) -> None:
 
     Args:
       command: the command's name, as the user typed it (``"sage-train"``).
-      *extras: the extras it needs, keys of :data:`EXTRAS`.
+      *extras: the extras it needs, keys of :data:`EXTRAS` (their :data:`ON_DEMAND`
+        modules are left to the options that import them).
       packages: further modules it needs that no extra provides, named as their pip
         package (``"transformers"``).
 
@@ -59,7 +65,8 @@ def require(command: str, *extras: str, packages: tuple[str, ...] = ()) -> None:
       SystemExit: status 1, after printing the line to stderr, when a module is missing.
       KeyError: an extra that is not in :data:`EXTRAS`.
     """
-    needed = [module for extra in extras for module in EXTRAS[extra]]
+    needed = [module for extra in extras for module in EXTRAS[extra]
+              if module not in ON_DEMAND]
     if not missing([*needed, *packages]):
         return
     label = ",".join(extras)
