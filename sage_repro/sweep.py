@@ -62,6 +62,9 @@ from sage_repro.paper import PAPER_LR_GRID
 from sage_train.signals import StopSignals
 
 DEFAULT_OUT = pathlib.Path("runs/sweep")
+DEFAULT_CUT = pathlib.Path("data/paper-cut")
+"""``sage-repro cut-data``'s folder: inside the checkout (git ignores it), so that it can
+travel with a working tree to another machine."""
 PAPER_SEQ_LEN = 512
 """The paper's sequence length (Section "Experimental Setup")."""
 PAPER_TOKENS_PER_STEP = 256 * 512
@@ -605,7 +608,7 @@ _FINITE = checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``sage-repro`` parser (subcommands ``sweep`` and ``report``)."""
+    """The ``sage-repro`` parser (subcommands ``sweep``, ``report`` and ``cut-data``)."""
     p = OneLineParser(prog="sage-repro", description="The SAGE paper's comparison, reproduced: "
                 "configurations x seeds x learning rates (see docs/reproduce.md).")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -685,6 +688,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the runs and their 6·N·D FLOPs, train nothing")
     s.add_argument("--assume-tflops", type=_RATE, default=None,
                    help="with --dry-run: the time at this many achieved TFLOP/s")
+    c = sub.add_parser("cut-data", help="cut a fixed, fingerprinted token set from a corpus, "
+                       "to train on the same tokens on every machine",
+                       formatter_class=_Formatter,
+                       description="Whole documents of the corpus's train and test splits, "
+                       "drawn by their hash, within the token budgets, into a folder that "
+                       "sage-train --data takes (see sage_train.cut and docs/reproduce.md).")
+    c.add_argument("--out", type=pathlib.Path, default=DEFAULT_CUT,
+                   help="the cut's folder (it must not exist, be empty, or hold the same cut)")
+    c.add_argument("--data", default="installed",
+                   help="the corpus to cut (sage-train --data)")
+    c.add_argument("--model", default="20m", choices=list(MODELS),
+                   help="the model whose vocabulary the corpus is tokenized with")
+    c.add_argument("--train-tokens", type=_COUNT, default=20_000_000,
+                   help="at most this many tokens of the train split")
+    c.add_argument("--test-tokens", type=_COUNT, default=2_000_000,
+                   help="at most this many tokens of the test split")
     r = sub.add_parser("report", help="write the report of a sweep from its run directories",
                        description="Rebuild OUT/results.md, results.json and the figures "
                        "from what the runs recorded (also while a sweep is half done).")
@@ -796,6 +815,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "report":
             return _report(args)
+        if args.command == "cut-data":
+            return _cut_data(args)
         return _sweep(args, trainer_args)
     except SweepError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -804,6 +825,34 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _say(line: str) -> None:
     print(line, flush=True)
+
+
+def _cut_data(args: argparse.Namespace) -> int:
+    from sage_train import cut, data
+
+    before = None
+    if cut.is_cut(args.out):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            before = json.loads((args.out / cut.MANIFEST).read_text())["fingerprint"]
+    try:
+        tokens = data.load_data(args.data, vocab_size=get_model_config(args.model).vocab_size)
+        manifest = cut.cut_data(tokens, args.out, train_tokens=args.train_tokens,
+                                test_tokens=args.test_tokens)
+    except (OSError, ValueError) as e:
+        raise SweepError(str(e)) from None
+    if before == manifest["fingerprint"]:
+        _say(f"--out {args.out} already holds this cut")
+    files = sorted(p for p in args.out.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    _say(f"cut          {args.out}: {', '.join(p.name for p in files)} ({size / 2**20:.1f} MiB)")
+    _say(f"fingerprint  {manifest['fingerprint']}")
+    for side in ("train", "test"):
+        part = manifest[side]
+        _say(f"{side:<12} {part['tokens']:,} tokens, {part['documents']:,} documents (budget "
+             f"{part['budget']:,}) of {manifest['source'][side + '_tokens']:,}")
+    _say(f"source       {manifest['source']['description']}, fingerprint "
+         f"{manifest['source']['fingerprint']}")
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
