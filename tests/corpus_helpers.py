@@ -26,3 +26,14 @@ def make_tree(root: pathlib.Path, n: int, first: int = 0) -> dict[str, str]:
         (root / rel).write_text(text)
         docs[rel] = text
     return docs
+
+
+def installed_corpus(tmp_path: pathlib.Path, monkeypatch, vocab_size: int):
+    """A 240-document tree read as the ``installed`` corpus (its cache in ``tmp_path``)."""
+    from sage_train import corpus, data
+
+    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "tree"
+    make_tree(root, 240)
+    monkeypatch.setattr(corpus, "default_roots", lambda: (corpus.Root("pkgs", root),))
+    return data.load_data("installed", vocab_size=vocab_size)

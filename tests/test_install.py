@@ -191,7 +191,7 @@ def test_sage_optim_needs_neither_framework():
     import_all("sage_optim")
     # the reproduction package and its JAX-free modules import without a framework too
     import sage_repro, sage_repro.paper, sage_repro.traffic, sage_repro.memory_report
-    import sage_repro.commands, sage_repro.sweep, sage_repro.sweep_report
+    import sage_repro.commands, sage_repro.sweep, sage_repro.sweep_report, sage_repro.pieces
     """, check_none_loaded=True)
     assert_ok(proc)
 

@@ -12,11 +12,11 @@ import json
 
 import numpy as np
 import pytest
-from corpus_helpers import make_tree
+from corpus_helpers import installed_corpus
 
 from sage_optim.models import MODELS
 from sage_repro import sweep
-from sage_train import corpus, cut, data
+from sage_train import cut, data
 
 VOCAB = MODELS["tiny"].vocab_size
 
@@ -24,11 +24,7 @@ VOCAB = MODELS["tiny"].vocab_size
 @pytest.fixture
 def installed(tmp_path, monkeypatch):
     """A 240-document tree as the ``installed`` corpus, its cache in ``tmp_path``."""
-    monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
-    root = tmp_path / "tree"
-    make_tree(root, 240)
-    monkeypatch.setattr(corpus, "default_roots", lambda: (corpus.Root("pkgs", root),))
-    return data.load_data("installed", vocab_size=VOCAB)
+    return installed_corpus(tmp_path, monkeypatch, VOCAB)
 
 
 def docs_of(tokens) -> list[bytes]:
