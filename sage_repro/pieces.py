@@ -16,12 +16,15 @@ merged.
 **The paper plan** (:data:`PAPER_PLAN`): the ``20m`` model (the 270M's proportions at a
 quarter of its width), 150 steps of 256 x 512 tokens (19,660,800 tokens, one pass over a
 20M-token cut), the paper's schedule and hyperparameters, test perplexity every 15 steps on
-4 batches. A piece is four configurations at one rate with one seed: first the eight
-configurations at their paper rates with seed 0 (``p1``, ``p2``), then seeds 1 and 2 at the
-paper rates (``p3`` to ``p6``), then half and twice the paper rates with seed 0 (``p7`` to
-``p10``). The merged table gives each configuration at its paper rate, mean ± sd over the
-seeds done; the rate pieces give the learning-rate table (and flag a configuration whose
-best rate is not its paper rate).
+4 batches, with ``--remat dots`` (XLA:CPU's compile-time plan of this step in bfloat16,
+``benchmarks/train_memory_plan.py``: 75.4 GiB with the GPU default ``--remat none``, too
+close to an H100's 80 GB; 21.2 GiB with ``dots``, which recomputes, the same math). A piece
+is four configurations at one rate with one seed: first the eight configurations at their
+paper rates with seed 0 (``p1``, ``p2``), then seeds 1 and 2 at the paper rates (``p3`` to
+``p6``), then half and twice the paper rates with seed 0 (``p7`` to ``p10``). The merged
+table gives each configuration at its paper rate, mean ± sd over the seeds done; the rate
+pieces give the learning-rate table (and flag a configuration whose best rate is not its
+paper rate).
 
 **Why four runs a piece.** On an H100 a run of the ``20m`` model costs about 10-25 s of
 training (6·N·D = 2.1e15 FLOP at 100-200 TFLOP/s) but about 30-60 s of process start,
@@ -160,7 +163,8 @@ PAPER_PLAN = PiecePlan(
     name="paper-20m",
     protocol=sweep.Protocol(model="20m", data=str(sweep.DEFAULT_CUT), steps=150,
                             batch_size=256, seq_len=sweep.PAPER_SEQ_LEN, eval_every=15,
-                            eval_batches=4, log_every=5, checkpoint_every=150),
+                            eval_batches=4, log_every=5, checkpoint_every=150,
+                            trainer_args=("--remat", "dots")),
     pieces=tuple(
         Piece(f"p{2 * i + j + 1}", half, (seed,), factor)
         for i, (seed, factor) in enumerate(((0, 1.0), (1, 1.0), (2, 1.0), (0, 0.5), (0, 2.0)))

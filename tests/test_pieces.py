@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pathlib
 import shutil
 import statistics
+import subprocess
+import sys
 
 import pytest
 from corpus_helpers import installed_corpus
@@ -20,6 +23,7 @@ from sage_repro import sweep_report as report
 from sage_train import cut
 
 PNG = b"\x89PNG\r\n\x1a\n"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def tiny_plan(data, fingerprint) -> pieces.PiecePlan:
@@ -47,12 +51,23 @@ def test_two_pieces_end_to_end_and_merged(tmp_path, monkeypatch, capsys):
     assert pieces.load_plan(plan_file) == plan
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))  # shared by both
     committed = tmp_path / "benchmarks"
+    # piece a by the harness in this process, piece b by the GPU machine's command
+    out = tmp_path / "runs" / "a"
+    argv = ["sweep", "--piece", "a", "--plan", str(plan_file), "--out", str(out)]
+    assert sweep.main(argv) == 0
+    (committed / "a").mkdir(parents=True)
+    shutil.copy(out / "results.json", committed / "a" / "results.json")
+    env = {**os.environ, "PYTHON": sys.executable, "PAPER_PIECE_PLAN": str(plan_file),
+           "PAPER_PIECE_RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run([str(ROOT / "scripts" / "paper-piece"), "b", str(tmp_path / "OUT")],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "paper-piece: b exit 0" in proc.stdout
+    assert sorted(str(p.relative_to(tmp_path / "OUT")) for p in (tmp_path / "OUT").rglob("*")
+                  if p.is_file()) == ["b/results.json", "b/results.md", "paper-piece.log"]
+    shutil.copytree(tmp_path / "OUT" / "b", committed / "b")
     for name in ("a", "b"):
         out = tmp_path / "runs" / name
-        argv = ["sweep", "--piece", name, "--plan", str(plan_file), "--out", str(out)]
-        assert sweep.main(argv) == 0
-        (committed / name).mkdir(parents=True)
-        shutil.copy(out / "results.json", committed / name / "results.json")
         settings = json.loads(next(out.rglob("config.json")).read_text())
         assert settings["cut_fingerprint"] == manifest["fingerprint"]  # the trainer's record
         setup = json.loads((out / "results.json").read_text())["setup"]
