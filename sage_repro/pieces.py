@@ -50,7 +50,7 @@ from sage_repro import sweep_report as report
 
 DEFAULT_PIECES = pathlib.Path("benchmarks/paper")
 """Where the pieces' ``results.json`` are committed (``NAME/results.json``) and merged."""
-DEFAULT_RUNS = pathlib.Path("runs/paper")
+DEFAULT_RUNS = pathlib.Path("runs/pieces")
 """Where ``sage-repro sweep --piece NAME`` trains (``NAME/``) unless ``--out`` says."""
 RUN_OVERHEAD_S = 45.0
 """The assumed seconds of a run outside its steps and evaluations on a GPU: the trainer

@@ -667,7 +667,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "checkpoint), 130 interrupted; rerun the same command to resume.")
     s.add_argument("--out", type=pathlib.Path, default=None,
                    help=f"the sweep's directory: runs, results.md, results.json, figures "
-                   f"(default: {DEFAULT_OUT}; with --piece NAME: runs/paper/NAME)")
+                   f"(default: {DEFAULT_OUT}; with --piece NAME: runs/pieces/NAME)")
     s.add_argument("--piece", default=None, metavar="NAME",
                    help="train one piece of the plan of pieces (--plan; default: the paper's "
                    "on the 20m model and the cut data/paper-cut), which sets every option of "

@@ -252,11 +252,9 @@ def load_cut(path: str | os.PathLike[str], vocab_size: int) -> data_lib.TokenDat
                          "(it changed): copy the cut again")
     tokenizer = None if tok_text is None else Tokenizer.from_str(tok_text)
     source = manifest["source"]
-    n_train, n_test = len(sides["train"]), len(sides["test"])
-    description = (f"cut {folder} (fingerprint {fingerprint[:16]}; {n_train:,} train and "
-                   f"{n_test:,} test tokens of {source['description']})")
+    description = f"cut {folder} (fingerprint {fingerprint[:16]}) of {source['description']}"
     info: dict[str, str | int] = {
-        "cut_fingerprint": fingerprint, "cut_tokens": n_train + n_test,
+        "cut_fingerprint": fingerprint, "cut_tokens": len(sides["train"]) + len(sides["test"]),
         "corpus_fingerprint": str(source["fingerprint"]),
         "corpus_tokens": int(source["train_tokens"]) + int(source["test_tokens"])}
     return data_lib.TokenData(sides["train"], sides["test"], vocab_size, tokenizer,
