@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 
+import jax
 import pytest
 from corpus_helpers import installed_corpus
 
@@ -49,7 +50,9 @@ def test_two_pieces_end_to_end_and_merged(tmp_path, monkeypatch, capsys):
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(plan.to_json()))
     assert pieces.load_plan(plan_file) == plan
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "xla"))  # shared by both
+    # the trainers share the test session's compilation cache (conftest.py)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     committed = tmp_path / "benchmarks"
     # piece a by the harness in this process, piece b by the GPU machine's command
     out = tmp_path / "runs" / "a"
