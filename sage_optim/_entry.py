@@ -30,10 +30,12 @@ EXTRAS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
 })
 """The modules each extra of ``pyproject.toml`` provides (import names)."""
 
-ON_DEMAND: frozenset[str] = frozenset({"tensorboardX", "safetensors"})
-"""Modules of an extra that only an option imports, and that option checks for them itself
-(``sage-train --tensorboard``, ``--init-from-hf``, ``sage-train export``): a command does not
-require them to start, so ``sage-train`` runs where ``tensorboardX`` is not installed."""
+ON_DEMAND: frozenset[str] = frozenset({"tensorboardX", "safetensors", "tqdm"})
+"""Modules of an extra that a command does not need to start: only an option imports
+``tensorboardX`` and ``safetensors`` and checks for them itself (``sage-train
+--tensorboard``, ``--init-from-hf``, ``sage-train export``), and without ``tqdm`` there are no
+progress bars (plain log lines instead). So ``sage-train`` runs on a GPU host that has none
+of the three."""
 
 
 def missing(modules: Iterable[str]) -> list[str]:

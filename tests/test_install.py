@@ -247,9 +247,10 @@ def test_python_m_without_its_extra_prints_one_line(module, script, hidden):
 
 @pytest.mark.parametrize("module", ["sage_train", "sage_repro"])
 def test_commands_start_without_their_on_demand_modules(module):
-    """tensorboardX and safetensors are imported only by the options that check for them (a
-    GPU host without tensorboardX still trains): ``--help`` runs with both hidden."""
-    proc = run_hidden(("tensorboardX", "safetensors"), f"""
+    """tensorboardX and safetensors are imported only by the options that check for them,
+    tqdm only for progress bars (a GPU host without them still trains): ``--help`` runs with
+    all three hidden."""
+    proc = run_hidden(("tensorboardX", "safetensors", "tqdm"), f"""
     import runpy
     sys.argv = [{module!r}, "--help"]
     runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
