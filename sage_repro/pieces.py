@@ -312,7 +312,7 @@ def read_piece(path: pathlib.Path, plan: PiecePlan, fingerprint: str | None) -> 
         protocol = sweep.Protocol.from_dict(setup)
         runs = {(r["config"], r["lr"], r["seed"]): report.run_from_json(r)
                 for section in (data["rows"], data["lr_sweep"]) for row in section
-                for r in [{"config": row["config"], **x} for x in row["runs"]]}
+                for r in row["runs"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise sweep.SweepError(f"{path} is not a piece's results.json ({e})") from None
     if name is None:
