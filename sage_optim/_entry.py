@@ -30,6 +30,13 @@ EXTRAS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
 })
 """The modules each extra of ``pyproject.toml`` provides (import names)."""
 
+ON_DEMAND: frozenset[str] = frozenset({"tensorboardX", "safetensors", "tqdm"})
+"""Modules of an extra that a command does not need to start: only an option imports
+``tensorboardX`` and ``safetensors`` and checks for them itself (``sage-train
+--tensorboard``, ``--init-from-hf``, ``sage-train export``), and without ``tqdm`` there are no
+progress bars (plain log lines instead). So ``sage-train`` runs on a GPU host that has none
+of the three."""
+
 
 def missing(modules: Iterable[str]) -> list[str]:
     """The modules of ``modules`` that the import system cannot find, in order."""
@@ -51,7 +58,8 @@ def require(command: str, *extras: str, packages: tuple[str, ...] = ()) -> None:
 
     Args:
       command: the command's name, as the user typed it (``"sage-train"``).
-      *extras: the extras it needs, keys of :data:`EXTRAS`.
+      *extras: the extras it needs, keys of :data:`EXTRAS` (their :data:`ON_DEMAND`
+        modules are left to the options that import them).
       packages: further modules it needs that no extra provides, named as their pip
         package (``"transformers"``).
 
@@ -59,7 +67,8 @@ def require(command: str, *extras: str, packages: tuple[str, ...] = ()) -> None:
       SystemExit: status 1, after printing the line to stderr, when a module is missing.
       KeyError: an extra that is not in :data:`EXTRAS`.
     """
-    needed = [module for extra in extras for module in EXTRAS[extra]]
+    needed = [module for extra in extras for module in EXTRAS[extra]
+              if module not in ON_DEMAND]
     if not missing([*needed, *packages]):
         return
     label = ",".join(extras)

@@ -51,7 +51,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sage_optim.cli_args import OneLineParser, checked
@@ -62,6 +62,9 @@ from sage_repro.paper import PAPER_LR_GRID
 from sage_train.signals import StopSignals
 
 DEFAULT_OUT = pathlib.Path("runs/sweep")
+DEFAULT_CUT = pathlib.Path("data/paper-cut")
+"""``sage-repro cut-data``'s folder: inside the checkout (git ignores it), so that it can
+travel with a working tree to another machine."""
 PAPER_SEQ_LEN = 512
 """The paper's sequence length (Section "Experimental Setup")."""
 PAPER_TOKENS_PER_STEP = 256 * 512
@@ -140,8 +143,18 @@ class Protocol:
         return {**dataclasses.asdict(self), "trainer_args": list(self.trainer_args),
                 "tokens_per_step": self.tokens_per_step,
                 "tokens_per_run": self.steps * self.tokens_per_step,
-                "parameters": get_model_config(self.model).param_count(),
-                "data": self.data or "stdlib"}
+                "parameters": get_model_config(self.model).param_count()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Protocol:
+        """The protocol of ``dataclasses.asdict`` or :meth:`setup` data (other keys ignored).
+
+        Raises:
+          KeyError, TypeError: a field is missing or of the wrong kind.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in fields}
+        return cls(**{**values, "trainer_args": tuple(values.get("trainer_args", ()))})
 
 
 MANAGED: frozenset[str] = frozenset({
@@ -199,6 +212,8 @@ class Plan:
       best_seeds: seeds then trained at each configuration's best rate (``()``: none).
       top: only the ``top`` best configurations get ``best_seeds`` (``None``: all).
       reference: the effective throughput's baseline, a configuration or ``"slowest"``.
+      piece: the name of the piece of a :class:`~sage_repro.pieces.PiecePlan` this sweep
+        trains (``None``: not a piece).
     """
 
     configs: tuple[str, ...]
@@ -208,6 +223,7 @@ class Plan:
     best_seeds: tuple[int, ...] = ()
     top: int | None = None
     reference: str = PAPER_REFERENCE
+    piece: str | None = None
 
     def rates(self, config: str) -> tuple[float, ...]:
         """The rates ``config`` is trained at, in increasing order."""
@@ -236,13 +252,12 @@ def read_state(out: pathlib.Path) -> tuple[Protocol, Plan] | None:
     path = out / STATE
     try:
         data = json.loads(path.read_text())
-        protocol = Protocol(**{**data["protocol"],
-                               "trainer_args": tuple(data["protocol"]["trainer_args"])})
+        protocol = Protocol.from_dict(data["protocol"])
         p = data["plan"]
         plan = Plan(configs=tuple(p["configs"]), seeds=tuple(p["seeds"]),
                     lrs=None if p["lrs"] is None else tuple(p["lrs"]),
                     lr_factors=tuple(p["lr_factors"]), best_seeds=tuple(p["best_seeds"]),
-                    top=p["top"], reference=str(p["reference"]))
+                    top=p["top"], reference=str(p["reference"]), piece=p.get("piece"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -261,9 +276,7 @@ def write_state(out: pathlib.Path, protocol: Protocol, plan: Plan) -> None:
 
     recorded = read_state(out)
     if recorded is not None:
-        old, new = dataclasses.asdict(recorded[0]), dataclasses.asdict(protocol)
-        diff = [f"{_option(k)} {old[k]!r} -> {new[k]!r}" for k in new
-                if k not in _UNCOMPARED and old.get(k) != new[k]]
+        diff = protocol_diff(dataclasses.asdict(recorded[0]), dataclasses.asdict(protocol))
         if diff:
             raise SweepError(f"{out / STATE} records a sweep under other settings: "
                              f"{', '.join(diff)}; pass the same ones to continue it, or use "
@@ -271,6 +284,18 @@ def write_state(out: pathlib.Path, protocol: Protocol, plan: Plan) -> None:
     atomic_write_text(out / STATE, json.dumps(
         {"protocol": dataclasses.asdict(protocol), "plan": dataclasses.asdict(plan),
          "updated": _now()}, indent=2))
+
+
+def protocol_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Every compared field in which two protocols (``dataclasses.asdict``) differ.
+
+    Each as ``--steps 30 -> 31``; ``log_every`` and ``checkpoint_every`` are not compared.
+    """
+    def same(a: Any, b: Any) -> bool:
+        return list(a) == list(b) if isinstance(a, list | tuple) else a == b
+
+    return [f"{_option(k)} {old.get(k)!r} -> {new[k]!r}" for k in new
+            if k not in _UNCOMPARED and not same(old.get(k), new[k])]
 
 
 def _option(field: str) -> str:
@@ -364,6 +389,9 @@ def summarize(out: pathlib.Path, protocol: Protocol, plan: Plan) -> report.Summa
         reference = "slowest"
     setup = protocol.setup()
     setup["data_tokens"] = _data_tokens(out, protocol, plan)
+    setup["data_fingerprints"] = data_fingerprints(out, protocol, plan)
+    if plan.piece is not None:
+        setup["piece"] = plan.piece
     return report.summarize(rows, cells, reference, setup)
 
 
@@ -382,17 +410,33 @@ def _data_tokens(out: pathlib.Path, protocol: Protocol, plan: Plan) -> str | Non
     return None
 
 
+FINGERPRINTS = ("cut_fingerprint", "corpus_fingerprint", "data_fingerprint")
+"""The keys of a run's ``config.json`` that name its data, the most telling first: a cut's
+fingerprint, else the corpus's, else the trainer's own hash of the token arrays."""
+
+
+def data_fingerprints(out: pathlib.Path, protocol: Protocol, plan: Plan) -> list[str]:
+    """The fingerprints of the data the first stage's runs trained on (``config.json``).
+
+    One where all trained on the same data; none before a run started.
+    """
+    found = set()
+    for spec in plan.grid():
+        with contextlib.suppress(OSError, ValueError):
+            settings = json.loads((spec.run_dir(out, protocol.model) / "config.json")
+                                  .read_text())
+            key = next((k for k in FINGERPRINTS if settings.get(k)), None)
+            if key is not None:
+                found.add(str(settings[key]))
+    return sorted(found)
+
+
 def write_report(out: pathlib.Path, protocol: Protocol, plan: Plan) -> report.Summary:
     """Write ``results.md``, ``results.json`` and the figures into ``out``; return the summary."""
     from sage_train.rundir import atomic_write_text
 
     summary = summarize(out, protocol, plan)
-    figures = []
-    if any(r.losses for row in summary.rows for r in row.runs):
-        figures.append(report.plot_loss_vs_tokens(summary, out / "loss_vs_tokens.png"))
-    if report.sweeps_rates(summary.cells) and any(
-            r.final_ppl is not None for runs in summary.cells.values() for r in runs):
-        figures.append(report.plot_lr_sweep(summary, out / "lr_sweep.png"))
+    figures = report.write_figures(summary, out)
     atomic_write_text(out / "results.md", report.to_markdown(summary, figures))
     atomic_write_text(out / "results.json",
                       json.dumps(report.to_json(summary, figures), indent=2) + "\n")
@@ -605,7 +649,7 @@ _FINITE = checked(float, lambda v: math.isfinite(v) and v >= 0, "a number >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``sage-repro`` parser (subcommands ``sweep`` and ``report``)."""
+    """The ``sage-repro`` parser (subcommands ``sweep``, ``report`` and ``cut-data``)."""
     p = OneLineParser(prog="sage-repro", description="The SAGE paper's comparison, reproduced: "
                 "configurations x seeds x learning rates (see docs/reproduce.md).")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -621,8 +665,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "are results), 1 a run failed, 2 invalid options or a refused run, "
                        "75 preempted (SIGTERM/SIGUSR1: the running trainer saved a "
                        "checkpoint), 130 interrupted; rerun the same command to resume.")
-    s.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
-                   help="the sweep's directory: runs, results.md, results.json, figures")
+    s.add_argument("--out", type=pathlib.Path, default=None,
+                   help=f"the sweep's directory: runs, results.md, results.json, figures "
+                   f"(default: {DEFAULT_OUT}; with --piece NAME: runs/pieces/NAME)")
+    s.add_argument("--piece", default=None, metavar="NAME",
+                   help="train one piece of the plan of pieces (--plan; default: the paper's "
+                   "on the 20m model and the cut data/paper-cut), which sets every option of "
+                   "the protocol and the runs; with --dry-run, 'all' lists every piece")
+    s.add_argument("--plan", type=pathlib.Path, default=None, metavar="FILE",
+                   help="with --piece: a plan of pieces in a JSON file instead of the paper's")
     s.add_argument("--model", default="small", choices=list(MODELS), help="LLaMA size")
     s.add_argument("--data", default=None,
                    help="sage-train --data (a text folder or file, a token file, or a corpus "
@@ -685,10 +736,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the runs and their 6·N·D FLOPs, train nothing")
     s.add_argument("--assume-tflops", type=_RATE, default=None,
                    help="with --dry-run: the time at this many achieved TFLOP/s")
+    s.add_argument("--assume-overhead", type=_FINITE, default=None, metavar="SECONDS",
+                   help="with --dry-run --piece: seconds a run spends outside its steps "
+                   "(start-up, compilation, checkpoints; default 45)")
+    c = sub.add_parser("cut-data", help="cut a fixed, fingerprinted token set from a corpus, "
+                       "to train on the same tokens on every machine",
+                       formatter_class=_Formatter,
+                       description="Whole documents of the corpus's train and test splits, "
+                       "drawn by their hash, within the token budgets, into a folder that "
+                       "sage-train --data takes (see sage_train.cut and docs/reproduce.md).")
+    c.add_argument("--out", type=pathlib.Path, default=DEFAULT_CUT,
+                   help="the cut's folder (it must not exist, be empty, or hold the same cut)")
+    c.add_argument("--data", default="installed",
+                   help="the corpus to cut (sage-train --data)")
+    c.add_argument("--model", default="20m", choices=list(MODELS),
+                   help="the model whose vocabulary the corpus is tokenized with")
+    c.add_argument("--train-tokens", type=_COUNT, default=20_000_000,
+                   help="at most this many tokens of the train split")
+    c.add_argument("--test-tokens", type=_COUNT, default=2_000_000,
+                   help="at most this many tokens of the test split")
     r = sub.add_parser("report", help="write the report of a sweep from its run directories",
                        description="Rebuild OUT/results.md, results.json and the figures "
                        "from what the runs recorded (also while a sweep is half done).")
-    r.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT, help="the sweep's directory")
+    where = r.add_mutually_exclusive_group()
+    where.add_argument("--out", type=pathlib.Path, default=DEFAULT_OUT,
+                       help="the sweep's directory")
+    where.add_argument("--pieces", type=pathlib.Path, default=None, metavar="DIR",
+                       help="merge every piece's results.json under DIR (benchmarks/paper) "
+                       "into DIR/results.md, results.json and the figures")
+    r.add_argument("--plan", type=pathlib.Path, default=None, metavar="FILE",
+                   help="with --pieces: a plan of pieces in a JSON file instead of the paper's")
     r.add_argument("--reference", default=None, choices=[*CONFIG_NAMES, "slowest"],
                    metavar="NAME",
                    help="the effective throughput's baseline (default: as the sweep said)")
@@ -796,6 +873,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "report":
             return _report(args)
+        if args.command == "cut-data":
+            return _cut_data(args)
         return _sweep(args, trainer_args)
     except SweepError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
@@ -806,7 +885,47 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+def _cut_data(args: argparse.Namespace) -> int:
+    from sage_train import cut, data
+
+    before = None
+    if cut.is_cut(args.out):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            before = json.loads((args.out / cut.MANIFEST).read_text())["fingerprint"]
+    try:
+        tokens = data.load_data(args.data, vocab_size=get_model_config(args.model).vocab_size)
+        manifest = cut.cut_data(tokens, args.out, train_tokens=args.train_tokens,
+                                test_tokens=args.test_tokens)
+    except (OSError, ValueError) as e:
+        raise SweepError(str(e)) from None
+    if before == manifest["fingerprint"]:
+        _say(f"--out {args.out} already holds this cut")
+    files = sorted(p for p in args.out.iterdir() if p.is_file())
+    size = sum(p.stat().st_size for p in files)
+    _say(f"cut          {args.out}: {', '.join(p.name for p in files)} ({size / 2**20:.1f} MiB)")
+    _say(f"fingerprint  {manifest['fingerprint']}")
+    for side in ("train", "test"):
+        part = manifest[side]
+        _say(f"{side:<12} {part['tokens']:,} tokens, {part['documents']:,} documents (budget "
+             f"{part['budget']:,}) of {manifest['source'][side + '_tokens']:,}")
+    _say(f"source       {manifest['source']['description']}, fingerprint "
+         f"{manifest['source']['fingerprint']}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
+    if args.pieces is not None:
+        from sage_repro import pieces
+
+        plan = pieces.load_plan(args.plan)
+        if args.reference is not None:
+            plan = dataclasses.replace(plan, reference=args.reference)
+        if not args.pieces.is_dir():
+            raise SweepError(f"--pieces {args.pieces} is not a folder")
+        _say(pieces.write_merged(args.pieces, plan)[1])
+        return 0
+    if args.plan is not None:
+        raise SweepError("--plan goes with --pieces")
     state = read_state(args.out)
     if state is None:
         raise SweepError(f"--out {args.out} holds no sweep ({STATE} is missing)")
@@ -821,11 +940,36 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    if args.piece is not None:
+        return _piece(args, trainer_args)
+    for name in ("plan", "assume_overhead"):
+        if getattr(args, name) is not None:
+            raise SweepError(f"--{name.replace('_', '-')} goes with --piece")
     protocol, plan = protocol_and_plan(args, trainer_args)
     if args.dry_run:
         dry_run(protocol, plan, args.assume_tflops, _say)
         return 0
-    out: pathlib.Path = args.out
+    return _train(args.out or DEFAULT_OUT, protocol, plan)
+
+
+def _piece(args: argparse.Namespace, trainer_args: list[str]) -> int:
+    from sage_repro import pieces
+
+    plan = pieces.load_plan(args.plan)
+    pieces.check_pinned(args, vars(build_parser().parse_args(["sweep"])))
+    if args.dry_run:
+        names = ([p.name for p in plan.pieces] if args.piece == "all" else
+                 [plan.piece(args.piece).name])
+        overhead = (pieces.RUN_OVERHEAD_S if args.assume_overhead is None else
+                    args.assume_overhead)
+        pieces.dry_run(plan, names, args.assume_tflops, overhead, _say)
+        return 0
+    protocol, sweep_plan = pieces.piece_setup(plan, args.piece, trainer_args)
+    pieces.check_data(plan, args.piece)
+    return _train(args.out or pieces.DEFAULT_RUNS / args.piece, protocol, sweep_plan)
+
+
+def _train(out: pathlib.Path, protocol: Protocol, plan: Plan) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -533,13 +533,15 @@ def setup_lines(summary: Summary) -> list[str]:
     dates = sorted(d for r in runs if r.dates for d in r.dates if d and d != "None")
     envs = {json.dumps(_hardware(r.environment), sort_keys=True): r.environment
             for r in runs if r.environment}
-    hardware = "; ".join(_describe_hardware(e) for e in envs.values()) or "unknown (no run yet)"
+    hardware = "; ".join(describe_hardware(e) for e in envs.values()) or "unknown (no run yet)"
     software = "; ".join(sorted({_describe_software(e) for e in envs.values()})) or "unknown"
     lines = [
         f"generated {_now()}" + (f"; runs trained from {dates[0]} to {dates[-1]}"
                                  if dates else ""),
-        f"model `{s['model']}`: {s['parameters']:,} parameters; data `{s['data']}`"
-        + (f": {s['data_tokens']}" if s.get("data_tokens") else ""),
+        f"model `{s['model']}`: {s['parameters']:,} parameters; data `{s['data'] or 'stdlib'}`"
+        + (f": {s['data_tokens']}" if s.get("data_tokens") else "")
+        + (f"; data fingerprint {', '.join(f'`{p}`' for p in s['data_fingerprints'])}"
+           if s.get("data_fingerprints") else ""),
         f"each run: {s['steps']:,} steps x {s['tokens_per_step']:,} tokens ({s['batch_size']} "
         f"sequences of {s['seq_len']}) = {s['steps'] * s['tokens_per_step']:,} training "
         f"tokens; {s['schedule']} schedule, {s['warmup_frac']:.0%} warmup, final rate "
@@ -578,7 +580,8 @@ def _hardware(env: Mapping[str, Any] | None) -> dict[str, Any]:
                                      "cpu_count")}
 
 
-def _describe_hardware(env: Mapping[str, Any] | None) -> str:
+def describe_hardware(env: Mapping[str, Any] | None) -> str:
+    """The hardware of a run's environment in words (``1 x NVIDIA H100 (gpu); host ...``)."""
     h = _hardware(env)
     cpu = f"{h['cpu'] or 'CPU'} ({h['cpu_count']} cores)"
     if h["platform"] is None:
@@ -597,22 +600,61 @@ def _now() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def _num(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def run_to_json(r: RunRecord) -> dict[str, Any]:
+    """One run as JSON-ready data, all of it: :func:`run_from_json` rebuilds the record.
+
+    A non-finite value is ``None`` (strict JSON).
+    """
+    peak, source = peak_memory(r)
+    return {"config": r.config, "seed": r.seed, "lr": r.lr, "status": r.status,
+            "outcome": r.describe(), "final_test_ppl": _num(r.final_ppl),
+            "step_reached": r.step_reached, "steps": r.steps,
+            "tokens_per_s": _num(r.tokens_per_s), "peak_memory_bytes": peak,
+            "peak_memory_source": source if peak is not None else None,
+            "opt_state_bytes": r.opt_state_bytes, "path": str(r.path),
+            "peak_device_bytes": r.peak_device_bytes, "peak_rss_bytes": r.peak_rss_bytes,
+            "stop_step": r.stop_step, "reason": r.reason, "environment": r.environment,
+            "dates": None if r.dates is None else list(r.dates),
+            "evals": {"steps": list(r.evals.steps), "ppl": [_num(x) for x in r.evals.ppl],
+                      "seconds": [_num(x) for x in r.evals.seconds]},
+            "losses": [[step, _num(loss)] for step, loss in r.losses]}
+
+
+def run_from_json(data: Mapping[str, Any]) -> RunRecord:
+    """The :class:`RunRecord` of :func:`run_to_json`'s data (``None`` figures read as NaN).
+
+    Raises:
+      KeyError, TypeError, ValueError: the data is not a run's.
+    """
+    def floats(values: Sequence[Any]) -> tuple[float, ...]:
+        return tuple(math.nan if v is None else float(v) for v in values)
+
+    evals = data["evals"]
+    dates = data.get("dates")
+    return RunRecord(
+        config=str(data["config"]), lr=float(data["lr"]), seed=int(data["seed"]),
+        path=pathlib.Path(data["path"]), steps=int(data["steps"]), status=str(data["status"]),
+        step_reached=int(data["step_reached"]),
+        evals=EvalCurve(tuple(int(s) for s in evals["steps"]), floats(evals["ppl"]),
+                        floats(evals["seconds"])),
+        losses=tuple((int(s), math.nan if v is None else float(v))
+                     for s, v in data["losses"]),
+        tokens_per_s=data.get("tokens_per_s"), opt_state_bytes=data.get("opt_state_bytes"),
+        peak_device_bytes=data.get("peak_device_bytes"),
+        peak_rss_bytes=data.get("peak_rss_bytes"), stop_step=data.get("stop_step"),
+        reason=str(data.get("reason", "")), environment=data.get("environment"),
+        dates=None if dates is None else (str(dates[0]), str(dates[1])))
+
+
 def to_json(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> dict[str, Any]:
     """The report as JSON-ready data (``None`` where a value is missing or not finite)."""
-    def num(x: float | None) -> float | None:
-        return x if x is not None and math.isfinite(x) else None
-
     def stats(values: Sequence[float]) -> dict[str, Any]:
         mean, sd = mean_sd(values)
-        return {"mean": num(mean), "sd": num(sd), "n": len(values)}
-
-    def run(r: RunRecord) -> dict[str, Any]:
-        peak, source = peak_memory(r)
-        return {"seed": r.seed, "lr": r.lr, "status": r.status, "outcome": r.describe(),
-                "final_test_ppl": num(r.final_ppl), "step_reached": r.step_reached,
-                "tokens_per_s": num(r.tokens_per_s), "peak_memory_bytes": peak,
-                "peak_memory_source": source if peak is not None else None,
-                "opt_state_bytes": r.opt_state_bytes, "path": str(r.path)}
+        return {"mean": _num(mean), "sd": _num(sd), "n": len(values)}
 
     rows = []
     for row in summary.rows:
@@ -628,7 +670,7 @@ def to_json(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> dict[str,
                                    if r.tokens_per_s is not None]),
             "effective_tokens_per_s": None if eff is None else {
                 **stats(eff.values), "step": eff.step, "values": list(eff.values)},
-            "runs": [run(r) for r in row.runs],
+            "runs": [run_to_json(r) for r in row.runs],
         })
     return {
         "generated": _now(),
@@ -638,18 +680,23 @@ def to_json(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> dict[str,
         "target": None if summary.target is None else dataclasses.asdict(summary.target),
         "rows": rows,
         "lr_sweep": [{"config": c, "lr": lr, "cell": Row(c, lr, runs).ppl_cell(),
-                      "runs": [run(r) for r in runs]}
+                      "runs": [run_to_json(r) for r in runs]}
                      for (c, lr), runs in summary.cells.items()],
         "best_lr": dict(summary.best),
         "figures": [str(p) for p in figures],
     }
 
 
-def to_markdown(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> str:
-    """The report as markdown: the setup, the main table, the rate sweep and the figures."""
-    title = (f"Sweep results: LLaMA {summary.setup['model']}, "
-             f"{len(summary.rows)} configurations")
+def to_markdown(summary: Summary, figures: Sequence[pathlib.Path] = (), *,
+                title: str | None = None, sections: Sequence[str] = ()) -> str:
+    """The report as markdown: the setup, the main table, the rate sweep and the figures.
+
+    ``title`` replaces the default title; ``sections`` (markdown lines) come after the setup.
+    """
+    title = title or (f"Sweep results: LLaMA {summary.setup['model']}, "
+                      f"{len(summary.rows)} configurations")
     parts = [f"# {title}", "", *(f"- {line}" for line in setup_lines(summary)), "",
+             *sections, *([""] if sections else []),
              "## Final test perplexity, memory and throughput", "", main_table(summary), "",
              "Mean ± sample standard deviation over the seeds that finished; the status names "
              "every seed that diverged or did not finish (never averaged in). Peak memory: the "
@@ -674,6 +721,21 @@ def to_markdown(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> str:
 # ---------------------------------------------------------------------------
 # figures
 # ---------------------------------------------------------------------------
+
+
+def write_figures(summary: Summary, folder: pathlib.Path) -> list[pathlib.Path]:
+    """Draw the report's figures into ``folder``; return the files drawn.
+
+    ``loss_vs_tokens.png`` where a run logged a loss, ``lr_sweep.png`` where rates were swept
+    and a run finished.
+    """
+    figures = []
+    if any(r.losses for row in summary.rows for r in row.runs):
+        figures.append(plot_loss_vs_tokens(summary, folder / "loss_vs_tokens.png"))
+    if sweeps_rates(summary.cells) and any(
+            r.final_ppl is not None for runs in summary.cells.values() for r in runs):
+        figures.append(plot_lr_sweep(summary, folder / "lr_sweep.png"))
+    return figures
 
 
 def _figure(width: float, height: float) -> tuple[Any, Any]:

@@ -181,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=_checked("data", str), default=None,
                    help="'installed' (the offline ~100M-token corpus of this machine's "
                    "installed packages and documentation, split 8:2 by document, built and "
-                   "cached on first use), a text file or folder, or a .u16/.u32/.npy/.bin "
-                   "token file (default: the embedded standard-library corpus)")
+                   "cached on first use), a cut of it (a folder holding cut.json, written "
+                   "by sage-repro cut-data: fixed tokens with their own split, checked), a "
+                   "text file or folder, or a .u16/.u32/.npy/.bin token file (default: the "
+                   "embedded standard-library corpus)")
     p.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
                    help="dtype of a raw .bin token file: required for .bin, checked against "
                    "the extension of .u16/.u32/.npy (default: from the extension)")

@@ -66,9 +66,9 @@ from typing import Any
 import numpy as np
 import tokenizers
 from tokenizers import Tokenizer
-from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from sage_train import data as data_lib
+from sage_train.report import progress_bar
 
 __all__ = [
     "CORPUS_FORMAT",
@@ -367,7 +367,10 @@ def list_documents(
                              "duplicate"), 0)
     seen: set[str] = set()
     docs: list[Document] = []
-    for r, rel, f in tqdm(listed, desc="reading", unit="file", disable=not _progress(progress)):
+    bar = progress_bar(total=len(listed), desc="reading", unit="file",
+                       disable=not _progress(progress))
+    for r, rel, f in listed:
+        bar.update()
         data = _read(r, f, max_file_bytes)
         if isinstance(data, str):
             skipped[data] += 1
@@ -386,6 +389,7 @@ def list_documents(
             continue
         seen.add(sha)
         docs.append(Document(r.name, rel, sha, len(data), text))
+    bar.close()
     if not docs:
         where = ", ".join(f"{r.name}={str(r.path)!r}" for r in roots) or "no roots"
         raise ValueError(f"installed corpus: no documents found under {where} "
@@ -538,8 +542,8 @@ def build_corpus(
     tok = data_lib.train_tokenizer(_tokenizer_sample(train_docs, tokenizer_bytes), vocab_size)
     tokenizer_seconds = time.perf_counter() - t0
     dtype = data_lib._token_dtype(vocab_size)
-    with tqdm(total=listing.nbytes, desc="tokenizing", unit="B", unit_scale=True,
-              disable=not _progress(progress)) as bar:
+    with progress_bar(total=listing.nbytes, desc="tokenizing", unit="B", unit_scale=True,
+                      disable=not _progress(progress)) as bar:
         train = _encode(tok, train_docs, dtype, bar)
         test = _encode(tok, test_docs, dtype, bar)
     meta = {

@@ -10,6 +10,9 @@ Sources accepted by :func:`load_data`:
   library, installed packages' sources and documentation, system documentation), split 8:2
   *by document* and cached once (:mod:`sage_train.corpus`).
 * a text file or a folder of text files (:func:`read_text_source`).
+* a cut (:mod:`sage_train.cut`): a folder holding ``cut.json`` (or that file), a fixed,
+  fingerprinted token set taken from a corpus with its own train and test sides, every file
+  checked against its manifest when loaded.
 * a pre-tokenized token file prepared elsewhere: ``.u16`` / ``.u32`` (raw little-endian
   uint16 / uint32), ``.bin`` (raw, dtype given by ``token_dtype``) or ``.npy`` (1-D uint16 /
   uint32 array). These are memory-mapped, never read into memory.
@@ -23,7 +26,8 @@ The split is fixed: the documents, in their deterministic order and each followe
 ``<|endoftext|>``, form one token stream; its first 80% (``n * 4 // 5`` tokens) is the train
 split and the rest the test split. The cut is at a token, not a document, boundary, so a
 single-file source still gets a test split. Pre-tokenized files are split the same way.
-The ``installed`` corpus alone is split by document (see :mod:`sage_train.corpus`).
+The ``installed`` corpus is split by document (see :mod:`sage_train.corpus`), and a cut
+keeps the sides it was cut from.
 """
 
 from __future__ import annotations
@@ -533,6 +537,8 @@ def load_data(
         source: ``None`` or ``"stdlib"`` for the embedded standard-library corpus (use
             ``"./stdlib"`` for a path of that name); ``"installed"`` for the offline corpus
             of :mod:`sage_train.corpus` (split by document; ``"./installed"`` for a path);
+            a cut's folder or its ``cut.json`` (:func:`sage_train.cut.load_cut`: its own
+            train and test sides, every file checked);
             a ``.bin``/``.u16``/``.u32``/``.npy`` file of pre-tokenized ids
             (memory-mapped); any other file or folder is text (:func:`read_text_source`).
         vocab_size: model vocabulary size. For text it is the exact size of the BPE trained
@@ -575,6 +581,12 @@ def load_data(
             f"data source {str(source)!r} does not exist (expected 'stdlib', 'installed', a "
             "text file or folder, or a .bin/.u16/.u32/.npy token file)"
         )
+    from sage_train import cut  # imports this module: loaded when first used
+
+    if cut.is_cut(path):
+        if token_dtype is not None:
+            raise ValueError("token_dtype only applies to pre-tokenized token files")
+        return cut.load_cut(path, int(vocab_size))
     if path.is_file() and path.suffix.lower() in PRETOKENIZED_SUFFIXES:
         return _load_pretokenized(path, vocab_size, token_dtype)
     if token_dtype is not None:

@@ -57,6 +57,38 @@ INSTALL = {
 }
 
 
+class NoBar:
+    """A progress bar that shows nothing: :func:`progress_bar`'s where tqdm is missing."""
+
+    def update(self, n: float = 1) -> None:
+        """Count ``n`` more (nothing shown)."""
+
+    def set_postfix(self, **kwargs: Any) -> None:
+        """Set the bar's figures (nothing shown)."""
+
+    def close(self) -> None:
+        """Close the bar (nothing to close)."""
+
+    def __enter__(self) -> NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress_bar(**kwargs: Any) -> Any:
+    """A ``tqdm.auto`` progress bar with ``kwargs``, or a :class:`NoBar` without tqdm.
+
+    tqdm is optional (:data:`sage_optim._entry.ON_DEMAND`): without it a run prints plain
+    log lines and the ``installed`` corpus is built without bars.
+    """
+    try:
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        return NoBar()
+    return tqdm(**kwargs)
+
+
 def require(module: str, flag: str) -> None:
     """Import ``module`` for ``flag`` or refuse in one line naming how to install it.
 

@@ -1361,9 +1361,9 @@ def _progress(start: int, total: int, enabled: bool
     """A progress bar where ``enabled`` and on a terminal; ``None``: plain log lines instead."""
     if not (enabled and is_terminal()):
         return None
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+    bar = report.progress_bar(total=total, initial=start, unit="step", dynamic_ncols=True)
+    if isinstance(bar, report.NoBar):
+        return None  # no tqdm: plain log lines
 
     def update(step: int, loss: float, tps: float) -> None:
         bar.update(step - bar.n)

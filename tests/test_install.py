@@ -191,7 +191,7 @@ def test_sage_optim_needs_neither_framework():
     import_all("sage_optim")
     # the reproduction package and its JAX-free modules import without a framework too
     import sage_repro, sage_repro.paper, sage_repro.traffic, sage_repro.memory_report
-    import sage_repro.commands, sage_repro.sweep, sage_repro.sweep_report
+    import sage_repro.commands, sage_repro.sweep, sage_repro.sweep_report, sage_repro.pieces
     """, check_none_loaded=True)
     assert_ok(proc)
 
@@ -234,6 +234,7 @@ def test_script_without_its_extra_prints_one_line(script, hidden):
     ("sage_repro.memory_report", "sage-memory", JAX_SIDE),
     ("sage_repro.parity", "sage-parity", TORCH_SIDE),
     ("sage_train", "sage-train", JAX_SIDE),
+    ("sage_repro", "sage-repro", JAX_SIDE),
 ])
 def test_python_m_without_its_extra_prints_one_line(module, script, hidden):
     proc = run_hidden(hidden, f"""
@@ -242,6 +243,19 @@ def test_python_m_without_its_extra_prints_one_line(module, script, hidden):
     runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
     """)
     assert (proc.returncode, proc.stdout, proc.stderr) == (1, "", MESSAGES[script] + "\n")
+
+
+@pytest.mark.parametrize("module", ["sage_train", "sage_repro"])
+def test_commands_start_without_their_on_demand_modules(module):
+    """tensorboardX and safetensors are imported only by the options that check for them,
+    tqdm only for progress bars (a GPU host without them still trains): ``--help`` runs with
+    all three hidden."""
+    proc = run_hidden(("tensorboardX", "safetensors", "tqdm"), f"""
+    import runpy
+    sys.argv = [{module!r}, "--help"]
+    runpy.run_module({module!r}, run_name="__main__", alter_sys=True)
+    """)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr
 
 
 def test_llama_mode_names_transformers():

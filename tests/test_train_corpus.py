@@ -10,11 +10,10 @@ import gzip
 import hashlib
 import json
 import os
-import pathlib
-import sysconfig
 
 import numpy as np
 import pytest
+from corpus_helpers import make_tree
 
 from sage_optim.models import MODELS
 from sage_train import corpus, data
@@ -25,28 +24,6 @@ VOCAB = 300
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def _lines() -> list[str]:
-    """Lines of a few standard-library modules: realistic text to cut documents from."""
-    stdlib = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    lines: list[str] = []
-    for name in ("textwrap.py", "argparse.py"):
-        lines.extend((stdlib / name).read_text().splitlines(keepends=True))
-    return lines
-
-
-def _make_tree(root: pathlib.Path, n: int, first: int = 0) -> dict[str, str]:
-    """``n`` distinct documents of 12 lines under ``root`` (nested folders); {relpath: text}."""
-    lines = _lines()
-    docs = {}
-    for i in range(first, first + n):
-        text = f"# document {i}\n" + "".join(lines[(7 * i) % (len(lines) - 12):][:12])
-        rel = f"pkg{i % 3}/sub{i % 2}/mod_{i:04d}.py"
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-        docs[rel] = text
-    return docs
 
 
 def _sha(text: str) -> str:
@@ -70,7 +47,7 @@ def _decode_stream(tok, tokens: np.ndarray) -> list[str]:
 @pytest.fixture
 def tree(tmp_path) -> tuple[list[corpus.Root], dict[str, str]]:
     root = tmp_path / "tree"
-    docs = _make_tree(root, 200)
+    docs = make_tree(root, 200)
     return [corpus.Root("pkgs", root)], docs
 
 
@@ -175,7 +152,7 @@ def test_split_by_document_without_overlap(tree):
 def test_adding_documents_moves_no_other(tree):
     roots, docs = tree
     before = {d.sha256: d.test for d in corpus.list_documents(roots).documents}
-    _make_tree(roots[0].path, 50, first=200)
+    make_tree(roots[0].path, 50, first=200)
     after = {d.sha256: d.test for d in corpus.list_documents(roots).documents}
     assert len(after) == len(before) + 50
     assert all(after[s] == side for s, side in before.items())

@@ -134,6 +134,9 @@ def test_a_terminal_gets_the_bar_and_the_cli_lines_are_flushed(train_corpus, tmp
     assert not [m for m in messages if m.startswith("step ")]  # tqdm's bar instead
     _, messages = quiet(config(train_corpus, tmp_path / "off", steps=2, progress=False))
     assert len([m for m in messages if m.startswith("step ")]) == 2  # --no-progress: lines
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # tqdm not installed: lines
+    _, messages = quiet(config(train_corpus, tmp_path / "no-tqdm", steps=2, progress=True))
+    assert len([m for m in messages if m.startswith("step ")]) == 2
     monkeypatch.setattr(train_mod, "is_terminal", lambda: False)
     _, messages = quiet(config(train_corpus, tmp_path / "pipe", steps=2, progress=True))
     assert len([m for m in messages if m.startswith("step ")]) == 2  # not a terminal: lines
