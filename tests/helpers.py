@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
+import jax
 import numpy as np
 
 V, D, F = 40, 12, 20  # vocab, model width, MLP width of the mixed test model
@@ -73,3 +77,20 @@ def mixed_gradient(rng: np.random.Generator, params: dict, step: int) -> dict:
     if "lm_head" in params:
         g["lm_head"] = {"kernel": sparse_embedding_gradient(rng, (D, V), vocab_axis=1)}
     return g
+
+
+@contextlib.contextmanager
+def cuda_lowering_target(device_kind: str = "NVIDIA H100") -> Iterator[None]:
+    """Lower Pallas's Triton calls for a ``device_kind`` GPU on a host that has none.
+
+    JAX 0.11 asks the GPU being lowered for its compute capability (an abstract device where
+    there is none: ``jax.sharding.use_abstract_mesh``); JAX 0.10 took 9.0 (an H100's) when it
+    found no GPU, and ignores the abstract device.  On a host with a GPU, that GPU is the
+    target and this does nothing.
+    """
+    if any(d.platform == "gpu" for d in jax.devices()):
+        yield
+        return
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), (), abstract_device=device)):
+        yield

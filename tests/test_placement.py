@@ -115,8 +115,9 @@ def _lowered(kernel, platform, grouping="auto"):
     grads = {"w": jnp.ones((16, 12)), "t": jnp.ones((3, 8, 4))}
     axes = {"w": LeafAxes(0, 1), "t": LeafAxes(-1, -2)}
     tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel, grouping=grouping)
-    traced = jax.jit(tx.update).trace(grads, optax.EmptyState())
-    return traced.lower(lowering_platforms=(platform,)).as_text()
+    with helpers.cuda_lowering_target():
+        traced = jax.jit(tx.update).trace(grads, optax.EmptyState())
+        return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
 def test_one_traced_program_lowers_the_kernel_for_cuda_only(gpu_host):
