@@ -192,15 +192,16 @@ def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
     """``K = (G/m)²`` of one leaf, or of several stacked along a new leading axis.
 
     ``after``: a data dependency (the two branches are bitwise equal) that makes this K wait
-    for it, so that consecutive leaves' K are not all alive at once.
+    for it, so that consecutive leaves' K are not all alive at once.  The dependency is taken
+    per leaf, before the stack: a stack of squares that did not depend on it could be formed
+    before the previous chunk is done (on an H100, a stacked update held two chunks' worth of
+    temporaries where the CPU holds one).
     """
-    def stack(xs: list[jax.Array]) -> jax.Array:
-        return xs[0] if len(xs) == 1 else jnp.stack(xs)
-
-    k = stack([jnp.square(x) for x in gms])
-    if after is not None:
-        k = jnp.where(after >= 0, k, stack([jnp.abs(x) * jnp.abs(x) for x in gms]))
-    return k
+    if after is None:
+        squares = [jnp.square(x) for x in gms]
+    else:  # each leaf's square waits for ``after``, so a stack cannot be formed before it
+        squares = [jnp.where(after >= 0, jnp.square(x), jnp.abs(x) * jnp.abs(x)) for x in gms]
+    return squares[0] if len(squares) == 1 else jnp.stack(squares)
 
 
 def _iterate(

@@ -5,6 +5,7 @@ same numbers as one leaf at a time and no copy of the gradients in the compiled 
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -111,3 +112,29 @@ def test_grouping_is_validated():
         sage_optax.scale_by_sinkhorn(grouping="batch")
     with pytest.raises(ValueError, match="group_bytes"):
         sage_optax.sinkgd(1e-2, group_bytes=0)
+
+
+def test_every_stacked_square_waits_for_the_previous_chunk():
+    """The order of the chunks is a data dependency of each leaf's square, taken before the
+    stack, so no compiler can form a chunk's K while the previous chunk's is alive (the
+    stack itself never exists without it).  Checked on the traced program."""
+    xs = [jnp.ones((4, 3)), jnp.ones((4, 3))]
+
+    def squares(a, b, after):
+        return sinkhorn._squares([a, b], after)
+
+    jaxpr = jax.make_jaxpr(squares)(*xs, jnp.float32(0)).jaxpr
+    after = jaxpr.invars[2]
+    depends: dict = {v: {v} for v in jaxpr.invars}
+    for eqn in jaxpr.eqns:
+        deps = set().union(*(depends.get(v, set()) for v in eqn.invars
+                             if not isinstance(v, jax.extend.core.Literal)))
+        for out in eqn.outvars:
+            depends[out] = deps
+    # Every operation that makes a stacked array (2, 4, 3) takes only inputs that wait.
+    stacks = [e for e in jaxpr.eqns if any(o.aval.shape == (2, 4, 3) for o in e.outvars)]
+    assert stacks, "the two leaves are stacked"
+    for eqn in stacks:
+        for v in eqn.invars:
+            if not isinstance(v, jax.extend.core.Literal):
+                assert after in depends[v], f"an input of a stack does not wait: {eqn}"
