@@ -35,6 +35,16 @@ def py(code: str) -> tuple[str, ...]:
     return ("{py}", "-c", code)
 
 
+SLEEPS = py("import time; time.sleep(120)")
+
+
+def run_part(tmp_path: Path, seconds: float, *steps: gc.Step, **part: bool) -> gc.Runner:
+    """A runner that has run ``steps`` as one part with ``seconds`` for it."""
+    r = runner(tmp_path)
+    r.run_part(gc.Part("x", "test part", steps, **part), time.monotonic() + seconds)
+    return r
+
+
 def test_plan_order_and_budget():
     parts = gc.plan()
     assert [p.key for p in parts] == ["env", "a", "b", "c", "d", "e"]
@@ -99,12 +109,9 @@ def test_bad_options_are_one_line_errors():
 
 
 def test_a_step_past_its_deadline_is_cut_and_the_next_is_not_started(tmp_path):
-    r = runner(tmp_path)
-    part = gc.Part("x", "test part", (
-        gc.Step("sleeps", py("import time; time.sleep(120)"), 4),
-        gc.Step("prints", py("print('late')"), 30),
-    ), greedy=True)
-    r.run_part(part, time.monotonic() + 5)  # the first has its 4 s, the second not its 15
+    # 5 s: the first has its 4 s, the second not half its 30
+    r = run_part(tmp_path, 5, gc.Step("sleeps", SLEEPS, 4),
+                 gc.Step("prints", py("print('late')"), 30), greedy=True)
     cut, late = r.outcomes
     assert cut.status == "timed out" and "its share" in cut.why
     assert late.status == "not reached"
@@ -116,12 +123,8 @@ def test_a_step_past_its_deadline_is_cut_and_the_next_is_not_started(tmp_path):
 
 
 def test_steps_together_have_their_own_times_and_status(tmp_path):
-    r = runner(tmp_path)
-    part = gc.Part("x", "together", (
-        gc.Step("fails at once", py("raise SystemExit(3)"), 6),
-        gc.Step("sleeps", py("import time; time.sleep(120)"), 6),
-    ), concurrent=True)
-    r.run_part(part, time.monotonic() + 4)
+    r = run_part(tmp_path, 4, gc.Step("fails at once", py("raise SystemExit(3)"), 6),
+                 gc.Step("sleeps", SLEEPS, 6), concurrent=True)
     failed, cut = r.outcomes
     assert failed.status == "failed" and failed.rc == 3 and failed.why == "exit 3"
     assert cut.status == "timed out"
@@ -129,14 +132,10 @@ def test_steps_together_have_their_own_times_and_status(tmp_path):
 
 
 def test_in_turn_a_step_has_its_share_of_what_is_left(tmp_path):
-    r = runner(tmp_path)
-    part = gc.Part("x", "shares", (
-        gc.Step("first", py("import time; time.sleep(120)"), 4),
-        gc.Step("second", py("print('second ran')"), 12),
-    ))
     # 16 s for the part: the first step has a quarter of it, and is cut there, so the second
     # still runs.
-    r.run_part(part, time.monotonic() + 16)
+    r = run_part(tmp_path, 16, gc.Step("first", SLEEPS, 4),
+                 gc.Step("second", py("print('second ran')"), 12))
     first, second = r.outcomes
     assert first.status == "timed out"
     assert second.status == "ok" and "second ran" in second.markdown
