@@ -354,6 +354,19 @@ def test_torch_param_group_beats_per_kind_and_global(name, kind, hp):
     assert differs(want_first, want_rest, [jax_first]), "the updates do not show the value"
 
 
+def test_jax_per_kind_beats_an_injected_global():
+    """Under ``optax.inject_hyperparams`` the global value is injected, the per-kind static."""
+    lr = get_preset("sage-hybrid").learning_rate
+    zero = _nest({n: np.zeros_like(x) for n, x in PARAMS.items()})
+    tx = optax.inject_hyperparams(sage_optax.make_optimizer, static_args="name")(
+        name="sage-hybrid", weight_decay=0.1, vector_weight_decay=0.0)
+    params = _nest(PARAMS)
+    u, _ = tx.update(zero, tx.init(params), params)
+    np.testing.assert_array_equal(u["norm"]["scale"], 0.0)
+    np.testing.assert_allclose(u["embed"]["embedding"], -lr * 0.1 * PARAMS["embed.embedding"],
+                               rtol=1e-5)
+
+
 def test_jax_mask_beats_per_kind_weight_decay():
     """``mask=`` is sage_optax's per-parameter control: an unmasked leaf does not decay."""
     lr = get_preset("sage-hybrid").learning_rate
