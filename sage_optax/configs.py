@@ -31,7 +31,8 @@ OPTION_KEYS: tuple[str, ...] = (
 INJECTABLE: tuple[str, ...] = ("b1", "b2", "eps", "weight_decay", "alpha")
 """Numeric hyperparameters :func:`make_optimizer` names in its signature, so that
 ``optax.inject_hyperparams(make_optimizer, static_args="name")`` can inject them (with the
-learning rate); each applies to every rule of the configuration that has it."""
+learning rate); each applies to every rule of the configuration that has it, except in a kind
+that gives its own (``<kind>_<hp>``, static)."""
 
 
 def build_rule(
@@ -102,7 +103,9 @@ def make_optimizer(
           SAGE-Hybrid variant with AdamW on 1-D parameters;
         * ``<kind>_<hp>=``: one hyperparameter of one kind's rule, e.g. ``dense_alpha=5.0``;
         * ``<hp>=``: any other hyperparameter for every rule that has it, e.g.
-          ``num_iters=3``;
+          ``num_iters=3``; a kind's own ``<kind>_<hp>`` wins over a global ``<hp>``
+          (``weight_decay=0.1, vector_weight_decay=0.0`` decays all but the vectors;
+          ``docs/configurations.md``, "Which value wins");
         * for the router (:func:`~sage_optax.route_params`): ``route_overrides={glob: kind
           or Route(kind, fan_in=..., fan_out=...)}``, ``vocab_size=``, ``layout=`` (``None``:
           each leaf's name says its convention; ``"flax"`` or ``"torch"`` declares one for

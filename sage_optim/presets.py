@@ -186,21 +186,33 @@ def resolve_preset(
     Consumes from ``overrides`` (in place) every key it understands, leaving only the
     framework's own ``option_keys``:
 
-    * ``embedding=``/``dense=``/``vector=``: a rule name or :class:`Rule` to swap in;
+    * ``embedding=``/``dense=``/``vector=``: a rule name or :class:`Rule` to swap in (the
+      hyperparameters a :class:`Rule` sets count as that kind's own, as ``<kind>_<hp>``);
     * ``<kind>_<hp>=``: one hyperparameter of one kind's rule (``dense_alpha=5.0``);
     * ``<hp>=``: a hyperparameter for every rule of the configuration that has it
       (``b1=0.891``, ``weight_decay=0.0``).
 
+    The most specific value wins, whatever the order of the keywords: ``<kind>_<hp>`` over
+    ``<hp>`` over the configuration's own value, so ``weight_decay=0.1,
+    vector_weight_decay=0.0`` decays every kind but the vectors.  Above them all, a
+    per-parameter value: a PyTorch param group's own option (``weight_decay``, ``betas``
+    in a group given to :func:`sage_torch.make_optimizer`), applied by the framework;
+    ``sage_optax`` sets hyperparameters per kind, its per-parameter control is ``mask=``
+    (which leaves decay).
+
     Raises:
-      ValueError: unknown configuration, rule or hyperparameter; the message lists what
+      ValueError: unknown configuration, rule or hyperparameter, or one hyperparameter of a
+        kind given twice (in a :class:`Rule` and as ``<kind>_<hp>``); the message lists what
         is valid.
     """
     preset = get_preset(name)
+    per_kind: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
     for kind in KINDS:
         if kind in overrides:
             value = overrides.pop(kind)
             rule = value if isinstance(value, Rule) else Rule(value)
-            preset = preset.with_rule(kind, rule)
+            preset = preset.with_rule(kind, Rule(rule.name))
+            per_kind[kind].update(rule.overrides)
     for key in [k for k in overrides if k.split("_", 1)[0] in KINDS]:
         kind, hp = key.split("_", 1)
         rule = preset.rule(kind)
@@ -209,7 +221,12 @@ def resolve_preset(
                 f"{key}: the {kind} rule of {name!r} is {rule.name!r}, which has no "
                 f"hyperparameter {hp!r}; it takes {sorted(RULE_DEFAULTS[rule.name])}"
             )
-        preset = preset.with_rule(kind, rule.with_overrides(**{hp: overrides.pop(key)}))
+        if hp in per_kind[kind]:
+            raise ValueError(
+                f"{key}: {hp!r} of the {kind} kind is given twice, as {key}= and in "
+                f"{kind}=Rule({rule.name!r}, ...); give it once"
+            )
+        per_kind[kind][hp] = overrides.pop(key)
     for hp in [k for k in overrides if k not in option_keys]:
         value = overrides.pop(hp)
         kinds = [k for k in KINDS if hp in RULE_DEFAULTS[preset.rule(k).name]]
@@ -223,4 +240,7 @@ def resolve_preset(
             )
         for kind in kinds:
             preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**{hp: value}))
+    for kind in KINDS:  # last: a kind's own values beat the global ones
+        if per_kind[kind]:
+            preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**per_kind[kind]))
     return preset

@@ -141,10 +141,12 @@ def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None
         ``route_overrides``: only vectors are placed by shape), or param-group dicts
         (``params``, optional ``param_names``, ``kind``, ``fan_in_dim``/``fan_out_dim``
         placing its members, and group options such as ``lr`` or ``weight_decay`` that
-        override the configuration's).  A parameter nothing places is refused unless every
-        reading of it gets the same update under this configuration (``adamw`` and
-        ``lion`` read no axes; ``sage-pure`` updates a table and a Linear with the same
-        axes alike).  Frozen parameters are left out.
+        override the configuration's and every keyword below: the most specific value wins,
+        a group's own option, then ``<kind>_<hp>``, then ``<hp>``, then the preset).  A
+        parameter nothing places is refused unless every reading of it gets the same update
+        under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
+        updates a table and a Linear with the same axes alike).  Frozen parameters are left
+        out.
       lr: learning rate of every group (default: the configuration's paper value).
         Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
