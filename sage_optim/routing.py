@@ -51,6 +51,21 @@ HEAD_MARKERS: tuple[str, ...] = ("lm_head", "head", "output", "unembed", "embed_
 """Path components that name an output head.  A name alone never makes a head: the leaf must
 also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
 
+CONV1D_NAMES: frozenset[str] = frozenset({"c_attn", "q_attn", "c_fc", "c_proj"})
+"""Module names whose ``weight`` no name can read: transformers' ``Conv1D`` in GPT-2 and its
+relatives (OpenAI GPT, ImageGPT, Decision Transformer, CLVP) stores it ``(in, out)``, while
+nanoGPT and GPTBigCode give the same names to ``nn.Linear`` weights ``(out, in)``.  Given by
+name only, such a weight is refused (:func:`conv1d_reading` orders the remedies)."""
+
+_TAKES_WIDTH: frozenset[str] = frozenset({"c_attn", "q_attn", "c_fc"})
+"""The :data:`CONV1D_NAMES` whose input is the model width (``c_proj`` outputs it)."""
+
+TABLE_MODULE_NAMES: frozenset[str] = frozenset({"wpe", "shared", "relative_attention_bias"})
+"""Module names whose 2-D ``weight`` is an ``nn.Embedding`` table ``(V, d)`` in every family
+that uses them, although no word of the name says embedding: GPT-2's position table ``wpe``,
+the token table ``shared`` of T5 and BART (and their relatives), T5's bucket table
+``relative_attention_bias`` ``(buckets, heads)``."""
+
 NON_VOCAB_WORDS: frozenset[str] = frozenset({
     "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",
     "segments", "seg", "rel", "relative", "bucket", "buckets",
@@ -403,3 +418,39 @@ def names_non_vocab_table(name: str) -> bool:
         if "position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
             return True
     return False
+
+
+def names_conv1d(name: str) -> bool:
+    """Whether ``name`` is the ``weight`` of a :data:`CONV1D_NAMES` module (``attn.c_attn``)."""
+    parts = components(name)
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in CONV1D_NAMES
+
+
+def names_table_module(name: str) -> bool:
+    """Whether ``name`` is the ``weight`` of a :data:`TABLE_MODULE_NAMES` module (a table)."""
+    parts = components(name)
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in TABLE_MODULE_NAMES
+
+
+def conv1d_reading(weights: Sequence[tuple[str, Sequence[int]]], width: int | None) -> str | None:
+    """What the shapes of a model's :data:`CONV1D_NAMES` weights say of their layout.
+
+    ``weights`` are ``(name, shape)`` of the 2-D weights that :func:`names_conv1d` flags and
+    ``width`` the model width (the token table's ``d``).  ``c_attn``, ``q_attn`` and ``c_fc``
+    read the width, ``c_proj`` writes it: a ``c_fc`` of shape ``(d, 4d)`` is ``(in, out)``,
+    one of ``(4d, d)`` is ``(out, in)``.  Returns ``"in_out"`` (transformers' ``Conv1D``) or
+    ``"out_in"`` (``nn.Linear``) when every non-square weight says the same, else ``None``
+    (no width, only square weights, or votes both ways).  This orders the remedies of a
+    refusal; it never places a weight.
+    """
+    if width is None:
+        return None
+    votes = set()
+    for name, shape in weights:
+        rows, cols = (int(n) for n in shape)
+        if rows == cols or width not in (rows, cols):
+            continue
+        reads_width = components(name)[-2] in _TAKES_WIDTH
+        votes.add("in_out" if (rows == width) == reads_width else "out_in")
+    return votes.pop() if len(votes) == 1 else None
+

@@ -499,8 +499,8 @@ def test_named_parameters_route_as_the_model():
               for g in make_optimizer("sage-hybrid", model.named_parameters()).param_groups]
     assert groups == [(g["kind"], g["fan_in_dim"], g["fan_out_dim"], g["param_names"])
                       for g in make_optimizer("sage-hybrid", model).param_groups]
-    assert evidence_of(model.named_parameters())["lm_head.weight"] == (
-        f"shape: ({V}, {D}) of token embedding embed.weight")
+    assert evidence_of(model.named_parameters())["lm_head.weight"] == (  # names only: shape
+        f"shape: ({V}, {D}) of token embedding embed.weight + name")  # and the head's name
     check_step(model, lm_loss, SMALL, params=model.named_parameters())
 
 
