@@ -412,6 +412,18 @@ def paste_block(problems: Sequence[RoutingError]) -> str:
     return "\n".join(lines)
 
 
+def in_numbered_layers(name: str) -> bool:
+    """Whether ``name`` lies inside numbered layers (``h.0.mlp.c_proj.weight``).
+
+    A matrix repeated per layer is a layer's matrix: never *the* output head by shape.  A
+    numbered module followed by a named one counts; a numbered module itself does not
+    (``1.weight`` of an ``nn.Sequential`` may be its last Linear, the head).
+    """
+    parts = components(name)[:-1]
+    return any(part.isdigit() and any(not later.isdigit() for later in parts[i + 1:])
+               for i, part in enumerate(parts))
+
+
 def names_non_vocab_table(name: str) -> bool:
     """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
     for part in components(name)[:-1]:
@@ -453,4 +465,31 @@ def conv1d_reading(weights: Sequence[tuple[str, Sequence[int]]], width: int | No
         reads_width = components(name)[-2] in _TAKES_WIDTH
         votes.add("in_out" if (rows == width) == reads_width else "out_in")
     return votes.pop() if len(votes) == 1 else None
+
+
+def conv1d_refusal(name: str, shape: Sequence[int], reading: str | None, remedy: str,
+                   kind: str | None = None) -> RoutingError:
+    """The refusal of a 2-D ``weight`` with a :data:`CONV1D_NAMES` name, in both frameworks.
+
+    Both readings, the one ``reading`` (:func:`conv1d_reading`) says first (Conv1D's when it
+    says nothing: the names' origin), then ``'vector'``.  ``remedy`` is the framework's
+    advice before the overrides ("Pass the model itself ..."); ``kind`` an override's kind.
+    """
+    shape = tuple(int(n) for n in shape)
+    conv = (Route(kind or "dense", fan_in=0, fan_out=1),
+            "it is transformers' Conv1D weight (in, out) (GPT-2 and its relatives)")
+    linear = (Route(kind or "dense", fan_in=1, fan_out=0),
+              "it is an nn.Linear weight (out, in) (nanoGPT, GPTBigCode)")
+    options: list[tuple[Any, str]] = [linear, conv] if reading == "out_in" else [conv, linear]
+    says = {"in_out": "say Conv1D (in, out)", "out_in": "say nn.Linear (out, in)"}.get(
+        reading or "", "do not say which (first: Conv1D, the names' origin)")
+    what = f"routed {kind!r}, but " if kind else ""
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {shape}: {what}its name is a GPT-2 Conv1D "
+        f"name ({', '.join(sorted(CONV1D_NAMES))}): transformers' Conv1D stores it (in, out), "
+        "but nanoGPT and GPTBigCode give these names to nn.Linear weights (out, in), so names "
+        f"alone cannot tell. {remedy}; the shapes of this model's weights with these names, "
+        f"against the token table's width, {says}: "
+        + "; ".join(f"{override_advice(name, shape, r)} if {w}" for r, w in options),
+        leaf=name, shape=shape, options=[*options, ("vector", "element-wise rules are wanted")])
 

@@ -94,13 +94,14 @@ import torch
 from torch import nn
 
 from sage_optim.routing import (
-    CONV1D_NAMES,
     TOKEN_EMBEDDING_MARKERS,
     ResolvedRoute,
     Route,
     RoutingError,
     components,
     conv1d_reading,
+    conv1d_refusal,
+    in_numbered_layers,
     match_overrides,
     names_conv1d,
     names_head,
@@ -448,18 +449,6 @@ class _Heads:
     refused: dict[int, RoutingError] = dataclasses.field(default_factory=dict)  # id -> error
 
 
-def _in_stack(name: str) -> bool:
-    """Whether ``name`` lies inside numbered layers (``h.0.mlp.c_proj.weight``).
-
-    A matrix repeated per layer is a layer's matrix: never *the* output head by shape.  A
-    numbered module followed by a named one counts; a numbered module itself does not
-    (``1.weight`` of an ``nn.Sequential`` may be its last Linear, the head).
-    """
-    parts = components(name)[:-1]
-    return any(part.isdigit() and any(not later.isdigit() for later in parts[i + 1:])
-               for i, part in enumerate(parts))
-
-
 def _find_heads(token: tuple[str, torch.Tensor] | None,
                 tables: Sequence[tuple[str, torch.Tensor]],
                 linears: Sequence[tuple[str, torch.Tensor]],
@@ -496,7 +485,7 @@ def _find_heads(token: tuple[str, torch.Tensor] | None,
         label = "table" if len(names) == 1 else "tables"
         return f"shape: {_fmt_shape(shape)} of {label} {', '.join(names)}"
 
-    vocabularies = [f for f in fits if f[3] and not _in_stack(f[0])]
+    vocabularies = [f for f in fits if f[3] and not in_numbered_layers(f[0])]
     named = [f for f in vocabularies if names_head(f[0])]
     if len(fits) == 1 and vocabularies and (named or not names_only):
         name, w, names, _ = fits[0]
@@ -516,7 +505,7 @@ def _find_heads(token: tuple[str, torch.Tensor] | None,
                 f"it is the output head over the rows of {names[0]} (vocab axis 0)")
         dense = (Route("dense", fan_in=1, fan_out=0),
                  "it is an ordinary nn.Linear (out, in), not the head"
-                 + (" (it lies inside numbered layers)" if _in_stack(name) else ""))
+                 + (" (it lies inside numbered layers)" if in_numbered_layers(name) else ""))
         options = [head, dense] if w is likely else [dense, head]
         problems.append(RoutingError(
             f"cannot tell whether weight {name!r} of shape {_fmt_shape(shape)} is "
@@ -526,13 +515,13 @@ def _find_heads(token: tuple[str, torch.Tensor] | None,
     listed = "; ".join(
         f"{f[0]} {_fmt_shape(f[1].shape)}: the shape of {', '.join(f[2])}"
         + ("" if f[3] else " (a position/type table)")
-        + (" (inside numbered layers)" if _in_stack(f[0]) else "") for f in fits)
+        + (" (inside numbered layers)" if in_numbered_layers(f[0]) else "") for f in fits)
     if len(fits) > 1:
         why = f"{len(fits)} weights have the shape of a table ({names_listed})"
     elif not fits[0][3]:
         why = ("a weight has the shape of a table whose name says positions or types: most "
                "likely a layer whose size equals that table's length")
-    elif _in_stack(fits[0][0]):
+    elif in_numbered_layers(fits[0][0]):
         why = ("the only weight with the shape of a table lies inside numbered layers: most "
                "likely a layer's matrix whose size equals the vocabulary (the head may be "
                "tied to the table)")
@@ -988,30 +977,12 @@ class _NameRouter:
             leaf=e.name, shape=shape, options=options)
 
     def _refuse_conv1d(self, e: _Entry, kind: str | None) -> RoutingError:
-        """The refusal of a weight with a GPT-2 ``Conv1D`` name: both readings.
-
-        The likelier first, by the shapes of the model's weights of these names
-        (:func:`~sage_optim.routing.conv1d_reading`).
-        """
-        shape = tuple(int(s) for s in e.param.shape)
-        conv = (Route(kind or "dense", fan_in=0, fan_out=1),
-                "it is transformers' Conv1D weight (in, out) (GPT-2 and its relatives)")
-        linear = (Route(kind or "dense", fan_in=1, fan_out=0),
-                  "it is an nn.Linear weight (out, in) (nanoGPT, GPTBigCode)")
-        options = [linear, conv] if self.conv1d == "out_in" else [conv, linear]
-        says = {"in_out": "say Conv1D (in, out)", "out_in": "say nn.Linear (out, in)",
-                None: "do not say which (first: Conv1D, the names' origin)"}[self.conv1d]
-        what = f"routed {kind!r}, but " if kind else ""
-        return RoutingError(
-            f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: {what}its name "
-            f"is a GPT-2 Conv1D name ({', '.join(sorted(CONV1D_NAMES))}): transformers' Conv1D "
-            "stores it (in, out), but nanoGPT and GPTBigCode give these names to nn.Linear "
-            "weights (out, in), so names alone cannot tell. Pass the model itself "
-            "(make_optimizer(name, model): its modules decide), or route it in "
-            "route_overrides; the shapes of this model's weights with these names, against "
-            f"the token table's width, {says}:\n{_advice_lines(e.name, shape, options)}\n"
-            "(Route is sage_optim.routing.Route, also sage_torch.Route)",
-            leaf=e.name, shape=shape, options=[*options, _VECTOR_OPTION])
+        """The refusal of a weight with a GPT-2 ``Conv1D`` name (both readings)."""
+        return conv1d_refusal(
+            e.name, e.param.shape, self.conv1d,
+            "Pass the model itself (make_optimizer(name, model): its modules decide), or "
+            "route it in route_overrides (Route is sage_optim.routing.Route, also "
+            "sage_torch.Route)", kind)
 
     def route(self, e: _Entry) -> ResolvedRoute:
         """The route of one entry (raises :class:`RoutingError`)."""

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference_np import SinkGDRef
+from routing_checks import ARCHITECTURES, WIDE, D, V, build, paste_block
 from torch import nn
 
 import sage_torch
@@ -34,28 +35,15 @@ from sage_torch import Route, RoutingError, make_optimizer, route_params
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
-T = transformers
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-V, D = 40, 16
 LR = 1e-2
 
 
 def routes_of(params, overrides=None) -> dict:
     return {r.name: (r.route.kind, r.route.fan_in, r.route.fan_out)
             for r in route_params(params, overrides)}
-
-
-def paste_block(err: RoutingError) -> dict:
-    """The message's one ``route_overrides = {...}`` block, executed with ``Route`` in scope."""
-    message = str(err)
-    assert message.count("route_overrides = {") == 1, message
-    block = message[message.index("route_overrides = {"):]
-    block = block[:block.index("\n}") + 2]
-    scope: dict = {"Route": Route}
-    exec(block, scope)  # noqa: S102 - our own message: the block users paste
-    return scope["route_overrides"]
 
 
 def by_names(model: nn.Module) -> tuple[dict, RoutingError | None]:
@@ -65,66 +53,6 @@ def by_names(model: nn.Module) -> tuple[dict, RoutingError | None]:
     except RoutingError as err:
         assert paste_block(err) == err.overrides
         return routes_of(model.named_parameters(), err.overrides), err
-
-
-def family(config: str, model: str):
-    config_cls, model_cls = getattr(T, config, None), getattr(T, model, None)
-    if config_cls is None or model_cls is None:
-        pytest.skip(f"transformers {T.__version__} has no {model}")
-    return config_cls, model_cls
-
-
-def build(config: str, model: str, **kw) -> nn.Module:
-    config_cls, model_cls = family(config, model)
-    torch.manual_seed(0)
-    return model_cls(config_cls(**kw))
-
-
-GPT2 = dict(n_embd=D, n_layer=2, n_head=2, n_positions=32)
-WIDE = 4 * D  # vocab_size == MLP width == 4 * hidden: an MLP matrix has the table's shape
-
-ARCHITECTURES = {  # id: (config class, model class, config)
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, **GPT2)),
-    "gpt2-vocab-4d": ("GPT2Config", "GPT2LMHeadModel",
-                      dict(vocab_size=WIDE, n_embd=D, n_layer=1, n_head=2, n_positions=32)),
-    "gpt2-cross-attention": ("GPT2Config", "GPT2LMHeadModel",
-                             dict(vocab_size=V, add_cross_attention=True, **GPT2)),
-    "openai-gpt": ("OpenAIGPTConfig", "OpenAIGPTLMHeadModel", dict(vocab_size=V, **GPT2)),
-    "gpt-bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(vocab_size=V, **GPT2)),
-    "gpt-bigcode-vocab-4d": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
-                             dict(vocab_size=WIDE, **GPT2)),
-    "llama-tied-mlp-v": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=V, hidden_size=D, intermediate_size=V, num_hidden_layers=2,
-        num_attention_heads=2, tie_word_embeddings=True)),
-    "llama-untied-mlp-v": ("LlamaConfig", "LlamaForCausalLM", dict(
-        vocab_size=V, hidden_size=D, intermediate_size=V, num_hidden_layers=2,
-        num_attention_heads=2, tie_word_embeddings=False)),
-    "gpt-neox-vocab-4d": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
-        vocab_size=WIDE, hidden_size=D, intermediate_size=WIDE, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=32)),
-    "opt": ("OPTConfig", "OPTForCausalLM", dict(
-        vocab_size=V, hidden_size=D, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=32, word_embed_proj_dim=D)),
-    "opt-vocab-4d": ("OPTConfig", "OPTForCausalLM", dict(
-        vocab_size=WIDE, hidden_size=D, ffn_dim=WIDE, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=D)),
-    "bert-vocab-4d": ("BertConfig", "BertForMaskedLM", dict(
-        vocab_size=WIDE, hidden_size=D, intermediate_size=WIDE, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=32)),
-    "roberta": ("RobertaConfig", "RobertaForMaskedLM", dict(
-        vocab_size=V, hidden_size=D, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, max_position_embeddings=32)),
-    "t5": ("T5Config", "T5ForConditionalGeneration", dict(
-        vocab_size=V, d_model=D, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8)),
-    "t5-vocab-4d": ("T5Config", "T5ForConditionalGeneration", dict(
-        vocab_size=WIDE, d_model=D, d_kv=8, d_ff=WIDE, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8)),
-    "bart-vocab-4d": ("BartConfig", "BartForConditionalGeneration", dict(
-        vocab_size=WIDE, d_model=D, encoder_ffn_dim=WIDE, decoder_ffn_dim=WIDE,
-        encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-        decoder_attention_heads=2, max_position_embeddings=32)),
-}
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference_np import SageRef, SinkGDRef
+from routing_checks import paste_block
 from torch import nn
 
 from sage_torch import Route, RoutingError, make_optimizer, route_params, routing_table
@@ -46,17 +47,6 @@ def routes_of(model, overrides=None) -> dict:
 
 def evidence_of(model, overrides=None) -> dict:
     return {r.name: r.route.evidence for r in route_params(model, overrides)}
-
-
-def paste_block(err: RoutingError) -> dict:
-    """The message's one ``route_overrides = {...}`` block, executed with ``Route`` in scope."""
-    message = str(err)
-    assert message.count("route_overrides = {") == 1, message
-    block = message[message.index("route_overrides = {"):]
-    block = block[:block.index("\n}") + 2]
-    scope: dict = {"Route": Route}
-    exec(block, scope)  # noqa: S102 - our own message: the block users paste
-    return scope["route_overrides"]
 
 
 # ---------------------------------------------------------------------------
