@@ -20,7 +20,13 @@ convention):
    ``(V, d)``) or ``"torch"`` (a 2-D ``weight`` is ``(out, in)``, a token table ``(V, d)``).
    0-D/1-D leaves are vectors.  A kernel, weight, ``scale`` or ``bias`` with more axes may
    be stacked layers, a multi-axis kernel or a convolution: without the model or an
-   override it is refused, with both remedies in the message.
+   override it is refused, with the remedies in the message, most likely first: the
+   attention reading for a kernel (and bias) of a module named ``query``/``key``/``value``
+   or ``out`` (linen's ``nn.MultiHeadDotProductAttention``), unless a sibling bias says
+   stacked layers.  A PyTorch-named ``weight`` follows ``sage_torch``'s name rules: GPT-2's
+   ``Conv1D`` names (``c_attn``, ...) are refused, ``wpe``/``shared``/
+   ``relative_attention_bias`` are tables.  ``model=`` reads NNX and Equinox modules only;
+   a linen module (bound or not) is refused with a ``TypeError``.
 
 A **head** (an untied output projection: kind ``embedding``, vocab axis as fan-out) is a
 dense matrix with the shape of *the* token embedding, ``(d, V)`` (``(V, d)`` in the torch
@@ -29,7 +35,8 @@ embedding (``wte``, ``tok_embeddings``, ``embed_tokens``...), and ``V`` may also
 ``vocab_size=``.  Exactly one matrix must fit; among several, a head name (``lm_head``,
 ``head``, ``output``...) decides, else the router refuses.  A name alone never makes a head
 (a ViT ``head`` classifier is dense), and neither does one dimension equal to some table's
-length.
+length; a matrix inside numbered layers (``layers.0.up.kernel``) is never the head by
+shape: it is refused with ``dense`` first.
 
 :func:`route_params` returns the labels (``optax.partition`` labels), the
 :class:`~sage_optax.LeafAxes` every transform takes, and each leaf's
@@ -317,10 +324,15 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     if _is_equinox_module(model):
         return equinox_routes(model)
     if not _is_nnx_module(model):
+        linen = sys.modules.get("flax.linen")
+        what = ("a flax linen module, whose submodules exist only inside apply, so there are "
+                "no modules to read (bound or not)" if linen is not None
+                and isinstance(model, linen.Module) else f"a {type(model).__name__}")
         raise TypeError(
-            f"model= takes a flax NNX module or an Equinox model, got {type(model).__name__}; "
-            "for a linen model or another pytree, give the axes of multi-axis leaves with "
-            "route_overrides"
+            f"model= takes a flax NNX module or an Equinox model, got {what}; route the "
+            "params tree without model= (2-D kernels and embeddings route by name) and give "
+            "multi-axis leaves their axes in route_overrides: the RoutingError lists them "
+            "with a block to paste"
         )
     return _module_evidence_of_nnx(model)
 
@@ -352,14 +364,70 @@ class _TreeFacts:
     torch: bool  # a PyTorch-convention tree: leaves named weight, and not a Flax tree
     have_model: bool  # module evidence was given (model= / an nnx.Module / Equinox)
     vocab_size: int | None
+    nnx_tree: bool = False  # an nnx.State: model= would read its modules
+    shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    conv1d: str | None = None  # what the GPT-2 Conv1D names' shapes say (core.conv1d_reading)
 
 
 def _tree_facts(names: list[str], layout: str | None, have_model: bool,
-                vocab_size: int | None, nnx_tree: bool) -> _TreeFacts:
+                vocab_size: int | None, nnx_tree: bool,
+                shapes: Mapping[str, tuple[int, ...]] | None = None) -> _TreeFacts:
     leaves = {core.components(n)[-1] for n in names}
     flax = nnx_tree or bool(leaves & (set(FLAX_NAMES) | set(TABLE_NAMES)))
     torch = not flax and bool(leaves & set(TORCH_NAMES))
-    return _TreeFacts(layout, flax, torch, have_model, vocab_size)
+    shapes = dict(shapes or {})
+    conv1d = None
+    if torch:  # the token table's width, against which the Conv1D names' shapes are read
+        tokens = [s for n, s in shapes.items() if len(s) == 2
+                  and core.components(n)[-1] in TORCH_NAMES and core.names_token_embedding(n)]
+        conv1d = core.conv1d_reading(
+            [(n, s) for n, s in shapes.items() if len(s) == 2 and core.names_conv1d(n)],
+            tokens[0][1] if len(tokens) == 1 else None)
+    return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conv1d)
+
+
+ATTENTION_IN: frozenset[str] = frozenset({"query", "key", "value"})
+"""Module names of attention's input projections (linen ``nn.MultiHeadDotProductAttention``,
+``nnx.MultiHeadAttention``): a ``DenseGeneral`` kernel ``(in, heads, head_dim)``."""
+
+ATTENTION_OUT: frozenset[str] = frozenset({"out"})
+"""Module name of attention's output projection: a kernel ``(heads, head_dim, out)``."""
+
+
+def _sibling(name: str, leaf: str, facts: _TreeFacts) -> tuple[int, ...] | None:
+    """The shape of the leaf ``leaf`` of the same module as ``name``, if the tree has it."""
+    module = name.rpartition(".")[0]
+    return facts.shapes.get(f"{module}.{leaf}" if module else leaf)
+
+
+def _attention_reading(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | None:
+    """The attention reading of a multi-axis ``kernel``/``bias`` that its module name says.
+
+    A ``kernel`` of a ``query``/``key``/``value`` module is ``(..., in, heads, head_dim)``
+    (fan-in ``-3``, fan-out ``(-2, -1)``, as ``nnx.LinearGeneral`` reads it), one of an
+    ``out`` module ``(..., heads, head_dim, out)``; the ``bias`` of ``query``/``key``/
+    ``value`` is one ``(heads, head_dim)`` vector per leading index.  ``None`` when the name
+    says no such module, or a sibling says otherwise: a 3-D kernel whose bias is ``(L, F)``
+    = its first and last axes is stacked ``Dense`` layers, not attention.  This orders the
+    remedies of a refusal; it never places a leaf.
+    """
+    parts = core.components(name)
+    if len(parts) < 2 or parts[-2] not in ATTENTION_IN | ATTENTION_OUT:
+        return None
+    leaf, ndim = parts[-1], len(shape)
+    if leaf == "kernel" and ndim >= 3:
+        bias = _sibling(name, "bias", facts)
+        own = shape[-2:] if parts[-2] in ATTENTION_IN else shape[-1:]
+        if ndim == 3 and bias is not None and bias == (shape[0], shape[-1]) and bias != own:
+            return None
+        if parts[-2] in ATTENTION_IN:
+            return Route("dense", fan_in=-3, fan_out=(-2, -1))
+        return Route("dense", fan_in=(-3, -2), fan_out=-1)
+    if leaf == "bias" and ndim >= 2 and parts[-2] in ATTENTION_IN:
+        kernel = _sibling(name, "kernel", facts)
+        if kernel is not None and len(kernel) == ndim + 1 and kernel[-2:] == shape[-2:]:
+            return Route("vector", batch=tuple(range(ndim - 2)))
+    return None
 
 
 def _unnamed(name: str) -> bool:
@@ -424,15 +492,30 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
         return Route("vector", evidence=f"shape: {ndim}-D")
     if sum(n > 1 for n in shape) <= 1:
         return Route("vector", evidence="shape: one non-unit axis")
-    remedy = (
-        "The model's modules do not settle it (a module type this router does not read, "
-        "e.g. a linen module inside nnx.bridge.ToNNX); give it"
-        if facts.have_model else
-        "Pass the model (make_optimizer(..., model=model), route_params(model)) so that its "
-        "module types decide, or give it"
-    )
+    if facts.have_model:
+        remedy = ("The model's modules do not settle it (a module type this router does not "
+                  "read, e.g. a linen module inside nnx.bridge.ToNNX); give it")
+    elif facts.nnx_tree:
+        remedy = ("Pass the model (make_optimizer(..., model=model), route_params(model)) so "
+                  "that its module types decide, or give it")
+    else:  # linen, Haiku, a state dict: no model to pass (model= reads NNX and Equinox only)
+        remedy = "A plain params tree has no module evidence: give it"
+    attention = _attention_reading(name, shape, facts)
     if leaf in core.VECTOR_NAMES or leaf == "offset":
         stacked = Route("vector", batch=tuple(range(ndim - 1)))
+        if attention is not None:
+            per_head = "one (heads, head_dim) attention bias" + (
+                " per leading index" if ndim > 2 else "")
+            return _refusal(
+                name, shape,
+                f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} "
+                "axes may be stacked layers' vectors (L, d) or, as its module's name and its "
+                f"kernel's shape say, {per_head}. {remedy}: "
+                + core.override_advice(name, shape, attention) + " for the attention bias, "
+                + core.override_advice(name, shape, stacked) + " for stacked layers",
+                [(attention, f"it is {per_head} (DenseGeneral, nn.MultiHeadDotProductAttention)"),
+                 (stacked, "it is stacked layers' vectors (L, ..., d)")],
+            )
         return _refusal(
             name, shape,
             f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
@@ -468,9 +551,14 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
                      (Route("embedding", -1, -2), "it is a table (V, d)"),
                      ("vector", "element-wise rules are wanted")],
                 )
-            if table or core.names_token_embedding(name):
+            if table or core.names_token_embedding(name) or core.names_table_module(name):
                 return Route("embedding", -1, -2,
                              evidence="name (PyTorch/Equinox table (V, d))")
+            if core.names_conv1d(name):  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
+                return core.conv1d_refusal(
+                    name, shape, facts.conv1d,
+                    "Route the model in PyTorch with sage_torch (its modules decide), or "
+                    "give it in route_overrides")
             if table is None:
                 return _refusal(
                     name, shape,
@@ -486,17 +574,18 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
                 )
             return Route("dense", -1, -2, evidence="name 'weight' (PyTorch/Equinox (out, in))")
         if leaf in (*FLAX_NAMES, *TABLE_NAMES, *TORCH_NAMES) and ndim > 2:
-            return _convention_refusal(name, shape, leaf, remedy)
+            return _convention_refusal(name, shape, leaf, remedy, attention)
     elif layout == "flax":
         if leaf in ("embedding", "embeddings") and ndim == 2:
             return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
         if leaf in ("kernel", "w", "weight") and ndim == 2:
             return Route("dense", -2, -1, evidence=f"name {leaf!r}, layout flax (in, out)")
         if leaf in ("kernel", "w", "weight", "embedding", "embeddings"):
-            return _convention_refusal(name, shape, "kernel", remedy)
+            return _convention_refusal(name, shape, "kernel", remedy, attention)
     else:
         if leaf == "weight" and ndim == 2 and (core.names_token_embedding(name)
-                                              or _names_table(name)):
+                                              or _names_table(name)
+                                              or core.names_table_module(name)):
             return Route("embedding", -1, -2, evidence="name (token table (V, d))")
         if leaf == "weight" and ndim == 2:
             return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
@@ -546,8 +635,12 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
 
 
 def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
-                        remedy: str) -> RoutingError:
-    """A conventional matrix name (kernel, w, weight, embedding) with more than two axes."""
+                        remedy: str, attention: Route | None = None) -> RoutingError:
+    """A conventional matrix name (kernel, w, weight, embedding) with more than two axes.
+
+    ``attention``: the attention reading that the module's name says
+    (:func:`_attention_reading`), offered first.
+    """
     ndim = len(shape)
     if leaf == "weight":  # PyTorch/Equinox: (out, in, *taps) convolutions, or stacks
         conv = Route("dense", tuple(range(1, ndim)), 0)
@@ -577,12 +670,26 @@ def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
             (Route("dense", (0, 1), 2), "it is one (heads, head_dim, out) kernel")]
     flax_options += [(conv, "it is a convolution (*taps, Cin, Cout)"),
                      ("vector", "element-wise rules are wanted")]
+    said = ""
+    if attention is not None:  # the module's name says which: that reading first
+        same = [o for o in flax_options if isinstance(o[0], Route)
+                and o[0].resolve(shape, name) == attention.resolve(shape, name)]
+        flax_options = [o for o in flax_options if o not in same]
+        what = ("an attention input projection (in, heads, head_dim)"
+                if attention.fan_in == (-3,) else
+                "an attention output projection (heads, head_dim, out)")
+        first = same[0][0] if same else attention
+        flax_options.insert(0, (first, f"it is {what}, as its module's name says "
+                                       "(DenseGeneral, nn.MultiHeadDotProductAttention)"
+                                + (" per leading index" if ndim > 3 else "")))
+        said = (f" Its module's name says {what}: "
+                + core.override_advice(name, shape, first) + ".")
     return _refusal(
         name, shape,
         f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with "
         f"{ndim} axes may be stacked layers (L, ..., in, out), a multi-axis kernel "
         "(nnx.LinearGeneral, nnx.MultiHeadAttention, nnx.Einsum) or a convolution "
-        f"(*taps, Cin, Cout). {remedy}: "
+        f"(*taps, Cin, Cout).{said} {remedy}: "
         + core.override_advice(name, shape, stack) + " for stacked layers, "
         + core.override_advice(name, shape, conv) + " for a convolution",
         flax_options,
@@ -660,15 +767,21 @@ def _find_head(leaves: list[_Leaf], vocab_size: int | None) -> None:
     fits = [(x, src) for x in leaves if not x.overridden
             for src in [fit(x, x.route)] if src is not None]
     if len(fits) > 1:
-        named = [(x, src) for x, src in fits if core.names_head(x.name)]
+        named = [(x, src) for x, src in fits
+                 if core.names_head(x.name) and not core.in_numbered_layers(x.name)]
         if len(named) != 1:
             listed = [x.name for x, _ in fits]
-            for i, (x, src) in enumerate(fits):
+            # the likeliest head: the last fit outside numbered layers (heads come last)
+            outside = [x for x, _ in fits if not core.in_numbered_layers(x.name)]
+            likely = outside[-1] if outside else None
+            for x, src in fits:
                 head, dense = _as(x, "embedding"), _as(x, "dense")
                 options: list[tuple[Any, str]] = [
                     (head, "it is the output head (logits over the vocabulary)"),
-                    (dense, "it is not the head")]
-                if i != len(fits) - 1:
+                    (dense, "it is not the head" + (
+                        " (it lies inside numbered layers)"
+                        if core.in_numbered_layers(x.name) else ""))]
+                if x is not likely:
                     options.reverse()
                 x.route = _refusal(
                     x.name, x.shape,
@@ -681,6 +794,18 @@ def _find_head(leaves: list[_Leaf], vocab_size: int | None) -> None:
             return
         fits = named
     for x, src in fits:
+        if core.in_numbered_layers(x.name):
+            dense, head = _as(x, "dense"), _as(x, "embedding")
+            x.route = _refusal(
+                x.name, x.shape,
+                f"cannot place {x.name!r} of shape {x.shape}: it has the shape of {src}, but "
+                "it lies inside numbered layers, so it is most likely a layer's matrix whose "
+                "size equals the vocabulary (the head may be tied to the table), not the "
+                f"head; route it {core.override_advice(x.name, x.shape, dense)} (a dense "
+                f"matrix) or {core.override_advice(x.name, x.shape, head)} (an output head)",
+                [(dense, "it is a dense matrix (a layer's)"), (head, "it is the output head")],
+            )
+            continue
         if src in non_vocab:
             dense, head = _as(x, "dense"), _as(x, "embedding")
             x.route = _refusal(
@@ -830,8 +955,10 @@ def route_params(
     # Globs are matched against every path, masked ones too: optax.partition routes each
     # kind's subtree with the other kinds' leaves masked.
     override_of = core.match_overrides([n for n, _ in named], overrides)
+    shapes = {n: tuple(int(s) for s in x.shape) for n, x in named
+              if not axes_lib.is_masked(x) and hasattr(x, "shape")}
     facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
-                        vocab_size, nnx_tree)
+                        vocab_size, nnx_tree, shapes)
     leaves: list[_Leaf] = []
     for name, x in named:
         if axes_lib.is_masked(x):

@@ -51,6 +51,21 @@ HEAD_MARKERS: tuple[str, ...] = ("lm_head", "head", "output", "unembed", "embed_
 """Path components that name an output head.  A name alone never makes a head: the leaf must
 also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
 
+CONV1D_NAMES: frozenset[str] = frozenset({"c_attn", "q_attn", "c_fc", "c_proj"})
+"""Module names whose ``weight`` no name can read: transformers' ``Conv1D`` in GPT-2 and its
+relatives (OpenAI GPT, ImageGPT, Decision Transformer, CLVP) stores it ``(in, out)``, while
+nanoGPT and GPTBigCode give the same names to ``nn.Linear`` weights ``(out, in)``.  Given by
+name only, such a weight is refused (:func:`conv1d_reading` orders the remedies)."""
+
+_TAKES_WIDTH: frozenset[str] = frozenset({"c_attn", "q_attn", "c_fc"})
+"""The :data:`CONV1D_NAMES` whose input is the model width (``c_proj`` outputs it)."""
+
+TABLE_MODULE_NAMES: frozenset[str] = frozenset({"wpe", "shared", "relative_attention_bias"})
+"""Module names whose 2-D ``weight`` is an ``nn.Embedding`` table ``(V, d)`` in every family
+that uses them, although no word of the name says embedding: GPT-2's position table ``wpe``,
+the token table ``shared`` of T5 and BART (and their relatives), T5's bucket table
+``relative_attention_bias`` ``(buckets, heads)``."""
+
 NON_VOCAB_WORDS: frozenset[str] = frozenset({
     "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",
     "segments", "seg", "rel", "relative", "bucket", "buckets",
@@ -397,9 +412,84 @@ def paste_block(problems: Sequence[RoutingError]) -> str:
     return "\n".join(lines)
 
 
+def in_numbered_layers(name: str) -> bool:
+    """Whether ``name`` lies inside numbered layers (``h.0.mlp.c_proj.weight``).
+
+    A matrix repeated per layer is a layer's matrix: never *the* output head by shape.  A
+    numbered module followed by a named one counts; a numbered module itself does not
+    (``1.weight`` of an ``nn.Sequential`` may be its last Linear, the head).
+    """
+    parts = components(name)[:-1]
+    return any(part.isdigit() and any(not later.isdigit() for later in parts[i + 1:])
+               for i, part in enumerate(parts))
+
+
 def names_non_vocab_table(name: str) -> bool:
     """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
     for part in components(name)[:-1]:
         if "position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
             return True
     return False
+
+
+def names_conv1d(name: str) -> bool:
+    """Whether ``name`` is the ``weight`` of a :data:`CONV1D_NAMES` module (``attn.c_attn``)."""
+    parts = components(name)
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in CONV1D_NAMES
+
+
+def names_table_module(name: str) -> bool:
+    """Whether ``name`` is the ``weight`` of a :data:`TABLE_MODULE_NAMES` module (a table)."""
+    parts = components(name)
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in TABLE_MODULE_NAMES
+
+
+def conv1d_reading(weights: Sequence[tuple[str, Sequence[int]]], width: int | None) -> str | None:
+    """What the shapes of a model's :data:`CONV1D_NAMES` weights say of their layout.
+
+    ``weights`` are ``(name, shape)`` of the 2-D weights that :func:`names_conv1d` flags and
+    ``width`` the model width (the token table's ``d``).  ``c_attn``, ``q_attn`` and ``c_fc``
+    read the width, ``c_proj`` writes it: a ``c_fc`` of shape ``(d, 4d)`` is ``(in, out)``,
+    one of ``(4d, d)`` is ``(out, in)``.  Returns ``"in_out"`` (transformers' ``Conv1D``) or
+    ``"out_in"`` (``nn.Linear``) when every non-square weight says the same, else ``None``
+    (no width, only square weights, or votes both ways).  This orders the remedies of a
+    refusal; it never places a weight.
+    """
+    if width is None:
+        return None
+    votes = set()
+    for name, shape in weights:
+        rows, cols = (int(n) for n in shape)
+        if rows == cols or width not in (rows, cols):
+            continue
+        reads_width = components(name)[-2] in _TAKES_WIDTH
+        votes.add("in_out" if (rows == width) == reads_width else "out_in")
+    return votes.pop() if len(votes) == 1 else None
+
+
+def conv1d_refusal(name: str, shape: Sequence[int], reading: str | None, remedy: str,
+                   kind: str | None = None) -> RoutingError:
+    """The refusal of a 2-D ``weight`` with a :data:`CONV1D_NAMES` name, in both frameworks.
+
+    Both readings, the one ``reading`` (:func:`conv1d_reading`) says first (Conv1D's when it
+    says nothing: the names' origin), then ``'vector'``.  ``remedy`` is the framework's
+    advice before the overrides ("Pass the model itself ..."); ``kind`` an override's kind.
+    """
+    shape = tuple(int(n) for n in shape)
+    conv = (Route(kind or "dense", fan_in=0, fan_out=1),
+            "it is transformers' Conv1D weight (in, out) (GPT-2 and its relatives)")
+    linear = (Route(kind or "dense", fan_in=1, fan_out=0),
+              "it is an nn.Linear weight (out, in) (nanoGPT, GPTBigCode)")
+    options: list[tuple[Any, str]] = [linear, conv] if reading == "out_in" else [conv, linear]
+    says = {"in_out": "say Conv1D (in, out)", "out_in": "say nn.Linear (out, in)"}.get(
+        reading or "", "do not say which (first: Conv1D, the names' origin)")
+    what = f"routed {kind!r}, but " if kind else ""
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {shape}: {what}its name is a GPT-2 Conv1D "
+        f"name ({', '.join(sorted(CONV1D_NAMES))}): transformers' Conv1D stores it (in, out), "
+        "but nanoGPT and GPTBigCode give these names to nn.Linear weights (out, in), so names "
+        f"alone cannot tell. {remedy}; the shapes of this model's weights with these names, "
+        f"against the token table's width, {says}: "
+        + "; ".join(f"{override_advice(name, shape, r)} if {w}" for r, w in options),
+        leaf=name, shape=shape, options=[*options, ("vector", "element-wise rules are wanted")])
+

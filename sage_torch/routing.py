@@ -43,10 +43,12 @@ available, in this order (``docs/routing.md``):
    the table (``shape: (V, d) of table token_emb.emb.weight``).  Several candidates (or one
    fitting only a position table: an MLP weight of ``max_seq_len`` rows looks like one) are
    refused, unless exactly one has a head name (``lm_head``, ``head``, ``output``, ...),
-   which breaks the tie.  Frozen Linears are never candidates.  A head is never found
-   because one dimension equals some table's length; a classifier whose label count
-   equals the vocabulary has the table's shape and gets the head's rule (the routing table
-   shows why).
+   which breaks the tie.  A candidate inside numbered layers (``layers.0.mlp.up.weight``:
+   an MLP whose width equals the vocabulary) is a layer's matrix: never the head by shape,
+   and the first remedy of its refusal is ``dense``.  Frozen Linears are never candidates.
+   A head is never found because one dimension equals some table's length; a classifier
+   whose label count equals the vocabulary has the table's shape and gets the head's rule
+   (the routing table shows why).
 
 Everything else (a ``ConvTranspose``, a custom ``nn.Parameter`` matrix, conflicting
 evidence) is refused: :func:`route_params` raises **one**
@@ -61,9 +63,18 @@ what ``torch.optim`` takes as ``params``.  Bare tensors (``model.parameters()``)
 ``(name, tensor)`` pairs (``model.named_parameters()``) are placed by PyTorch's names: a 2-D
 ``weight`` is ``(out, in)`` (dense, fan-in 1, fan-out 0), and a table ``(V, d)`` (vocab axis
 0) where its name marks one (a component with a word that starts with ``emb`` or holds
-``embed``, or a token-table marker), with the head by shape as above; a ``weight`` whose
-name has no word besides its indices (``0.weight`` of an ``nn.Sequential``) could be a
-Linear or an Embedding, and is refused, as is any other matrix.  Param-group dicts carry
+``embed``, a token-table marker, or a module name that is a table in every family using it:
+GPT-2's ``wpe``, T5's and BART's ``shared``, T5's ``relative_attention_bias``).  Names never
+guess against a known convention: the ``weight`` of a GPT-2 ``Conv1D`` name (``c_attn``,
+``q_attn``, ``c_fc``, ``c_proj``) is ``(in, out)`` in GPT-2 and its relatives and ``(out,
+in)`` in nanoGPT and GPTBigCode (``nn.Linear``), so it is refused; its first remedy is the
+reading that the shapes of the model's weights of these names say against the token
+table's width (:func:`sage_optim.routing.conv1d_reading`), and the message says to pass the
+model itself.  The head by shape is as above, but by names alone it also needs a head name:
+a single ``(V, d)`` weight without one (``to_logits``) could be an ``nn.Linear`` of the same
+shape, and is refused with both readings.  A ``weight`` whose name has no word besides its
+indices (``0.weight`` of an ``nn.Sequential``) could be a Linear or an Embedding, and is
+refused, as is any other matrix.  Param-group dicts carry
 ``params`` (tensors or pairs), optionally ``param_names``, ``kind``, ``fan_in_dim``/
 ``fan_out_dim`` (a group's kind and axes place its members) and other group options.
 PyTorch matrices are ``(out, in)``: SAGE reduces over the fan-out axis (the vocab axis of
@@ -88,9 +99,14 @@ from sage_optim.routing import (
     Route,
     RoutingError,
     components,
+    conv1d_reading,
+    conv1d_refusal,
+    in_numbered_layers,
     match_overrides,
+    names_conv1d,
     names_head,
     names_non_vocab_table,
+    names_table_module,
     names_token_embedding,
     override_advice,
 )
@@ -436,13 +452,16 @@ class _Heads:
 def _find_heads(token: tuple[str, torch.Tensor] | None,
                 tables: Sequence[tuple[str, torch.Tensor]],
                 linears: Sequence[tuple[str, torch.Tensor]],
-                overrides: Mapping[int, Route]) -> _Heads:
+                overrides: Mapping[int, Route], names_only: bool = False) -> _Heads:
     """The output head among ``linears`` ((out, in) weights) by the shapes of the tables.
 
     The rules of the module docstring: only *the* token table's shape counts when
     ``token`` is known, else every table's.  ``overrides`` (by ``id``) leave their
     parameters out, and a linear the user routed ``embedding`` means there is no head to
-    find.
+    find.  A candidate inside numbered layers is never taken for the head by shape, and
+    with ``names_only`` (no module says it is an ``nn.Linear``) neither is one without a
+    head name: an ``(out, in)`` matrix of the table's shape is refused, listing the
+    candidates, never picked.
     """
     targets = [token] if token is not None else list(tables)
     fits = []  # (name, weight, matching table names, vocabulary-like)
@@ -466,17 +485,18 @@ def _find_heads(token: tuple[str, torch.Tensor] | None,
         label = "table" if len(names) == 1 else "tables"
         return f"shape: {_fmt_shape(shape)} of {label} {', '.join(names)}"
 
-    vocabularies = [f for f in fits if f[3]]
-    if len(fits) == 1 and vocabularies:
+    vocabularies = [f for f in fits if f[3] and not in_numbered_layers(f[0])]
+    named = [f for f in vocabularies if names_head(f[0])]
+    if len(fits) == 1 and vocabularies and (named or not names_only):
         name, w, names, _ = fits[0]
-        heads.found[id(w)] = source(names, w.shape)
+        heads.found[id(w)] = source(names, w.shape) + (" + name" if named else "")
         return heads
-    named = [f for f in fits if names_head(f[0])]
     if len(fits) > 1 and len(named) == 1:
         name, w, names, _ = named[0]
         heads.found[id(w)] = f"{source(names, w.shape)} + name"
         return heads
-    # refused: the last vocabulary-like candidate is the likeliest head (heads come last)
+    # refused: the last vocabulary-like candidate outside numbered layers is the likeliest
+    # head (heads come last, after the layers); none at all when every one is a layer's
     likely = vocabularies[-1][1] if vocabularies else None
     problems = []
     for name, w, names, _ in fits:
@@ -484,35 +504,47 @@ def _find_heads(token: tuple[str, torch.Tensor] | None,
         head = (Route("embedding", fan_in=1, fan_out=0),
                 f"it is the output head over the rows of {names[0]} (vocab axis 0)")
         dense = (Route("dense", fan_in=1, fan_out=0),
-                 "it is an ordinary nn.Linear (out, in), not the head")
+                 "it is an ordinary nn.Linear (out, in), not the head"
+                 + (" (it lies inside numbered layers)" if in_numbered_layers(name) else ""))
         options = [head, dense] if w is likely else [dense, head]
         problems.append(RoutingError(
-            f"cannot tell whether nn.Linear weight {name!r} of shape {_fmt_shape(shape)} is "
+            f"cannot tell whether weight {name!r} of shape {_fmt_shape(shape)} is "
             f"the output head: it has the shape of {', '.join(names)}",
             leaf=name, shape=shape, options=options))
-    if token is not None:
-        tname, table = token
-        listed = ", ".join(f[0] for f in fits)
-        message = (
-            f"cannot tell the output head: {len(fits)} nn.Linear weights have the shape "
-            f"{_fmt_shape(table.shape)} of the token embedding {tname!r} ({listed}) and the "
-            f"model has no get_output_embeddings(). Name the head, e.g. "
-            f"route_overrides={{{fits[-1][0]!r}: 'embedding'}} (its vocab axis 0 is the "
-            f"fan-out axis), or route them all as dense: "
-            + "route_overrides={" + ", ".join(f"{f[0]!r}: 'dense'" for f in fits) + "}")
+    names_listed = ", ".join(f[0] for f in fits)
+    listed = "; ".join(
+        f"{f[0]} {_fmt_shape(f[1].shape)}: the shape of {', '.join(f[2])}"
+        + ("" if f[3] else " (a position/type table)")
+        + (" (inside numbered layers)" if in_numbered_layers(f[0]) else "") for f in fits)
+    if len(fits) > 1:
+        why = f"{len(fits)} weights have the shape of a table ({names_listed})"
+    elif not fits[0][3]:
+        why = ("a weight has the shape of a table whose name says positions or types: most "
+               "likely a layer whose size equals that table's length")
+    elif in_numbered_layers(fits[0][0]):
+        why = ("the only weight with the shape of a table lies inside numbered layers: most "
+               "likely a layer's matrix whose size equals the vocabulary (the head may be "
+               "tied to the table)")
     else:
-        listed = "; ".join(
-            f"{f[0]} {_fmt_shape(f[1].shape)}: the shape of {', '.join(f[2])}"
-            + ("" if f[3] else " (a position/type table)") for f in fits)
-        why = ("several nn.Linear weights have the shape of a table" if len(fits) > 1 else
-               "an nn.Linear weight has the shape of a table whose name says positions or "
-               "types: most likely a layer whose size equals that table's length")
-        message = (
-            f"cannot tell the output head: {why} ({listed}), and the token table is not "
-            "known (no get_input_embeddings(), several tables, none named as the token "
-            "table such as 'wte' or 'embed_tokens'). Route the head 'embedding' (its vocab "
-            "axis 0 is the fan-out axis) and the others 'dense' in route_overrides; the "
-            "block below takes the likeliest head")
+        why = ("the only weight with the shape of a table has no head name (lm_head, head, "
+               "output, ...), and names alone do not tell a head (V, d) from an nn.Linear "
+               "(out, in) of the same shape")
+    if token is not None:
+        known = f"the token embedding is {token[0]!r}"
+    else:
+        known = ("the token table is not known (no get_input_embeddings(), several tables, "
+                 "none named as the token table such as 'wte' or 'embed_tokens')")
+    model = ("Pass the model itself (make_optimizer(name, model): its modules and "
+             "get_output_embeddings() decide), or name" if names_only else
+             "The model has no get_output_embeddings(). Name")
+    head_name = next(f[0] for f in fits if f[1] is likely) if likely is not None else fits[-1][0]
+    message = (
+        f"cannot tell the output head: {why} [{listed}]; {known}. {model} the head, e.g. "
+        f"route_overrides={{{head_name!r}: 'embedding'}} (its vocab axis 0 is the fan-out "
+        "axis), or route them all as dense: route_overrides={"
+        + ", ".join(f"{f[0]!r}: 'dense'" for f in fits) + "}. The block below takes "
+        + ("the likeliest head" if likely is not None else
+           "none for the head (each lies inside numbered layers)"))
     error = RoutingError(message)
     error.problems = tuple(problems)
     for _, w, _, _ in fits:
@@ -812,7 +844,12 @@ def _entries(params: Any) -> tuple[list[_Entry], list[dict[str, Any]]]:
 
 
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
-    """The route PyTorch's names give a matrix (``weight`` (out, in), tables (V, d)), or None."""
+    """The route PyTorch's names give a matrix (``weight`` (out, in), tables (V, d)), or None.
+
+    ``None`` also for the names that a known family reads otherwise: the ``weight`` of a
+    GPT-2 ``Conv1D`` name (``c_attn``, ``c_proj``, ...) is ``(in, out)`` there and ``(out,
+    in)`` in nanoGPT's ``nn.Linear``; such a weight is refused with both readings.
+    """
     if p.dim() != 2:
         return None
     parts = components(name)
@@ -820,8 +857,13 @@ def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
     table = names_token_embedding(name) or any(_says_emb(part) for part in parts[:-1])
     if leaf == "weight" and table:
         return Route("embedding", fan_in=1, fan_out=0, evidence="name: table (V, d)")
+    if names_table_module(name):
+        return Route("embedding", fan_in=1, fan_out=0,
+                     evidence=f"name {parts[-2]!r}: an nn.Embedding table (V, d)")
     if leaf in TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding"):
         return Route("embedding", fan_in=1, fan_out=0, evidence=f"name {leaf!r}: table (V, d)")
+    if names_conv1d(name):
+        return None  # (in, out) in transformers' Conv1D, (out, in) in nn.Linear: refused
     if leaf == "weight" and any(not part.isdigit() for part in parts[:-1]):
         return Route("dense", fan_in=1, fan_out=0, evidence="name 'weight': torch (out, in)")
     return None
@@ -866,13 +908,17 @@ class _NameRouter:
             named = [t for t in tables if names_token_embedding(t[0])]
             token = named[0] if len(named) == 1 else None
         self.token = token
+        self.conv1d = conv1d_reading(
+            [(e.name, tuple(e.param.shape)) for e in self.entries
+             if not e.bare and e.param.dim() == 2 and names_conv1d(e.name)],
+            int(token[1].shape[1]) if token is not None else None)
         by_id = dict(self.overrides)
         for e in self.entries:  # a group's kind is an override of its members
             if id(e.param) not in by_id and e.group is not None:
                 group = groups[e.group]
                 if group.get("kind") is not None:
                     by_id[id(e.param)] = Route(group["kind"])
-        self.heads = _find_heads(token, tables, linears, by_id)
+        self.heads = _find_heads(token, tables, linears, by_id, names_only=True)
 
     @property
     def vocab(self) -> int | None:
@@ -895,6 +941,8 @@ class _NameRouter:
                 + _advice_lines(e.name, shape, options),
                 leaf=e.name, shape=shape, options=options)
         parts = components(e.name)
+        if not e.bare and p.dim() == 2 and names_conv1d(e.name):
+            return self._refuse_conv1d(e, kind)
         options = _options(shape, kind=kind, table_first=_names_embedding(e.name),
                            vocab=self.vocab, torch_weight=parts[-1] == "weight" and not e.bare)
         if parts[-1] == "weight" and p.dim() == 2 and not e.bare:  # (out, in) or (V, d)
@@ -927,6 +975,14 @@ class _NameRouter:
             f"e.g. if it is\n{_advice_lines(e.name, shape, options)}\n"
             "(Route is sage_optim.routing.Route, also sage_torch.Route)",
             leaf=e.name, shape=shape, options=options)
+
+    def _refuse_conv1d(self, e: _Entry, kind: str | None) -> RoutingError:
+        """The refusal of a weight with a GPT-2 ``Conv1D`` name (both readings)."""
+        return conv1d_refusal(
+            e.name, e.param.shape, self.conv1d,
+            "Pass the model itself (make_optimizer(name, model): its modules decide), or "
+            "route it in route_overrides (Route is sage_optim.routing.Route, also "
+            "sage_torch.Route)", kind)
 
     def route(self, e: _Entry) -> ResolvedRoute:
         """The route of one entry (raises :class:`RoutingError`)."""
@@ -962,6 +1018,8 @@ class _NameRouter:
                 return Route(kind, layout.fan_in, layout.fan_out,
                              evidence=f"param group kind, axes {layout.evidence}"
                              ).resolve(p.shape, name)
+            if not e.bare and p.dim() == 2 and names_conv1d(name):
+                raise self._refuse_conv1d(e, kind)
             return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
                          "(out, in)").resolve(p.shape, name)
         if id(p) in self.heads.refused:

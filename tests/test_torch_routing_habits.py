@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference_np import SageRef, SinkGDRef
+from routing_checks import paste_block
 from torch import nn
 
 from sage_torch import Route, RoutingError, make_optimizer, route_params, routing_table
@@ -46,17 +47,6 @@ def routes_of(model, overrides=None) -> dict:
 
 def evidence_of(model, overrides=None) -> dict:
     return {r.name: r.route.evidence for r in route_params(model, overrides)}
-
-
-def paste_block(err: RoutingError) -> dict:
-    """The message's one ``route_overrides = {...}`` block, executed with ``Route`` in scope."""
-    message = str(err)
-    assert message.count("route_overrides = {") == 1, message
-    block = message[message.index("route_overrides = {"):]
-    block = block[:block.index("\n}") + 2]
-    scope: dict = {"Route": Route}
-    exec(block, scope)  # noqa: S102 - our own message: the block users paste
-    return scope["route_overrides"]
 
 
 # ---------------------------------------------------------------------------
@@ -499,8 +489,8 @@ def test_named_parameters_route_as_the_model():
               for g in make_optimizer("sage-hybrid", model.named_parameters()).param_groups]
     assert groups == [(g["kind"], g["fan_in_dim"], g["fan_out_dim"], g["param_names"])
                       for g in make_optimizer("sage-hybrid", model).param_groups]
-    assert evidence_of(model.named_parameters())["lm_head.weight"] == (
-        f"shape: ({V}, {D}) of token embedding embed.weight")
+    assert evidence_of(model.named_parameters())["lm_head.weight"] == (  # names only: shape
+        f"shape: ({V}, {D}) of token embedding embed.weight + name")  # and the head's name
     check_step(model, lm_loss, SMALL, params=model.named_parameters())
 
 
