@@ -136,7 +136,10 @@ def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None
       model: the ``nn.Module`` whose parameters to train (:func:`sage_torch.route_params`
         places them: module types, the model API, shapes), or what ``torch.optim`` takes
         as ``params``, with less evidence: ``model.named_parameters()`` (PyTorch's names:
-        a 2-D ``weight`` is ``(out, in)``, one under an ``emb`` name a table ``(V, d)``),
+        a 2-D ``weight`` is ``(out, in)``, one under an ``emb`` name or a known table name
+        (``wpe``, ``shared``) a table ``(V, d)``; a GPT-2 ``Conv1D`` name (``c_attn``,
+        ``c_fc``, ``c_proj``) is refused, as nanoGPT gives the same names to ``(out, in)``
+        weights: pass the model; a head is never taken by shape inside numbered layers),
         ``model.parameters()`` (bare tensors, named ``params[i]`` in errors and
         ``route_overrides``: only vectors are placed by shape), or param-group dicts
         (``params``, optional ``param_names``, ``kind``, ``fan_in_dim``/``fan_out_dim``
