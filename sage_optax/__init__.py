@@ -16,7 +16,7 @@ Optimization" (Lee & Kim); ``docs/`` states every convention.
 """
 
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
-from sage_optax.axes import EMBEDDING_TABLE, LeafAxes
+from sage_optax.axes import EMBEDDING_TABLE
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
@@ -43,7 +43,6 @@ __all__ = [
     "EMBEDDING_TABLE",
     "LAYOUTS",
     "NORMALIZATIONS",
-    "LeafAxes",
     "NoLayoutEvidenceWarning",
     "ParamRouting",
     "ResolvedRoute",

@@ -35,9 +35,10 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import validation
 from sage_optim.presets import RULE_DEFAULTS
+from sage_optim.routing import ResolvedRoute
 
 _DEFAULTS = RULE_DEFAULTS["apollo"]
-_KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
+_KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
 
 Projection = Callable[[str, jax.Array, int, int], jax.Array]
 """``projection(path, refresh_index, n, rank) -> P`` with ``P.shape == (n, rank)``."""
@@ -95,28 +96,28 @@ class _LeafPlan(NamedTuple):
     matrix_axes: tuple[int, int]  # (fan_in, fan_out), sorted
     moment_shape: tuple[int, ...]
     norm_shape: tuple[int, ...]
-    merged: axes_lib.ResolvedAxes | None  # axis groups: work on this matrix view instead
+    merged: ResolvedRoute | None  # axis groups: work on this matrix view instead
 
 
 def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan | None:
     """Resolve a leaf's axes; ``None`` for a leaf that passes through (spec ``None``).
 
     A leaf whose fan-in or fan-out is a group of axes is worked on as its matrix view
-    ``(batch..., fan_in, fan_out)`` (:meth:`~sage_optax.axes.ResolvedAxes.to_matrix`, each
+    ``(batch..., fan_in, fan_out)`` (:func:`~sage_optax.axes.to_matrix`, each
     group flattened in the order it lists its axes), and its moments are kept in that view.
     """
     if spec is None:
         return None
-    if not isinstance(spec, axes_lib.LeafAxes):
-        raise TypeError(f"parameter {path!r}: axes must be LeafAxes or None, got {spec!r}")
-    if len(shape) < 2 or not spec.is_matrix:
+    if not axes_lib.is_axes(spec):
+        raise TypeError(f"parameter {path!r}: axes must be a Route or None, got {spec!r}")
+    if len(shape) < 2 or not spec.fan_in:
         raise ValueError(
             f"APOLLO needs a matrix, but parameter {path!r} has shape {tuple(shape)}"
             + ("" if len(shape) < 2 else " and vector axes")
             + "; route 1-D/0-D parameters to another rule (e.g. make_optimizer(...) or "
             "optax.partition)"
         )
-    r = spec.resolve(tuple(shape), path)
+    r = axes_lib.resolve_axes(spec, tuple(shape), path)
     merged = None
     if not r.is_simple:
         merged, r = r, r.matrix()
@@ -214,7 +215,7 @@ def scale_by_apollo(
       eps: ε of :math:`\tilde R`.
       limiter_gamma: growth bound γ of the limiter (``float("inf")`` disables it).
       seed: seed of the default projection.  Structural.
-      axes: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
+      axes: axes of each leaf: one :class:`~sage_optax.Route` (default: a Flax kernel
         ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
         through unchanged, without state) or a callable of the params.
       projection: optional :data:`Projection` replacing :func:`gaussian_projection`.
@@ -263,7 +264,7 @@ def scale_by_apollo(
             # norm over the matrix axes), so that dtypes and shardings of the state match
             # what update_fn returns (explicit-sharding meshes make sharding part of the type).
             wide = axes_lib.wide(p.dtype)
-            p_wide = p.astype(wide) if plan.merged is None else plan.merged.to_matrix(p)
+            p_wide = p.astype(wide) if plan.merged is None else axes_lib.to_matrix(plan.merged, p)
             p_wide = p_wide.astype(wide)
             zero_proj = jnp.zeros((p_wide.shape[plan.compressed], rank), wide)
             r0 = jnp.zeros_like(_project(p_wide, zero_proj, plan.compressed))
@@ -302,7 +303,7 @@ def scale_by_apollo(
                     f"state has {tuple(m.shape)} (was it initialised for other params?)"
                 )
             wide = jnp.promote_types(axes_lib.wide(g.dtype), m.dtype)
-            g32 = (g if plan.merged is None else plan.merged.to_matrix(g)).astype(wide)
+            g32 = (g if plan.merged is None else axes_lib.to_matrix(plan.merged, g)).astype(wide)
             p = get_projection(path, refresh, g32.shape[plan.compressed], wide)
             r = _project(g32, p, plan.compressed)
             m_t = b1 * m.astype(wide) + (1 - b1) * r
@@ -324,7 +325,8 @@ def scale_by_apollo(
             correction = jnp.sqrt(_one_minus_pow(b2, t, wide)) / _one_minus_pow(b1, t, wide)
             u = u * correction
             return (
-                (u if plan.merged is None else plan.merged.from_matrix(u)).astype(g.dtype),
+                (u if plan.merged is None else axes_lib.from_matrix(plan.merged, u)
+                 ).astype(g.dtype),
                 m_t.astype(m.dtype),
                 v_t.astype(v.dtype),
                 jnp.squeeze(norm_u * factor, plan.matrix_axes).astype(prev.dtype),

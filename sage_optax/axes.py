@@ -1,30 +1,33 @@
 """Named axes of parameter leaves and per-leaf spec plumbing (``docs/routing.md``).
 
 SAGE and SinkGD are not transpose-invariant, so every transform states its rule on named
-axes.  :class:`LeafAxes` names them for one leaf:
+axes, given per leaf as a :class:`~sage_optim.routing.Route` (the router's own decision
+type: there is no second one):
 
 * ``fan_in``/``fan_out``: the two matrix axes, each one axis or a group of axes that is
   merged into one (a multi-head kernel, a convolution: ``docs/routing.md``).  A dense Flax
-  kernel ``(in, out)`` has ``fan_in=-2, fan_out=-1``; a PyTorch ``nn.Linear.weight``
-  ``(out, in)`` has ``fan_in=-1, fan_out=-2``.  For vocabulary matrices the vocab axis is
-  the *fan-out* axis and the model dimension the fan-in axis, so an ``nnx.Embed`` table
-  ``(V, d)`` is ``LeafAxes(fan_in=-1, fan_out=-2)`` and an untied head kernel ``(d, V)`` is
-  ``LeafAxes(fan_in=-2, fan_out=-1)``: SAGE then always reduces over the fan-out axis
-  (the vocab axis of embeddings, the output axis of dense matrices in ``sage-pure``) and
-  SinkGD always normalises each token's vector first.
+  kernel ``(in, out)`` is ``Route("dense", fan_in=-2, fan_out=-1)``; a PyTorch
+  ``nn.Linear.weight`` ``(out, in)`` is ``Route("dense", fan_in=-1, fan_out=-2)``.  For
+  vocabulary matrices the vocab axis is the *fan-out* axis and the model dimension the
+  fan-in axis, so an ``nnx.Embed`` table ``(V, d)`` is ``Route("embedding", fan_in=-1,
+  fan_out=-2)`` (:data:`EMBEDDING_TABLE`) and an untied head kernel ``(d, V)`` is
+  ``Route("embedding", fan_in=-2, fan_out=-1)``: SAGE then always reduces over the fan-out
+  axis (the vocab axis of embeddings, the output axis of dense matrices in ``sage-pure``)
+  and SinkGD always normalises each token's vector first.
 * ``batch``: axes treated independently (stacked layers of ``nn.scan``).  ``None`` means
   "every axis that is not a matrix axis".
-* A vector leaf (norm scale, bias) has ``fan_in=fan_out=None``.
+* A vector leaf (norm scale, bias) is ``Route("vector")`` (``batch=`` its stacked axes).
 
-Transforms accept a spec as one :class:`LeafAxes` for every leaf, a pytree of them with
-the structure of the params (``None`` leaves are skipped), or a callable mapping params to
-such a pytree, as ``optax.contrib.muon`` does with its dimension numbers.
+A transform reads only the axes, never the kind.  Transforms accept a spec as one route
+for every leaf, a pytree of them with the structure of the params (``None`` leaves are
+skipped; :class:`~sage_optim.routing.ResolvedRoute` leaves, what
+:func:`~sage_optax.route_params` returns, are checked against each leaf's shape), or a
+callable mapping params to such a pytree, as ``optax.contrib.muon`` does with its
+dimension numbers.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
@@ -32,150 +35,49 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sage_optim import routing as routing_core
+from sage_optim.routing import ResolvedRoute, Route
 
 Path: TypeAlias = tuple[Any, ...]
 
+KERNEL = Route("dense", fan_in=-2, fan_out=-1)
+"""Axes of a Flax kernel ``(in, out)`` (leading axes stacked): the matrix transforms' default."""
 
-@dataclasses.dataclass(frozen=True)
-class LeafAxes:
-    """The named axes of one parameter leaf.
-
-    Each of ``fan_in`` and ``fan_out`` is one axis or a *group* of axes: a matrix with
-    several axes is one matrix, its fan-in axes merged and its fan-out axes merged
-    (``docs/routing.md``).  An ``nnx.LinearGeneral`` query kernel ``(in, heads, head_dim)``
-    is ``LeafAxes(fan_in=0, fan_out=(1, 2))``, an ``nnx.Conv`` kernel ``(kh, kw, Cin, Cout)``
-    is ``LeafAxes(fan_in=(2, 0, 1), fan_out=3)`` (input channels, then taps: the order in
-    which APOLLO flattens the group, matching a PyTorch ``Conv2d``).
-
-    Attributes:
-      fan_in: axis or axes of the fan-in dimension (``None`` for vector leaves).
-      fan_out: axis or axes of the fan-out dimension (``None`` for vector leaves); the
-        vocab axis of a vocabulary matrix.
-      batch: axes handled independently (stacked layers); ``None`` means every axis
-        other than ``fan_in``/``fan_out`` (for a vector leaf: none).
-    """
-
-    fan_in: int | tuple[int, ...] | None = -2
-    fan_out: int | tuple[int, ...] | None = -1
-    batch: tuple[int, ...] | None = None
-
-    @classmethod
-    def vector(cls, batch: tuple[int, ...] = ()) -> LeafAxes:
-        """Axes of a vector leaf; ``batch`` lists leading stacked axes, if any."""
-        return cls(fan_in=None, fan_out=None, batch=tuple(batch))
-
-    @property
-    def is_matrix(self) -> bool:
-        """Whether these axes describe a matrix (both matrix axes are set)."""
-        return self.fan_in is not None and self.fan_out is not None
-
-    def as_route(self, kind: str | None = None) -> routing_core.Route:
-        """These axes as a shared :class:`sage_optim.routing.Route` of ``kind``."""
-        kind = kind or ("dense" if self.is_matrix else "vector")
-        return routing_core.Route(kind, self.fan_in, self.fan_out, self.batch)
-
-    def resolve(self, shape: tuple[int, ...], path: str = "<leaf>") -> ResolvedAxes:
-        """Check these axes against ``shape`` and return them as non-negative axis groups.
-
-        Raises:
-          ValueError: (a :class:`~sage_optim.routing.RoutingError`) an axis out of range or
-            listed twice, only one of ``fan_in``/``fan_out`` set, or batch axes that are
-            not exactly the other axes.
-        """
-        if (self.fan_in is None) != (self.fan_out is None):
-            raise routing_core.RoutingError(
-                f"parameter {path!r}: set both fan_in and fan_out, or neither (vector)"
-            )
-        if self.is_matrix and len(shape) < 2:
-            raise routing_core.RoutingError(
-                f"parameter {path!r} of shape {tuple(shape)} has matrix axes but fewer than "
-                "two dimensions"
-            )
-        r = self.as_route().resolve(tuple(shape), path)
-        return ResolvedAxes(r.fan_in, r.fan_out, r.batch, r.shape)
-
-    @classmethod
-    def from_route(cls, route: routing_core.Route | routing_core.ResolvedRoute) -> LeafAxes:
-        """The axes of a shared route (groups of one axis become plain ints)."""
-
-        def simple(group: tuple[int, ...] | None) -> int | tuple[int, ...] | None:
-            return group[0] if group is not None and len(group) == 1 else group
-
-        if route.kind == "vector" or not route.fan_in:
-            return cls.vector(tuple(route.batch or ()))
-        return cls(simple(route.fan_in), simple(route.fan_out), route.batch)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResolvedAxes:
-    """:class:`LeafAxes` checked against a shape: non-negative axis groups.
-
-    ``fan_in`` and ``fan_out`` are tuples of axes (empty for a vector leaf).
-    """
-
-    fan_in: tuple[int, ...]
-    fan_out: tuple[int, ...]
-    batch: tuple[int, ...]
-    shape: tuple[int, ...]
-
-    @property
-    def is_matrix(self) -> bool:
-        """Whether the leaf is a matrix (per batch index)."""
-        return bool(self.fan_in)
-
-    @property
-    def feature_axes(self) -> tuple[int, ...]:
-        """All axes that are not batch axes (RMS and norms are taken over these)."""
-        return tuple(a for a in range(len(self.shape)) if a not in self.batch)
-
-    @property
-    def fan_in_size(self) -> int:
-        """Size of the merged fan-in axis."""
-        return math.prod(self.shape[a] for a in self.fan_in)
-
-    @property
-    def fan_out_size(self) -> int:
-        """Size of the merged fan-out axis."""
-        return math.prod(self.shape[a] for a in self.fan_out)
-
-    @property
-    def is_simple(self) -> bool:
-        """Whether each matrix axis is a single axis (no merging needed)."""
-        return len(self.fan_in) == 1 and len(self.fan_out) == 1
-
-    def matrix_perm(self) -> tuple[int, ...]:
-        """The transpose to ``(batch..., fan_in..., fan_out...)``, the canonical matrix layout."""
-        return (*self.batch, *self.fan_in, *self.fan_out)
-
-    def to_matrix(self, x: jax.Array) -> jax.Array:
-        """``x`` as ``(batch..., fan_in_size, fan_out_size)`` (a plain reshape where possible)."""
-        perm = self.matrix_perm()
-        if perm != tuple(range(x.ndim)):
-            x = jnp.transpose(x, perm)
-        batch_shape = tuple(self.shape[a] for a in self.batch)
-        return x.reshape(*batch_shape, self.fan_in_size, self.fan_out_size)
-
-    def from_matrix(self, x: jax.Array) -> jax.Array:
-        """Undo :meth:`to_matrix`."""
-        perm = self.matrix_perm()
-        x = x.reshape(tuple(self.shape[a] for a in perm))
-        if perm != tuple(range(x.ndim)):
-            x = jnp.transpose(x, tuple(perm.index(a) for a in range(x.ndim)))
-        return x
-
-    def matrix(self) -> ResolvedAxes:
-        """The axes of :meth:`to_matrix`'s result: batch first, then fan-in, then fan-out."""
-        nb = len(self.batch)
-        shape = (*(self.shape[a] for a in self.batch), self.fan_in_size, self.fan_out_size)
-        return ResolvedAxes((nb,), (nb + 1,), tuple(range(nb)), shape)
-
-
-EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)
+EMBEDDING_TABLE = Route("embedding", fan_in=-1, fan_out=-2)
 """Axes of an embedding table ``(V, d)`` (``nnx.Embed``, ``nn.Embedding``): vocab is fan-out."""
 
-AxesSpec: TypeAlias = "LeafAxes | None | Any | Callable[[Any], Any]"
-"""One :class:`LeafAxes`, a pytree of them (``None`` skips a leaf), or a callable of params."""
+AxesSpec: TypeAlias = "Route | ResolvedRoute | None | Any | Callable[[Any], Any]"
+"""One route, a pytree of them (``None`` skips a leaf), or a callable of the params."""
+
+
+def is_axes(spec: Any) -> bool:
+    """Whether ``spec`` gives one leaf's axes (a :class:`Route` or a :class:`ResolvedRoute`)."""
+    return isinstance(spec, Route | ResolvedRoute)
+
+
+def resolve_axes(spec: Route | ResolvedRoute, shape: tuple[int, ...], path: str,
+                 what: str = "axes") -> ResolvedRoute:
+    """``spec`` resolved against ``shape`` (raises a ``RoutingError`` naming ``path``)."""
+    if not is_axes(spec):
+        raise TypeError(f"parameter {path!r}: {what} must be a Route or None, got {spec!r}")
+    return spec.resolve(tuple(shape), path)
+
+
+def to_matrix(axes: ResolvedRoute, x: jax.Array) -> jax.Array:
+    """``x`` as ``(batch..., fan_in_size, fan_out_size)`` (a plain reshape where possible)."""
+    perm = axes.matrix_perm()
+    if perm != tuple(range(x.ndim)):
+        x = jnp.transpose(x, perm)
+    batch_shape = tuple(axes.shape[a] for a in axes.batch)
+    return x.reshape(*batch_shape, axes.fan_in_size, axes.fan_out_size)
+
+
+def from_matrix(axes: ResolvedRoute, x: jax.Array) -> jax.Array:
+    """Undo :func:`to_matrix`."""
+    perm = axes.matrix_perm()
+    x = x.reshape(tuple(axes.shape[a] for a in perm))
+    if perm != tuple(range(x.ndim)):
+        x = jnp.transpose(x, tuple(perm.index(a) for a in range(x.ndim)))
+    return x
 
 
 def wide(dtype: Any) -> Any:
@@ -230,22 +132,21 @@ def path_str(path: Path) -> str:
     return ".".join(parts) if parts else "<root>"
 
 
-def resolve_spec(spec: Any, tree: Any, leaf_type: type = LeafAxes) -> Any:
+def resolve_spec(spec: Any, tree: Any) -> Any:
     """Turn a user spec into a pytree aligned with ``tree``.
 
     Returns a tree with the structure of ``tree`` in which every leaf position holds the
-    spec for that leaf (a ``leaf_type`` instance or an ``int``/``None`` where the caller
-    allows it).
+    spec for that leaf (a route, or an ``int``/``None`` where the caller allows it).
     """
-    if callable(spec) and not isinstance(spec, leaf_type):
+    if callable(spec) and not is_axes(spec):
         spec = spec(tree)
     if hasattr(spec, "dtype") and hasattr(spec, "shape"):
         raise TypeError(
-            f"an axis spec must be an int, None, LeafAxes, a pytree of them or a callable, got "
+            f"an axis spec must be an int, None, a Route, a pytree of them or a callable, got "
             f"an array ({spec!r}); under optax.inject_hyperparams pass axis arguments in "
             "static_args so they are not turned into arrays"
         )
-    if spec is None or isinstance(spec, leaf_type | int):
+    if spec is None or is_axes(spec) or isinstance(spec, int):
         return jax.tree.map(lambda _: spec, tree, is_leaf=is_masked)
     return spec
 
@@ -264,7 +165,7 @@ def flatten_with_spec(tree: Any, spec_tree: Any) -> tuple[Any, list[tuple[str, A
     except (ValueError, TypeError) as e:
         raise ValueError(
             "the axis spec does not match the parameter tree: pass one spec for every leaf "
-            "(a LeafAxes), a pytree with the params' structure, or a callable of the params. "
+            "(a Route), a pytree with the params' structure, or a callable of the params. "
             f"Details: {e}"
         ) from None
     return treedef, [(path_str(p), s, x) for (p, x), s in zip(with_path, specs, strict=True)]

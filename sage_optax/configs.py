@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -47,7 +47,7 @@ def build_rule(
     Args:
       rule: which update rule and its hyperparameters.
       learning_rate: float or schedule.
-      axes: per-leaf :class:`~sage_optax.LeafAxes` (pytree or callable of the params).
+      axes: per-leaf :class:`~sage_optax.Route` (pytree or callable of the params).
       mask: weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
       kernel: SinkGD's scale computation (:data:`sage_optax.sinkhorn.KERNELS`).
     """
@@ -144,7 +144,7 @@ def make_optimizer(
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     lr = preset.learning_rate if learning_rate is None else learning_rate
     validation.check_learning_rate(lr)
-    router = _router(overrides)
+    router = _Router(overrides)
     mask = overrides.pop("mask", None)
     kernel = overrides.pop("kernel", "auto")
     validation.check_choice("kernel", kernel, KERNELS)
@@ -152,10 +152,10 @@ def make_optimizer(
     assert not overrides, overrides  # every key was consumed
 
     def axes_fn(params: Any) -> Any:
-        return router(params).axes
+        return router.axes_of(params)
 
     def labels_fn(params: Any) -> Any:
-        return router(params, warn=True).labels  # the full tree: warn here, once
+        return router(params, warn=True).labels  # the full tree: routed (and warned) once
 
     tx = optax.partition(
         {kind: build_rule(preset.rule(kind), lr, axes_fn, mask, kernel) for kind in KINDS},
@@ -184,38 +184,62 @@ def _merge_injected(overrides: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
-def _router(overrides: dict[str, Any]) -> Callable[..., routing.ParamRouting]:
-    """Pop the router options from ``overrides``; return ``params -> ParamRouting``.
+class _Router:
+    """The routing of one optimizer: computed once per parameter tree, shared by its kinds.
 
-    The module evidence of ``model=`` is read once, here, so that the returned function
-    (called at ``init`` and at every traced ``update``) only matches paths.
+    ``optax.partition`` routes the full tree for its labels, then hands each kind's
+    transform the tree with the other kinds' leaves masked; those look their axes up here
+    (:meth:`axes_of`) instead of routing again, so :func:`~sage_optax.route_params` runs
+    once per tree structure (and shapes), not once per kind and per trace.  The module
+    evidence of ``model=`` is read once, when the optimizer is built.
     """
-    route_overrides = overrides.pop("route_overrides", None)
-    vocab_size = overrides.pop("vocab_size", None)
-    layout = overrides.pop("layout", None)
-    model = overrides.pop("model", None)
-    strict = overrides.pop("strict", False)
-    if not isinstance(strict, bool):
-        raise ValueError(f"strict must be True or False, got {strict!r}")
-    if layout == "auto":
-        layout = None
-    if layout is not None and layout not in routing.LAYOUTS:
-        raise ValueError(f"layout must be one of {routing.LAYOUTS} or None, got {layout!r}")
-    evidence = routing.module_routes(model) if model is not None else None
-    warned: set[Any] = set()  # one warning per tree (init and every traced update route it)
 
-    def route(params: Any, warn: bool = False) -> routing.ParamRouting:
-        if warn:
-            leaves, treedef = jax.tree.flatten(params, is_leaf=axes_lib.is_masked)
-            key = (treedef, tuple(getattr(x, "shape", None) for x in leaves))
-            warn = key not in warned
-            warned.add(key)
-        return routing.route_params(
-            params, route_overrides, vocab_size=vocab_size, layout=layout,
-            module_evidence=evidence, strict=strict, warn=warn,
-        )
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        self.route_overrides = overrides.pop("route_overrides", None)
+        self.vocab_size = overrides.pop("vocab_size", None)
+        layout = overrides.pop("layout", None)
+        model = overrides.pop("model", None)
+        self.strict = overrides.pop("strict", False)
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"strict must be True or False, got {self.strict!r}")
+        if layout == "auto":
+            layout = None
+        if layout is not None and layout not in routing.LAYOUTS:
+            raise ValueError(f"layout must be one of {routing.LAYOUTS} or None, got {layout!r}")
+        self.layout = layout
+        self.evidence = routing.module_routes(model) if model is not None else None
+        self.routed: dict[Any, routing.ParamRouting] = {}
+        self.last: dict[str, tuple[tuple[int, ...], Any]] = {}  # path -> (shape, axes)
 
-    return route
+    def __call__(self, params: Any, warn: bool = False) -> routing.ParamRouting:
+        """The routing of ``params`` (a full tree), computed at its first call."""
+        leaves, treedef = jax.tree.flatten(params, is_leaf=axes_lib.is_masked)
+        key = (treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", "")))
+                              for x in leaves))
+        if key not in self.routed:
+            self.routed[key] = routing.route_params(
+                params, self.route_overrides, vocab_size=self.vocab_size, layout=self.layout,
+                module_evidence=self.evidence, strict=self.strict, warn=warn,
+            )
+        result = self.routed[key]
+        self.last = {path: (tuple(x.shape), axes) for (path, x), (_, axes) in zip(
+            routing.iter_leaves(params), routing.iter_leaves(result.axes), strict=True)}
+        return result
+
+    def axes_of(self, params: Any) -> Any:
+        """The axes of ``params``, a kind's subtree, from the last full tree routed."""
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(
+            params, is_leaf=axes_lib.is_masked)
+        out = []
+        for path, x in with_path:
+            if axes_lib.is_masked(x):
+                out.append(x)
+                continue
+            hit = self.last.get(axes_lib.path_str(path))
+            if hit is None or hit[0] != tuple(getattr(x, "shape", ())):
+                return self(params).axes  # not a subtree of the last tree: route it
+            out.append(hit[1])
+        return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def with_tree_checks(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -349,7 +373,7 @@ def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
         params = eqx.filter(params, eqx.is_inexact_array)
     resolved = resolve_preset(tx_name, dict(overrides), OPTION_KEYS)
     tx = make_optimizer(tx_name, **overrides)
-    route = _router(dict(overrides))(params)
+    route = _Router(dict(overrides))(params)
     state = jax.eval_shape(tx.init, params)
     per_leaf, shared = memory.state_bytes_by_leaf(state, params)
     routes = dict(routing.iter_leaves(route.routes))

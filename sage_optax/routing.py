@@ -36,10 +36,12 @@ embedding (``wte``, ``tok_embeddings``, ``embed_tokens``...), and ``V`` may also
 ``head``, ``output``...) decides, else the router refuses.  A name alone never makes a head
 (a ViT ``head`` classifier is dense), and neither does one dimension equal to some table's
 length; a matrix inside numbered layers (``layers.0.up.kernel``) is never the head by
-shape: it is refused with ``dense`` first.
+shape: it is refused with ``dense`` first; a PyTorch-named ``weight`` (a converted state
+dict) needs a head name as well.  This policy is :func:`sage_optim.routing.find_head`,
+shared with ``sage_torch``: this module only gathers the tables and matrices it is given.
 
 :func:`route_params` returns the labels (``optax.partition`` labels), the
-:class:`~sage_optax.LeafAxes` every transform takes, and each leaf's
+:class:`~sage_optim.routing.Route` every transform takes, and each leaf's
 :class:`~sage_optim.routing.ResolvedRoute` (the evidence shown by ``routing_table``).
 """
 
@@ -82,8 +84,9 @@ class ParamRouting(NamedTuple):
     Attributes:
       labels: ``"embedding"``, ``"dense"`` or ``"vector"`` per leaf (usable directly as
         ``optax.partition`` labels).
-      axes: a :class:`~sage_optax.LeafAxes` per leaf, the named axes every transform of
-        this package takes.
+      axes: a :class:`~sage_optim.routing.Route` per leaf: the router's decision before it
+        is checked against the shape (with the negative axes it gives), what every
+        transform of this package takes as ``axes``.
       routes: a :class:`~sage_optim.routing.ResolvedRoute` per leaf: kind, axis groups,
         and the evidence that placed it.
     """
@@ -351,8 +354,6 @@ TORCH_NAMES: tuple[str, ...] = ("weight",)
 NO_EVIDENCE = "no layout evidence"
 """The evidence of a leaf that says nothing about its layout (element-wise fallback)."""
 
-_EMB_WORDS = ("emb", "embed", "embedding", "embeddings", "embs")
-_PROJ_WORDS = ("proj", "projection", "linear", "fc", "dense", "out", "head", "to")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,6 +368,7 @@ class _TreeFacts:
     nnx_tree: bool = False  # an nnx.State: model= would read its modules
     shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     conv1d: str | None = None  # what the GPT-2 Conv1D names' shapes say (core.conv1d_reading)
+    torch_vocab: int | None = None  # rows of the token table that PyTorch's names say
 
 
 def _tree_facts(names: list[str], layout: str | None, have_model: bool,
@@ -376,14 +378,16 @@ def _tree_facts(names: list[str], layout: str | None, have_model: bool,
     flax = nnx_tree or bool(leaves & (set(FLAX_NAMES) | set(TABLE_NAMES)))
     torch = not flax and bool(leaves & set(TORCH_NAMES))
     shapes = dict(shapes or {})
-    conv1d = None
-    if torch:  # the token table's width, against which the Conv1D names' shapes are read
-        tokens = [s for n, s in shapes.items() if len(s) == 2
-                  and core.components(n)[-1] in TORCH_NAMES and core.names_token_embedding(n)]
+    conv1d = token = None
+    if torch:  # the token table, against whose width the Conv1D names' shapes are read
+        token = core.pick_token_table([
+            core.TableFact(n, s[0], s[1]) for n, s in shapes.items()
+            if len(s) == 2 and core.torch_name_reading(n) == "table"])
         conv1d = core.conv1d_reading(
             [(n, s) for n, s in shapes.items() if len(s) == 2 and core.names_conv1d(n)],
-            tokens[0][1] if len(tokens) == 1 else None)
-    return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conv1d)
+            token.width if token is not None else None)
+    return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conv1d,
+                      token.rows if token is not None else None)
 
 
 ATTENTION_IN: frozenset[str] = frozenset({"query", "key", "value"})
@@ -437,15 +441,6 @@ def _unnamed(name: str) -> bool:
 
 def _words(part: str) -> list[str]:
     return [w for w in part.replace("-", "_").split("_") if w]
-
-
-def _names_table(name: str) -> bool | None:
-    """``True`` if a component names an embedding table, ``None`` if it also names a projection."""
-    for part in core.components(name)[:-1]:
-        words = _words(part)
-        if any(w in _EMB_WORDS for w in words) or part in core.TOKEN_EMBEDDING_MARKERS:
-            return None if any(w in _PROJ_WORDS for w in words) else True
-    return False
 
 
 def _refusal(name: str, shape: tuple[int, ...], message: str,
@@ -532,10 +527,10 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
         if leaf in TABLE_NAMES and ndim == 2:
             return Route("embedding", -1, -2, evidence=f"name {leaf!r} ({TABLE_NAMES[leaf]} "
                          "(V, d))")
-        if leaf in FLAX_NAMES and ndim == 2 and not _names_table(name):
+        if leaf in FLAX_NAMES and ndim == 2 and not core.names_table(name):
             return Route("dense", -2, -1, evidence=f"name {leaf!r} ({FLAX_NAMES[leaf]} (in, out))")
         if leaf in TORCH_NAMES and ndim == 2:
-            table = _names_table(name)
+            reading = core.torch_name_reading(name)
             if facts.flax:
                 return _refusal(
                     name, shape,
@@ -551,26 +546,23 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
                      (Route("embedding", -1, -2), "it is a table (V, d)"),
                      ("vector", "element-wise rules are wanted")],
                 )
-            if table or core.names_token_embedding(name) or core.names_table_module(name):
+            if reading == "table":
                 return Route("embedding", -1, -2,
                              evidence="name (PyTorch/Equinox table (V, d))")
-            if core.names_conv1d(name):  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
+            if reading == "conv1d":  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
                 return core.conv1d_refusal(
                     name, shape, facts.conv1d,
                     "Route the model in PyTorch with sage_torch (its modules decide), or "
                     "give it in route_overrides")
-            if table is None:
+            if reading in core.TORCH_WEIGHT_WHY:
+                options = core.torch_weight_options(shape, None, facts.torch_vocab)
                 return _refusal(
                     name, shape,
-                    f"cannot place {name!r} of shape {shape}: its name says both an embedding "
-                    "and a projection; give it: "
-                    + core.override_advice(name, shape, Route("embedding", -1, -2))
-                    + " for a table (V, d), or "
-                    + core.override_advice(name, shape, Route("dense", -1, -2))
-                    + " for a Linear (out, in)",
-                    [(Route("dense", -1, -2), "it is a Linear (out, in)"),
-                     (Route("embedding", -1, -2), "it is a table (V, d)"),
-                     ("vector", "element-wise rules are wanted")],
+                    f"cannot place {name!r} of shape {shape}: "
+                    f"{core.TORCH_WEIGHT_WHY[reading]}; give it: "
+                    + "; ".join(f"{core.override_advice(name, shape, r)} if {w}"
+                                for r, w in options),
+                    options,
                 )
             return Route("dense", -1, -2, evidence="name 'weight' (PyTorch/Equinox (out, in))")
         if leaf in (*FLAX_NAMES, *TABLE_NAMES, *TORCH_NAMES) and ndim > 2:
@@ -584,7 +576,7 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
             return _convention_refusal(name, shape, "kernel", remedy, attention)
     else:
         if leaf == "weight" and ndim == 2 and (core.names_token_embedding(name)
-                                              or _names_table(name)
+                                              or core.names_table(name)
                                               or core.names_table_module(name)):
             return Route("embedding", -1, -2, evidence="name (token table (V, d))")
         if leaf == "weight" and ndim == 2:
@@ -706,127 +698,47 @@ class _Leaf:
     route: Route | RoutingError
     overridden: bool = False
     default: Route | RoutingError | None = None  # the route before any override
+    from_module: bool = False  # a module (nnx, Equinox) gave the route, not the names
 
 
-def _tables(leaves: list[_Leaf]) -> list[_Leaf]:
-    return [
-        x for x in leaves
-        if isinstance(x.route, Route) and x.route.kind == "embedding" and len(x.shape) == 2
-        and not x.overridden
-    ]
+def _table_fact(x: _Leaf) -> core.TableFact | None:
+    """``x`` as a table of the head policy, if it is a 2-D table not routed by the user."""
+    r = x.route
+    if (not isinstance(r, Route) or r.kind != "embedding" or len(x.shape) != 2
+            or x.overridden or r.fan_in is None or r.fan_out is None):
+        return None
+    return core.TableFact(x.name, x.shape[r.fan_out[0]], x.shape[r.fan_in[0]])
 
 
-def _token_table(leaves: list[_Leaf]) -> _Leaf | None:
-    tables = _tables(leaves)
-    if len(tables) == 1:
-        return tables[0]
-    named = [x for x in tables if core.names_token_embedding(x.name)
-             or core.components(x.name)[-1] in core.TOKEN_EMBEDDING_MARKERS]
-    return named[0] if len(named) == 1 else None
-
-
-def _sizes(x: _Leaf, route: Route | RoutingError | None) -> tuple[int, int] | None:
-    """``(fan-in size, fan-out size)`` of a 2-D dense leaf's route, else ``None``."""
+def _matrix_fact(x: _Leaf) -> core.MatrixFact | None:
+    """``x`` as a possible head: a 2-D dense reading (the user's ``embedding`` marks it)."""
+    route = x.default if x.overridden else x.route
     if not isinstance(route, Route) or route.kind != "dense" or len(x.shape) != 2:
         return None
-    res = route.resolve(x.shape, x.name)
-    return x.shape[res.fan_in[0]], x.shape[res.fan_out[0]]
+    if x.overridden and not (isinstance(x.route, Route) and x.route.kind == "embedding"):
+        return None
+    by_names = not x.from_module and core.components(x.name)[-1] in TORCH_NAMES
+    return core.MatrixFact(x.name, x.shape, route, by_names=by_names,
+                           head_override=x.overridden)
 
 
-def _find_head(leaves: list[_Leaf], vocab_size: int | None) -> None:
-    """Make the one dense matrix shaped like a vocabulary table the head (module doc).
+def _find_head(leaves: list[_Leaf], vocab_size: int | None, remedy: str) -> None:
+    """Make the one dense matrix shaped like *the* token table the head, or refuse them all.
 
-    The tables are *the* token table when it is known (the only one, or the one named so),
-    else every table; with ``vocab_size`` and no table, any ``(d, V)`` matrix fits.
+    The policy is :func:`sage_optim.routing.find_head`, shared with ``sage_torch``; this
+    gathers its facts from the routes that modules and names gave.
     """
-    token = _token_table(leaves)
-    tables = [token] if token is not None else _tables(leaves)
-    shapes: dict[tuple[int | None, int], str] = {}
-    what = "the token embedding" if token is not None else "the table"
-    non_vocab: set[str] = set()  # fits of only such a table are refused, not made heads
-    for t in tables:
-        key = (t.shape[1], t.shape[0])
-        src = shapes.setdefault(key, f"{what} {t.name!r}")
-        if token is None and core.names_non_vocab_table(t.name) and src.endswith(f"{t.name!r}"):
-            non_vocab.add(src)
-    if not tables and vocab_size is not None:
-        shapes[(None, vocab_size)] = f"vocab_size={vocab_size}"
-    if not shapes:
-        return
-
-    def fit(x: _Leaf, route: Route | RoutingError | None) -> str | None:
-        sizes = _sizes(x, route)
-        if sizes is None:
-            return None
-        return shapes.get(sizes) or shapes.get((None, sizes[1]))
-
-    # a head the user named by an override: no other matrix is a head by shape
-    if any(x.overridden and isinstance(x.route, Route) and x.route.kind == "embedding"
-           and fit(x, x.default) for x in leaves):
-        return
-    fits = [(x, src) for x in leaves if not x.overridden
-            for src in [fit(x, x.route)] if src is not None]
-    if len(fits) > 1:
-        named = [(x, src) for x, src in fits
-                 if core.names_head(x.name) and not core.in_numbered_layers(x.name)]
-        if len(named) != 1:
-            listed = [x.name for x, _ in fits]
-            # the likeliest head: the last fit outside numbered layers (heads come last)
-            outside = [x for x, _ in fits if not core.in_numbered_layers(x.name)]
-            likely = outside[-1] if outside else None
-            for x, src in fits:
-                head, dense = _as(x, "embedding"), _as(x, "dense")
-                options: list[tuple[Any, str]] = [
-                    (head, "it is the output head (logits over the vocabulary)"),
-                    (dense, "it is not the head" + (
-                        " (it lies inside numbered layers)"
-                        if core.in_numbered_layers(x.name) else ""))]
-                if x is not likely:
-                    options.reverse()
-                x.route = _refusal(
-                    x.name, x.shape,
-                    f"cannot tell which of {listed} is the output head: each has the shape of "
-                    f"{src}: (fan-in, fan-out) = {_sizes(x, x.route)}; route the head "
-                    f"with {core.override_advice(x.name, x.shape, head)} and the others with "
-                    f"{core.override_advice(x.name, x.shape, dense)}",
-                    options,
-                )
-            return
-        fits = named
-    for x, src in fits:
-        if core.in_numbered_layers(x.name):
-            dense, head = _as(x, "dense"), _as(x, "embedding")
-            x.route = _refusal(
-                x.name, x.shape,
-                f"cannot place {x.name!r} of shape {x.shape}: it has the shape of {src}, but "
-                "it lies inside numbered layers, so it is most likely a layer's matrix whose "
-                "size equals the vocabulary (the head may be tied to the table), not the "
-                f"head; route it {core.override_advice(x.name, x.shape, dense)} (a dense "
-                f"matrix) or {core.override_advice(x.name, x.shape, head)} (an output head)",
-                [(dense, "it is a dense matrix (a layer's)"), (head, "it is the output head")],
-            )
-            continue
-        if src in non_vocab:
-            dense, head = _as(x, "dense"), _as(x, "embedding")
-            x.route = _refusal(
-                x.name, x.shape,
-                f"cannot place {x.name!r} of shape {x.shape}: it has the shape of {src}, whose "
-                "name says positions, token types or segments, not a vocabulary; route it "
-                f"{core.override_advice(x.name, x.shape, dense)} (a dense matrix) or "
-                f"{core.override_advice(x.name, x.shape, head)} (an output head)",
-                [(dense, "it is a dense matrix"), (head, "it is the output head")],
-            )
-            continue
-        r = x.route
-        assert isinstance(r, Route)
-        x.route = dataclasses.replace(
-            r, kind="embedding", evidence=f"head: shape of {src} ({r.evidence})",
-        )
-
-
-def _as(x: _Leaf, kind: str) -> Route:
-    assert isinstance(x.route, Route)
-    return Route(kind, x.route.fan_in, x.route.fan_out, x.route.batch)
+    tables = [t for x in leaves if (t := _table_fact(x)) is not None]
+    matrices = [m for x in leaves if (m := _matrix_fact(x)) is not None]
+    decision = core.find_head(matrices, tables, core.pick_token_table(tables),
+                              vocab_size=vocab_size, remedy=remedy)
+    for x in leaves:
+        if x.name in decision.refused:
+            x.route = decision.refused[x.name]
+        elif x.name in decision.found:
+            r = x.route
+            assert isinstance(r, Route)
+            x.route = dataclasses.replace(r, kind="embedding", evidence=decision.found[x.name])
 
 
 def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route | RoutingError:
@@ -981,14 +893,15 @@ def route_params(
             route = evidence[name]
         else:
             route = _name_route(name, shape, facts)
-        leaves.append(_Leaf(name, shape, route, default=route))
+        leaves.append(_Leaf(name, shape, route, default=route, from_module=name in evidence))
     for x in leaves:
         if x.name in override_of:
             x.route = _apply_override(x, override_of[x.name], vocab_size)
             x.overridden = True
-    _find_head(leaves, vocab_size)
+    _find_head(leaves, vocab_size, "Name")
     _fallback(leaves, strict, warn)
-    errors = [x.route for x in leaves if isinstance(x.route, RoutingError)]
+    errors = list({id(x.route): x.route for x in leaves
+                   if isinstance(x.route, RoutingError)}.values())  # a head error: once
     if errors:
         raise RoutingError.combine(errors)
     resolved: dict[str, tuple[Route, ResolvedRoute]] = {}
@@ -1004,7 +917,7 @@ def route_params(
             continue
         route, r = resolved[name]
         labels.append(r.kind)
-        leaf_axes.append(axes_lib.LeafAxes.from_route(route))
+        leaf_axes.append(route)
         routes.append(r)
     unflat = jax.tree_util.tree_unflatten
     return ParamRouting(unflat(treedef, labels), unflat(treedef, leaf_axes),

@@ -55,8 +55,8 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
     ndim = len(shape)
     if ndim < 2:  # Eq. (2): vectors and scalars are element-wise whatever the spec
         return _LeafPlan(None, tuple(range(ndim)))
-    if isinstance(spec, axes_lib.LeafAxes):
-        r = spec.resolve(shape, path)
+    if axes_lib.is_axes(spec):
+        r = axes_lib.resolve_axes(spec, shape, path)
         if not r.is_matrix:
             return _LeafPlan(None, r.feature_axes)
         # s_t drops the fan-out axes; σ and γ average over the remaining feature axes.
@@ -73,7 +73,7 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
     if axis < ndim - 2:
         raise ValueError(
             f"axes={spec} of parameter {path!r} with shape {tuple(shape)} is a leading "
-            "(stacked-layer) axis; pass a LeafAxes with explicit batch axes instead"
+            "(stacked-layer) axis; pass a Route with explicit batch axes instead"
         )
     other = ndim - 2 if axis == ndim - 1 else ndim - 1
     return _LeafPlan((axis,), (other - (other > axis),))
@@ -199,8 +199,8 @@ def scale_by_sage(
       b2: decay of the momentum ``M`` and of the scale EMA ``S`` (β2).
       eps: ε added to the denominators of both dampers.
       axes: the axis ``s_t`` averages over (the vocab axis of an embedding): a
-        :class:`~sage_optax.LeafAxes` (reduce over its ``fan_out`` axis; the default
-        ``EMBEDDING_TABLE = LeafAxes(fan_in=-1, fan_out=-2)`` is an ``nnx.Embed`` table
+        :class:`~sage_optax.Route` (reduce over its ``fan_out`` axis; the default
+        ``EMBEDDING_TABLE = Route("embedding", fan_in=-1, fan_out=-2)`` is an ``nnx.Embed`` table
         ``(V, d)``, leading axes of a stacked leaf being batch axes), an ``int`` axis,
         ``None`` (element-wise ``s_t = |g|`` everywhere), a pytree of these, or a callable
         mapping params to one (such as ``lambda p: sage_optax.route_params(p).axes``).

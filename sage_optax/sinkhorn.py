@@ -49,6 +49,7 @@ from sage_optax import axes as axes_lib
 from sage_optax import placement, validation
 from sage_optim import hyperparams, kernels
 from sage_optim.presets import RULE_DEFAULTS
+from sage_optim.routing import ResolvedRoute
 
 _DEFAULTS = RULE_DEFAULTS["sinkgd"]
 
@@ -72,7 +73,7 @@ module everywhere else (:func:`use_kernel`; today: everywhere).  Leaves the kern
 support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, zero-size,
 explicit sharding) use this module whatever the choice; ``SAGE_KERNELS=off`` in the
 environment makes every choice this module."""
-_KERNEL = axes_lib.LeafAxes(-2, -1)  # a Flax kernel (in, out), leading axes stacked
+_KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
 
 
 def _sharding_of(x: jax.Array) -> Any:
@@ -87,7 +88,7 @@ def _sharding_of(x: jax.Array) -> Any:
 
 def sinkhorn_normalize(
     g: jax.Array,
-    axes: axes_lib.ResolvedAxes,
+    axes: ResolvedRoute,
     num_iters: Any = 5,
     eps: Any = 1e-8,
     normalization: str = "unit",
@@ -109,7 +110,7 @@ def sinkhorn_normalize(
 
 
 def apply_scales(
-    g: jax.Array, axes: axes_lib.ResolvedAxes, c: jax.Array, r: jax.Array
+    g: jax.Array, axes: ResolvedRoute, c: jax.Array, r: jax.Array
 ) -> jax.Array:
     """``X = diag(c) · G · diag(r)`` (in the wide dtype of ``c``) from :func:`sinkhorn_scales`.
 
@@ -120,7 +121,7 @@ def apply_scales(
     return jnp.expand_dims(c, axes.fan_out) * g * jnp.expand_dims(r, axes.fan_in)
 
 
-def range_scale(g: jax.Array, axes: axes_lib.ResolvedAxes) -> jax.Array:
+def range_scale(g: jax.Array, axes: ResolvedRoute) -> jax.Array:
     """``m``: a power of two with ``m ≤ max|G| < 2m`` per batch index (1 for an all-zero one).
 
     Shaped like ``g`` with size-1 fan-in and fan-out axes, in ``g``'s dtype; at least the
@@ -143,7 +144,7 @@ def range_scale(g: jax.Array, axes: axes_lib.ResolvedAxes) -> jax.Array:
 
 def sinkhorn_scales(
     g: jax.Array,
-    axes: axes_lib.ResolvedAxes,
+    axes: ResolvedRoute,
     num_iters: Any = 5,
     eps: Any = 1e-8,
     normalization: str = "unit",
@@ -168,7 +169,7 @@ def sinkhorn_scales(
 
 def stacked_sinkhorn_scales(
     gs: list[jax.Array],
-    axes: axes_lib.ResolvedAxes,
+    axes: ResolvedRoute,
     num_iters: Any = 5,
     eps: Any = 1e-8,
     normalization: str = "unit",
@@ -207,7 +208,7 @@ def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
 def _iterate(
     k: jax.Array,
     m: jax.Array,
-    axes: axes_lib.ResolvedAxes,
+    axes: ResolvedRoute,
     num_iters: Any,
     eps: Any,
     normalization: str,
@@ -267,30 +268,29 @@ def _pow2_sqrt_floor(m: jax.Array) -> jax.Array:
     return jnp.where(e % 2 == 0, jnp.sqrt(m / 2), jnp.sqrt(m))
 
 
-def _check_matrix(path: str, spec: Any, x: Any) -> axes_lib.ResolvedAxes | None:
+def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
     if spec is None:
         return None
-    if not isinstance(spec, axes_lib.LeafAxes):
-        raise TypeError(f"parameter {path!r}: axes must be LeafAxes or None, got {spec!r}")
-    if x.ndim < 2 or not spec.is_matrix:
+    if not axes_lib.is_axes(spec):
+        raise TypeError(f"parameter {path!r}: axes must be a Route or None, got {spec!r}")
+    if x.ndim < 2 or spec.fan_in is None or not spec.fan_in:
         raise ValueError(
             f"SinkGD needs a matrix, but parameter {path!r} has shape {tuple(x.shape)}"
             + ("" if x.ndim < 2 else " and vector axes")
             + "; route 1-D/0-D parameters to another rule (e.g. make_optimizer(...) or "
             "optax.partition)"
         )
-    return spec.resolve(tuple(x.shape), path)
+    return axes_lib.resolve_axes(spec, tuple(x.shape), path)
 
 
-def _stacked(axes: axes_lib.ResolvedAxes, n: int) -> axes_lib.ResolvedAxes:
+def _stacked(axes: ResolvedRoute, n: int) -> ResolvedRoute:
     """``axes`` of a leaf, for a stack of ``n`` such leaves along a new leading batch axis."""
 
     def shift(group: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(a + 1 for a in group)
 
-    return axes_lib.ResolvedAxes(
-        shift(axes.fan_in), shift(axes.fan_out), (0, *shift(axes.batch)), (n, *axes.shape)
-    )
+    return ResolvedRoute(axes.kind, shift(axes.fan_in), shift(axes.fan_out),
+                         (0, *shift(axes.batch)), (n, *axes.shape), axes.evidence)
 
 
 def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
@@ -367,7 +367,7 @@ def resolved_kernel(kernel: str, platform: str, device_count: int,
 
 
 def _sinkhorn_all(
-    matrices: list[tuple[int, Any, axes_lib.ResolvedAxes]],
+    matrices: list[tuple[int, Any, ResolvedRoute]],
     on_kernel: bool,
     interpret: bool,
     stack: bool,
@@ -434,7 +434,7 @@ def scale_by_sinkhorn(
       num_iters: number ``L`` of (fan-in, fan-out) iteration pairs (paper: 5).
       eps: ε added to every norm.
       normalization: ``"unit"`` (Unit-Norm SinkGD) or ``"sqrt"`` (SR-Sinkhorn).
-      axes: axes of each leaf: one :class:`~sage_optax.LeafAxes` (default: a Flax kernel
+      axes: axes of each leaf: one :class:`~sage_optax.Route` (default: a Flax kernel
         ``(in, out)``, leading axes stacked), a pytree of them (``None`` leaves pass
         through unchanged) or a callable of the params.
       grouping: :data:`GROUPINGS`; every choice computes the same numbers (each matrix

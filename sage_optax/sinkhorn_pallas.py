@@ -52,8 +52,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from sage_optax import axes as axes_lib
 from sage_optax import sinkhorn as ref
+from sage_optim.routing import ResolvedRoute
 
 KERNEL_GROUP_BYTES: int = 32 * 2**20
 """Largest stacked group of the kernel path, in bytes of gradients: the ``2L`` passes over
@@ -74,7 +74,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << (max(n, 16) - 1).bit_length()
 
 
-def matrix_view(axes: axes_lib.ResolvedAxes) -> tuple[int, int, int, bool] | None:
+def matrix_view(axes: ResolvedRoute) -> tuple[int, int, int, bool] | None:
     """``(B, R, C, rows_are_fan_in)`` if the leaf reshapes freely to ``(B, R, C)``, else None.
 
     The batch axes must lead, followed by one axis group (the rows) and then the other (the
@@ -96,7 +96,7 @@ def matrix_view(axes: axes_lib.ResolvedAxes) -> tuple[int, int, int, bool] | Non
     return None
 
 
-def supports(g: Any, axes: axes_lib.ResolvedAxes) -> bool:
+def supports(g: Any, axes: ResolvedRoute) -> bool:
     """Whether the kernel path can run leaf ``g`` (see the module docstring)."""
     view = matrix_view(axes)
     if view is None or min(view[:3]) == 0:
@@ -211,7 +211,7 @@ def _target(normalization: str, size: int) -> float:
 
 def sinkhorn_scales(
     gs: list[jax.Array],
-    axes: axes_lib.ResolvedAxes,
+    axes: ResolvedRoute,
     num_iters: Any = 5,
     eps: Any = 1e-8,
     normalization: str = "unit",

@@ -36,8 +36,8 @@ def scale_by_unit_norm(
         del params
 
         def normalize(path: str, spec: Any, g: jax.Array) -> jax.Array:
-            if isinstance(spec, axes_lib.LeafAxes):
-                reduce_axes = spec.resolve(tuple(g.shape), path).feature_axes
+            if axes_lib.is_axes(spec):
+                reduce_axes = axes_lib.resolve_axes(spec, tuple(g.shape), path).feature_axes
             else:
                 reduce_axes = tuple(range(g.ndim))
             wide = g.astype(jnp.promote_types(g.dtype, jnp.float32))

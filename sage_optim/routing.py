@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import math
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
@@ -47,8 +48,11 @@ TOKEN_EMBEDDING_MARKERS: tuple[str, ...] = (
 Meta LLaMA ``tok_embeddings``, Hugging Face ``embed_tokens``/``word_embeddings``, Gemma
 ``embedder``).  A component equal to ``embed`` or ``embedding`` counts too."""
 
-HEAD_MARKERS: tuple[str, ...] = ("lm_head", "head", "output", "unembed", "embed_out")
-"""Path components that name an output head.  A name alone never makes a head: the leaf must
+HEAD_MARKERS: tuple[str, ...] = (
+    "lm_head", "head", "output", "unembed", "embed_out", "decoder")
+"""Path components that name an output head (``decoder``: BERT's and RoBERTa's
+``predictions.decoder``/``lm_head.decoder``; a decoder *stack*'s matrices lie inside
+numbered layers, which a head never does).  A name alone never makes a head: the leaf must
 also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
 
 CONV1D_NAMES: frozenset[str] = frozenset({"c_attn", "q_attn", "c_fc", "c_proj"})
@@ -172,7 +176,7 @@ class Route:
     fan_in: Any = None
     fan_out: Any = None
     batch: Any = None
-    evidence: str = "override"
+    evidence: str = dataclasses.field(default="override", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -248,19 +252,68 @@ class Route:
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRoute:
-    """A :class:`Route` checked against a shape: non-negative axis groups."""
+    """A :class:`Route` checked against a shape: non-negative axis groups.
+
+    What every transform works with: ``fan_in`` and ``fan_out`` are tuples of axes (empty
+    for a vector), ``batch`` the axes treated independently (stacked layers).  A transform
+    given a :class:`Route` resolves it against each leaf's shape; one given a
+    ``ResolvedRoute`` (what :func:`sage_optax.route_params` returns) checks the shape.
+    """
 
     kind: str
     fan_in: tuple[int, ...]
     fan_out: tuple[int, ...]
     batch: tuple[int, ...]
     shape: tuple[int, ...]
-    evidence: str
+    evidence: str = dataclasses.field(default="override", compare=False)
 
     @property
     def is_matrix(self) -> bool:
         """Whether the leaf is a matrix (per batch index)."""
         return bool(self.fan_in)
+
+    @property
+    def feature_axes(self) -> tuple[int, ...]:
+        """All axes that are not batch axes (RMS and norms are taken over these)."""
+        return tuple(a for a in range(len(self.shape)) if a not in self.batch)
+
+    @property
+    def fan_in_size(self) -> int:
+        """Size of the merged fan-in axis."""
+        return math.prod(self.shape[a] for a in self.fan_in)
+
+    @property
+    def fan_out_size(self) -> int:
+        """Size of the merged fan-out axis."""
+        return math.prod(self.shape[a] for a in self.fan_out)
+
+    @property
+    def is_simple(self) -> bool:
+        """Whether each matrix axis is a single axis (no merging needed)."""
+        return len(self.fan_in) == 1 and len(self.fan_out) == 1
+
+    def matrix_perm(self) -> tuple[int, ...]:
+        """The transpose to ``(batch..., fan_in..., fan_out...)``, the canonical layout."""
+        return (*self.batch, *self.fan_in, *self.fan_out)
+
+    def matrix(self) -> ResolvedRoute:
+        """The route of the merged matrix view: batch first, then fan-in, then fan-out."""
+        nb = len(self.batch)
+        shape = (*(self.shape[a] for a in self.batch), self.fan_in_size, self.fan_out_size)
+        return ResolvedRoute(self.kind, (nb,), (nb + 1,), tuple(range(nb)), shape,
+                             self.evidence)
+
+    def resolve(self, shape: Sequence[int], name: str = "<leaf>") -> ResolvedRoute:
+        """Itself, after checking that ``shape`` is the shape it was resolved for.
+
+        Raises:
+          RoutingError: another shape (the route of another leaf).
+        """
+        if tuple(int(s) for s in shape) != self.shape:
+            raise RoutingError(
+                f"parameter {name!r} of shape {tuple(shape)} is given the route of a leaf of "
+                f"shape {self.shape}")
+        return self
 
     def describe_fan_in(self) -> str:
         """The fan-in axes with their sizes, as the routing tables print them."""
@@ -432,6 +485,90 @@ def names_non_vocab_table(name: str) -> bool:
     return False
 
 
+PROJECTION_WORDS: frozenset[str] = frozenset({
+    "proj", "project", "projection", "linear", "fc", "dense", "out", "head", "to"})
+"""Words of a name component that say projection: with an embedding word in the same
+component (ELECTRA's ``embeddings_project``, ``embed_proj``) the name says both."""
+
+
+def says_embedding(part: str) -> bool:
+    """Whether a name component says embedding (``pos_emb``, ``wordembed``, ``wte``).
+
+    Haiku's ``unembed`` (the output head) does not.
+    """
+    words = [w for w in re.split(r"[^a-z]+", part.lower()) if w and not w.startswith("unemb")]
+    return part.lower() in TOKEN_EMBEDDING_MARKERS or any(
+        w.startswith("emb") or "embed" in w for w in words)
+
+
+def names_table(name: str) -> bool | None:
+    """Whether the modules of ``name`` name a table.
+
+    ``True``; ``None`` if the component that says embedding also says projection
+    (``embeddings_project``); ``False`` if none says embedding.
+    """
+    for part in components(name)[:-1]:
+        if says_embedding(part):
+            words = set(re.split(r"[^a-z]+", part))
+            return None if words & PROJECTION_WORDS else True
+    return False
+
+
+def torch_name_reading(name: str) -> str | None:
+    """What PyTorch's names say of a 2-D parameter, in both frameworks.
+
+    ``"table"`` (an ``nn.Embedding`` ``(V, d)``: a module or leaf name that says embedding,
+    or a :data:`TABLE_MODULE_NAMES` module), ``"linear"`` (an ``nn.Linear`` ``weight``
+    ``(out, in)``; where a component says both embedding and projection, a head name
+    (GPT-NeoX's ``embed_out``) reads as a linear, which the head policy may make the head),
+    or why the names cannot say: ``"conv1d"`` (:data:`CONV1D_NAMES`),
+    ``"ambiguous"`` (embedding and projection in one component), ``"unnamed"`` (no word
+    besides indices: ``0.weight`` of an ``nn.Sequential``).  ``None``: not a PyTorch name.
+    """
+    parts = components(name)
+    leaf = parts[-1]
+    if leaf in TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding"):
+        return "table"
+    if leaf != "weight":
+        return None
+    if names_conv1d(name):
+        return "conv1d"
+    if names_table_module(name):
+        return "table"
+    if all(part.isdigit() for part in parts[:-1]):
+        return "unnamed"
+    table = names_table(name)
+    if table is None:  # GPT-NeoX's head embed_out: a head name settles it
+        return "linear" if names_head(name) else "ambiguous"
+    return "table" if table else "linear"
+
+
+TORCH_WEIGHT_WHY: dict[str, str] = {
+    "unnamed": "its name has no word besides its indices, so it could be an nn.Linear "
+               "(out, in) or an nn.Embedding table (V, d), which get different rules",
+    "ambiguous": "its name says both an embedding and a projection (ELECTRA's "
+                 "embeddings_project is an nn.Linear), so it could be an nn.Linear (out, in) "
+                 "or an nn.Embedding table (V, d), which get different rules",
+}
+"""Why names refuse a 2-D PyTorch ``weight`` (:func:`torch_name_reading`'s refusals)."""
+
+
+def torch_weight_options(shape: Sequence[int], kind: str | None = None,
+                         vocab: int | None = None) -> list[tuple[Any, str]]:
+    """The remedies of a 2-D PyTorch ``weight`` the names cannot place, in both frameworks.
+
+    An ``nn.Linear`` ``(out, in)`` first, unless its rows are the token table's ``vocab``
+    (then a table or a head first); ``kind`` (an override's or a group's) keeps its reading
+    only.  ``'vector'`` last.
+    """
+    linear = (Route(kind or "dense", fan_in=1, fan_out=0), "it is an nn.Linear weight (out, in)")
+    table = (Route(kind or "embedding", fan_in=1, fan_out=0),
+             "it is an nn.Embedding table (V, d) or an output head")
+    options = [table, linear] if vocab is not None and int(shape[0]) == vocab else [
+        linear, table]
+    return [*options[:1 if kind else 2], ("vector", "element-wise rules are wanted")]
+
+
 def names_conv1d(name: str) -> bool:
     """Whether ``name`` is the ``weight`` of a :data:`CONV1D_NAMES` module (``attn.c_attn``)."""
     parts = components(name)
@@ -493,3 +630,204 @@ def conv1d_refusal(name: str, shape: Sequence[int], reading: str | None, remedy:
         + "; ".join(f"{override_advice(name, shape, r)} if {w}" for r, w in options),
         leaf=name, shape=shape, options=[*options, ("vector", "element-wise rules are wanted")])
 
+
+
+# ------------------------------------------------------------------------ the output head
+
+
+@dataclasses.dataclass(frozen=True)
+class TableFact:
+    """A vocabulary-like table as the head policy sees it: its name and ``(rows, width)``.
+
+    Each framework gathers these from its own evidence (module types, names); the policy
+    (:func:`pick_token_table`, :func:`find_head`) is the same for both.
+
+    Attributes:
+      name: the table's dotted name.
+      rows: the size of its vocab axis (``V``).
+      width: the size of its other axis (``d``).
+      api: the model's own API says it is the token table (``get_input_embeddings()``).
+    """
+
+    name: str
+    rows: int
+    width: int
+    api: bool = False
+
+    @property
+    def named_token(self) -> bool:
+        """Whether its name marks the token table (``wte``, ``embed_tokens``, ...)."""
+        return names_token_embedding(self.name) or components(self.name)[-1] in (
+            TOKEN_EMBEDDING_MARKERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixFact:
+    """A dense 2-D matrix that may be the output head.
+
+    Attributes:
+      name: its dotted name.
+      shape: its shape.
+      route: its dense reading (axes and the evidence that gives them).
+      by_names: its reading comes from names alone (no module says what it is).
+      head_override: the user routed it ``embedding`` (there is then no head to find).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    route: Route
+    by_names: bool = False
+    head_override: bool = False
+
+    def sizes(self) -> tuple[int, int] | None:
+        """``(fan-in size, fan-out size)``, or ``None`` if the reading is not one axis each."""
+        if len(self.shape) != 2 or self.route.fan_in is None or self.route.fan_out is None:
+            return None
+        if len(self.route.fan_in) != 1 or len(self.route.fan_out) != 1:
+            return None
+        return self.shape[self.route.fan_in[0]], self.shape[self.route.fan_out[0]]
+
+    def reading(self, kind: str) -> Route:
+        """The axes of this matrix under ``kind`` (the remedies of a refusal)."""
+        return Route(kind, self.route.fan_in, self.route.fan_out, self.route.batch)
+
+
+def pick_token_table(tables: Sequence[TableFact]) -> TableFact | None:
+    """*The* token table among ``tables``, or ``None`` when nothing singles one out.
+
+    The model's API first (:attr:`TableFact.api`), then the only table, then the only one
+    whose name marks the token table.  Both routers choose it here.
+    """
+    api = [t for t in tables if t.api]
+    if api:
+        return api[0]
+    if len(tables) == 1:
+        return tables[0]
+    named = [t for t in tables if t.named_token]
+    return named[0] if len(named) == 1 else None
+
+
+@dataclasses.dataclass
+class HeadDecision:
+    """What :func:`find_head` decided: the head (if any) and the refused candidates.
+
+    Attributes:
+      found: ``{name: evidence}`` of the matrix made the head (at most one).
+      refused: ``{name: error}`` of the candidates that could not be told apart, all
+        mapped to one :class:`RoutingError` (its ``problems`` hold one per candidate).
+    """
+
+    found: dict[str, str] = dataclasses.field(default_factory=dict)
+    refused: dict[str, RoutingError] = dataclasses.field(default_factory=dict)
+
+
+def find_head(matrices: Sequence[MatrixFact], tables: Sequence[TableFact],
+              token: TableFact | None, *, vocab_size: int | None = None,
+              remedy: str = "Name") -> HeadDecision:
+    """The output head among ``matrices``, by the shape of the token table: one policy.
+
+    A candidate is a matrix whose ``(fan-in, fan-out)`` sizes are ``(d, V)`` of *the*
+    token table ``token`` when it is known, else of any table (with no table at all, any
+    matrix whose fan-out is ``vocab_size``).  A candidate is *vocabulary-like* unless every
+    table it fits is named as positions, token types or segments; inside numbered layers it
+    is a layer's matrix.  Then:
+
+    * the user routed a candidate ``embedding``: no head is looked for;
+    * one candidate, vocabulary-like, outside numbered layers, and (when only names say
+      what it is) with a head name (``lm_head``, ``head``, ``output``...): the head;
+    * several, of which exactly one is vocabulary-like with a head name outside numbered
+      layers: that one is the head, the others stay dense;
+    * anything else: every candidate is refused by one error; the likeliest head (the last
+      vocabulary-like candidate outside numbered layers: heads come after the layers) gets
+      ``embedding`` first, the others ``dense`` first.
+
+    ``remedy`` starts the error's advice ("Pass the model itself (...), or name"); the head
+    is named after it.
+    """
+    if token is not None:
+        targets: list[tuple[tuple[int | None, int], str, TableFact | None]] = [
+            ((token.width, token.rows), f"the token embedding {token.name!r}", token)]
+    else:
+        targets = [((t.width, t.rows), repr(t.name), t) for t in tables]
+        if not tables and vocab_size is not None:
+            targets = [((None, vocab_size), f"vocab_size={vocab_size}", None)]
+    decision = HeadDecision()
+    fits: list[tuple[MatrixFact, list[str], bool]] = []  # (matrix, sources, vocabulary-like)
+    for m in matrices:
+        sizes = m.sizes()
+        if sizes is None:
+            continue
+        hits = [(src, t) for key, src, t in targets
+                if key == sizes or (key[0] is None and key[1] == sizes[1])]
+        if hits:
+            vocab = token is not None or any(t is None or not names_non_vocab_table(t.name)
+                                             for _, t in hits)
+            fits.append((m, [src for src, _ in hits], vocab))
+    if not fits or any(m.head_override for m, _, _ in fits):
+        return decision
+
+    def evidence(m: MatrixFact, sources: list[str], named: bool) -> str:
+        return f"head: shape of {_sources(sources)}{' + name' if named else ''}"
+
+    vocabularies = [f for f in fits if f[2] and not in_numbered_layers(f[0].name)]
+    named = [f for f in vocabularies if names_head(f[0].name)]
+    if len(fits) == 1 and vocabularies and (named or not fits[0][0].by_names):
+        m, sources, _ = fits[0]
+        decision.found[m.name] = evidence(m, sources, bool(named))
+        return decision
+    if len(fits) > 1 and len(named) == 1:
+        m, sources, _ = named[0]
+        decision.found[m.name] = evidence(m, sources, True)
+        return decision
+    likely = vocabularies[-1][0] if vocabularies else None
+    problems = []
+    for m, sources, _ in fits:
+        head = (m.reading("embedding"), "it is the output head (logits over the vocabulary)")
+        dense = (m.reading("dense"), "it is an ordinary dense matrix, not the head"
+                 + (" (it lies inside numbered layers)" if in_numbered_layers(m.name) else ""))
+        problems.append(RoutingError(
+            f"cannot tell whether {m.name!r} of shape {m.shape} is the output head: it has "
+            f"the shape of {_sources(sources)}", leaf=m.name, shape=m.shape,
+            options=[head, dense] if m is likely else [dense, head]))
+    listed = "; ".join(
+        f"{m.name} {m.shape}: the shape of {_sources(sources)}"
+        + ("" if vocab else " (a position/type table)")
+        + (" (inside numbered layers)" if in_numbered_layers(m.name) else "")
+        for m, sources, vocab in fits)
+    first = fits[0]
+    if len(fits) > 1:
+        why = (f"{len(fits)} matrices have the shape of a vocabulary table "
+               f"({', '.join(m.name for m, _, _ in fits)})")
+    elif not first[2]:
+        why = ("a matrix has the shape of a table whose name says positions, token types or "
+               "segments: most likely a layer whose size equals that table's length")
+    elif in_numbered_layers(first[0].name):
+        why = ("the only matrix with the shape of a table lies inside numbered layers: most "
+               "likely a layer's matrix whose size equals the vocabulary (the head may be "
+               "tied to the table)")
+    else:
+        why = ("the only matrix with the shape of a table has no head name (lm_head, head, "
+               "output, ...), and names alone do not tell a head from another matrix of the "
+               "same shape")
+    known = (f"the token embedding is {token.name!r}" if token is not None else
+             "the token table is not known (several tables, none the model's input "
+             "embeddings or named as the token table, such as 'wte' or 'embed_tokens')")
+    head_name = likely.name if likely is not None else fits[-1][0].name
+    error = RoutingError(
+        f"cannot tell the output head: {why} [{listed}]; {known}. {remedy} the head, e.g. "
+        f"route_overrides={{{head_name!r}: 'embedding'}}, or route them all as dense: "
+        "route_overrides={" + ", ".join(f"{m.name!r}: 'dense'" for m, _, _ in fits)
+        + "}. The block below takes " + ("the likeliest head" if likely is not None else
+                                          "none for the head (each lies inside numbered layers)"))
+    error.problems = tuple(problems)
+    for m, _, _ in fits:
+        decision.refused[m.name] = error
+    return decision
+
+
+def _sources(sources: list[str]) -> str:
+    """``the table 'a'``, ``the tables 'a', 'b'``, or a source as it is."""
+    tables = [s for s in sources if s.startswith("'")]
+    if not tables:
+        return " and ".join(sources)
+    return ("the table " if len(tables) == 1 else "the tables ") + ", ".join(tables)

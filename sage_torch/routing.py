@@ -48,7 +48,9 @@ available, in this order (``docs/routing.md``):
    and the first remedy of its refusal is ``dense``.  Frozen Linears are never candidates.
    A head is never found because one dimension equals some table's length; a classifier
    whose label count equals the vocabulary has the table's shape and gets the head's rule
-   (the routing table shows why).
+   (the routing table shows why).  The token table and the head are chosen by the policy
+   shared with ``sage_optax`` (:func:`sage_optim.routing.pick_token_table`,
+   :func:`sage_optim.routing.find_head`); this module gathers the facts.
 
 Everything else (a ``ConvTranspose``, a custom ``nn.Parameter`` matrix, conflicting
 evidence) is refused: :func:`route_params` raises **one**
@@ -85,7 +87,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import re
 import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -93,20 +94,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from sage_optim import routing as core
 from sage_optim.routing import (
-    TOKEN_EMBEDDING_MARKERS,
     ResolvedRoute,
     Route,
     RoutingError,
     components,
     conv1d_reading,
     conv1d_refusal,
-    in_numbered_layers,
     match_overrides,
     names_conv1d,
-    names_head,
-    names_non_vocab_table,
-    names_table_module,
     names_token_embedding,
     override_advice,
 )
@@ -317,16 +314,10 @@ Option = tuple[Any, str]
 _VECTOR_OPTION: Option = ("vector", "element-wise rules are wanted")
 
 
-def _says_emb(part: str) -> bool:
-    """Whether a name component has a word that says embedding (``pos_emb``, ``wordembed``)."""
-    return any(w.startswith("emb") or "embed" in w for w in re.split(r"[^a-z]+", part))
-
-
 def _names_embedding(name: str) -> bool:
     """Whether a component of ``name`` (the leaf too) says embedding (``pos_emb``, ``wte``)."""
-    parts = components(name)
-    return names_token_embedding(name) or any(_says_emb(part) for part in parts) or any(
-        part in TOKEN_EMBEDDING_MARKERS for part in parts)
+    return names_token_embedding(name) or any(
+        core.says_embedding(part) for part in components(name))
 
 
 def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
@@ -449,106 +440,56 @@ class _Heads:
     refused: dict[int, RoutingError] = dataclasses.field(default_factory=dict)  # id -> error
 
 
+def _pick_token(tables: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
+    """*The* token table among ``(name, weight)`` tables (the shared policy picks it)."""
+    picked = core.pick_token_table(
+        [core.TableFact(n, int(t.shape[0]), int(t.shape[1])) for n, t in tables])
+    return next((t for t in tables if picked is not None and t[0] == picked.name), None)
+
+
 def _find_heads(token: tuple[str, torch.Tensor] | None,
                 tables: Sequence[tuple[str, torch.Tensor]],
                 linears: Sequence[tuple[str, torch.Tensor]],
-                overrides: Mapping[int, Route], names_only: bool = False) -> _Heads:
-    """The output head among ``linears`` ((out, in) weights) by the shapes of the tables.
+                overrides: Mapping[int, Route], names_only: bool = False,
+                api_token: bool = False) -> _Heads:
+    """The output head among ``linears`` (``(out, in)`` weights), by the tables' shapes.
 
-    The rules of the module docstring: only *the* token table's shape counts when
-    ``token`` is known, else every table's.  ``overrides`` (by ``id``) leave their
-    parameters out, and a linear the user routed ``embedding`` means there is no head to
-    find.  A candidate inside numbered layers is never taken for the head by shape, and
-    with ``names_only`` (no module says it is an ``nn.Linear``) neither is one without a
-    head name: an ``(out, in)`` matrix of the table's shape is refused, listing the
-    candidates, never picked.
+    The policy is :func:`sage_optim.routing.find_head`, shared with ``sage_optax``; this
+    gathers its facts.  ``overrides`` (by ``id``) leave their parameters out, and a linear
+    the user routed ``embedding`` means there is no head to find.  ``names_only``: no
+    module says these are ``nn.Linear`` weights, only their names.  ``api_token``: the
+    model's ``get_input_embeddings()`` gave ``token``.
     """
-    targets = [token] if token is not None else list(tables)
-    fits = []  # (name, weight, matching table names, vocabulary-like)
+    facts = [core.TableFact(n, int(t.shape[0]), int(t.shape[1]),
+                            api=api_token and token is not None and t is token[1])
+             for n, t in tables]
+    if token is not None and not any(f.api or f.name == token[0] for f in facts):
+        facts.append(core.TableFact(token[0], int(token[1].shape[0]), int(token[1].shape[1]),
+                                    api=api_token))
+    token_fact = next((f for f in facts if token is not None and f.name == token[0]), None)
+    by_name: dict[str, torch.Tensor] = {}
+    matrices = []
     for lname, w in linears:
-        if any(w is t for _, t in targets) or not w.requires_grad:
+        if any(w is t for _, t in tables) or not w.requires_grad or w.dim() != 2:
             continue
-        match = [t for t in targets if tuple(t[1].shape) == tuple(w.shape)]
-        if match:
-            vocab_like = token is not None or any(not names_non_vocab_table(n) for n, _ in match)
-            fits.append((lname, w, [n for n, _ in match], vocab_like))
+        override = overrides.get(id(w))
+        if override is not None and override.kind != "embedding":
+            continue
+        evidence = "name 'weight': torch (out, in)" if names_only else "module nn.Linear"
+        by_name[lname] = w
+        matrices.append(core.MatrixFact(
+            lname, tuple(int(n) for n in w.shape),
+            Route("dense", fan_in=1, fan_out=0, evidence=evidence), by_names=names_only,
+            head_override=override is not None))
+    remedy = ("Pass the model itself (make_optimizer(name, model): its modules and "
+              "get_output_embeddings() decide), or name" if names_only else
+              "The model has no get_output_embeddings(). Name")
+    decision = core.find_head(matrices, facts, token_fact, remedy=remedy)
     heads = _Heads()
-    if any(overrides[id(w)].kind == "embedding" for _, w, _, _ in fits if id(w) in overrides):
-        return heads  # the user named the head
-    fits = [f for f in fits if id(f[1]) not in overrides]
-    if not fits:
-        return heads
-
-    def source(names: list[str], shape: Sequence[int]) -> str:
-        if token is not None:
-            return f"shape: {_fmt_shape(shape)} of token embedding {names[0]}"
-        label = "table" if len(names) == 1 else "tables"
-        return f"shape: {_fmt_shape(shape)} of {label} {', '.join(names)}"
-
-    vocabularies = [f for f in fits if f[3] and not in_numbered_layers(f[0])]
-    named = [f for f in vocabularies if names_head(f[0])]
-    if len(fits) == 1 and vocabularies and (named or not names_only):
-        name, w, names, _ = fits[0]
-        heads.found[id(w)] = source(names, w.shape) + (" + name" if named else "")
-        return heads
-    if len(fits) > 1 and len(named) == 1:
-        name, w, names, _ = named[0]
-        heads.found[id(w)] = f"{source(names, w.shape)} + name"
-        return heads
-    # refused: the last vocabulary-like candidate outside numbered layers is the likeliest
-    # head (heads come last, after the layers); none at all when every one is a layer's
-    likely = vocabularies[-1][1] if vocabularies else None
-    problems = []
-    for name, w, names, _ in fits:
-        shape = tuple(w.shape)
-        head = (Route("embedding", fan_in=1, fan_out=0),
-                f"it is the output head over the rows of {names[0]} (vocab axis 0)")
-        dense = (Route("dense", fan_in=1, fan_out=0),
-                 "it is an ordinary nn.Linear (out, in), not the head"
-                 + (" (it lies inside numbered layers)" if in_numbered_layers(name) else ""))
-        options = [head, dense] if w is likely else [dense, head]
-        problems.append(RoutingError(
-            f"cannot tell whether weight {name!r} of shape {_fmt_shape(shape)} is "
-            f"the output head: it has the shape of {', '.join(names)}",
-            leaf=name, shape=shape, options=options))
-    names_listed = ", ".join(f[0] for f in fits)
-    listed = "; ".join(
-        f"{f[0]} {_fmt_shape(f[1].shape)}: the shape of {', '.join(f[2])}"
-        + ("" if f[3] else " (a position/type table)")
-        + (" (inside numbered layers)" if in_numbered_layers(f[0]) else "") for f in fits)
-    if len(fits) > 1:
-        why = f"{len(fits)} weights have the shape of a table ({names_listed})"
-    elif not fits[0][3]:
-        why = ("a weight has the shape of a table whose name says positions or types: most "
-               "likely a layer whose size equals that table's length")
-    elif in_numbered_layers(fits[0][0]):
-        why = ("the only weight with the shape of a table lies inside numbered layers: most "
-               "likely a layer's matrix whose size equals the vocabulary (the head may be "
-               "tied to the table)")
-    else:
-        why = ("the only weight with the shape of a table has no head name (lm_head, head, "
-               "output, ...), and names alone do not tell a head (V, d) from an nn.Linear "
-               "(out, in) of the same shape")
-    if token is not None:
-        known = f"the token embedding is {token[0]!r}"
-    else:
-        known = ("the token table is not known (no get_input_embeddings(), several tables, "
-                 "none named as the token table such as 'wte' or 'embed_tokens')")
-    model = ("Pass the model itself (make_optimizer(name, model): its modules and "
-             "get_output_embeddings() decide), or name" if names_only else
-             "The model has no get_output_embeddings(). Name")
-    head_name = next(f[0] for f in fits if f[1] is likely) if likely is not None else fits[-1][0]
-    message = (
-        f"cannot tell the output head: {why} [{listed}]; {known}. {model} the head, e.g. "
-        f"route_overrides={{{head_name!r}: 'embedding'}} (its vocab axis 0 is the fan-out "
-        "axis), or route them all as dense: route_overrides={"
-        + ", ".join(f"{f[0]!r}: 'dense'" for f in fits) + "}. The block below takes "
-        + ("the likeliest head" if likely is not None else
-           "none for the head (each lies inside numbered layers)"))
-    error = RoutingError(message)
-    error.problems = tuple(problems)
-    for _, w, _, _ in fits:
-        heads.refused[id(w)] = error
+    for lname, evidence in decision.found.items():
+        heads.found[id(by_name[lname])] = evidence
+    for lname, error in decision.refused.items():
+        heads.refused[id(by_name[lname])] = error
     return heads
 
 
@@ -612,7 +553,8 @@ class _Router:
         # the head by shape only when the model has no API saying which one it is
         self.heads = _Heads() if has_out else _find_heads(
             self.token, self.tables, self._linears(),
-            {pid: r for pid, (_, r) in self.overrides.items()})
+            {pid: r for pid, (_, r) in self.overrides.items()},
+            api_token=self.api_in is not None)
 
     # -- evidence ----------------------------------------------------------------------
 
@@ -639,10 +581,7 @@ class _Router:
         """*The* token embedding: the model API's, the only table, or the one so named."""
         if self.api_in is not None:
             return self.param_names[id(self.api_in)], self.api_in
-        if len(self.tables) == 1:
-            return self.tables[0]
-        named = [v for v in self.tables if names_token_embedding(v[0])]
-        return named[0] if len(named) == 1 else None
+        return _pick_token(self.tables)
 
     def _layout(self, name: str, p: torch.Tensor) -> Route | None:
         """The route from the model API, tying and module types (no override, no shape)."""
@@ -846,25 +785,16 @@ def _entries(params: Any) -> tuple[list[_Entry], list[dict[str, Any]]]:
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
     """The route PyTorch's names give a matrix (``weight`` (out, in), tables (V, d)), or None.
 
-    ``None`` also for the names that a known family reads otherwise: the ``weight`` of a
-    GPT-2 ``Conv1D`` name (``c_attn``, ``c_proj``, ...) is ``(in, out)`` there and ``(out,
-    in)`` in nanoGPT's ``nn.Linear``; such a weight is refused with both readings.
+    The reading is :func:`sage_optim.routing.torch_name_reading`, shared with
+    ``sage_optax``'s converted state dicts; ``None`` where the names cannot say (a GPT-2
+    ``Conv1D`` name, embedding and projection in one name, indices only): refused.
     """
     if p.dim() != 2:
         return None
-    parts = components(name)
-    leaf = parts[-1]
-    table = names_token_embedding(name) or any(_says_emb(part) for part in parts[:-1])
-    if leaf == "weight" and table:
+    reading = core.torch_name_reading(name)
+    if reading == "table":
         return Route("embedding", fan_in=1, fan_out=0, evidence="name: table (V, d)")
-    if names_table_module(name):
-        return Route("embedding", fan_in=1, fan_out=0,
-                     evidence=f"name {parts[-2]!r}: an nn.Embedding table (V, d)")
-    if leaf in TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding"):
-        return Route("embedding", fan_in=1, fan_out=0, evidence=f"name {leaf!r}: table (V, d)")
-    if names_conv1d(name):
-        return None  # (in, out) in transformers' Conv1D, (out, in) in nn.Linear: refused
-    if leaf == "weight" and any(not part.isdigit() for part in parts[:-1]):
+    if reading == "linear":
         return Route("dense", fan_in=1, fan_out=0, evidence="name 'weight': torch (out, in)")
     return None
 
@@ -903,11 +833,7 @@ class _NameRouter:
         linears = [(e.name, e.param) for e in self.entries
                    if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
                    and components(e.name)[-1] == "weight"]
-        token = tables[0] if len(tables) == 1 else None
-        if token is None:
-            named = [t for t in tables if names_token_embedding(t[0])]
-            token = named[0] if len(named) == 1 else None
-        self.token = token
+        token = self.token = _pick_token(tables)
         self.conv1d = conv1d_reading(
             [(e.name, tuple(e.param.shape)) for e in self.entries
              if not e.bare and e.param.dim() == 2 and names_conv1d(e.name)],
@@ -946,19 +872,13 @@ class _NameRouter:
         options = _options(shape, kind=kind, table_first=_names_embedding(e.name),
                            vocab=self.vocab, torch_weight=parts[-1] == "weight" and not e.bare)
         if parts[-1] == "weight" and p.dim() == 2 and not e.bare:  # (out, in) or (V, d)
-            linear = (Route(kind or "dense", fan_in=1, fan_out=0),
-                      "it is an nn.Linear weight (out, in)")
-            table = (Route(kind or "embedding", fan_in=1, fan_out=0),
-                     "it is an nn.Embedding table (V, d) or an output head")
-            first_table = self.vocab is not None and shape[0] == self.vocab
-            options = [table, linear] if first_table else [linear, table]
-            options = [*options[:1 if kind else 2], _VECTOR_OPTION]
+            options = core.torch_weight_options(shape, kind, self.vocab)
         if e.bare:
             why = ("a bare tensor (no name, no module), so nothing says which axes are its "
                    "fan-in and fan-out, nor whether it is a vocabulary matrix")
         elif parts[-1] == "weight" and p.dim() == 2:
-            why = ("its name has no word besides its indices, so it could be an nn.Linear "
-                   "(out, in) or an nn.Embedding table (V, d), which get different rules")
+            why = core.TORCH_WEIGHT_WHY.get(core.torch_name_reading(e.name) or "",
+                                            core.TORCH_WEIGHT_WHY["unnamed"])
         else:
             why = (f"its name does not say its layout (PyTorch's names: a 2-D 'weight' is "
                    f"(out, in), a 2-D 'weight' under an 'emb' name a table (V, d)); a "
@@ -970,7 +890,7 @@ class _NameRouter:
         names = " or model.named_parameters()" if e.bare else ""
         return RoutingError(
             f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: {what}{why}. "
-            f"Pass the model (make_optimizer(name, model): its module types decide){names}, "
+            f"Pass the model itself (make_optimizer(name, model): its module types decide){names}, "
             "or route it in route_overrides (per parameter), "
             f"e.g. if it is\n{_advice_lines(e.name, shape, options)}\n"
             "(Route is sage_optim.routing.Route, also sage_torch.Route)",

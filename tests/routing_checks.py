@@ -80,4 +80,8 @@ ARCHITECTURES = {  # id: (config class, model class, config)
         vocab_size=WIDE, d_model=D, encoder_ffn_dim=WIDE, decoder_ffn_dim=WIDE,
         encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
         decoder_attention_heads=2, max_position_embeddings=32)),
+    # embedding_size != hidden_size: an nn.Linear named embeddings_project (both words)
+    "electra": ("ElectraConfig", "ElectraForMaskedLM", dict(
+        vocab_size=V, embedding_size=8, hidden_size=D, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32)),
 }

@@ -9,6 +9,7 @@ import optax
 import pytest
 from reference_np import ApolloRef
 
+from sage_optax import Route
 from sage_optax.apollo import (
     ScaleByApolloState,
     add_decayed_weights_after_step,
@@ -16,7 +17,6 @@ from sage_optax.apollo import (
     gaussian_projection,
     scale_by_apollo,
 )
-from sage_optax.axes import LeafAxes
 
 GAMMA = 1.01
 
@@ -225,10 +225,11 @@ def test_masked_inside_partition_matches_unmasked():
 
 def test_stacked_equals_separate_layers(x64):
     # Three stacked leaves: (L, in, out) with fan-out >= fan-in and with fan-out < fan-in,
-    # and (in, L, out) with the layer axis in the middle (explicit LeafAxes).
+    # and (in, L, out) with the layer axis in the middle (an explicit Route).
     n_layers = 3
     rng = np.random.default_rng(1)
-    dims = {"a": LeafAxes(), "b": LeafAxes(), "c": LeafAxes(fan_in=0, fan_out=2)}
+    dims = {"a": Route("dense", -2, -1), "b": Route("dense", -2, -1),
+            "c": Route("dense", fan_in=0, fan_out=2)}
     shapes = {"a": (n_layers, 6, 10), "b": (n_layers, 10, 6), "c": (6, n_layers, 10)}
     layer_axis = {"a": 0, "b": 0, "c": 1}
     stacked = scale_by_apollo(2, update_proj_gap=2, axes=dims, projection=cheap_projection())
@@ -353,7 +354,7 @@ def test_vector_leaf_is_rejected():
     with pytest.raises(ValueError, match=r"APOLLO needs a matrix.*'b'"):
         opt.init({"b": jnp.ones(())})
     with pytest.raises(ValueError, match=r"APOLLO needs a matrix.*'w'"):
-        scale_by_apollo(axes=LeafAxes.vector()).init({"w": jnp.ones((4, 4))})
+        scale_by_apollo(axes=Route("vector")).init({"w": jnp.ones((4, 4))})
     # The same check guards update (e.g. a state built for other params).
     state = opt.init({"w": jnp.ones((4, 4))})
     with pytest.raises(ValueError, match=r"APOLLO needs a matrix.*'w'"):
@@ -439,7 +440,7 @@ def test_state_is_tiny_for_rank_one():
     s = opt.init({"w": jnp.zeros((256, 64), jnp.float32)})
     assert s.mu["w"].shape == (256, 1)
     # PyTorch layout (out=256, in=64): fan-in is the last axis and is compressed.
-    s = scale_by_apollo(1, axes=LeafAxes(fan_in=-1, fan_out=-2)).init(
+    s = scale_by_apollo(1, axes=Route("dense", fan_in=-1, fan_out=-2)).init(
         {"w": jnp.zeros((256, 64), jnp.float32)}
     )
     assert s.mu["w"].shape == (256, 1)

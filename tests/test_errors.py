@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import sage_optax
-from sage_optax import LeafAxes, Route, RoutingError
+from sage_optax import Route, RoutingError
 from sage_optax import route_params as label_params
 from sage_optim import CONFIG_NAMES
 
@@ -43,10 +43,10 @@ def test_router_cannot_place_vocab_matrix_of_unknown_layout():
     with pytest.raises(RoutingError, match=r"tok_embed\.w.*\(10, 4\).*vocab_size"):
         label_params(p)
     # and the two remedies the message names both work
-    assert label_params(p, vocab_size=10).axes["tok_embed"]["w"] == LeafAxes(-1, -2)
+    assert label_params(p, vocab_size=10).axes["tok_embed"]["w"] == Route("embedding", -1, -2)
     fixed = label_params(p, {"tok_embed.*": Route("embedding", fan_in=-1, fan_out=-2)})
     assert fixed.labels["tok_embed"]["w"] == "embedding"
-    assert fixed.axes["tok_embed"]["w"] == LeafAxes(-1, -2)
+    assert fixed.axes["tok_embed"]["w"] == Route("embedding", -1, -2)
 
 
 @pytest.mark.parametrize("make", [
@@ -103,7 +103,7 @@ def test_state_from_another_model_is_named():
 
 def test_bad_axes_are_named():
     with pytest.raises(ValueError, match=r"'k'.*fan_in axis 5"):
-        sage_optax.sinkgd(1e-2, axes=LeafAxes(5, -1)).init({"k": jnp.ones((3, 4))})
+        sage_optax.sinkgd(1e-2, axes=Route("dense", 5, -1)).init({"k": jnp.ones((3, 4))})
     with pytest.raises(ValueError, match="axes=0.*leading"):
         sage_optax.sage(1e-2, axes=0).init({"k": jnp.ones((2, 3, 4))})
 

@@ -52,8 +52,8 @@ def test_stacked_layers_and_axis_groups_are_grouped_too():
         "q": jnp.asarray(rng.standard_normal((8, 2, 3)), jnp.float32),  # (in, heads, dim)
         "k": jnp.asarray(rng.standard_normal((8, 2, 3)), jnp.float32),
     }
-    axes = {"a": sage_optax.LeafAxes(-2, -1), "b": sage_optax.LeafAxes(-2, -1),
-            "q": sage_optax.LeafAxes(0, (1, 2)), "k": sage_optax.LeafAxes(0, (1, 2))}
+    axes = {"a": sage_optax.Route("dense", -2, -1), "b": sage_optax.Route("dense", -2, -1),
+            "q": sage_optax.Route("dense", 0, (1, 2)), "k": sage_optax.Route("dense", 0, (1, 2))}
     leaf, _ = sage_optax.scale_by_sinkhorn(axes=axes, grouping="leaf").update(
         grads, optax.EmptyState())
     stack, _ = sage_optax.scale_by_sinkhorn(axes=axes, grouping="stack").update(
@@ -69,9 +69,9 @@ def test_stacked_layers_and_axis_groups_are_grouped_too():
 
 def test_groups_are_chunked_by_group_bytes():
     g = jnp.zeros((16, 16), jnp.float32)  # 1 KiB
-    axes = sage_optax.LeafAxes(-2, -1).resolve((16, 16))
+    axes = sage_optax.Route("dense", -2, -1).resolve((16, 16))
     other = jnp.zeros((16, 8), jnp.float32)
-    matrices = [(i, g, axes) for i in range(5)] + [(5, other, sage_optax.LeafAxes(-2, -1)
+    matrices = [(i, g, axes) for i in range(5)] + [(5, other, sage_optax.Route("dense", -2, -1)
                                                    .resolve((16, 8)))]
     sizes = [len(b) for b in sinkhorn._batches(matrices, 2048)]
     assert sizes == [2, 2, 1, 1]

@@ -13,7 +13,7 @@ import pytest
 from reference_np import sinkhorn_ref
 
 import sage_optax
-from sage_optax import LeafAxes
+from sage_optax import Route
 from sage_optax.sinkhorn import sinkhorn_normalize as jax_sinkhorn
 
 torch = pytest.importorskip("torch")
@@ -23,7 +23,7 @@ from sage_torch import chunked, sinkgd  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
-FLAX = LeafAxes(-2, -1)  # (in, out); PyTorch (out, in) is fan_in_dim=-1, fan_out_dim=-2
+FLAX = Route("dense", -2, -1)  # (in, out); PyTorch (out, in) is fan_in_dim=-1, fan_out_dim=-2
 
 
 def base_matrix(shape=(12, 7), seed=0):

@@ -21,8 +21,7 @@ import optax
 import pytest
 
 import sage_optax
-from sage_optax import placement, sinkhorn
-from sage_optax.axes import LeafAxes
+from sage_optax import Route, placement, sinkhorn
 from sage_optim import kernels
 from sage_optim.presets import CONFIG_NAMES
 from tests import helpers
@@ -113,7 +112,7 @@ def test_eager_updates_follow_the_arrays_devices(validated_h100, monkeypatch):
 
 def _lowered(kernel, platform, grouping="auto"):
     grads = {"w": jnp.ones((16, 12)), "t": jnp.ones((3, 8, 4))}
-    axes = {"w": LeafAxes(0, 1), "t": LeafAxes(-1, -2)}
+    axes = {"w": Route("dense", 0, 1), "t": Route("dense", -1, -2)}
     tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel, grouping=grouping)
     with helpers.cuda_lowering_target():
         traced = jax.jit(tx.update).trace(grads, optax.EmptyState())

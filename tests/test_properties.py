@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import sage_optax
-from sage_optax.axes import LeafAxes
+from sage_optax import Route
 
 finite = st.floats(-1e6, 1e6, allow_nan=False, allow_subnormal=False, width=32)
 
@@ -125,7 +125,7 @@ def test_sage_is_odd():
         np.testing.assert_array_equal(np.asarray(ua), -np.asarray(ub))
 
 
-FLAX_KERNEL = LeafAxes(-2, -1)
+FLAX_KERNEL = Route("dense", -2, -1)
 
 
 def sinkhorn(g, normalization="unit", num_iters=5, axes=FLAX_KERNEL):

@@ -103,7 +103,7 @@ def test_sage_fan_out_reduction_of_dense_kernels():
     rng = np.random.default_rng(1)
     params = {"k": rng.standard_normal((10, 7)), "t": rng.standard_normal((7, 10))}
     refs = {"k": ref.SageRef((10, 7), vocab_axis=1), "t": ref.SageRef((7, 10), vocab_axis=0)}
-    spec = {"k": sage_optax.LeafAxes(-2, -1), "t": sage_optax.LeafAxes(-1, -2)}
+    spec = {"k": sage_optax.Route("dense", -2, -1), "t": sage_optax.Route("dense", -1, -2)}
     tx = sage_optax.sage(schedule(1e-3), axes=spec, b1=0.891, b2=0.95, eps=1e-6)
     for r in refs.values():
         r.b1, r.b2, r.eps = 0.891, 0.95, 1e-6
@@ -143,11 +143,11 @@ def test_sinkgd_matches_reference(normalization, alpha):
 
 
 def test_sinkgd_torch_layout_axes():
-    """LeafAxes(fan_in=-1, fan_out=-2) is PyTorch's (out, in): rows first, then columns."""
+    """Route("dense", fan_in=-1, fan_out=-2) is PyTorch's (out, in): rows first, then columns."""
     rng = np.random.default_rng(3)
     params = {"w": rng.standard_normal((7, 11))}
     refs = {"w": ref.SinkGDRef(alpha=10.0, fan_in_axis=1, fan_out_axis=0)}
-    tx = sage_optax.sinkgd(schedule(1e-2), axes=sage_optax.LeafAxes(fan_in=-1, fan_out=-2))
+    tx = sage_optax.sinkgd(schedule(1e-2), axes=sage_optax.Route("dense", fan_in=-1, fan_out=-2))
     run_pair(tx, refs, params, lambda t: {"w": hard_gradient(rng, (7, 11), t)}, 1e-2)
 
 

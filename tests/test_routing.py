@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import sage_optax
-from sage_optax import LeafAxes, Route
+from sage_optax import Route
 from sage_optax import route_params as label_params
 from sage_optim.models import get_model_config
 from sage_repro.llama_shapes import llama_param_shapes
@@ -43,10 +43,10 @@ def test_nnx_state(tied):
         assert labels["lm_head.kernel"] == "embedding"  # an untied head is a vocab matrix
     axes = {sage_optax.routing.leaf_name_path(p): a
             for p, a in jax.tree_util.tree_flatten_with_path(r.axes)[0]}
-    assert axes["embed.embedding"] == LeafAxes(fan_in=-1, fan_out=-2)  # (V, d): vocab fan-out
-    assert axes["proj.kernel"] == LeafAxes(fan_in=-2, fan_out=-1)
+    assert axes["embed.embedding"] == Route("embedding", fan_in=-1, fan_out=-2)  # (V, d)
+    assert axes["proj.kernel"] == Route("dense", fan_in=-2, fan_out=-1)
     if not tied:
-        assert axes["lm_head.kernel"] == LeafAxes(fan_in=-2, fan_out=-1)  # (d, V)
+        assert axes["lm_head.kernel"] == Route("embedding", fan_in=-2, fan_out=-1)  # (d, V)
 
 
 def test_nnx_optimizer_routes_like_label_params():
@@ -66,7 +66,7 @@ def test_stacked_layers_are_batch_axes_once_declared():
                               "layers.norm.scale": Route("vector", batch=0)})
     assert r.labels["layers"]["mlp"]["kernel"] == "dense"
     assert r.labels["layers"]["norm"]["scale"] == "vector"
-    assert r.axes["layers"]["norm"]["scale"] == LeafAxes.vector((0,))
+    assert r.axes["layers"]["norm"]["scale"] == Route("vector", batch=(0,))
     resolved = r.axes["layers"]["mlp"]["kernel"].resolve((3, 8, 16))
     assert resolved.batch == (0,) and (resolved.fan_in, resolved.fan_out) == ((1,), (2,))
 
@@ -87,7 +87,7 @@ def test_overrides_by_glob():
 def test_vocab_size_finds_the_vocab_axis():
     params = {"unembed": {"w": jnp.ones((16, 100))}}
     r = label_params(params, vocab_size=100)
-    assert r.axes["unembed"]["w"] == LeafAxes(fan_in=-2, fan_out=-1)
+    assert r.axes["unembed"]["w"] == Route("embedding", fan_in=-2, fan_out=-1)
 
 
 def test_masked_nodes_pass_through():

@@ -317,7 +317,7 @@ def test_kind_only_overrides_place_any_leaf():
         route_params(params)
     r = route_params(params, {"pos_embedding": "vector"})
     assert r.labels["pos_embedding"] == "vector"
-    assert r.axes["tok_emb"] == sage_optax.LeafAxes(-1, -2)  # (V, d): vocab axis 0 is fan-out
+    assert r.axes["tok_emb"] == sage_optax.Route("embedding", -1, -2)  # (V, d)
     r = route_params(params, {"pos_embedding": "vector", "tok_emb": "embedding"})
     assert r.routes["tok_emb"].fan_out == (0,)
     r = route_params(params, {"pos_embedding": "embedding"}, vocab_size=16)

@@ -82,7 +82,7 @@ def test_sage_optax_huge_gradients_match_reference(case, dtype):
     shape, vocab_axis, _ = CASES[case]
     grads = as_dtype(gradients(shape, vocab_axis), dtype)
     want = reference_updates(shape, vocab_axis, [g.astype(np.float64) for g in grads])
-    axes = (sage_optax.LeafAxes(fan_in=-2, fan_out=-1) if vocab_axis == 1
+    axes = (sage_optax.Route("dense", fan_in=-2, fan_out=-1) if vocab_axis == 1
             else sage_optax.EMBEDDING_TABLE)
     tx = sage_optax.scale_by_sage(axes=axes)
     params = jnp.zeros(shape, jnp.dtype(dtype))

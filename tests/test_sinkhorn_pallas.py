@@ -24,13 +24,12 @@ import optax
 import pytest
 
 import sage_optax
-from sage_optax import sinkhorn, sinkhorn_pallas
-from sage_optax.axes import LeafAxes
+from sage_optax import Route, sinkhorn, sinkhorn_pallas
 from tests import helpers
 from tests.reference_np import sinkhorn_ref
 
 RTOL = 2.0**-19
-FLAX, TORCH = LeafAxes(-2, -1), LeafAxes(-1, -2)  # (in, out) and (out, in), leading batch
+FLAX, TORCH = Route("dense", -2, -1), Route("dense", -1, -2)  # (in, out), (out, in); batch first
 
 
 def _scales(g, leaf_axes, kernel, num_iters=5, eps=1e-8, normalization="unit"):
@@ -139,16 +138,17 @@ def test_the_comparison_can_fail():
 
 
 def test_matrix_view_and_support():
-    res = LeafAxes(-2, -1).resolve((4, 3, 5), "w")
+    res = Route("dense", -2, -1).resolve((4, 3, 5), "w")
     assert sinkhorn_pallas.matrix_view(res) == (4, 3, 5, True)
-    assert sinkhorn_pallas.matrix_view(LeafAxes(-1, -2).resolve((4, 3, 5), "w")) == (
+    assert sinkhorn_pallas.matrix_view(Route("dense", -1, -2).resolve((4, 3, 5), "w")) == (
         4, 3, 5, False)
-    assert sinkhorn_pallas.matrix_view(LeafAxes(0, (1, 2)).resolve((4, 3, 5), "w")) == (
+    assert sinkhorn_pallas.matrix_view(Route("dense", 0, (1, 2)).resolve((4, 3, 5), "w")) == (
         1, 4, 15, True)
-    odd = LeafAxes(0, 2).resolve((4, 3, 5), "w")  # batch axis between the groups
+    odd = Route("dense", 0, 2).resolve((4, 3, 5), "w")  # batch axis between the groups
     assert sinkhorn_pallas.matrix_view(odd) is None
     assert not sinkhorn_pallas.supports(jnp.zeros((4, 3, 5)), odd)
-    assert not sinkhorn_pallas.supports(jnp.zeros((0, 5)), LeafAxes(-2, -1).resolve((0, 5), "w"))
+    empty = Route("dense", -2, -1).resolve((0, 5), "w")
+    assert not sinkhorn_pallas.supports(jnp.zeros((0, 5)), empty)
     assert sinkhorn_pallas.supports(jnp.zeros((4, 3, 5), jnp.bfloat16), res)
     with jax.enable_x64(True):
         assert not sinkhorn_pallas.supports(jnp.zeros((4, 3, 5), jnp.float64), res)
@@ -178,7 +178,7 @@ def _tree():
 @pytest.mark.parametrize("grouping", ["leaf", "stack"])
 def test_scale_by_sinkhorn_kernel_choice(grouping):
     grads = _tree()
-    axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": LeafAxes(0, 2), "skip": None}
+    axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": Route("dense", 0, 2), "skip": None}
     out = {}
     for kernel in ("jnp", "pallas"):
         tx = sage_optax.scale_by_sinkhorn(
@@ -233,7 +233,7 @@ def test_auto_is_jnp_on_cpu_arrays():
 
     cpu = jax.devices("cpu")[0]
     grads = jax.device_put(_tree(), cpu)
-    axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": LeafAxes(0, 2), "skip": None}
+    axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": Route("dense", 0, 2), "skip": None}
     texts, outs = {}, {}
     for kernel in ("auto", "jnp", "pallas"):
         tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel)

@@ -105,7 +105,7 @@ def test_heads_come_from_the_token_embedding_never_from_a_table_length():
     assert axes(routes["classifier.weight"]) == ("dense", (1,), (0,))
     assert axes(routes["pos.weight"]) == ("embedding", (1,), (0,))
     assert axes(routes["proj.weight"]) == ("embedding", (1,), (0,))  # vocab axis 0: fan-out
-    assert routes["proj.weight"].evidence == "shape: (32, 16) of token embedding tok_emb.weight"
+    assert routes["proj.weight"].evidence == "head: shape of the token embedding 'tok_emb.weight'"
     routes = routes_of(Tables(head=False))
     assert all(routes[n].kind == "dense" for n in ("q.weight", "classifier.weight"))
 
@@ -117,7 +117,7 @@ def test_without_a_token_embedding_every_table_is_a_candidate():
                            "proj": nn.Linear(D, V)})
     route = routes_of(model)["proj.weight"]
     assert axes(route) == ("embedding", (1,), (0,))  # vocab axis 0: fan-out
-    assert route.evidence == "shape: (32, 16) of tables a.weight, b.weight"
+    assert route.evidence == "head: shape of the tables 'a.weight', 'b.weight'"
     # ...and an override says otherwise
     route = routes_of(model, {"proj.weight": "dense"})["proj.weight"]
     assert axes(route) == ("dense", (1,), (0,)) and route.evidence == "override"

@@ -154,7 +154,7 @@ def test_x_transformers_untied_head_is_found_by_the_table_shape():
     routes = routes_of(model)
     assert routes["to_logits.weight"] == TABLE
     assert evidence_of(model)["to_logits.weight"] == (
-        f"shape: ({V}, {D}) of table token_emb.emb.weight")
+        "head: shape of the table 'token_emb.emb.weight'")
     assert all(routes[n] == LINEAR for n in routes
                if n.startswith("attn_layers") and n.endswith(".weight") and len(shapes[n]) == 2)
     check_step(model, lm_loss, XT)
@@ -213,7 +213,7 @@ def test_word_pos_model_head_is_found_and_named_by_its_table():
     torch.manual_seed(0)
     model = WordPos().double()
     assert routes_of(model)["out.weight"] == TABLE
-    assert evidence_of(model)["out.weight"] == f"shape: ({V}, {D}) of table word.weight"
+    assert evidence_of(model)["out.weight"] == "head: shape of the table 'word.weight'"
     check_step(model, lm_loss, WORD_POS)
 
 
@@ -490,7 +490,7 @@ def test_named_parameters_route_as_the_model():
     assert groups == [(g["kind"], g["fan_in_dim"], g["fan_out_dim"], g["param_names"])
                       for g in make_optimizer("sage-hybrid", model).param_groups]
     assert evidence_of(model.named_parameters())["lm_head.weight"] == (  # names only: shape
-        f"shape: ({V}, {D}) of token embedding embed.weight + name")  # and the head's name
+        "head: shape of the token embedding 'embed.weight' + name")  # and the head's name
     check_step(model, lm_loss, SMALL, params=model.named_parameters())
 
 
