@@ -523,6 +523,11 @@ def check_config(cfg: TrainConfig) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    context = get_model_config(cfg.model).max_position_embeddings
+    if cfg.seq_len > context:
+        raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is longer than the {cfg.model} "
+                          f"model's context of {context} positions: use --seq-len {context} "
+                          f"or less, or a model with a longer context")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"grad_accum (--grad-accum) {cfg.grad_accum} does not divide "
                           f"batch_size (--batch-size) {cfg.batch_size}: each step's batch is "
