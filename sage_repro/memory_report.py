@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from sage_optim._entry import require
-from sage_optim.cli_args import OneLineParser
+from sage_optim.cli_args import DefaultsFormatter, OneLineParser
 from sage_optim.models import MODELS, PAPER_MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
@@ -102,15 +102,21 @@ def format_memory_table(models: tuple[str, ...] = tuple(PAPER_MODELS)) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (``sage-memory``): print the memory table."""
     require("sage-memory", "jax")
-    parser = OneLineParser(prog="sage-memory", description=__doc__.splitlines()[0])
+    args = build_parser().parse_args(argv)
+    print(format_memory_table(tuple(args.models)))
+
+
+def build_parser() -> OneLineParser:
+    """The ``sage-memory`` parser."""
+    parser = OneLineParser(prog="sage-memory", description=__doc__.split("\n\n")[0],
+                           formatter_class=DefaultsFormatter)
     parser.add_argument(
         "--models", nargs="+", default=list(PAPER_MODELS), choices=list(MODELS),
         metavar="MODEL",
         help=f"model sizes, of {', '.join(MODELS)} (default: the paper's three, "
              f"{' '.join(PAPER_MODELS)})",
     )
-    args = parser.parse_args(argv)
-    print(format_memory_table(tuple(args.models)))
+    return parser
 
 
 if __name__ == "__main__":

@@ -777,6 +777,17 @@ def write_figures(summary: Summary, folder: pathlib.Path) -> list[pathlib.Path]:
     return figures
 
 
+def files_line(folder: pathlib.Path) -> str:
+    """Where a written report went: ``results.md``, ``results.json`` and each figure (PNG).
+
+    Read from ``folder/results.json``, which lists the figures drawn.
+    """
+    data = json.loads((folder / "results.json").read_text())
+    figures = [str(f) for f in data.get("figures") or []]
+    return (f"written: {folder / 'results.md'}, {folder / 'results.json'}; figures: "
+            + (", ".join(figures) if figures else "none (no run has logged a loss yet)"))
+
+
 def _figure(width: float, height: float) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -837,7 +848,9 @@ def plot_loss_vs_tokens(summary: Summary, path: pathlib.Path) -> pathlib.Path:
     for ax in (loss_ax, ppl_ax):
         ax.set_xlabel("training tokens")
         ax.grid(True, which="both", alpha=0.3)
-    ppl_ax.legend(loc="upper right", fontsize="small")
+    # beside the axes, not over them: inside, it hid the highest curve (AdamW's)
+    ppl_ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                  fontsize="small")
     fig.suptitle(f"LLaMA {summary.setup['model']}: mean over finished seeds, min-max band; "
                  "dashed: diverged (x) or unfinished seeds", fontsize="medium")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -878,7 +891,8 @@ def plot_lr_sweep(summary: Summary, path: pathlib.Path) -> pathlib.Path:
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final test perplexity")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              fontsize="small")
     ax.set_title("learning-rate sweep: mean ± sd over seeds; x at the top: a seed diverged",
                  fontsize="medium")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -126,10 +126,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+USAGE = """\
+%(prog)s [--model NAME] [--optimizer NAME ...] [--steps N] [--run-dir DIR] [options below]
+       %(prog)s export --hf DIR --run-dir RUN_DIR/MODEL-OPTIMIZER [--step N]"""
+"""``sage-train``'s usage line: training, and its subcommand (``export --help``)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-train`` parser: help text and default for every option."""
     p = OneLineParser(prog="sage-train", description=__doc__, epilog=EPILOG,
-                formatter_class=_Formatter)
+                      formatter_class=_Formatter, usage=USAGE)
     d = _DEFAULTS
     p.add_argument("--model", default=d.model, choices=list(MODELS),
                    help="LLaMA size (tiny: tests, small: CPU, 20m and 60m: the paper's "

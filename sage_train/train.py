@@ -1151,7 +1151,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     stream = data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed,
                               start_step=start, rows=my_rows)  # this process's rows
     end = cfg.steps if stop_after is None else max(start, min(cfg.steps, stop_after))
-    bar = _progress(start, cfg.steps, cfg.progress)
+    bar = _progress(start, cfg.steps, cfg.progress) if primary else None
+    if bar is None and primary and start < end:
+        log(COMPILING)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_token = flops_per_token(
         dataclasses.replace(get_model_config(cfg.model), vocab_size=tokens.vocab_size),
@@ -1353,12 +1355,43 @@ def _save_tokenizer(run_dir: pathlib.Path, text: str) -> None:
     rundir.atomic_write_text(path, text)
 
 
-def is_terminal() -> bool:
-    """Whether the progress bar's stream (stderr) is a terminal: a bar there, else log lines."""
+MIN_BAR_WIDTH = 40
+"""The narrowest console a progress bar is drawn on; a narrower one (or one that reports a
+width of 0, as some IDE and notebook consoles do) gets plain log lines."""
+
+
+def terminal_width() -> int:
+    """The columns of the progress bar's stream (stderr); 0 where unknown.
+
+    ``COLUMNS`` if set, else the terminal's.
+    """
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return int(columns)
     try:
-        return sys.stderr.isatty()
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, ValueError, OSError):  # replaced, closed or not a terminal
+        return 0
+
+
+def is_terminal() -> bool:
+    """Whether a progress bar can be drawn on stderr (else log lines).
+
+    A terminal at least :data:`MIN_BAR_WIDTH` columns wide.
+    """
+    try:
+        tty = sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed
         return False
+    return tty and terminal_width() >= MIN_BAR_WIDTH
+
+
+COMPILING = ("compiling the training step with XLA (the first step waits for it; minutes "
+             "for a large model on a CPU)")
+"""The line a run logs before its first step, where there is no progress bar."""
+
+COMPILING_BAR = "compiling (XLA)"
+"""The progress bar's description until the first step is done."""
 
 
 def _progress(start: int, total: int, enabled: bool
@@ -1366,11 +1399,14 @@ def _progress(start: int, total: int, enabled: bool
     """A progress bar where ``enabled`` and on a terminal; ``None``: plain log lines instead."""
     if not (enabled and is_terminal()):
         return None
-    bar = report.progress_bar(total=total, initial=start, unit="step", dynamic_ncols=True)
+    bar = report.progress_bar(total=total, initial=start, unit="step", dynamic_ncols=True,
+                              desc=COMPILING_BAR)
     if isinstance(bar, report.NoBar):
         return None  # no tqdm: plain log lines
 
     def update(step: int, loss: float, tps: float) -> None:
+        if bar.desc:
+            bar.set_description_str("")  # compiled
         bar.update(step - bar.n)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
         if step >= total:
