@@ -38,7 +38,7 @@ from sage_optax import placement
 from sage_optax.sinkhorn import KERNELS, resolved_kernel
 from sage_optim import kernels
 from sage_optim.models import MODELS as MODEL_NAMES
-from sage_optim.models import get_model_config
+from sage_optim.models import get_model_config, is_model_file
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_optim.table import format_bytes
 from sage_train import data as data_lib
@@ -515,7 +515,12 @@ def check_config(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not ok(value):
             raise ConfigError(f"{name} must be {what}, got {value!r}")
-    choices = {"model": tuple(MODEL_NAMES), "optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
+    try:
+        model = get_model_config(cfg.model)  # a named size, or a file of a LLaMA shape
+    except ValueError as e:
+        raise ConfigError(f"model must be one of {tuple(MODEL_NAMES)} or a LLaMA shape's file: "
+                          f"{e}") from None
+    choices = {"optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
                "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32"),
                "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYER_CHOICES,
                "remat": tuple(REMAT_POLICIES), "attention": ATTENTIONS,
@@ -523,9 +528,9 @@ def check_config(cfg: TrainConfig) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-    context = get_model_config(cfg.model).max_position_embeddings
+    context = model.max_position_embeddings
     if cfg.seq_len > context:
-        raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is longer than the {cfg.model} "
+        raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is longer than the {model.name} "
                           f"model's context of {context} positions: use --seq-len {context} "
                           f"or less, or a model with a longer context")
     if cfg.batch_size % cfg.grad_accum:
@@ -583,6 +588,9 @@ def settings_of(cfg: TrainConfig, impl: Implementations) -> dict[str, Any]:
             settings[hp] = default_hyperparameter(cfg.optimizer, hp)
     if cfg.init_from_hf is not None:
         settings["init_from_hf"] = str(pathlib.Path(cfg.init_from_hf).expanduser().absolute())
+    if is_model_file(cfg.model):  # a shape's file: where it is, and the shape it held
+        settings["model"] = str(pathlib.Path(cfg.model).expanduser().absolute())
+        settings["model_shape"] = dataclasses.asdict(get_model_config(cfg.model))
     return settings
 
 

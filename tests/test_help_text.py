@@ -26,6 +26,7 @@ def parsers():
     from sage_train import cli
 
     found = {"sage-train": cli.build_parser(), "sage-train export": cli.build_export_parser(),
+             "sage-train sample": cli.build_sample_parser(),
              "sage-memory": memory_report.build_parser()}
     repro = sweep.build_parser()
     found["sage-repro"] = repro
@@ -70,7 +71,7 @@ def test_sage_train_usage_names_its_subcommand():
     from sage_train import cli
 
     usage = cli.build_parser().format_usage()
-    assert "sage-train export --hf DIR" in usage
+    assert "sage-train export --hf DIR" in usage and "sage-train sample --run-dir" in usage
 
 
 def test_docs_index_lists_every_page():
