@@ -126,12 +126,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     with status 2 and a one-line message naming the option.
     """
     args = build_parser().parse_args(argv)
-    if args.model is None:  # the checkpoint's own shape, else the default size
-        args.model = args.init_from_hf if args.init_from_hf is not None else _DEFAULTS.model
+    if args.model is None and args.init_from_hf is None:
+        args.model = _DEFAULTS.model
+    elif args.model is None:  # the checkpoint's own shape
+        config = pathlib.Path(args.init_from_hf).expanduser() / "config.json"
+        if not config.is_file():
+            build_parser().error(f"argument --init-from-hf: {config} does not exist: not a "
+                                 "Hugging Face checkpoint directory")
+        args.model = args.init_from_hf
         try:
             get_model_config(args.model)
         except ValueError as e:
-            build_parser().error(f"--init-from-hf: {e}")
+            build_parser().error("argument --init-from-hf: " + str(e).removeprefix(
+                f"--model {args.model}: "))
     return args
 
 

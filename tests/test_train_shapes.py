@@ -61,6 +61,9 @@ def test_the_trainer_takes_the_shape(tmp_path):
     assert args.model == str(path)
     with pytest.raises(SystemExit):
         parse_args(["--model", str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):  # --init-from-hf without --model: its config.json
+        parse_args(["--init-from-hf", str(tmp_path)])
+    assert parse_args([]).model == "small"
 
 
 @pytest.mark.usefixtures("token_cache", "torch_one_thread")
