@@ -77,6 +77,7 @@ def test_init_from_any_transformers_llama_then_sample(train_corpus, tmp_path, ca
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     import jax.numpy as jnp
+    from flax import nnx
     from tokenizers import Tokenizer
 
     from sage_train import data as data_lib
@@ -91,9 +92,8 @@ def test_init_from_any_transformers_llama_then_sample(train_corpus, tmp_path, ca
         tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(hf_dir)
     runs = tmp_path / "runs"
-    assert main(["--init-from-hf", str(hf_dir), "--steps", "2", "--batch-size", "8",
-                 "--seq-len", "32", "--eval-every", "2", "--eval-batches", "1",
-                 "--checkpoint-every", "2", "--log-every", "1", "--data", str(train_corpus),
+    assert main(["--init-from-hf", str(hf_dir), "--steps", "1", "--batch-size", "8",
+                 "--seq-len", "32", "--eval-batches", "1", "--data", str(train_corpus),
                  "--run-dir", str(runs), "--no-progress"]) == 0
     run = runs / "llama-sage-hybrid"
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
@@ -109,19 +109,23 @@ def test_init_from_any_transformers_llama_then_sample(train_corpus, tmp_path, ca
 
     capsys.readouterr()
     assert main(["sample", "--run-dir", str(run), "--prompt", "def parse(self",
-                 "--tokens", "8", "--temperature", "0"]) == 0
+                 "--tokens", "5", "--temperature", "0"]) == 0
     text = capsys.readouterr().out.rstrip("\n")
     tokenizer = Tokenizer.from_file(str(run / "tokenizer.json"))
-    ids = tokenizer.encode("def parse(self").ids
+    prompt = tokenizer.encode("def parse(self").ids
     model, step = export._read_model(run, export.run_settings(run), None, lambda _: None)
-    assert step == 2
-    for _ in range(8):
-        nxt = int(np.argmax(np.asarray(model(jnp.asarray([ids]))[0, -1])))
-        if nxt == data_lib.EOT_ID:
-            break
-        ids.append(nxt)
-    prompt_ids = len(tokenizer.encode("def parse(self").ids)
-    assert text == "def parse(self" + tokenizer.decode(ids[prompt_ids:])
+    assert step == 1
+    new = export.generate(model, prompt, 5, temperature=0, stop=data_lib.EOT_ID)
+    assert text == "def parse(self" + tokenizer.decode(
+        new[:-1] if new[-1] == data_lib.EOT_ID else new)
+    # greedy: each token is the likeliest after what precedes it; one causal forward pass
+    # over the whole sequence (no window, no padding) gives every prefix's logits
+    ids = prompt + new
+    logits = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray([ids[:-1]])))[0]
+    assert [int(np.argmax(logits[i - 1])) for i in range(len(prompt), len(ids))] == new
+    # sampled: a temperature draws other tokens, the same for the same seed
+    hot = export.generate(model, prompt, 5, temperature=5.0, seed=1)
+    assert hot == export.generate(model, prompt, 5, temperature=5.0, seed=1) != new
     # refusals: one line each
     assert main(["sample", "--run-dir", str(run), "--prompt", "x", "--tokens", "500"]) == 2
     err = capsys.readouterr().err
