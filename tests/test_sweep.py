@@ -404,3 +404,26 @@ def test_a_preemption_reaches_the_running_trainer():
         os.kill(os.getpid(), signal.SIGTERM)
         assert child.wait(timeout=30) == 75
     assert signals() == "SIGTERM"
+
+
+def test_the_legends_sit_beside_the_curves(hand_computed, monkeypatch):
+    """Issue 34: inside the axes, the legend hid the highest curve (AdamW's)."""
+    pytest.importorskip("matplotlib")
+    out, plan = hand_computed
+    summary = sweep.summarize(out, PROTOCOL, plan)
+    drawn = []
+    real = report._figure
+    monkeypatch.setattr(report, "_figure", lambda w, h: drawn.append(real(w, h)) or drawn[-1])
+    report.plot_loss_vs_tokens(summary, out / "loss.png")
+    report.plot_lr_sweep(summary, out / "lr.png")
+    legends = 0
+    for fig, canvas in drawn:
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is not None:
+                legends += 1
+                assert not legend.get_window_extent(renderer).overlaps(
+                    ax.get_window_extent(renderer))
+    assert legends == 2
