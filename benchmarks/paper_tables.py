@@ -19,8 +19,11 @@ Four parts, each a subcommand (``all`` runs them in order)::
   reference baseline (``--reference``, the paper's Lion-Hybrid) needed to reach its own
   final test perplexity and ``T_O`` the training seconds optimizer ``O`` needed to reach that
   perplexity (``-`` if it never does).  Perplexities are means over seeds at each
-  evaluation, seconds and tokens/s medians over seeds (robust to a run slowed by another job
-  on a shared machine); seconds exclude compilation (the first step) and evaluation.
+  evaluation; tokens/s and the effective throughput medians over seeds (robust to a run
+  slowed by another job on a shared machine).  The effective throughput is
+  :func:`sage_repro.sweep_report.effective_throughput`'s: ``T_O`` is the time of O's steps
+  at its measured tokens/s, tokens and time of the same steps (compilation, the first
+  step, and evaluation excluded), so the reference against itself gives its own tokens/s.
 * ``sweep``: the learning-rate grid of the paper (1e-4 … 2e-3) for SAGE-Hybrid and
   Lion-Hybrid, first seed only, final test perplexity per learning rate.
 * ``figures``: PNGs of the test-perplexity curves (mean and min–max band over seeds), the
@@ -45,8 +48,8 @@ from collections.abc import Sequence
 
 from sage_optim import CONFIG_NAMES, get_preset
 from sage_optim.table import format_bytes, format_markdown_table
+from sage_repro import sweep_report as report
 from sage_repro.paper import PAPER_LR_GRID, PAPER_TEST_PPL
-from sage_repro.sweep_report import first_reaching
 from sage_repro.sweep_report import mean_curve as mean_ppl
 
 DEFAULT_OUT = pathlib.Path("runs/paper")
@@ -82,6 +85,7 @@ class Curve:
     seconds: list[float]
     tokens_per_s: float
     opt_state_bytes: int
+    rates: list[float] = dataclasses.field(default_factory=list)  # tokens/s at each eval
 
     @property
     def final_ppl(self) -> float:
@@ -111,6 +115,7 @@ def read_curve(path: pathlib.Path, config: str, lr: float, seed: int) -> Curve |
         seconds=[r["elapsed_s"] for r in evals],
         tokens_per_s=records[-1]["tokens_per_s"],
         opt_state_bytes=records[-1]["opt_state_bytes"],
+        rates=[r["tokens_per_s"] for r in evals],
     )
 
 
@@ -160,18 +165,20 @@ def effective_throughput(reference: Sequence[Curve], curves: Sequence[Curve],
                          tokens_per_step: int) -> float | None:
     """The paper's ``T_eff = N_base / T_O`` (tokens per second; see the module docstring).
 
-    ``N_base``: tokens the reference (mean over its seeds) needed to first reach its own
-    final mean perplexity; ``T_O``: training seconds ``curves`` (mean over seeds) needed to
-    first reach that perplexity.  ``None`` if ``curves`` never reach it.
+    The arithmetic is :func:`sage_repro.sweep_report.effective_throughput`'s (tokens and
+    time of the same steps); this returns the median over the seeds of ``curves``.
+    ``None`` if ``curves`` never reach the reference's final mean perplexity.
     """
-    r_steps, r_ppl, _ = mean_curve(reference)
-    target = r_ppl[-1]
-    n_base = first_reaching(r_ppl, target, [s * tokens_per_step for s in r_steps])
-    _, ppl, sec = mean_curve(curves)
-    t_o = first_reaching(ppl, target, sec)
-    if n_base is None or t_o is None or t_o <= 0:
+    def evals(c: Curve) -> report.EvalCurve:
+        return report.EvalCurve(tuple(c.steps), tuple(c.ppl), tuple(c.seconds),
+                                tuple(c.rates))
+
+    target = report.baseline_target(reference[0].config, reference[0].lr,
+                                    [evals(c) for c in reference], tokens_per_step)
+    if target is None:
         return None
-    return n_base / t_o
+    eff = report.effective_throughput([evals(c) for c in curves], target)
+    return statistics.median(eff.values) if eff.values else None
 
 
 def _spread(values: Sequence[float]) -> str:

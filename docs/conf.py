@@ -40,7 +40,7 @@ myst_heading_anchors = 3
 # source order, no private names.
 autodoc_typehints = "signature"
 autodoc_member_order = "bysource"
-autodoc_preserve_defaults = True
+autodoc_preserve_defaults = False  # the values (0.9), not the source (_DEFAULTS["b1"])
 autodoc_default_options = {"members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

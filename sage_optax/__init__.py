@@ -15,6 +15,8 @@ learning rate.  Reference: "SAGE: Sign-Adaptive Gradient for Memory-Efficient LL
 Optimization" (Lee & Kim); ``docs/`` states every convention.
 """
 
+# first: without JAX/Optax, one line naming the [jax] extra instead of a deep traceback
+from sage_optax import _require  # noqa: F401
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax.axes import EMBEDDING_TABLE
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid

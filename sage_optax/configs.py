@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
@@ -184,6 +186,24 @@ def _merge_injected(overrides: dict[str, Any]) -> dict[str, Any]:
     return overrides
 
 
+def _refuse_called_module(model: Any) -> None:
+    """Refuse a ``model=`` that is a value: a module ``optax.inject_hyperparams`` called.
+
+    ``optax.inject_hyperparams`` calls every callable argument not in ``static_args`` with
+    the step count, as a schedule, and passes on what it returns; a module is callable.
+
+    Raises:
+      TypeError: ``model`` is an array or a number, with the remedy.
+    """
+    if isinstance(model, jax.Array | np.ndarray | numbers.Number) or (
+            hasattr(model, "shape") and hasattr(model, "dtype")):
+        raise TypeError(
+            f"model= got a {type(model).__name__}, not a module: optax.inject_hyperparams "
+            "calls every callable argument with the step count as a schedule, and a module "
+            "is callable; pass static_args=('model',) to optax.inject_hyperparams (a "
+            "module that cannot take a step count fails inside its own __call__ first)")
+
+
 class _Router:
     """The routing of one optimizer: computed once per parameter tree, shared by its kinds.
 
@@ -207,6 +227,8 @@ class _Router:
         if layout is not None and layout not in routing.LAYOUTS:
             raise ValueError(f"layout must be one of {routing.LAYOUTS} or None, got {layout!r}")
         self.layout = layout
+        if model is not None:
+            _refuse_called_module(model)
         self.evidence = routing.module_routes(model) if model is not None else None
         self.routed: dict[Any, routing.ParamRouting] = {}
         self.last: dict[str, tuple[tuple[int, ...], Any]] = {}  # path -> (shape, axes)
@@ -300,7 +322,9 @@ def sage_hybrid(
     SAGE (or ``vector_rule="adamw"``, the variant the paper found equivalent).
 
     Works with ``optax.inject_hyperparams(sage_hybrid)(learning_rate=schedule)``; pass
-    a callable ``mask`` through ``static_args``.
+    ``model`` and a callable ``mask`` through ``static_args``
+    (``optax.inject_hyperparams(sage_hybrid, static_args=("model",))``): optax calls every
+    other callable argument with the step count, as a schedule.
 
     Args:
       learning_rate: float or schedule (paper: 2e-3, cosine with 10% warmup).

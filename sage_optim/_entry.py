@@ -5,7 +5,7 @@ an extra (``[jax]``, ``[torch]``, ``[train]``, ``[all]``).  A command started wi
 extra prints one line naming it and exits with status 1, instead of a traceback from deep
 inside an import::
 
-    sage-train needs the [train] extra: pip install 'sage-optim[train]'
+    sage-train needs the [train] extra: pip install -e '.[train]' in a sage-optim checkout
 
 Nothing is imported here: :func:`missing` asks the import system whether a module could be
 found (:func:`importlib.util.find_spec`), so the check costs no framework import, and
@@ -71,11 +71,43 @@ def require(command: str, *extras: str, packages: tuple[str, ...] = ()) -> None:
               if module not in ON_DEMAND]
     if not missing([*needed, *packages]):
         return
+    print(f"{command} needs {needs(extras, packages)}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def install_command(extras: str) -> str:
+    """How to install ``extras`` (``"jax"``, ``"jax,torch"``): from a checkout.
+
+    Nothing is published on PyPI, so the command installs the checkout (``-e``: editable;
+    a wheel from ``python -m build`` takes the same extras).
+    """
+    return f"pip install -e '.[{extras}]' in a sage-optim checkout"
+
+
+def needs(extras: Iterable[str], packages: Iterable[str] = ()) -> str:
+    """``the [jax] extra: pip install -e '.[jax]' in a sage-optim checkout`` (and packages)."""
+    extras, packages = tuple(extras), tuple(packages)
     label = ",".join(extras)
     what = f"the [{label}] extra{'s' if len(extras) > 1 else ''}"
-    install = f"pip install 'sage-optim[{label}]'"
+    install = install_command(label)
     if packages:
         what += " and " + ", ".join(packages)
-        install += " " + " ".join(packages)
-    print(f"{command} needs {what}: {install}", file=sys.stderr)
-    raise SystemExit(1)
+        install += ", then pip install " + " ".join(packages)
+    return f"{what}: {install}"
+
+
+def require_for_import(package: str, extra: str) -> None:
+    """Refuse to import ``package`` without ``extra``: one line naming it.
+
+    Called first by ``sage_optax`` and ``sage_torch``, so that ``import sage_optax``
+    without JAX says which extra to install instead of failing deep inside a module.
+
+    Raises:
+      ModuleNotFoundError: a module of ``extra`` is missing (an ``ImportError``, so code
+        that tries a framework and falls back still catches it).
+    """
+    absent = missing(m for m in EXTRAS[extra] if m not in ON_DEMAND)
+    if absent:
+        raise ModuleNotFoundError(
+            f"{package} needs {needs((extra,))} ({', '.join(absent)} not found)",
+            name=absent[0])

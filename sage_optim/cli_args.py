@@ -6,14 +6,55 @@ Framework-free, so that a command's parser is built before any framework is impo
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["OneLineParser", "checked"]
+__all__ = ["DefaultsFormatter", "OneLineParser", "checked", "plain"]
+
+_ROLE = re.compile(r":(?:mod|func|class|data|attr|meth|obj|exc|doc|ref):`~?([^`<]+?)(?: <[^>]*>)?`")
+
+
+def plain(text: str | None) -> str | None:
+    """``text`` without reStructuredText markup, for a terminal.
+
+    ``:mod:`sage_train.export``` → ``sage_train.export``, double backquotes dropped, and
+    ``%%`` (argparse's escape, which it only undoes in option help) → ``%`` where nothing
+    in ``text`` is %-formatted.
+    """
+    if text is None:
+        return None
+    text = _ROLE.sub(r"\1", text).replace("``", "")
+    return text if "%(" in text else text.replace("%%", "%")
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter,
+                        argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help (unless the help says it, or there is none).
+
+    The description and epilog keep their line breaks.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if ("default" in text or action.default in (None, argparse.SUPPRESS)
+                or isinstance(action, argparse._StoreTrueAction | argparse._HelpAction)):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (usage is in ``--help``), status 2."""
+    """An ``ArgumentParser`` whose errors are one line (usage is in ``--help``), status 2.
+
+    Its description and epilog are shown as plain text (:func:`plain`): a command's help
+    may come from a docstring.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        for key in ("description", "epilog"):
+            if key in kwargs:
+                kwargs[key] = plain(kwargs[key])
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         """Print ``message`` as one line and exit with status 2."""

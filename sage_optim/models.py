@@ -7,8 +7,11 @@ PyTorch side all agree on what "270m" means.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 import types
 from collections.abc import Mapping
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +101,99 @@ MODELS: Mapping[str, LlamaConfig] = types.MappingProxyType(
 """Every named configuration: ``tiny``/``small`` for tests and CPU runs, then larger ones."""
 
 
-def get_model_config(name: str) -> LlamaConfig:
-    """The model configuration called ``name``; an unknown name lists the valid ones."""
+SHAPE_KEYS: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
+    "vocab_size": ("vocab_size",),
+    "hidden_size": ("hidden_size",),
+    "intermediate_size": ("intermediate_size",),
+    "num_layers": ("num_layers", "num_hidden_layers"),
+    "num_heads": ("num_heads", "num_attention_heads"),
+    "num_kv_heads": ("num_kv_heads", "num_key_value_heads"),
+    "max_position_embeddings": ("max_position_embeddings",),
+    "tie_embeddings": ("tie_embeddings", "tie_word_embeddings"),
+})
+"""The fields of a model file (:func:`load_model_file`): each :class:`LlamaConfig` field and
+the names a Hugging Face ``config.json`` gives it."""
+
+_HF_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({
+    "max_position_embeddings": 2048, "tie_embeddings": False})
+"""``transformers.LlamaConfig``'s defaults of the fields a model file may leave out."""
+
+
+def is_model_file(model: str) -> bool:
+    """Whether ``model`` names a file of a shape (``.json``, or a checkpoint directory)."""
+    path = pathlib.Path(model).expanduser()
+    return model not in MODELS and (model.endswith(".json") or path.is_dir())
+
+
+def load_model_file(model: str) -> LlamaConfig:
+    """The LLaMA shape of a JSON file, or of a Hugging Face checkpoint's ``config.json``.
+
+    ``model`` is a ``.json`` file or a directory holding ``config.json``.  Its keys are
+    :class:`LlamaConfig`'s fields or a ``transformers.LlamaConfig``'s names for them
+    (:data:`SHAPE_KEYS`; other keys are ignored): ``vocab_size``, ``hidden_size``,
+    ``intermediate_size``, ``num_layers``, ``num_heads`` and ``num_kv_heads`` are required
+    (``num_kv_heads`` defaults to ``num_heads`` in a Hugging Face file);
+    ``max_position_embeddings`` (default 2048) and ``tie_embeddings`` (default ``False``)
+    are optional; ``name`` names it (default: the file's or directory's name).
+
+    Raises:
+      ValueError: the file is missing, not JSON, not a LLaMA's, or a field is missing or
+        not a positive integer (one line naming it).
+    """
+    path = pathlib.Path(model).expanduser()
+    file = path / "config.json" if path.is_dir() else path
     try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--model {model}: {file} does not exist (a model is one of "
+                         f"{', '.join(MODELS)}, a .json file of a LLaMA shape or a Hugging "
+                         "Face LLaMA checkpoint directory)") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model}: cannot read {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--model {model}: {file} holds no JSON object")
+    if data.get("model_type", "llama") != "llama":
+        raise ValueError(f"--model {model}: {file} is a {data['model_type']!r} model's "
+                         "config, not a LLaMA's")
+    fields: dict[str, Any] = {}
+    for field, names in SHAPE_KEYS.items():
+        value = next((data[n] for n in names if n in data), None)
+        if value is None and field == "num_kv_heads":
+            value = next((data[n] for n in SHAPE_KEYS["num_heads"] if n in data), None)
+        if value is None:
+            if field not in _HF_DEFAULTS:
+                raise ValueError(f"--model {model}: {file} has no {' or '.join(names)}")
+            value = _HF_DEFAULTS[field]
+        if field == "tie_embeddings":
+            if not isinstance(value, bool):
+                raise ValueError(f"--model {model}: {names[-1]} must be true or false, "
+                                 f"got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--model {model}: {names[0]} must be an integer >= 1, "
+                             f"got {value!r}")
+        fields[field] = value
+    head_dim = data.get("head_dim")
+    if head_dim is not None and head_dim * fields["num_heads"] != fields["hidden_size"]:
+        raise ValueError(f"--model {model}: head_dim {head_dim} x {fields['num_heads']} heads "
+                         f"is not hidden_size {fields['hidden_size']}; this LLaMA needs "
+                         "hidden_size = heads x head_dim")
+    name = data.get("name") or (path.name if path.is_dir() else path.stem)
+    try:
+        return LlamaConfig(str(name), **fields)
+    except ValueError as e:
+        raise ValueError(f"--model {model}: {e}") from None
+
+
+def get_model_config(name: str) -> LlamaConfig:
+    """The model configuration called ``name``, or of the file ``name`` (:func:`load_model_file`).
+
+    An unknown name lists the valid ones.
+    """
+    if name in MODELS:
         return MODELS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown model configuration {name!r}; valid names: {', '.join(MODELS)}"
-        ) from None
+    if is_model_file(name):
+        return load_model_file(name)
+    raise ValueError(
+        f"unknown model configuration {name!r}; valid names: {', '.join(MODELS)}, or a .json "
+        "file of a LLaMA shape, or a Hugging Face LLaMA checkpoint directory"
+    )

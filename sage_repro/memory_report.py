@@ -12,11 +12,11 @@ computed), so that ``sage-memory`` without it says so in one line.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from sage_optim._entry import require
-from sage_optim.models import PAPER_MODELS, get_model_config
+from sage_optim.cli_args import DefaultsFormatter, OneLineParser
+from sage_optim.models import MODELS, PAPER_MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
 from sage_repro.paper import PAPER_MEMORY_GIB
@@ -102,13 +102,21 @@ def format_memory_table(models: tuple[str, ...] = tuple(PAPER_MODELS)) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (``sage-memory``): print the memory table."""
     require("sage-memory", "jax")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--models", nargs="+", default=list(PAPER_MODELS),
-        help="model configurations (default: the paper's three)",
-    )
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     print(format_memory_table(tuple(args.models)))
+
+
+def build_parser() -> OneLineParser:
+    """The ``sage-memory`` parser."""
+    parser = OneLineParser(prog="sage-memory", description=__doc__.split("\n\n")[0],
+                           formatter_class=DefaultsFormatter)
+    parser.add_argument(
+        "--models", nargs="+", default=list(PAPER_MODELS), choices=list(MODELS),
+        metavar="MODEL",
+        help=f"model sizes, of {', '.join(MODELS)} (default: the paper's three, "
+             f"{' '.join(PAPER_MODELS)})",
+    )
+    return parser
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ and ``python -m sage_repro.parity`` say so in one line when one is missing.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from sage_optim._entry import require
+from sage_optim.cli_args import DefaultsFormatter, OneLineParser, checked
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_optim.table import format_table
 
@@ -380,12 +380,25 @@ def _hf_config(cfg: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; exits non-zero when a tolerance is exceeded."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="sage-hybrid", choices=[*CONFIG_NAMES, "all"])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    args = build_parser().parse_args(argv)
+    return _run(args)
+
+
+def build_parser() -> OneLineParser:
+    """The ``sage-parity`` parser."""
+    parser = OneLineParser(prog="sage-parity", description="\n\n".join(__doc__.split("\n\n")[:2]),
+                           formatter_class=DefaultsFormatter)
+    parser.add_argument("--config", default="sage-hybrid", choices=[*CONFIG_NAMES, "all"],
+                        metavar="NAME",
+                        help=f"the configuration to compare, or all: {', '.join(CONFIG_NAMES)}")
+    parser.add_argument("--steps", type=checked(int, lambda v: v >= 1, "an integer >= 1"),
+                        default=100, help="optimizer steps taken by both frameworks")
+    parser.add_argument("--dtype", default="float64", choices=["float64", "float32"],
+                        help="the precision of both sides (--mode llama: float32)")
     parser.add_argument("--mode", default="gradients", choices=["gradients", "model", "llama"],
-                        help="llama: the trainer's Flax LLaMA vs transformers' (float32)")
+                        help="gradients: the same gradient sequence fed to both optimizers; "
+                        "model: both frameworks train the same small model on the same "
+                        "batches; llama: the trainer's Flax LLaMA vs transformers' (float32)")
     parser.add_argument("--untied", action="store_true", help="llama mode: untied head")
     parser.add_argument("--every", type=int, default=10, help="print every N-th step")
     parser.add_argument("--foreach", action="store_true",
@@ -393,7 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused", action="store_true",
                         help="step sage_torch's SAGE/Lion/SinkGD groups on the fused (Triton) "
                              "path; on the CPU under Triton's interpreter (slow; needs triton)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run(args: Any) -> int:
     require("sage-parity", "jax", "torch")
     if args.mode == "llama":
         require("sage-parity --mode llama", "all", packages=("transformers",))

@@ -756,6 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--test-tokens", type=_COUNT, default=2_000_000,
                    help="at most this many tokens of the test split")
     r = sub.add_parser("report", help="write the report of a sweep from its run directories",
+                       formatter_class=_Formatter,
                        description="Rebuild OUT/results.md, results.json and the figures "
                        "from what the runs recorded (also while a sweep is half done).")
     where = r.add_mutually_exclusive_group()
@@ -923,6 +924,7 @@ def _report(args: argparse.Namespace) -> int:
         if not args.pieces.is_dir():
             raise SweepError(f"--pieces {args.pieces} is not a folder")
         _say(pieces.write_merged(args.pieces, plan)[1])
+        _say(report.files_line(args.pieces))
         return 0
     if args.plan is not None:
         raise SweepError("--plan goes with --pieces")
@@ -936,6 +938,7 @@ def _report(args: argparse.Namespace) -> int:
                              f"configurations ({', '.join(plan.configs)})")
         plan = dataclasses.replace(plan, reference=args.reference)
     _say(report.to_markdown(write_report(args.out, protocol, plan)))
+    _say(report.files_line(args.out))
     return 0
 
 
@@ -1003,7 +1006,8 @@ def _train(out: pathlib.Path, protocol: Protocol, plan: Plan) -> int:
     _say(report.to_markdown(summary))
     counts = {k: sum(o.action == k for o in outcomes) for k in ("started", "resumed", "skipped")}
     _say(f"runs: {counts['started']} started, {counts['resumed']} resumed, {counts['skipped']} "
-         f"skipped (finished or diverged before); report: {out / 'results.md'}")
+         f"skipped (finished or diverged before)")
+    _say(report.files_line(out))
     if signals.received is not None:
         print(f"sage-repro sweep: stopped by {signals.received}; run the same command again to "
               "resume", file=sys.stderr)

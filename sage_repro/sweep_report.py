@@ -29,12 +29,19 @@ Scetbon et al.)::
   seeds, at the evaluations all of them have) is at most ``P*``; its last evaluation unless
   the curve rose at the end.
 * ``T_O``: the wall-clock seconds optimizer ``O`` needed to reach ``P*``: ``k_O`` is the first
-  evaluation where O's mean curve is at most ``P*``, and ``T_O,s`` the trainer's training
-  clock of seed ``s`` at step ``k_O`` (``elapsed_s`` in ``metrics.jsonl``: wall time from
-  the end of the first, compiling step, without evaluations, checkpoints and logging).
-* The table gives the mean and standard deviation over seeds of ``N_base / T_O,s``; ``-``
-  where O never reaches ``P*``.  Evaluations are discrete, so ``T_O`` is the time of the
-  first evaluation at or below ``P*`` (resolution: ``--eval-every`` steps).
+  evaluation where O's mean curve is at most ``P*``, and ``T_O,s`` the seconds seed ``s``
+  took for its ``k_O`` steps at its measured rate: ``k_O x tokens per step / r_s``, where
+  ``r_s`` is the trainer's ``tokens_per_s`` at step ``k_O`` (``metrics.jsonl``: the tokens
+  of the timed steps over the training clock ``elapsed_s``).  The clock starts after each
+  invocation's first, compiling step and leaves out evaluations, checkpoints and logging,
+  so tokens and time are counted over the same steps: the baseline against itself gives
+  its own tokens/s, never more.  (Dividing ``N_base``, which counts the first step's
+  tokens, by ``elapsed_s``, which leaves out that step's time, read high by ``k/(k-1)``:
+  fixed in issue 34.)
+* The table gives the mean and standard deviation over seeds of ``N_base / T_O,s``, that is
+  ``r_s x N_base / (k_O x tokens per step)``; ``-`` where O never reaches ``P*``.
+  Evaluations are discrete, so ``k_O`` is the first evaluation at or below ``P*``
+  (resolution: ``--eval-every`` steps).
 """
 
 from __future__ import annotations
@@ -64,11 +71,28 @@ _STEP = re.compile(r"\bat step (\d+)\b")
 
 @dataclasses.dataclass(frozen=True)
 class EvalCurve:
-    """One run's evaluations: step, test perplexity and training seconds at that step."""
+    """One run's evaluations: step, test perplexity, training seconds and tokens/s there.
+
+    ``rates`` is the trainer's ``tokens_per_s`` at each evaluation (timed tokens over
+    ``seconds``); empty for records written before it was kept, which are then read as one
+    untimed (compiling) step.
+    """
 
     steps: tuple[int, ...]
     ppl: tuple[float, ...]
     seconds: tuple[float, ...]
+    rates: tuple[float, ...] = ()
+
+    def rate(self, step: int, tokens_per_step: int) -> float:
+        """The training tokens/s up to ``step``: tokens and time of the same, timed steps.
+
+        NaN where unknown.
+        """
+        i = self.steps.index(step)
+        if self.rates and math.isfinite(self.rates[i]):
+            return self.rates[i]
+        seconds = self.seconds[i]
+        return (step - 1) * tokens_per_step / seconds if seconds > 0 else math.nan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +203,8 @@ def read_run(config: str, lr: float, seed: int, group: pathlib.Path, run_dir: pa
         step_reached=int(last.get("step", 0)),
         evals=EvalCurve(tuple(int(r["step"]) for r in evals),
                         tuple(float(r["test_ppl"]) for r in evals),
-                        tuple(float(r.get("elapsed_s", math.nan)) for r in evals)),
+                        tuple(float(r.get("elapsed_s", math.nan)) for r in evals),
+                        tuple(float(r.get("tokens_per_s", math.nan)) for r in evals)),
         losses=losses,
         tokens_per_s=_number(last.get("tokens_per_s")),
         opt_state_bytes=int(last["opt_state_bytes"]) if _number(
@@ -257,6 +282,11 @@ class Target:
     step: int
     tokens: int
 
+    @property
+    def tokens_per_step(self) -> int:
+        """The training tokens of one step (``N_base`` over its step)."""
+        return self.tokens // self.step
+
 
 def baseline_target(config: str, lr: float, curves: Sequence[EvalCurve],
                     tokens_per_step: int) -> Target | None:
@@ -283,15 +313,21 @@ def effective_throughput(curves: Sequence[EvalCurve], target: Target) -> Effecti
     """Each seed's ``N_base / T_O,s`` (the module docstring's definition).
 
     ``curves`` are the finished seeds of one optimizer at one rate.  ``step`` is ``None``
-    (and ``values`` empty) where their mean curve never reaches ``target.ppl``; a seed whose
-    clock reads 0 at that step (reached before the clock started) gives no value.
+    (and ``values`` empty) where their mean curve never reaches ``target.ppl``; a seed with
+    no timed step by then (reached before the clock started) gives no value.
+
+    ``T_O,s`` is the seconds of all ``k_O`` steps at the seed's own measured rate, so that
+    tokens and time cover the same steps: the baseline against itself gives its own
+    tokens/s at ``k_O``.
     """
     steps, ppl = mean_curve(curves)
     step = first_reaching(ppl, target.ppl, steps)
     if step is None:
         return Effective(None, ())
-    seconds = [c.seconds[c.steps.index(step)] for c in curves]
-    return Effective(step, tuple(target.tokens / t for t in seconds if t > 0))
+    per_step = target.tokens_per_step
+    rates = [c.rate(step, per_step) for c in curves]
+    return Effective(step, tuple(target.tokens * r / (step * per_step) for r in rates
+                                 if math.isfinite(r) and r > 0))
 
 
 # ---------------------------------------------------------------------------
@@ -558,7 +594,9 @@ def setup_lines(summary: Summary) -> list[str]:
     if t is not None:
         lines.append(f"effective throughput: N_base / T_O against {t.config} (lr {t.lr:g}): "
                      f"P* = {t.ppl:.2f}, its mean final test perplexity, reached after N_base "
-                     f"= {t.tokens:,} tokens (step {t.step})")
+                     f"= {t.tokens:,} tokens (step {t.step}); T_O: the seconds of O's steps "
+                     f"until it reaches P*, at its own measured tokens/s (tokens and time of "
+                     f"the same steps, compilation excluded)")
     else:
         lines.append(f"effective throughput: no finished run of the baseline "
                      f"({summary.reference}) yet")
@@ -620,7 +658,8 @@ def run_to_json(r: RunRecord) -> dict[str, Any]:
             "stop_step": r.stop_step, "reason": r.reason, "environment": r.environment,
             "dates": None if r.dates is None else list(r.dates),
             "evals": {"steps": list(r.evals.steps), "ppl": [_num(x) for x in r.evals.ppl],
-                      "seconds": [_num(x) for x in r.evals.seconds]},
+                      "seconds": [_num(x) for x in r.evals.seconds],
+                      "tokens_per_s": [_num(x) for x in r.evals.rates]},
             "losses": [[step, _num(loss)] for step, loss in r.losses]}
 
 
@@ -640,7 +679,7 @@ def run_from_json(data: Mapping[str, Any]) -> RunRecord:
         path=pathlib.Path(data["path"]), steps=int(data["steps"]), status=str(data["status"]),
         step_reached=int(data["step_reached"]),
         evals=EvalCurve(tuple(int(s) for s in evals["steps"]), floats(evals["ppl"]),
-                        floats(evals["seconds"])),
+                        floats(evals["seconds"]), floats(evals.get("tokens_per_s", ()))),
         losses=tuple((int(s), math.nan if v is None else float(v))
                      for s, v in data["losses"]),
         tokens_per_s=data.get("tokens_per_s"), opt_state_bytes=data.get("opt_state_bytes"),
@@ -738,6 +777,17 @@ def write_figures(summary: Summary, folder: pathlib.Path) -> list[pathlib.Path]:
     return figures
 
 
+def files_line(folder: pathlib.Path) -> str:
+    """Where a written report went: ``results.md``, ``results.json`` and each figure (PNG).
+
+    Read from ``folder/results.json``, which lists the figures drawn.
+    """
+    data = json.loads((folder / "results.json").read_text())
+    figures = [str(f) for f in data.get("figures") or []]
+    return (f"written: {folder / 'results.md'}, {folder / 'results.json'}; figures: "
+            + (", ".join(figures) if figures else "none (no run has logged a loss yet)"))
+
+
 def _figure(width: float, height: float) -> tuple[Any, Any]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -798,7 +848,9 @@ def plot_loss_vs_tokens(summary: Summary, path: pathlib.Path) -> pathlib.Path:
     for ax in (loss_ax, ppl_ax):
         ax.set_xlabel("training tokens")
         ax.grid(True, which="both", alpha=0.3)
-    ppl_ax.legend(loc="upper right", fontsize="small")
+    # beside the axes, not over them: inside, it hid the highest curve (AdamW's)
+    ppl_ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+                  fontsize="small")
     fig.suptitle(f"LLaMA {summary.setup['model']}: mean over finished seeds, min-max band; "
                  "dashed: diverged (x) or unfinished seeds", fontsize="medium")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -839,7 +891,8 @@ def plot_lr_sweep(summary: Summary, path: pathlib.Path) -> pathlib.Path:
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel("final test perplexity")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0,
+              fontsize="small")
     ax.set_title("learning-rate sweep: mean ± sd over seeds; x at the top: a seed diverged",
                  fontsize="medium")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,10 @@ from sage_optim.presets import CONFIG_NAMES
 from sage_optim.routing import Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 
+# _require first: without PyTorch, one line naming the [torch] extra, not a deep traceback.
 # The algorithm modules register their rules in sage_torch.registry as they are imported;
 # the base optimizer (sage_torch.optimizer) imports none of them.
-from sage_torch import adamw, apollo, lion, sage, sinkgd, unit_norm  # noqa: F401
+from sage_torch import _require, adamw, apollo, lion, sage, sinkgd, unit_norm  # noqa: F401
 from sage_torch.apollo import gaussian_projection
 from sage_torch.configs import make_optimizer, param_groups, routing_table
 from sage_torch.optim import APOLLO, SAGE, Lion, MomentumError, RuleOptimizer, SinkGD

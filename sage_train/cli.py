@@ -15,7 +15,7 @@ from typing import Any
 
 from sage_optax.sinkhorn import KERNELS
 from sage_optim.cli_args import OneLineParser, checked
-from sage_optim.models import MODELS
+from sage_optim.models import MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
 from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
@@ -44,7 +44,9 @@ scalars to Weights & Biases.
 Hugging Face: "sage-train export --hf DIR --run-dir RUN_DIR/MODEL-OPTIMIZER" writes a
 run's newest checkpoint (or --step N) with its tokenizer as a LlamaForCausalLM directory
 (AutoModelForCausalLM/AutoTokenizer.from_pretrained(DIR) load it offline); --init-from-hf
-DIR starts a run from such weights (of the --model's architecture).
+DIR starts a run from such weights (of the --model's architecture; without --model, the
+checkpoint's own). "sage-train sample --run-dir RUN_DIR/MODEL-OPTIMIZER --prompt TEXT"
+continues a prompt with a run's checkpoint and tokenizer.
 
 Each configuration trains in RUN_DIR/MODEL-OPTIMIZER (locked while it trains; every run
 directory named is locked and checked before any is trained). Running the same command
@@ -123,18 +125,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     Every number is checked here, before anything is read or written; an invalid one exits
     with status 2 and a one-line message naming the option.
     """
-    return build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
+    if args.model is None and args.init_from_hf is None:
+        args.model = _DEFAULTS.model
+    elif args.model is None:  # the checkpoint's own shape
+        config = pathlib.Path(args.init_from_hf).expanduser() / "config.json"
+        if not config.is_file():
+            build_parser().error(f"argument --init-from-hf: {config} does not exist: not a "
+                                 "Hugging Face checkpoint directory")
+        args.model = args.init_from_hf
+        try:
+            get_model_config(args.model)
+        except ValueError as e:
+            build_parser().error("argument --init-from-hf: " + str(e).removeprefix(
+                f"--model {args.model}: "))
+    return args
+
+
+USAGE = """\
+%(prog)s [--model NAME|FILE] [--optimizer NAME ...] [--steps N] [--run-dir DIR] [options below]
+       %(prog)s export --hf DIR --run-dir RUN_DIR/MODEL-OPTIMIZER [--step N]
+       %(prog)s sample --run-dir RUN_DIR/MODEL-OPTIMIZER --prompt TEXT [--tokens N]"""
+"""``sage-train``'s usage line: training, and its subcommands (``export --help``,
+``sample --help``)."""
+
+
+def _model(text: str) -> str:
+    """An argparse ``type`` for ``--model``: a named size or a shape's file that reads."""
+    try:
+        get_model_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--model {text}: ")) from None
+    return text
+
+
+def model_label(model: str) -> str:
+    """The model's name in run directories and file names: a size, or its file's ``name``."""
+    return get_model_config(model).name
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-train`` parser: help text and default for every option."""
     p = OneLineParser(prog="sage-train", description=__doc__, epilog=EPILOG,
-                formatter_class=_Formatter)
+                      formatter_class=_Formatter, usage=USAGE)
     d = _DEFAULTS
-    p.add_argument("--model", default=d.model, choices=list(MODELS),
-                   help="LLaMA size (tiny: tests, small: CPU, 20m and 60m: the paper's "
-                   "proportions for a GPU run on --data installed, 130m, 270m ... 1.3b: the "
-                   "paper's)")
+    p.add_argument("--model", type=_model, default=None, metavar="NAME|FILE",
+                   help=f"LLaMA size, one of {', '.join(MODELS)} (tiny: tests, small: CPU, 20m "
+                   "and 60m: the paper's proportions for a GPU run on --data installed, 130m, "
+                   "270m ... 1.3b: the paper's); or any LLaMA shape: a .json file of "
+                   "vocab_size, hidden_size, intermediate_size, num_layers, num_heads, "
+                   "num_kv_heads (optional: max_position_embeddings, tie_embeddings, name), "
+                   "or a Hugging Face LLaMA checkpoint directory (its config.json) "
+                   f"(default: {d.model}; with --init-from-hf, the checkpoint's shape)")
     p.add_argument("--optimizer", nargs="+", default=[d.optimizer], choices=CONFIG_NAMES,
                    metavar="NAME", help="one or more of the paper's configurations, trained "
                    f"one after the other: {', '.join(CONFIG_NAMES)}")
@@ -273,8 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "none waits forever on a collective")
     p.add_argument("--init-from-hf", type=_checked("init_from_hf", str), default=None,
                    metavar="DIR", help="start from the weights of a Hugging Face LlamaForCausalLM "
-                   "checkpoint (config.json and safetensors, e.g. from sage-train export) of "
-                   "the --model's architecture (refused otherwise, naming the field)")
+                   "checkpoint (config.json and safetensors, e.g. from sage-train export, "
+                   "or any transformers LLaMA saved with save_pretrained) of the --model's "
+                   "architecture, which is the checkpoint's own when --model is not given "
+                   "(refused otherwise, naming the field)")
     p.add_argument("--tensorboard", action="store_true",
                    help="write TensorBoard event files into each run directory (needs "
                    "tensorboardX)")
@@ -310,7 +354,7 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if "(default" in text or action.default is argparse.SUPPRESS:
+        if "(default" in text or action.default is argparse.SUPPRESS or action.required:
             return text
         return f"{text} (default: %(default)s)"
 
@@ -325,7 +369,7 @@ def configs(args: argparse.Namespace) -> list[TrainConfig]:
             seed=args.seed, clip=args.clip, eval_every=args.eval_every,
             eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
             token_dtype=args.token_dtype,
-            run_dir=str(pathlib.Path(args.run_dir) / f"{args.model}-{name}"),
+            run_dir=str(pathlib.Path(args.run_dir) / f"{model_label(args.model)}-{name}"),
             checkpoint_every=args.checkpoint_every, sharding=args.sharding,
             record_h_every=args.record_h_every, h_max_records=args.h_max_records,
             progress=not args.no_progress, dtype=args.dtype, param_dtype=args.param_dtype,
@@ -352,6 +396,8 @@ def main(argv: list[str] | None = None, *, signals: StopSignals | None = None) -
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["export"]:
         return export_main(argv[1:])
+    if argv[:1] == ["sample"]:
+        return sample_main(argv[1:])
     with StopSignals() if signals is None else contextlib.nullcontext(signals) as signals:
         args = parse_args(argv)
         try:
@@ -411,6 +457,41 @@ def _leave(status: int, error: BaseException) -> int:
 
         distributed.abandon(status)
     return status
+
+
+def build_sample_parser() -> argparse.ArgumentParser:
+    """The ``sage-train sample`` parser."""
+    p = OneLineParser(prog="sage-train sample", formatter_class=_Formatter,
+                      description="Generate text from a run's checkpoint: the prompt, "
+                      "tokenized with the run's tokenizer,\ncontinued token by token by the "
+                      "trained model (on one device; the run is only read).")
+    p.add_argument("--run-dir", required=True, type=pathlib.Path, metavar="RUN",
+                   help="the run's own directory, RUN_DIR/MODEL-OPTIMIZER")
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--tokens", type=_checked("steps", int), default=64, metavar="N",
+                   help="how many tokens to generate (fewer where the text ends)")
+    p.add_argument("--temperature", type=checked(float, lambda v: v >= 0, "a number >= 0"),
+                   default=0.8, help="sampling temperature; 0: always the likeliest token")
+    p.add_argument("--seed", type=_checked("seed", int), default=0,
+                   help="the sampling seed")
+    p.add_argument("--step", type=_checked("steps", int), default=None,
+                   help="the checkpoint's step (default: the newest that verifies)")
+    return p
+
+
+def sample_main(argv: list[str]) -> int:
+    """``sage-train sample``: 0 when generated, 2 on a bad run directory or prompt."""
+    args = build_sample_parser().parse_args(argv)
+    try:
+        from sage_train.export import sample
+
+        text = sample(args.run_dir, args.prompt, tokens=args.tokens,
+                      temperature=args.temperature, seed=args.seed, step=args.step)
+    except UserError as e:
+        print(f"sage-train sample: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
 
 
 def export_main(argv: list[str]) -> int:
@@ -524,7 +605,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                        rows))
     print("tokens/s and MFU: training steps only (compilation, evaluation, checkpoints and "
           "the host's logging excluded), as in each run's metrics.jsonl")
-    png = pathlib.Path(args.run_dir) / f"{args.model}-loss.png"
+    png = pathlib.Path(args.run_dir) / f"{model_label(args.model)}-loss.png"
     try:
         save_loss_curve(results, png)
         print(f"loss curve: {png}")

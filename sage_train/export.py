@@ -24,7 +24,7 @@ from sage_optim.models import get_model_config
 from sage_train import data as data_lib
 from sage_train import hf_convert, report, rundir
 from sage_train.checkpoints import Checkpoints
-from sage_train.errors import RunDirError
+from sage_train.errors import ConfigError, RunDirError
 from sage_train.sharding import make_mesh, state_shardings
 from sage_train.train import TrainConfig, _legacy, build, data_fingerprint, say
 
@@ -88,6 +88,95 @@ def _tokenizer_json(run_dir: pathlib.Path, settings: dict[str, Any]
     return tokens.tokenizer.to_str(), f"retrained from the run's data {data}"
 
 
+def _read_model(run_dir: pathlib.Path, settings: dict[str, Any], step: int | None,
+                log: Callable[[str], None]) -> tuple[Any, int]:
+    """The model of the run's checkpoint of ``step`` (default: the newest that verifies).
+
+    Raises:
+      RunDirError: no readable checkpoint (of ``step``).
+    """
+    cfg = _config(settings, run_dir)
+    vocab = get_model_config(cfg.model).vocab_size
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(cfg, vocab)))
+    shardings = state_shardings(abstract, make_mesh("none"), "none")
+    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        abstract, shardings)
+    ckpts = Checkpoints(run_dir / "checkpoints", log=log)
+    try:
+        restored = ckpts.read(like, step)
+    finally:
+        ckpts.close()
+    model, _ = nnx.merge(graphdef, restored.state)
+    return model, restored.step
+
+
+def generate(model: Any, prompt: list[int], tokens: int, *, temperature: float = 0.8,
+             seed: int = 0, stop: int | None = None) -> list[int]:
+    """``prompt`` continued by ``model`` for up to ``tokens`` token ids (ending at ``stop``).
+
+    Each step feeds one fixed-length window (the prompt, what was generated, padding after
+    it, which a causal model does not see), so the forward pass compiles once; the next
+    token is the likeliest (``temperature`` 0) or drawn from the softmax of the logits
+    over ``temperature``.
+    """
+    import jax.numpy as jnp
+
+    length = len(prompt) + tokens
+    window = jnp.zeros((1, length), jnp.int32).at[0, :len(prompt)].set(jnp.asarray(prompt))
+
+    @nnx.jit
+    def next_token(model: Any, window: jax.Array, at: jax.Array, key: jax.Array) -> jax.Array:
+        logits = model(window)[0, at - 1]
+        if temperature == 0:
+            return jnp.argmax(logits).astype(jnp.int32)
+        return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
+
+    out: list[int] = []
+    key = jax.random.key(seed)
+    for at in range(len(prompt), length):
+        key, sub = jax.random.split(key)
+        token = int(next_token(model, window, jnp.int32(at), sub))
+        out.append(token)
+        if token == stop:
+            break
+        window = window.at[0, at].set(token)
+    return out
+
+
+def sample(run_dir: os.PathLike[str] | str, prompt: str, *, tokens: int = 64,
+           temperature: float = 0.8, seed: int = 0, step: int | None = None,
+           log: Callable[[str], None] = say) -> str:
+    """The prompt and its continuation by the model of a run's checkpoint (:func:`generate`).
+
+    Raises:
+      RunDirError: ``run_dir`` is no run, holds no readable checkpoint (of ``step``), or
+        keeps no tokenizer (a run on token ids).
+      ConfigError: the prompt is empty, or prompt and ``tokens`` exceed the context.
+    """
+    from tokenizers import Tokenizer
+
+    run_dir = pathlib.Path(run_dir).expanduser().absolute()
+    settings = run_settings(run_dir)
+    tokenizer_json, source = _tokenizer_json(run_dir, settings)
+    if tokenizer_json is None:
+        raise RunDirError(f"--run-dir {run_dir}: no tokenizer to read the prompt with "
+                          f"({source})")
+    tokenizer = Tokenizer.from_str(tokenizer_json)
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ConfigError("--prompt is empty: give some text to continue")
+    context = get_model_config(settings["model"]).max_position_embeddings
+    if len(ids) + tokens > context:
+        raise ConfigError(f"--prompt ({len(ids)} tokens) and --tokens {tokens} exceed the "
+                          f"model's context of {context} positions: ask for fewer tokens")
+    model, _ = _read_model(run_dir, settings, step, lambda _: None)
+    new = generate(model, ids, tokens, temperature=temperature, seed=seed,
+                   stop=data_lib.EOT_ID)
+    if new and new[-1] == data_lib.EOT_ID:
+        new = new[:-1]
+    return prompt + tokenizer.decode(new)
+
+
 def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, *,
               step: int | None = None, log: Callable[[str], None] = say) -> list[pathlib.Path]:
     """Write a checkpoint of ``run_dir`` to ``out_dir`` as a Hugging Face checkpoint.
@@ -111,26 +200,15 @@ def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, 
                           "overwritten): give a directory of its own")
     report.require("transformers", "sage-train export")
     report.require("safetensors", "sage-train export")
-    cfg = _config(settings, run_dir)
-    vocab = get_model_config(cfg.model).vocab_size
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(cfg, vocab)))
-    shardings = state_shardings(abstract, make_mesh("none"), "none")
-    like = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        abstract, shardings)
-    ckpts = Checkpoints(run_dir / "checkpoints", log=log)
-    try:
-        restored = ckpts.read(like, step)
-    finally:
-        ckpts.close()
-    model, _ = nnx.merge(graphdef, restored.state)
+    model, restored_step = _read_model(run_dir, settings, step, log)
     tokenizer, source = _tokenizer_json(run_dir, settings)
     special = {"bos_token_id": None, "eos_token_id": None}
     if tokenizer is not None:
         special = {"bos_token_id": data_lib.EOT_ID, "eos_token_id": data_lib.EOT_ID}
     files = hf_convert.save_pretrained(model, out, tokenizer_json=tokenizer,
                                        eos_token=data_lib.EOT if tokenizer else None, **special)
-    provenance = {"run_dir": str(run_dir), "step": restored.step, "settings": settings}
+    provenance = {"run_dir": str(run_dir), "step": restored_step, "settings": settings}
     rundir.atomic_write_text(out / PROVENANCE, json.dumps(provenance, indent=2))
-    log(f"exported step {restored.step} of {run_dir} to {out}: "
+    log(f"exported step {restored_step} of {run_dir} to {out}: "
         f"{', '.join(p.name for p in files)} (tokenizer: {source})")
     return [*files, out / PROVENANCE]

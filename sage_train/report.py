@@ -49,8 +49,7 @@ WANDB_ID = "wandb_run_id"
 """The run directory's file holding its W&B run id (a rerun continues the same W&B run)."""
 
 INSTALL = {
-    "tensorboardX": "pip install tensorboardX (or the train extra: pip install "
-                    "'sage-optim[train]')",
+    "tensorboardX": "pip install tensorboardX (the sage-optim[train] extra brings it)",
     "wandb": "pip install wandb",
     "transformers": "pip install transformers",
     "safetensors": "pip install safetensors",

@@ -38,7 +38,7 @@ from sage_optax import placement
 from sage_optax.sinkhorn import KERNELS, resolved_kernel
 from sage_optim import kernels
 from sage_optim.models import MODELS as MODEL_NAMES
-from sage_optim.models import get_model_config
+from sage_optim.models import get_model_config, is_model_file
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_optim.table import format_bytes
 from sage_train import data as data_lib
@@ -515,7 +515,12 @@ def check_config(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if not ok(value):
             raise ConfigError(f"{name} must be {what}, got {value!r}")
-    choices = {"model": tuple(MODEL_NAMES), "optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
+    try:
+        model = get_model_config(cfg.model)  # a named size, or a file of a LLaMA shape
+    except ValueError as e:
+        raise ConfigError(f"model must be one of {tuple(MODEL_NAMES)} or a LLaMA shape's file: "
+                          f"{e}") from None
+    choices = {"optimizer": CONFIG_NAMES, "schedule": SCHEDULES,
                "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32"),
                "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYER_CHOICES,
                "remat": tuple(REMAT_POLICIES), "attention": ATTENTIONS,
@@ -523,6 +528,11 @@ def check_config(cfg: TrainConfig) -> None:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+    context = model.max_position_embeddings
+    if cfg.seq_len > context:
+        raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is longer than the {model.name} "
+                          f"model's context of {context} positions: use --seq-len {context} "
+                          f"or less, or a model with a longer context")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"grad_accum (--grad-accum) {cfg.grad_accum} does not divide "
                           f"batch_size (--batch-size) {cfg.batch_size}: each step's batch is "
@@ -578,6 +588,9 @@ def settings_of(cfg: TrainConfig, impl: Implementations) -> dict[str, Any]:
             settings[hp] = default_hyperparameter(cfg.optimizer, hp)
     if cfg.init_from_hf is not None:
         settings["init_from_hf"] = str(pathlib.Path(cfg.init_from_hf).expanduser().absolute())
+    if is_model_file(cfg.model):  # a shape's file: where it is, and the shape it held
+        settings["model"] = str(pathlib.Path(cfg.model).expanduser().absolute())
+        settings["model_shape"] = dataclasses.asdict(get_model_config(cfg.model))
     return settings
 
 
@@ -1146,7 +1159,9 @@ def _run(cfg: TrainConfig, run_dir: pathlib.Path, ckpts: Checkpoints, settings: 
     stream = data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed,
                               start_step=start, rows=my_rows)  # this process's rows
     end = cfg.steps if stop_after is None else max(start, min(cfg.steps, stop_after))
-    bar = _progress(start, cfg.steps, cfg.progress)
+    bar = _progress(start, cfg.steps, cfg.progress) if primary else None
+    if bar is None and primary and start < end:
+        log(COMPILING)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     flops_token = flops_per_token(
         dataclasses.replace(get_model_config(cfg.model), vocab_size=tokens.vocab_size),
@@ -1348,12 +1363,43 @@ def _save_tokenizer(run_dir: pathlib.Path, text: str) -> None:
     rundir.atomic_write_text(path, text)
 
 
-def is_terminal() -> bool:
-    """Whether the progress bar's stream (stderr) is a terminal: a bar there, else log lines."""
+MIN_BAR_WIDTH = 40
+"""The narrowest console a progress bar is drawn on; a narrower one (or one that reports a
+width of 0, as some IDE and notebook consoles do) gets plain log lines."""
+
+
+def terminal_width() -> int:
+    """The columns of the progress bar's stream (stderr); 0 where unknown.
+
+    ``COLUMNS`` if set, else the terminal's.
+    """
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return int(columns)
     try:
-        return sys.stderr.isatty()
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, ValueError, OSError):  # replaced, closed or not a terminal
+        return 0
+
+
+def is_terminal() -> bool:
+    """Whether a progress bar can be drawn on stderr (else log lines).
+
+    A terminal at least :data:`MIN_BAR_WIDTH` columns wide.
+    """
+    try:
+        tty = sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed
         return False
+    return tty and terminal_width() >= MIN_BAR_WIDTH
+
+
+COMPILING = ("compiling the training step with XLA (the first step waits for it; minutes "
+             "for a large model on a CPU)")
+"""The line a run logs before its first step, where there is no progress bar."""
+
+COMPILING_BAR = "compiling (XLA)"
+"""The progress bar's description until the first step is done."""
 
 
 def _progress(start: int, total: int, enabled: bool
@@ -1361,11 +1407,14 @@ def _progress(start: int, total: int, enabled: bool
     """A progress bar where ``enabled`` and on a terminal; ``None``: plain log lines instead."""
     if not (enabled and is_terminal()):
         return None
-    bar = report.progress_bar(total=total, initial=start, unit="step", dynamic_ncols=True)
+    bar = report.progress_bar(total=total, initial=start, unit="step", dynamic_ncols=True,
+                              desc=COMPILING_BAR)
     if isinstance(bar, report.NoBar):
         return None  # no tqdm: plain log lines
 
     def update(step: int, loss: float, tps: float) -> None:
+        if bar.desc:
+            bar.set_description_str("")  # compiled
         bar.update(step - bar.n)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
         if step >= total:

@@ -22,7 +22,7 @@ import tomllib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OWN_TESTS = {"gpu.md", "routing.md"}  # tests/test_docs_gpu.py, tests/test_docs_routing.py
+OWN_TESTS = {"gpu.md", "routing.md", "recipes.md"}  # tests/test_docs_{gpu,routing,recipes}.py
 PAGES = [ROOT / "README.md"] + sorted(
     p for p in (ROOT / "docs").rglob("*.md")
     if p.name not in OWN_TESTS and "_build" not in p.parts)

@@ -200,12 +200,36 @@ def test_sage_optim_needs_neither_framework():
 # Console scripts without their extra
 
 SCRIPTS = PROJECT["scripts"]
+CHECKOUT = "in a sage-optim checkout"
 MESSAGES = {
-    "sage-memory": "sage-memory needs the [jax] extra: pip install 'sage-optim[jax]'",
-    "sage-parity": "sage-parity needs the [jax,torch] extras: pip install 'sage-optim[jax,torch]'",
-    "sage-repro": "sage-repro needs the [train] extra: pip install 'sage-optim[train]'",
-    "sage-train": "sage-train needs the [train] extra: pip install 'sage-optim[train]'",
+    "sage-memory": f"sage-memory needs the [jax] extra: pip install -e '.[jax]' {CHECKOUT}",
+    "sage-parity": ("sage-parity needs the [jax,torch] extras: "
+                    f"pip install -e '.[jax,torch]' {CHECKOUT}"),
+    "sage-repro": f"sage-repro needs the [train] extra: pip install -e '.[train]' {CHECKOUT}",
+    "sage-train": f"sage-train needs the [train] extra: pip install -e '.[train]' {CHECKOUT}",
 }
+
+
+@pytest.mark.parametrize(("package", "hidden", "extra", "absent"), [
+    ("sage_optax", JAX_SIDE, "jax", "jax, optax"),
+    ("sage_optax", ("optax",), "jax", "optax"),
+    ("sage_torch", TORCH_SIDE, "torch", "torch"),
+])
+def test_import_without_its_framework_names_the_extra(package, hidden, extra, absent):
+    """``import sage_optax`` without JAX: one line naming the extra (issue 34), raised as a
+    ModuleNotFoundError (an ImportError: code that falls back on another framework still
+    catches it), not a raw error from deep inside a module."""
+    proc = run_hidden(hidden, f"""
+    try:
+        import {package}
+    except ModuleNotFoundError as e:
+        print(repr(str(e)), e.name)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    message, _, name = proc.stdout.strip().rpartition(" ")
+    assert eval(message) == (f"{package} needs the [{extra}] extra: pip install -e "
+                             f"'.[{extra}]' {CHECKOUT} ({absent} not found)")
+    assert name == absent.split(",")[0]
 
 
 def test_every_script_has_a_message():
@@ -265,7 +289,7 @@ def test_llama_mode_names_transformers():
     """)
     assert (proc.returncode, proc.stderr) == (1, (
         "sage-parity --mode llama needs the [all] extra and transformers: "
-        "pip install 'sage-optim[all]' transformers\n"))
+        f"pip install -e '.[all]' {CHECKOUT}, then pip install transformers\n"))
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,21 +15,24 @@ sys.modules["paper_tables"] = paper_tables  # dataclasses look their module up
 spec.loader.exec_module(paper_tables)
 
 
-def curve(config, seed, ppl, seconds, steps=(10, 20, 30)):
+def curve(config, seed, ppl, seconds, steps=(10, 20, 30), rates=()):
     return paper_tables.Curve(config, 1e-3, seed, list(steps), list(ppl), list(seconds),
-                              tokens_per_s=1.0, opt_state_bytes=4)
+                              tokens_per_s=1.0, opt_state_bytes=4, rates=list(rates))
 
 
 def test_effective_throughput_by_hand():
     """N_base: the reference's mean curve (40, 30, 30) first reaches its final 30 at step 20,
     i.e. 20 x 100 tokens.  The candidate's mean curve (45, 35, 28) first gets to <= 30 at
-    step 30, after a median of 3.0 s: 2000 / 3.0 tokens per second."""
-    ref = [curve("ref", 0, [41, 31, 29], [1, 2, 3]), curve("ref", 1, [39, 29, 31], [1, 2, 3])]
-    cand = [curve("c", 0, [44, 36, 27], [1.0, 2.0, 2.5]),
-            curve("c", 1, [46, 34, 29], [1.0, 2.0, 3.5])]
-    assert paper_tables.effective_throughput(ref, cand, 100) == pytest.approx(2000 / 3.0)
-    # The reference against itself: its own tokens over its own seconds at step 20.
-    assert paper_tables.effective_throughput(ref, ref, 100) == pytest.approx(2000 / 2.0)
+    step 30, where its seeds ran at 1000 and 600 tokens/s: its 3000 tokens took 3 and 5 s,
+    2000/3 and 2000/5 tokens per second, median (of two: the mean) 533.33."""
+    ref = [curve("ref", 0, [41, 31, 29], [1, 2, 3], rates=[900, 950, 970]),
+           curve("ref", 1, [39, 29, 31], [1, 2, 3], rates=[900, 800, 970])]
+    cand = [curve("c", 0, [44, 36, 27], [1.0, 2.0, 2.5], rates=[1000] * 3),
+            curve("c", 1, [46, 34, 29], [1.0, 2.0, 3.5], rates=[600] * 3)]
+    assert paper_tables.effective_throughput(ref, cand, 100) == pytest.approx(
+        (2000 / 3 + 2000 / 5) / 2)
+    # The reference against itself: its own tokens/s at step 20 (issue 34), never more.
+    assert paper_tables.effective_throughput(ref, ref, 100) == pytest.approx((950 + 800) / 2)
 
 
 def test_effective_throughput_is_none_when_the_target_is_never_reached():

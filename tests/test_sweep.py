@@ -3,6 +3,7 @@ against hand-computed cases (synthetic metrics in fake run directories)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -31,7 +32,11 @@ def fake_run(out, config, lr, seed, ppl, seconds, *, protocol=PROTOCOL, tokens_p
     run_dir.mkdir(parents=True)
     rows = []
     for step, p, t in zip(steps, ppl, seconds, strict=True):
-        row = {"step": step, "loss": math.log(p) + 0.1, "tokens_per_s": tokens_per_s,
+        # tokens_per_s=None: as the trainer counts, the tokens of the steps after the first
+        # (compiling) one over the clock, which starts after it
+        rate = ((step - 1) * protocol.tokens_per_step / t if tokens_per_s is None
+                else tokens_per_s)
+        row = {"step": step, "loss": math.log(p) + 0.1, "tokens_per_s": rate,
                "elapsed_s": t, "opt_state_bytes": 4096, "test_loss": math.log(p),
                "test_ppl": p}
         if peak is not None:
@@ -58,7 +63,8 @@ def hand_computed(tmp_path):
     fake_run(tmp_path, "lion-hybrid", lr, 1, [39, 29, 31], [1.5, 2.5, 3.5], peak=3 * 2**30,
              tokens_per_s=1200.0)
     fake_run(tmp_path, "sage-hybrid", lr, 0, [44, 36, 27], [1.0, 2.0, 2.5], peak=2**30)
-    fake_run(tmp_path, "sage-hybrid", lr, 1, [46, 34, 29], [1.0, 2.0, 3.5], peak=2**30)
+    fake_run(tmp_path, "sage-hybrid", lr, 1, [46, 34, 29], [1.0, 2.0, 3.5], peak=2**30,
+             tokens_per_s=800.0)
     fake_run(tmp_path, "adamw", 1e-4, 0, [50, 40, 35], [1, 2, 3], peak=2**30)
     fake_run(tmp_path, "adamw", 1e-4, 1, [50, 40, 35], [1, 2, 3], peak=2**30)
     fake_run(tmp_path, "lion", 1e-4, 0, [45, 33, 28], [1.0, 2.0, 4.0], peak=2**30)
@@ -78,39 +84,73 @@ def markdown_row(table, config):
 def test_effective_throughput_by_hand(hand_computed):
     """P* = mean of lion-hybrid's final perplexities (29, 31) = 30; its mean curve (40, 30,
     30) first reaches 30 at step 20: N_base = 20 x 100 = 2000 tokens.  sage-hybrid's mean
-    curve (45, 35, 28) first reaches 30 at step 30, after 2.5 and 3.5 s: 2000/2.5 = 800 and
-    2000/3.5 = 571.43 tokens/s, mean 685.71, sd |800 - 571.43| / sqrt(2) = 161.62.  The
-    baseline against itself: step 20, 2.0 and 2.5 s: 1000 and 800, mean 900, sd 141.42."""
+    curve (45, 35, 28) first reaches 30 at step 30 (k_O), where its seeds ran at 1000 and
+    800 tokens/s: its 30 steps (3000 tokens) took 3.0 and 3.75 s, so 2000/3 = 666.67 and
+    2000/3.75 = 533.33 tokens/s, mean 600, sd 133.33 / sqrt(2) = 94.28.  The baseline
+    against itself: its own tokens/s at step 20 (1000 and 1200), never more."""
     out, plan = hand_computed
     summary = sweep.summarize(out, PROTOCOL, plan)
     assert summary.target == report.Target("lion-hybrid", 0.002, 30.0, 20, 2000)
     sage = summary.effective["sage-hybrid"]
     assert sage.step == 30
-    assert sage.values == pytest.approx((800.0, 2000 / 3.5))
-    assert summary.effective["lion-hybrid"].values == pytest.approx((1000.0, 800.0))
+    assert sage.values == pytest.approx((2000 / 3.0, 2000 / 3.75))
+    assert summary.effective["lion-hybrid"].values == pytest.approx((1000.0, 1200.0))
     assert summary.effective["adamw"].step is None  # 35 > 30: never reaches P*
-    # lion: only the finished seed counts (45, 33, 28): step 30 after 4.0 s
-    assert summary.effective["lion"].values == pytest.approx((500.0,))
+    # lion: only the finished seed counts (45, 33, 28): step 30 at 1000 tokens/s
+    assert summary.effective["lion"].values == pytest.approx((2000 / 3.0,))
 
     table = report.main_table(summary)
     assert markdown_row(table, "sage-hybrid") == [
         "sage-hybrid", "0.002", "2/2", "28.00 ± 1.41", "29.95", "1.00 GiB ± 0.00 GiB",
-        "4.00 KiB", "1,000 ± 0", "686 ± 162", "2/2 seeds finished"]
+        "4.00 KiB", "900 ± 141", "600 ± 94", "2/2 seeds finished"]
     assert markdown_row(table, "lion-hybrid") == [
         "lion-hybrid", "0.002", "2/2", "30.00 ± 1.41", "32.1", "2.00 GiB ± 1.41 GiB",
-        "4.00 KiB", "1,100 ± 141", "900 ± 141", "2/2 seeds finished"]
+        "4.00 KiB", "1,100 ± 141", "1,100 ± 141", "2/2 seeds finished"]
     assert markdown_row(table, "adamw")[8] == "never reaches 30.00"
     assert "peak memory (device)" in table.splitlines()[0]
 
     data = report.to_json(summary)
     (sage_row,) = [r for r in data["rows"] if r["config"] == "sage-hybrid"]
-    assert sage_row["effective_tokens_per_s"]["mean"] == pytest.approx(4800 / 7)
+    assert sage_row["effective_tokens_per_s"]["mean"] == pytest.approx(600.0)
     assert sage_row["effective_tokens_per_s"]["sd"] == pytest.approx(
-        (800 - 2000 / 3.5) / math.sqrt(2))
+        (2000 / 3 - 2000 / 3.75) / math.sqrt(2))
     assert sage_row["test_ppl"] == {"mean": 28.0, "sd": pytest.approx(math.sqrt(2)), "n": 2}
     assert data["target"] == {"config": "lion-hybrid", "lr": 0.002, "ppl": 30.0, "step": 20,
                               "tokens": 2000}
     json.dumps(data, allow_nan=False)  # strict JSON: no NaN or Infinity
+
+
+def test_the_baseline_against_itself_gives_its_own_tokens_per_s(tmp_path):
+    """Tokens and time over the same steps (issue 34): the trainer's clock starts after the
+    first, compiling step, so its tokens/s counts the steps after it; the baseline's
+    effective throughput against itself must be that figure, not N_base (which counts the
+    first step's tokens) over the clock (which leaves out that step's time): 3000/2.9 s =
+    1,034 against 2900/2.9 s = 1,000 tokens/s.  The same for a run resumed once (two
+    compiling steps off the clock), and for records without tokens_per_s per evaluation."""
+    fake_run(tmp_path, "lion-hybrid", 0.002, 0, [40, 35, 30], [0.9, 1.9, 2.9],
+             tokens_per_s=None)
+    fake_run(tmp_path, "lion-hybrid", 0.002, 1, [40, 35, 30], [0.9, 1.9, 2.8],
+             tokens_per_s=None)
+    plan = sweep.Plan(configs=("lion-hybrid",), seeds=(0, 1))
+    summary = sweep.summarize(tmp_path, PROTOCOL, plan)
+    (row,) = summary.rows
+    raw = [r.tokens_per_s for r in row.finished]
+    assert raw == pytest.approx([1000.0, 2900 / 2.8])
+    assert summary.effective["lion-hybrid"].values == pytest.approx(raw)
+    cells = markdown_row(report.main_table(summary), "lion-hybrid")
+    assert cells[7] == cells[8]  # tokens/s and effective tokens/s read the same
+    # a record without per-evaluation tokens/s: one compiling step assumed off the clock
+    run = row.finished[0]
+    bare = dataclasses.replace(run.evals, rates=())
+    assert bare.rate(30, 100) == pytest.approx(1000.0)
+    # resumed at step 10: steps 1 and 11 compiled, 28 timed steps in 2.8 s
+    resumed = report.EvalCurve((10, 20, 30), (40.0, 35.0, 30.0), (0.9, 1.8, 2.8),
+                               (1000.0, 1000.0, 1000.0))
+    target = report.Target("lion-hybrid", 0.002, 30.0, 30, 3000)
+    assert report.effective_throughput([resumed], target).values == pytest.approx((1000.0,))
+    # round trip through the merged report's JSON keeps the rates
+    again = report.run_from_json(json.loads(json.dumps(report.run_to_json(run))))
+    assert again.evals == run.evals
 
 
 def test_diverged_and_unfinished_are_shown_not_dropped(hand_computed):
@@ -364,3 +404,26 @@ def test_a_preemption_reaches_the_running_trainer():
         os.kill(os.getpid(), signal.SIGTERM)
         assert child.wait(timeout=30) == 75
     assert signals() == "SIGTERM"
+
+
+def test_the_legends_sit_beside_the_curves(hand_computed, monkeypatch):
+    """Issue 34: inside the axes, the legend hid the highest curve (AdamW's)."""
+    pytest.importorskip("matplotlib")
+    out, plan = hand_computed
+    summary = sweep.summarize(out, PROTOCOL, plan)
+    drawn = []
+    real = report._figure
+    monkeypatch.setattr(report, "_figure", lambda w, h: drawn.append(real(w, h)) or drawn[-1])
+    report.plot_loss_vs_tokens(summary, out / "loss.png")
+    report.plot_lr_sweep(summary, out / "lr.png")
+    legends = 0
+    for fig, canvas in drawn:
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is not None:
+                legends += 1
+                assert not legend.get_window_extent(renderer).overlaps(
+                    ax.get_window_extent(renderer))
+    assert legends == 2

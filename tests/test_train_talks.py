@@ -127,6 +127,59 @@ def test_log_lines_every_log_every_steps_off_a_terminal(logged):
     assert last["eta"] == "0:00:00"
 
 
+def test_the_log_says_compiling_before_the_first_step(logged):
+    """Issue 34: minutes of silence while XLA compiles; the log now says so first."""
+    _, messages, _ = logged
+    first = next(i for i, m in enumerate(messages) if m.startswith("step "))
+    assert train_mod.COMPILING in messages[:first]
+
+
+def test_a_console_of_width_0_gets_log_lines(monkeypatch):
+    """A terminal that reports 0 columns (some IDE consoles) drew nothing for minutes."""
+    class Tty:
+        def isatty(self):
+            return True
+
+        def fileno(self):
+            raise ValueError("no descriptor")
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    monkeypatch.setenv("COLUMNS", "0")
+    assert train_mod.terminal_width() == 0 and not train_mod.is_terminal()
+    monkeypatch.setenv("COLUMNS", "120")
+    assert train_mod.is_terminal()
+    monkeypatch.delenv("COLUMNS")
+    assert not train_mod.is_terminal()  # no width known: log lines
+
+
+def test_the_bar_says_compiling_until_the_first_step(monkeypatch):
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.desc, self.n = kwargs.get("desc", ""), kwargs["initial"]
+            bars.append(self)
+
+        def set_description_str(self, text):
+            self.desc = text
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(train_mod, "is_terminal", lambda: True)
+    monkeypatch.setattr(report, "progress_bar", lambda **kw: Bar(**kw))
+    update = train_mod._progress(0, 10, True)
+    assert bars[0].desc == train_mod.COMPILING_BAR
+    update(1, 2.0, 100.0)
+    assert bars[0].desc == "" and bars[0].n == 1
+
+
 def test_a_terminal_gets_the_bar_and_the_cli_lines_are_flushed(train_corpus, tmp_path,
                                                                monkeypatch, capsys):
     monkeypatch.setattr(train_mod, "is_terminal", lambda: True)
