@@ -147,7 +147,7 @@ class LionRule(Rule):
             out[path] = (p, m)
         return fused_check.first_error(ps, out, ("parameter", "exp_avg"), dtype)
 
-    def init_state(self, p, group, name):  # noqa: D102
+    def init_state(self, p, group, name, index=0):  # noqa: D102
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102

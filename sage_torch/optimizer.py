@@ -13,6 +13,7 @@ its own.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -58,6 +59,24 @@ def _negative(route: ResolvedRoute) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A route's axes counted from the end (``(-1,), (-2,)``: every ``(..., out, in)``)."""
     ndim = len(route.shape)
     return tuple(a - ndim for a in route.fan_in), tuple(a - ndim for a in route.fan_out)
+
+
+def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every ``step`` that is a Python number as a float32 tensor.
+
+    A shallow copy (the caller's dict is left as it is); anything else, a ``step`` of
+    another type included, is kept for :meth:`RuleOptimizer.check_state_dict` to judge.
+    """
+    saved = state_dict.get("state")
+    if not isinstance(saved, Mapping):
+        return dict(state_dict)
+    state: dict[Any, Any] = {}
+    for pid, st in saved.items():
+        step = st.get("step") if isinstance(st, Mapping) else None
+        if isinstance(step, numbers.Real) and not isinstance(step, bool):
+            st = {**st, "step": torch.tensor(float(step), dtype=torch.float32)}
+        state[pid] = st
+    return {**state_dict, "state": state}
 
 
 class MomentumError(ValueError):
@@ -385,9 +404,12 @@ class RuleOptimizer(torch.optim.Optimizer):
           RuntimeError: a sparse gradient (from ``nn.Embedding(sparse=True)``).
           ValueError: a complex parameter.
         """
+        position = 0  # the parameter's number in the state dict: no name enters the state
         for index, group in enumerate(self.param_groups):
             rule = self.rule_of(group)
-            for p, name in zip(group["params"], self._names(group), strict=True):
+            start, position = position, position + len(group["params"])
+            for offset, (p, name) in enumerate(zip(group["params"], self._names(group),
+                                                   strict=True)):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -406,7 +428,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                     state["step"] = torch.tensor(
                         0.0, dtype=torch.float32,
                         device=p.device if group.get("capturable", False) else None)
-                    state.update(rule.init_state(p, group, name))
+                    state.update(rule.init_state(p, group, name, start + offset))
 
     @torch.no_grad()
     def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
@@ -526,8 +548,12 @@ class RuleOptimizer(torch.optim.Optimizer):
         a one-line ``ValueError`` naming the group, the parameter and what differs, so that
         an ``adamw`` checkpoint never turns this optimizer into another.  An empty or partial
         state (parameters that have not stepped yet) loads.  Each floating state tensor
-        keeps its saved dtype (a bfloat16 parameter's float32 state stays float32).
+        keeps its saved dtype (a bfloat16 parameter's float32 state stays float32), and an
+        integer state tensor its dtype and device (APOLLO's ``proj_seed``).  A
+        ``step`` saved as a Python number (old checkpoints, other tools) is turned into a
+        float32 tensor first, as ``torch.optim`` accepts it; everything else is checked as is.
         """
+        state_dict = _tensor_steps(state_dict)
         self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -536,9 +562,11 @@ class RuleOptimizer(torch.optim.Optimizer):
             for key, saved in state_dict["state"].get(pid, {}).items():
                 current = self.state[p].get(key)
                 if (isinstance(saved, Tensor) and isinstance(current, Tensor)
-                        and saved.is_floating_point() and current.dtype != saved.dtype):
-                    self.state[p][key] = saved.to(device=current.device, dtype=saved.dtype,
-                                                  copy=True)
+                        and current.dtype != saved.dtype):
+                    # torch.optim casts all state to the parameter's dtype and device; an
+                    # integer (APOLLO's projection seed) stays exact and where it was saved
+                    device = current.device if saved.is_floating_point() else saved.device
+                    self.state[p][key] = saved.to(device=device, dtype=saved.dtype, copy=True)
 
     def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Raise a one-line ``ValueError`` unless ``state_dict`` fits this optimizer.

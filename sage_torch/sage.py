@@ -432,6 +432,12 @@ class SageRule(Rule):
             out[path] = (p, m, s)
         return fused_check.first_error(ps, out, ("parameter", "exp_avg", "scale_avg"), dtype)
 
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        mu = group.get("mu_dtype")
+        if mu is not None and not (isinstance(mu, torch.dtype) and mu.is_floating_point):
+            raise ValueError(f"mu_dtype must be None or a floating torch.dtype, got {mu!r}")
+
     def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> ReduceDim:
         """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
 
@@ -459,7 +465,8 @@ class SageRule(Rule):
             return None
         return tuple(kept.index(a) for a in fan_in)
 
-    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:  # noqa: D102
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str,  # noqa: D102
+                   index: int = 0) -> dict[str, Tensor]:
         mu_dtype = group.get("mu_dtype") or p.dtype
         dim = self._reduce_dim(p, group)
         # S is created from the reduction of the parameter itself, so that its layout (and,

@@ -661,7 +661,7 @@ class SinkGDRule(Rule):
             return SINKHORN_GROUP_BYTES
         return max(SINKHORN_GROUP_BYTES, FOREACH_ROUND_PARAMS * self.largest_param_bytes)
 
-    def init_state(self, p, group, name):  # noqa: D102
+    def init_state(self, p, group, name, index=0):  # noqa: D102
         matrix_axes(p, group, "SinkGD", name)
         return {}
 
