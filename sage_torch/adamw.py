@@ -87,6 +87,8 @@ class AdamWRule(Rule):
 
     name = "adamw"
 
+    complex_ok = True
+
     layout_free = True
 
     checked = ("eps",)

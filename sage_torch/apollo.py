@@ -113,6 +113,10 @@ class ApolloRule(Rule):
 
     name = "apollo"
 
+    needs_matrix = True
+
+    complex_why = "projects real matrices with a real random projection"
+
     def __init__(self, projection: Projection | None = None) -> None:
         self.projection = projection
 
@@ -191,7 +195,8 @@ def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: l
 
     ``plans[i]``: ``(fan_in, fan_out, compressed, view)`` of parameter ``i``
     (:meth:`ApolloRule._plan`).  ``projection``: the injected projection, or ``None`` for
-    the default one of each parameter's seed ``proj_seeds[i]`` (:func:`seeded_projection`).  The step count is read on the host (a CPU tensor) to pick
+    the default one of each parameter's seed ``proj_seeds[i]`` (:func:`seeded_projection`).
+    The step count is read on the host (a CPU tensor) to pick
     the projection and the bias corrections.
     """
     b1, b2, wd, gamma = beta1, beta2, weight_decay, limiter_gamma
@@ -356,6 +361,12 @@ class APOLLO(RuleOptimizer):
       foreach: the multi-tensor path (default: on CUDA and under ``torch.compile``):
         same-shape matrices stacked, one batched projection product, foreach kernels for
         the moments and the step.
+      fallback: the rule for the parameters this one cannot treat (vectors and 0-D
+        parameters, complex parameters): a rule name
+        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
+        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
+        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
+        ``None``: such a parameter raises a ``ValueError`` naming it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,
@@ -367,9 +378,11 @@ class APOLLO(RuleOptimizer):
                  limiter_gamma: float = _APOLLO["limiter_gamma"], seed: int = _APOLLO["seed"],
                  *, projection: Projection | None = None, fan_in_dim: Axes = -1,
                  fan_out_dim: Axes = -2, maximize: bool = False,
-                 foreach: bool | None = None, cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, cpu_threads: int = 1,
+                 fallback: str | dict[str, Any] | None = None) -> None:
         super().__init__(params, {
-            "rule": "apollo", "lr": lr, "rank": rank, "scale_type": scale_type, "scale": scale,
+            "rule": "apollo", "fallback": fallback, "lr": lr, "rank": rank,
+            "scale_type": scale_type, "scale": scale,
             "update_proj_gap": update_proj_gap, "betas": tuple(betas), "eps": eps,
             "weight_decay": weight_decay, "limiter_gamma": limiter_gamma, "seed": seed,
             "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,

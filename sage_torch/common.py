@@ -373,6 +373,16 @@ class Rule:
     """Whether the update reads no matrix axes (element-wise, or one norm over the tensor):
     every layout of a parameter then gets the same update."""
 
+    complex_ok: bool = False
+    """Whether the rule trains complex parameters (element-wise rules: as
+    ``torch.view_as_real`` pairs of reals, as ``torch.optim``)."""
+
+    needs_matrix: bool = False
+    """Whether the rule treats matrices only (SinkGD, APOLLO)."""
+
+    complex_why: str = "is defined for real tensors only"
+    """Why the rule cannot train a complex parameter (the error says it)."""
+
     largest_param_bytes: int = 0
     """Bytes of the optimizer's largest parameter, over all param groups (set by
     :class:`~sage_torch.RuleOptimizer` before each step): the multi-tensor steps hold a few
@@ -390,6 +400,21 @@ class Rule:
         ``None`` when its kernels agree with the single-tensor path, else what differs
         (:mod:`sage_torch.fused_check` runs it for every rule with :attr:`has_fused`).
         """
+        return None
+
+    def unsupported(self, p: Tensor, name: str) -> str | None:
+        """Why this rule cannot treat parameter ``p`` (named ``name``), or ``None`` if it can.
+
+        A complex parameter unless :attr:`complex_ok`; one with fewer than two dims when
+        :attr:`needs_matrix`.
+        """
+        if p.is_complex() and not self.complex_ok:
+            return (f"parameter {name or '<unnamed>'} of shape {tuple(p.shape)} is complex "
+                    f"({p.dtype}): the {self.name} rule {self.complex_why}; the element-wise "
+                    "rules (adamw, lion) train complex parameters, as pairs of reals")
+        if self.needs_matrix and p.dim() < 2:
+            return (f"{self.name} needs a matrix, but parameter {name or '<unnamed>'} has size "
+                    f"{tuple(p.shape)}")
         return None
 
     def validate(self, group: dict[str, Any]) -> None:

@@ -409,6 +409,9 @@ class SageRule(Rule):
 
     name = "sage"
 
+    complex_why = ("takes the signs of real numbers and a damper of their magnitudes per "
+                   "fan-out axis, which have no complex counterpart")
+
     checked = ("eps", "damper")
 
     has_fused = True
@@ -535,6 +538,11 @@ class SAGE(RuleOptimizer):
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
+      fallback: the rule for the parameters this one cannot treat (complex parameters): a rule name
+        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
+        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
+        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
+        ``None``: such a parameter raises a ``ValueError`` naming it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
@@ -543,9 +551,11 @@ class SAGE(RuleOptimizer):
                  damper: str = _SAGE["damper"], mu_dtype: torch.dtype | None = None,
                  fan_out_dim: Axes | None = -2, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool = False, cpu_threads: int = 1) -> None:
+                 capturable: bool = False, cpu_threads: int = 1,
+                 fallback: str | dict[str, Any] | None = None) -> None:
         super().__init__(params, {
-            "rule": "sage", "lr": lr, "betas": tuple(betas), "eps": eps,
+            "rule": "sage", "fallback": fallback, "lr": lr, "betas": tuple(betas),
+            "eps": eps,
             "weight_decay": weight_decay, "damper": damper, "mu_dtype": mu_dtype,
             "fan_out_dim": fan_out_dim, "maximize": maximize, "foreach": foreach,
             "fused": fused, "capturable": capturable,
