@@ -115,6 +115,8 @@ class ApolloRule(Rule):
 
     needs_matrix = True
 
+    host_keys = ("proj_seed",)
+
     complex_why = "projects real matrices with a real random projection"
 
     def __init__(self, projection: Projection | None = None) -> None:

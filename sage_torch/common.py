@@ -373,6 +373,11 @@ class Rule:
     """Whether the update reads no matrix axes (element-wise, or one norm over the tensor):
     every layout of a parameter then gets the same update."""
 
+    host_keys: tuple[str, ...] = ()
+    """State entries that are host bookkeeping, like ``step`` (APOLLO's ``proj_seed``): not
+    counted in the state bytes of :func:`sage_torch.routing_table`, as in
+    :mod:`sage_optax`, which keys its projections on the host."""
+
     complex_ok: bool = False
     """Whether the rule trains complex parameters (element-wise rules: as
     ``torch.view_as_real`` pairs of reals, as ``torch.optim``)."""

@@ -400,7 +400,9 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
     for group in opt.param_groups:
         rule = opt.rule_of(group)
         for p, pname in zip(group["params"], group["param_names"], strict=True):
-            nbytes[pname] = state_nbytes(rule.init_state(p, group, pname))
+            state = rule.init_state(p, group, pname)
+            nbytes[pname] = state_nbytes({k: v for k, v in state.items()
+                                          if k not in rule.host_keys})
     rows = []
     for r in routed:
         route = r.route
