@@ -79,6 +79,23 @@ def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": state}
 
 
+def _drop_duplicates(group: dict[str, Any]) -> None:
+    """Keep each parameter of ``group`` once (``torch.optim`` has warned of the duplicate).
+
+    ``torch.optim`` keeps both and steps the parameter twice; here the second is dropped.
+    """
+    params = group["params"]
+    if len({id(p) for p in params}) == len(params):
+        return
+    first: dict[int, int] = {}
+    for i, p in enumerate(params):
+        first.setdefault(id(p), i)
+    keep = sorted(first.values())
+    group["params"] = [params[i] for i in keep]
+    if len(group.get("param_names") or []) == len(params):
+        group["param_names"] = [group["param_names"][i] for i in keep]
+
+
 def _real(t: Any) -> Any:
     return torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t
 
@@ -307,6 +324,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._name_group(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        _drop_duplicates(group)
         rule = group.get("rule")
         if rule not in self._rules:
             self.param_groups.pop()
@@ -607,6 +625,15 @@ class RuleOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    def _update(self) -> None:
+        """The step itself, without the closure and the step hooks (run by :meth:`step`).
+
+        A subclass whose ``step`` decides whether to update (``SkipNonFinite``) calls this,
+        not ``super().step()``, which would run the step hooks a second time.
+        """
         sizes = [p.numel() * p.element_size() for group in self.param_groups
                  for p in group["params"]]
         largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))
@@ -645,7 +672,6 @@ class RuleOptimizer(torch.optim.Optimizer):
                     fe, fu = self._unfused(group, sub), False
                 rule.step(sub, [grads[i] for i in idx], [states[i] for i in idx],
                           [names[i] for i in idx], group, fe, fused=fu)
-        return loss
 
     @staticmethod
     def _fused_ready(p: Tensor) -> bool:
