@@ -241,6 +241,9 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
         if k in overrides
     }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
+    if params is None and model is None:
+        raise TypeError("make_optimizer needs the model or its params (tensors, (name, "
+                        "tensor) pairs or param groups, with model= for their evidence)")
     if params is None:
         params = model
     elif isinstance(params, nn.Module) and model is not None and params is not model:
