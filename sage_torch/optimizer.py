@@ -294,7 +294,13 @@ class RuleOptimizer(torch.optim.Optimizer):
         make a ``'vector'`` group, named matrices take their kind and axes from their names;
         a group that mixes kinds or layouts, or a matrix nothing places, raises a
         ``ValueError`` that names it and the keys to add (``kind=``, ``fan_in_dim=``,
-        ``fan_out_dim=``).
+        ``fan_out_dim=``).  Parameters of a module given with them (``"module": layer``)
+        or found in :attr:`model` (the module the optimizer was built from) are instead
+        placed by that module's evidence, as :func:`sage_torch.make_optimizer` places a
+        model's, and added as one group per kind and layout, each with the group's options.
+        As ``torch.optim``, a parameter already in another group raises a ``ValueError``;
+        one listed twice in the group warns and is kept once.  Parameters the group's rule
+        cannot treat go to its ``fallback`` (see the class docstring) or raise.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
@@ -351,8 +357,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         """Indices of ``group``'s parameters its rule cannot treat (to its fallback).
 
         Raises:
-          ValueError: such a parameter and no ``fallback`` (or a fallback that cannot
-            treat it either), naming it, its shape and why.
+          ValueError: such a parameter and no ``fallback``, naming it, its shape and why,
+            or a ``fallback`` that names no rule.  (The fallback's group is then checked
+            as any group: a fallback rule that cannot treat it either raises there.)
         """
         rule = self._rules[group["rule"]]
         fallback = group.get("fallback")
