@@ -661,6 +661,20 @@ def test_single_rule_classes_refuse_vectors_without_a_fallback(cls):
         cls(model.parameters(), fallback="sgd")
 
 
+@pytest.mark.parametrize("cls", [SinkGD, APOLLO])
+def test_single_rule_classes_take_trainer_style_groups(cls):
+    """``Trainer(optimizer_cls_and_kwargs=(SinkGD, {"fallback": "adamw"}))``: HF's groups."""
+    model = Net()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = cls([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+              lr=LR, fallback="adamw")
+    assert [(g["rule"], len(g["params"]), g["weight_decay"]) for g in opt.param_groups] == [
+        (opt.param_groups[0]["rule"], 3, 0.1), ("adamw", 3, 0.0)]
+    assert opt.param_groups[0]["rule"] in ("sinkgd", "apollo")
+    _step(opt, model, 0)
+
+
 def test_hf_style_groups_with_the_model():
     """Bare tensors in HF-style groups: routed by the model, each group keeps its options."""
     model = Net()
