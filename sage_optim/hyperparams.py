@@ -83,6 +83,7 @@ RANGES: Mapping[str, Range] = types.MappingProxyType(
         "update_proj_gap": Range(1, integer=True),
         "scale": Range(0.0, low_inclusive=False),
         "limiter_gamma": Range(1.0, high_inclusive=True),  # inf: no limiter
+        "seed": Range(0, integer=True),
     }
 )
 """The valid range of every numeric hyperparameter (see :data:`RULE_RANGES` for exceptions)."""

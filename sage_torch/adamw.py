@@ -87,11 +87,13 @@ class AdamWRule(Rule):
 
     name = "adamw"
 
+    complex_ok = True
+
     layout_free = True
 
     checked = ("eps",)
 
-    def init_state(self, p, group, name):  # noqa: D102
+    def init_state(self, p, group, name, index=0):  # noqa: D102
         return {
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,12 +35,37 @@ _APOLLO = RULE_DEFAULTS["apollo"]
 Plan = tuple[int, int, int, MatrixView | None]
 """``(fan_in, fan_out, compressed, view)``: the matrix dims APOLLO works on."""
 
-def gaussian_projection(seed: int = 0) -> Projection:
-    """Default APOLLO projection: entries ``N(0, 1/r)``.
+def projection_seed(seed: int, index: int) -> int:
+    """The seed of parameter number ``index``'s default projection (kept in its state).
 
-    Drawn from a generator keyed on ``(seed, crc32(name), refresh_index)``, float32 on the
-    CPU, like :mod:`sage_optax`'s (the two frameworks' generators differ: inject one
-    projection into both for parity).
+    ``index`` is the parameter's position in the optimizer over all param groups (the
+    number ``state_dict`` gives it), so the seed, and with it every projection, does not
+    depend on the parameter's name: an optimizer built on ``model.parameters()`` and one
+    built on ``model.named_parameters()`` draw the same projections, and a state dict of
+    one resumes the other exactly.  Stored as ``state["proj_seed"]``, it is saved and
+    restored with the state.
+    """
+    return (int(seed) * 1_000_003 + int(index)) % (2**62)
+
+
+def seeded_projection(proj_seed: int, refresh_index: int, n: int, rank: int) -> Tensor:
+    """The default projection of a parameter with seed ``proj_seed``: entries ``N(0, 1/r)``.
+
+    Drawn from a CPU generator keyed on ``(proj_seed, refresh_index)``, float32 (the two
+    frameworks' generators differ: inject one projection into both for parity).
+    """
+    key = (int(proj_seed) * 1_000_033 + int(refresh_index)) % (2**63)
+    gen = torch.Generator().manual_seed(key)
+    return torch.randn(n, rank, generator=gen, dtype=torch.float32) / math.sqrt(rank)
+
+
+def gaussian_projection(seed: int = 0) -> Projection:
+    """A projection keyed on parameter names: ``projection(name, refresh_index, n, rank)``.
+
+    Entries ``N(0, 1/r)`` from a generator keyed on ``(seed, crc32(name), refresh_index)``,
+    float32 on the CPU, like :mod:`sage_optax`'s default (which keys on the leaf's path).
+    To inject as ``projection=``; :class:`APOLLO`'s own default is keyed on the
+    parameter's position instead (:func:`projection_seed`), so that names never matter.
     """
 
     def projection(name: str, refresh_index: int, n: int, rank: int) -> Tensor:
@@ -48,6 +74,17 @@ def gaussian_projection(seed: int = 0) -> Projection:
         return torch.randn(n, rank, generator=gen, dtype=torch.float32) / math.sqrt(rank)
 
     return projection
+
+
+def _projector(projection: Projection | None, seeds: list[int]) -> Callable[..., Tensor]:
+    """``get(i, name, refresh_index, n, rank)``: parameter ``i``'s projection.
+
+    The injected ``projection`` (keyed on names, as :mod:`sage_optax`'s) when given, else
+    the default one of the seed kept in the parameter's state (:func:`seeded_projection`).
+    """
+    if projection is not None:
+        return lambda i, name, k, n, rank: projection(name, k, n, rank)
+    return lambda i, name, k, n, rank: seeded_projection(seeds[i], k, n, rank)
 
 
 def _replicated_like(x: Tensor, ref: Tensor) -> Tensor:
@@ -75,6 +112,12 @@ class ApolloRule(Rule):
     """APOLLO (Zhu et al. 2024, ``docs/algorithms.md``); decay is applied after the step."""
 
     name = "apollo"
+
+    needs_matrix = True
+
+    host_keys = ("proj_seed",)
+
+    complex_why = "projects real matrices with a real random projection"
 
     def __init__(self, projection: Projection | None = None) -> None:
         self.projection = projection
@@ -109,7 +152,7 @@ class ApolloRule(Rule):
         compressed = fi if shape[fo] >= shape[fi] else fo
         return fi, fo, compressed, view
 
-    def init_state(self, p, group, name):  # noqa: D102
+    def init_state(self, p, group, name, index=0):  # noqa: D102
         fi, fo, comp, view = self._plan(p, group, name)
         base = p.detach() if view is None else view.to_matrix(p.detach())
         shape = list(base.shape)
@@ -125,6 +168,8 @@ class ApolloRule(Rule):
             "exp_avg_sq": torch.zeros_like(moments, dtype=dt,
                                            memory_format=torch.contiguous_format),
             "limiter_norm": torch.zeros_like(base.sum(dim=(fi, fo)), dtype=dt),
+            # on the host, where the projection is drawn (int64: exact for every seed)
+            "proj_seed": torch.tensor(projection_seed(group["seed"], index), dtype=torch.int64),
         }
 
     def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
@@ -133,7 +178,8 @@ class ApolloRule(Rule):
         fn(params, grads, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
            [st["limiter_norm"] for st in states], [st["step"] for st in states],
            plans=[self._plan(p, group, name) for p, name in zip(params, names, strict=True)],
-           names=names, projection=self.projection or gaussian_projection(int(group["seed"])),
+           names=names, projection=self.projection,
+           proj_seeds=[int(st["proj_seed"]) for st in states],
            lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"],
            weight_decay=group["weight_decay"], rank=int(group["rank"]),
            update_proj_gap=int(group["update_proj_gap"]), scale_type=group["scale_type"],
@@ -143,24 +189,28 @@ class ApolloRule(Rule):
 def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                           exp_avg_sqs: list[Tensor], limiter_norms: list[Tensor],
                           state_steps: list[Tensor], *, plans: list[Plan], names: list[str],
-                          projection: Projection, lr: float, beta1: float, beta2: float,
+                          projection: Projection | None, lr: float, beta1: float, beta2: float,
                           eps: float, weight_decay: float, rank: int, update_proj_gap: int,
-                          scale_type: str, scale: float, limiter_gamma: float) -> None:
+                          scale_type: str, scale: float, limiter_gamma: float,
+                          proj_seeds: list[int] | None = None) -> None:
     """One APOLLO step, matrix by matrix; decay after the step, as the authors' code.
 
     ``plans[i]``: ``(fan_in, fan_out, compressed, view)`` of parameter ``i``
-    (:meth:`ApolloRule._plan`).  The step count is read on the host (a CPU tensor) to pick
+    (:meth:`ApolloRule._plan`).  ``projection``: the injected projection, or ``None`` for
+    the default one of each parameter's seed ``proj_seeds[i]`` (:func:`seeded_projection`).
+    The step count is read on the host (a CPU tensor) to pick
     the projection and the bias corrections.
     """
     b1, b2, wd, gamma = beta1, beta2, weight_decay, limiter_gamma
-    for p, g, m, v, lim, step, (fi, fo, comp, view), name in zip(
+    get = _projector(projection, proj_seeds or [0] * len(params))
+    for i, (p, g, m, v, lim, step, (fi, fo, comp, view), name) in enumerate(zip(
             params, grads, exp_avgs, exp_avg_sqs, limiter_norms, state_steps, plans, names,
-            strict=True):
+            strict=True)):
         t = float(step)
         refresh = (int(t) - 1) // update_proj_gap
         w = wide(g.dtype)
         g32 = g.to(w) if view is None else view.to_matrix(g).to(w)
-        proj = projection(name, refresh, g32.shape[comp], rank).to(device=g.device, dtype=w)
+        proj = get(i, name, refresh, g32.shape[comp], rank).to(device=g.device, dtype=w)
         proj = _replicated_like(proj, g)
         # contiguous: the norms below then sum in the order of the multi-tensor path's
         r = torch.matmul(g32.movedim(comp, -1), proj).movedim(-1, comp).contiguous()
@@ -192,10 +242,11 @@ def _single_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: l
 def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                          exp_avg_sqs: list[Tensor], limiter_norms: list[Tensor],
                          state_steps: list[Tensor], *, plans: list[Plan], names: list[str],
-                         projection: Projection, lr: float, beta1: float, beta2: float,
+                         projection: Projection | None, lr: float, beta1: float, beta2: float,
                          eps: float, weight_decay: float, rank: int, update_proj_gap: int,
-                         scale_type: str, scale: float, limiter_gamma: float) -> None:
-    """One APOLLO step, same-shape matrices at once.
+                         scale_type: str, scale: float, limiter_gamma: float,
+                         proj_seeds: list[int] | None = None) -> None:
+    """One APOLLO step, same-shape matrices at once (``proj_seeds``: as the single path's).
 
     Matrices of one shape and plan are stacked: one ``torch.bmm`` with their stacked
     projections, the moments updated by ``torch._foreach_*`` kernels, the scaling factors
@@ -209,12 +260,15 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
         "projection": projection, "lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps,
         "weight_decay": weight_decay, "rank": rank, "update_proj_gap": update_proj_gap,
         "scale_type": scale_type, "scale": scale, "limiter_gamma": limiter_gamma}
+    seeds = proj_seeds or [0] * len(params)
+    get = _projector(projection, seeds)
     single = [i for i, (p, g, plan) in enumerate(zip(params, grads, plans, strict=True))
               if plan[3] is not None or is_dtensor(p) or is_dtensor(g)]
     if single:
         _single_tensor_apollo(*([xs[i] for i in single] for xs in (
             params, grads, exp_avgs, exp_avg_sqs, limiter_norms, state_steps)),
-            plans=[plans[i] for i in single], names=[names[i] for i in single], **kw)
+            plans=[plans[i] for i in single], names=[names[i] for i in single],
+            proj_seeds=[seeds[i] for i in single], **kw)
     buckets: dict[tuple[Any, ...], list[int]] = {}
     skip = set(single)
     for i, (p, plan) in enumerate(zip(params, plans, strict=True)):
@@ -227,7 +281,7 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
         ts = [float(state_steps[i]) for i in idx]
         g32 = torch.stack([grads[i] for i in idx]).to(w)  # (B, *shape)
         n = shape[comp]
-        proj = torch.stack([projection(names[i], (int(t) - 1) // update_proj_gap, n, rank)
+        proj = torch.stack([get(i, names[i], (int(t) - 1) // update_proj_gap, n, rank)
                             for i, t in zip(idx, ts, strict=True)]).to(device=device, dtype=w)
         # One matmul per matrix, as the single-tensor path: a batched matmul may block (and
         # so round) differently from the unbatched one (seen with MKL on AVX-512 CPUs).
@@ -282,8 +336,12 @@ class APOLLO(RuleOptimizer):
     A rank-``r`` random projection of the smaller axis carries AdamW moments whose ratio
     scales the raw gradient (``"tensor"``: one factor; ``"channel"``: one per channel),
     times ``√scale``, through a norm-growth limiter (γ); the projection is regenerated every
-    ``update_proj_gap`` steps from ``seed`` (or taken from ``projection``) and not stored;
-    decay is applied after the step.
+    ``update_proj_gap`` steps (or taken from ``projection``) and not stored; decay is applied
+    after the step.  The default projection of a parameter is drawn from its own seed,
+    ``state["proj_seed"]`` (:func:`projection_seed`: ``seed`` and the parameter's position
+    in the optimizer, never its name), saved and restored with the state: an optimizer
+    built on ``model.parameters()`` resumes one built on ``model.named_parameters()``
+    exactly.
 
     Args:
       params: parameters or param groups (matrices only).
@@ -296,14 +354,21 @@ class APOLLO(RuleOptimizer):
       eps: Adam ε.
       weight_decay: decoupled decay, applied after the step.
       limiter_gamma: norm-growth limit γ.
-      seed: seed of the default projection.
-      projection: ``projection(name, refresh_index, n, rank) -> P`` to inject ``P``.
+      seed: seed of the default projections (an integer >= 0).
+      projection: ``projection(name, refresh_index, n, rank) -> P`` to inject ``P`` (keyed
+        on names, as :mod:`sage_optax`'s; not saved with the state).
       fan_in_dim: dim (or tuple of dims, merged in that order) of the fan-in axis.
       fan_out_dim: dim (or tuple of dims, merged in that order) of the fan-out axis.
       maximize: ascend instead of descend.
       foreach: the multi-tensor path (default: on CUDA and under ``torch.compile``):
         same-shape matrices stacked, one batched projection product, foreach kernels for
         the moments and the step.
+      fallback: the rule for the parameters this one cannot treat (vectors and 0-D
+        parameters, complex parameters): a rule name
+        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
+        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
+        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
+        ``None``: such a parameter raises a ``ValueError`` naming it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,
@@ -315,9 +380,11 @@ class APOLLO(RuleOptimizer):
                  limiter_gamma: float = _APOLLO["limiter_gamma"], seed: int = _APOLLO["seed"],
                  *, projection: Projection | None = None, fan_in_dim: Axes = -1,
                  fan_out_dim: Axes = -2, maximize: bool = False,
-                 foreach: bool | None = None, cpu_threads: int = 1) -> None:
+                 foreach: bool | None = None, cpu_threads: int = 1,
+                 fallback: str | dict[str, Any] | None = None) -> None:
         super().__init__(params, {
-            "rule": "apollo", "lr": lr, "rank": rank, "scale_type": scale_type, "scale": scale,
+            "rule": "apollo", "fallback": fallback, "lr": lr, "rank": rank,
+            "scale_type": scale_type, "scale": scale,
             "update_proj_gap": update_proj_gap, "betas": tuple(betas), "eps": eps,
             "weight_decay": weight_decay, "limiter_gamma": limiter_gamma, "seed": seed,
             "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,

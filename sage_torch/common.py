@@ -71,10 +71,13 @@ def pow2_floor(amax: Tensor) -> Tensor:
     return m.clamp_min(torch.finfo(amax.dtype).tiny)
 
 
-def check_group(group: dict[str, Any], rule: str, keys: Sequence[str]) -> None:
-    """Check ``group``'s ``lr``, ``weight_decay``, ``betas`` and ``keys``.
+def check_group(group: dict[str, Any], rule: str, keys: Sequence[str] = ()) -> None:
+    """Check ``group``'s ``lr`` and every hyperparameter of ``rule`` against the shared table.
 
-    Against the shared table (:mod:`sage_optim.hyperparams`): the messages are those of
+    Every key of :data:`sage_optim.presets.RULE_DEFAULTS` for ``rule`` that the group holds
+    (``weight_decay``, ``eps``, ``alpha``, ``seed``, ...; ``betas`` for ``b1``/``b2``) and
+    ``keys`` are checked against :mod:`sage_optim.hyperparams` (its ranges and choices), so
+    no hyperparameter of a rule goes unchecked: the messages are those of
     :mod:`sage_optax`.
     """
     lr = group["lr"]
@@ -85,17 +88,21 @@ def check_group(group: dict[str, Any], rule: str, keys: Sequence[str]) -> None:
             raise ValueError(f"lr must be a floating tensor with capturable=True, got {lr.dtype}")
     if isinstance(lr, Tensor) and lr.device.type != "cpu":
         pass  # a device lr (capturable=True) is not read back to the host to be checked
-    else:
+    elif isinstance(lr, Tensor):
         hyperparams.check("lr", float(lr), rule)
-    hyperparams.check("weight_decay", group["weight_decay"], rule)
-    if "b1" in RULE_DEFAULTS.get(rule, {}):
+    else:
+        hyperparams.check("lr", lr, rule)
+    defaults = RULE_DEFAULTS.get(rule, {})
+    if "b1" in defaults:
         betas = group["betas"]
-        if len(betas) != 2:
+        if isinstance(betas, str) or not isinstance(betas, Sequence) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
         hyperparams.check("b1", betas[0], rule, "betas[0] (b1)")
         hyperparams.check("b2", betas[1], rule, "betas[1] (b2)")
-    for key in keys:
-        hyperparams.check(key, group[key], rule)
+    names = [k for k in defaults if k not in ("b1", "b2", "projection")]
+    for key in dict.fromkeys([*names, *keys]):
+        if key in group:
+            hyperparams.check(key, group[key], rule)
 
 
 def axis_group(value: Axes, ndim: int, what: str, name: str = "") -> tuple[int, ...]:
@@ -366,6 +373,21 @@ class Rule:
     """Whether the update reads no matrix axes (element-wise, or one norm over the tensor):
     every layout of a parameter then gets the same update."""
 
+    host_keys: tuple[str, ...] = ()
+    """State entries that are host bookkeeping, like ``step`` (APOLLO's ``proj_seed``): not
+    counted in the state bytes of :func:`sage_torch.routing_table`, as in
+    :mod:`sage_optax`, which keys its projections on the host."""
+
+    complex_ok: bool = False
+    """Whether the rule trains complex parameters (element-wise rules: as
+    ``torch.view_as_real`` pairs of reals, as ``torch.optim``)."""
+
+    needs_matrix: bool = False
+    """Whether the rule treats matrices only (SinkGD, APOLLO)."""
+
+    complex_why: str = "is defined for real tensors only"
+    """Why the rule cannot train a complex parameter (the error says it)."""
+
     largest_param_bytes: int = 0
     """Bytes of the optimizer's largest parameter, over all param groups (set by
     :class:`~sage_torch.RuleOptimizer` before each step): the multi-tensor steps hold a few
@@ -385,12 +407,34 @@ class Rule:
         """
         return None
 
+    def unsupported(self, p: Tensor, name: str) -> str | None:
+        """Why this rule cannot treat parameter ``p`` (named ``name``), or ``None`` if it can.
+
+        A complex parameter unless :attr:`complex_ok`; one with fewer than two dims when
+        :attr:`needs_matrix`.
+        """
+        if p.is_complex() and not self.complex_ok:
+            return (f"parameter {name or '<unnamed>'} of shape {tuple(p.shape)} is complex "
+                    f"({p.dtype}): the {self.name} rule {self.complex_why}; the element-wise "
+                    "rules (adamw, lion) train complex parameters, as pairs of reals")
+        if self.needs_matrix and p.dim() < 2:
+            return (f"{self.name} needs a matrix, but parameter {name or '<unnamed>'} has size "
+                    f"{tuple(p.shape)}")
+        return None
+
     def validate(self, group: dict[str, Any]) -> None:
         """Raise a ``ValueError`` naming any invalid hyperparameter of ``group``."""
         check_group(group, self.name, self.checked)
 
-    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:
-        """The state of a parameter before its first step (tensors only, no 'step')."""
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str,
+                   index: int = 0) -> dict[str, Tensor]:
+        """The state of a parameter before its first step (tensors only, no ``'step'``).
+
+        ``index``: the parameter's position in the optimizer, over all its param
+        groups (what ``state_dict`` numbers it by), never its name: the state must not
+        depend on whether the optimizer was built on ``parameters()`` or
+        ``named_parameters()``.
+        """
         return {}
 
     def step(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]],

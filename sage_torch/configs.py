@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -10,12 +11,12 @@ from torch import nn
 
 from sage_optim.hyperparams import check_skip_nonfinite
 from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
-from sage_optim.routing import ResolvedRoute, RoutingError
+from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
 from sage_torch.nonfinite import SkipNonFinite
 from sage_torch.optimizer import RuleOptimizer, update_key
-from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, routing, state_nbytes
+from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, Routing, routing, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
                                  "capturable", "cpu_threads")
@@ -55,15 +56,175 @@ def _kind_options(preset: Preset, kind: str, lr: float | None,
     return options
 
 
-def _plan(model: nn.Module | Iterable[Any], name: str, lr: float | None,
-          overrides: dict[str, Any]) -> tuple[list[dict[str, Any]], list[RoutedParam],
-                                              dict[str, dict[str, Any]], Preset]:
-    """Route ``model`` and group it: ``(groups, routed, kind options, preset)``.
+def _member_name(group: Mapping[str, Any], gi: int | None, i: int, x: Any) -> str:
+    """How the ``i``-th member of param group ``gi`` is called in messages."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str):
+        return x[0]
+    names = group.get("param_names")
+    if names is not None and i < len(names):
+        return str(names[i])
+    return f"param_groups[{gi}].params[{i}]" if gi is not None else f"params[{i}]"
+
+
+def _member_tensor(x: Any) -> Any:
+    return x[1] if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) else x
+
+
+def _materialized(params: Any) -> Any:
+    """``params`` with every iterator turned into a list, duplicates checked as torch does.
+
+    A parameter in two param groups raises a ``ValueError`` naming it and both groups (as
+    ``torch.optim``, which refuses it); one listed twice in a group is kept once, with
+    ``torch.optim``'s warning (naming it).  An ``nn.Module`` is returned as is.
+    """
+    if isinstance(params, nn.Module | torch.Tensor | Mapping) or params is None:
+        return params
+    items = list(params)
+    grouped = bool(items) and all(isinstance(x, dict) for x in items)
+    groups = [dict(g) for g in items] if grouped else [{"params": items}]
+    owner: dict[int, tuple[int, str]] = {}
+    for gi, group in enumerate(groups):
+        members = group.get("params")
+        if members is None or isinstance(members, set):
+            continue  # the router says why
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        names = group.get("param_names")
+        names = None if names is None else list(names)
+        if names is not None:
+            group["param_names"] = names
+        keep, dup = [], []
+        for i, x in enumerate(members):
+            t = _member_tensor(x)
+            if not isinstance(t, torch.Tensor):
+                keep.append(i)
+                continue
+            name = _member_name(group, gi if grouped else None, i, x)
+            seen = owner.get(id(t))
+            if seen is not None and seen[0] != gi:
+                raise ValueError(
+                    f"some parameters appear in more than one parameter group: {name} of "
+                    f"shape {tuple(t.shape)} is in param group {seen[0]} (as {seen[1]}) and "
+                    f"in param group {gi}; one parameter, one group (as torch.optim)")
+            if seen is not None:
+                dup.append(name)
+                continue
+            owner[id(t)] = (gi, name)
+            keep.append(i)
+        if dup:
+            warnings.warn(
+                f"optimizer contains a parameter group with duplicate parameters ({', '.join(dup)}"
+                f"{' in param group ' + str(gi) if grouped else ''}); each is kept once",
+                UserWarning, stacklevel=4)
+            if names is not None and len(names) == len(members):
+                group["param_names"] = [names[i] for i in keep]
+        group["params"] = [members[i] for i in keep]
+    return groups if grouped else groups[0]["params"]
+
+
+def _group_overrides(groups: Sequence[Mapping[str, Any]],
+                     names: Mapping[int, str]) -> dict[str, Any]:
+    """Param groups' ``kind``/``fan_in_dim``/``fan_out_dim`` as overrides of their members.
+
+    By exact name, for ``make_optimizer(..., model=)``.
+    """
+    out: dict[str, Any] = {}
+    for gi, group in enumerate(groups):
+        kind = group.get("kind")
+        axes = (group.get("fan_in_dim"), group.get("fan_out_dim"))
+        if kind is None:
+            if axes != (None, None):
+                raise ValueError(f"param group {gi} gives fan_in_dim/fan_out_dim but no kind; "
+                                 "add kind='dense' or kind='embedding'")
+            continue
+        for x in group["params"]:
+            name = names.get(id(_member_tensor(x)))
+            if name is not None:
+                out[name] = (Route(kind, fan_in=axes[0], fan_out=axes[1])
+                             if axes != (None, None) and kind != "vector" else kind)
+    return out
+
+
+def _with_model(params: Any, model: nn.Module, overrides: Mapping[str, Any] | None) -> Routing:
+    """Route what ``torch.optim`` takes (tensors, pairs, HF-style groups) by ``model``'s evidence.
+
+    Every member is named and placed as when the model itself is given (its module types,
+    its API, its names), and each group keeps its options (``weight_decay``, ``lr``, ...);
+    a member that is not a parameter of ``model`` raises a ``ValueError`` naming it.
+    Parameters of the model in no group are not trained (as with ``torch.optim``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model= must be an nn.Module, got {type(model).__name__}")
+    items = list(params)
+    grouped = bool(items) and all(isinstance(x, dict) for x in items)
+    groups = items if grouped else [{"params": items}]
+    if not any(g.get("params") for g in groups):
+        raise ValueError("optimizer got an empty parameter list")
+    names = {id(p): n for n, p in model.named_parameters()}
+    for gi, group in enumerate(groups):
+        if "rule" in group:
+            raise ValueError(
+                f"param group {gi} sets rule={group['rule']!r}: make_optimizer gives each "
+                "kind its configuration's rule; give kind= instead, or add the group "
+                "afterwards with opt.add_param_group")
+        for i, x in enumerate(group["params"]):
+            t = _member_tensor(x)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, but "
+                                f"{_member_name(group, gi, i, x)} is a {type(t).__name__}")
+            if id(t) not in names:
+                raise ValueError(
+                    f"{_member_name(group, gi if grouped else None, i, x)} of shape "
+                    f"{tuple(t.shape)} is not a parameter of the model given as model= "
+                    f"({type(model).__name__}); pass the model that holds it")
+    merged = {**_group_overrides(groups, names), **dict(overrides or {})}
+    full = routing(model, merged, frozen=True)
+    order = [(names[id(_member_tensor(x))], _member_tensor(x), gi if grouped else None)
+             for gi, group in enumerate(groups) for x in group["params"]]
+    wanted = {n for n, _, _ in order}
+    errors = [e for e in full.errors
+              if any(pr.leaf is None or pr.leaf in wanted for pr in (e.problems or (e,)))]
+    options = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+               for g in groups] if grouped else None
+    return Routing(order, {id(p): full.routes[id(p)] for _, p, _ in order
+                           if id(p) in full.routes}, errors, options)
+
+
+def _leave_out_frozen(result: Routing) -> None:
+    """Leave out the frozen parameters the router cannot place, with a warning naming them.
+
+    Frozen parameters are routed (no gradient needed) and kept, so that they train once
+    unfrozen; one that nothing places would otherwise make the whole model refused for a
+    parameter that is not being trained.
+    """
+    frozen = {n for n, p, _ in result.order if not p.requires_grad}
+    if not frozen or not result.errors:
+        return
+    kept, dropped = [], []
+    for err in result.errors:
+        leaves = [pr.leaf for pr in (err.problems or (err,))]
+        if leaves and all(leaf in frozen for leaf in leaves):
+            dropped += [str(leaf) for leaf in leaves]
+        else:
+            kept.append(err)
+    if dropped:
+        result.errors = kept
+        result.order = [o for o in result.order if o[0] not in set(dropped)]
+        warnings.warn(
+            f"frozen parameters left out of the optimizer, as nothing places them: "
+            f"{', '.join(dropped)}; they will not train if unfrozen. Route them in "
+            "route_overrides to keep them", UserWarning, stacklevel=4)
+
+
+def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
+          overrides: dict[str, Any], model: nn.Module | None = None,
+          frozen: bool = True) -> tuple[list[dict[str, Any]], list[RoutedParam],
+                                        dict[str, dict[str, Any]], Preset]:
+    """Route ``params`` and group it: ``(groups, routed, kind options, preset)``.
 
     A parameter the router cannot place is placed anyway when every reading of it gets the
     same update under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
     gives a table and a dense matrix with the same axes the same SAGE step), and refused
-    otherwise.
+    otherwise.  ``frozen``: route the frozen parameters too (kept, to train once unfrozen).
     """
     overrides = dict(overrides)
     axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
@@ -80,10 +241,24 @@ def _plan(model: nn.Module | Iterable[Any], name: str, lr: float | None,
         if k in overrides
     }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
-    result = routing(model, overrides.pop("route_overrides", None))
+    if params is None and model is None:
+        raise TypeError("make_optimizer needs the model or its params (tensors, (name, "
+                        "tensor) pairs or param groups, with model= for their evidence)")
+    if params is None:
+        params = model
+    elif isinstance(params, nn.Module) and model is not None and params is not model:
+        raise ValueError("make_optimizer got two models: pass the nn.Module once, or its "
+                         "params (or param groups) with model=")
+    params = _materialized(params)
+    route_overrides = overrides.pop("route_overrides", None)
+    if model is not None and not isinstance(params, nn.Module):
+        result = _with_model(params, model, route_overrides)
+    else:
+        result = routing(params, route_overrides, frozen=frozen)
     if result.errors:
         result.accept_equivalent(
             update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
+    _leave_out_frozen(result)
     routed = result.placed()
     group_of = {id(p): g for _, p, g in result.order}
     layouts: dict[tuple[str, Any, Any, int | None], list[RoutedParam]] = {}
@@ -108,12 +283,12 @@ def _plan(model: nn.Module | Iterable[Any], name: str, lr: float | None,
     return groups, routed, kinds, preset
 
 
-def param_groups(model: nn.Module | Iterable[Any], name: str, lr: float | None = None,
-                 **overrides: Any) -> list[dict[str, Any]]:
-    """Route ``model``'s parameters into the param groups of configuration ``name``.
+def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None = None,
+                 *, model: nn.Module | None = None, **overrides: Any) -> list[dict[str, Any]]:
+    """Route ``params``' parameters into the param groups of configuration ``name``.
 
-    ``model`` is the ``nn.Module`` or what ``torch.optim`` takes as ``params``, as for
-    :func:`make_optimizer`.
+    ``params`` is the ``nn.Module`` or what ``torch.optim`` takes as ``params``, and
+    ``model`` the module that holds them, as for :func:`make_optimizer`.
 
     Returns one group per kind (``embedding``, ``dense``, ``vector``) and layout, each with
     ``params``, ``param_names``, ``kind``, ``rule``, ``lr``, the rule's hyperparameters
@@ -122,10 +297,11 @@ def param_groups(model: nn.Module | Iterable[Any], name: str, lr: float | None =
     ``(1, 0)``, a transformers ``Conv1D`` ``(in, out)`` is ``(0, 1)``, a ``Conv2d``
     ``((1, 2, 3), 0)``.  ``overrides`` are those of :func:`make_optimizer`.
     """
-    return _plan(model, name, lr, overrides)[0]
+    return _plan(params, name, lr, overrides, model)[0]
 
 
-def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None = None,
+def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
+                   lr: float | None = None, *, model: nn.Module | None = None,
                    **overrides: Any) -> RuleOptimizer:
     """Build one of the paper's eight configurations for ``model`` as one optimizer.
 
@@ -133,7 +309,7 @@ def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None
       name: ``adamw``, ``lion``, ``apollo``, ``sinkgd-pure``, ``sinkgd-hybrid``,
         ``lion-hybrid``, ``sage-pure`` or ``sage-hybrid`` (same table and defaults as
         :func:`sage_optax.make_optimizer`).
-      model: the ``nn.Module`` whose parameters to train (:func:`sage_torch.route_params`
+      params: the ``nn.Module`` whose parameters to train (:func:`sage_torch.route_params`
         places them: module types, the model API, shapes), or what ``torch.optim`` takes
         as ``params``, with less evidence: ``model.named_parameters()`` (PyTorch's names:
         a 2-D ``weight`` is ``(out, in)``, one under an ``emb`` name or a known table name
@@ -148,8 +324,18 @@ def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None
         a group's own option, then ``<kind>_<hp>``, then ``<hp>``, then the preset).  A
         parameter nothing places is refused unless every reading of it gets the same update
         under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
-        updates a table and a Linear with the same axes alike).  Frozen parameters are left
-        out.
+        updates a table and a Linear with the same axes alike).  As in ``torch.optim``, a
+        parameter in two groups raises a ``ValueError`` and one listed twice in a group
+        warns (kept once).  Frozen parameters (``requires_grad=False``) are routed and kept
+        in their group: they are skipped while their ``grad`` is ``None`` and train once
+        unfrozen (one that nothing places is left out, with a warning naming it).
+      model: the ``nn.Module`` holding the tensors of ``params`` (``make_optimizer(name,
+        groups, model=model)``): every tensor, bare or named, is placed by the model's
+        evidence (module types, API, names), as if the model had been given, while each
+        param group keeps its options, e.g. Hugging Face's ``[{"params": decay,
+        "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]``; a tensor that
+        is not the model's raises a ``ValueError``.  The optimizer keeps the model
+        (:attr:`~sage_torch.RuleOptimizer.model`) to route groups added later.
       lr: learning rate of every group (default: the configuration's paper value).
         Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
@@ -182,19 +368,26 @@ def make_optimizer(name: str, model: nn.Module | Iterable[Any], lr: float | None
         projection = overrides.pop(key)
     skip = check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
     cpu_threads = overrides.pop("cpu_threads", 1)
-    groups, _, kinds, _ = _plan(model, name, lr, overrides)
+    groups, _, kinds, _ = _plan(params, name, lr, overrides, model)
+    module = params if isinstance(params, nn.Module) else model
+    opt: RuleOptimizer
     if skip:
-        return SkipNonFinite(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
-                             skip_nonfinite=skip, cpu_threads=cpu_threads)
-    return RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
-                         cpu_threads=cpu_threads)
+        opt = SkipNonFinite(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
+                            skip_nonfinite=skip, cpu_threads=cpu_threads)
+    else:
+        opt = RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
+                            cpu_threads=cpu_threads)
+    if module is not None:
+        opt.model = module
+    return opt
 
 
-def routing_table(name: str, model: nn.Module | Iterable[Any],
-                  **overrides: Any) -> RoutingTable:
-    """Route ``model`` as configuration ``name`` would and count each parameter's state bytes.
+def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
+                  model: nn.Module | None = None, **overrides: Any) -> RoutingTable:
+    """Route ``params`` as configuration ``name`` would and count each parameter's state bytes.
 
-    ``model`` is what :func:`make_optimizer` takes: the ``nn.Module`` or ``params``.
+    ``params`` and ``model`` are what :func:`make_optimizer` takes: the ``nn.Module``, or
+    ``params`` (tensors, pairs, param groups) with or without the ``model`` holding them.
 
     One :class:`~sage_optim.table.RoutingRow` per trainable parameter, in model order: its
     kind, rule, fan-in and fan-out axes with sizes, the evidence that placed it and its state
@@ -203,14 +396,16 @@ def routing_table(name: str, model: nn.Module | Iterable[Any],
     """
     overrides = {k: v for k, v in overrides.items()
                  if not k.endswith("projection") and k not in ("skip_nonfinite", "cpu_threads")}
-    groups, routed, _, preset = _plan(model, name, None, overrides)
+    groups, routed, _, preset = _plan(params, name, None, overrides, model, frozen=False)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})
     nbytes: dict[str, int] = {}
     for group in opt.param_groups:
         rule = opt.rule_of(group)
         for p, pname in zip(group["params"], group["param_names"], strict=True):
-            nbytes[pname] = state_nbytes(rule.init_state(p, group, pname))
+            state = rule.init_state(p, group, pname)
+            nbytes[pname] = state_nbytes({k: v for k, v in state.items()
+                                          if k not in rule.host_keys})
     rows = []
     for r in routed:
         route = r.route

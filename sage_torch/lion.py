@@ -127,6 +127,8 @@ class LionRule(Rule):
 
     name = "lion"
 
+    complex_ok = True
+
     layout_free = True
 
     has_fused = True
@@ -147,7 +149,7 @@ class LionRule(Rule):
             out[path] = (p, m)
         return fused_check.first_error(ps, out, ("parameter", "exp_avg"), dtype)
 
-    def init_state(self, p, group, name):  # noqa: D102
+    def init_state(self, p, group, name, index=0):  # noqa: D102
         return {"exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
     def step(self, params, grads, states, names, group, foreach, fused=False):  # noqa: D102
@@ -184,14 +186,22 @@ class Lion(RuleOptimizer):
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
+      fallback: the rule for the parameters this one cannot treat (none: Lion treats every
+        real or complex tensor; accepted for uniformity): a rule name
+        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
+        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
+        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
+        ``None``: such a parameter raises a ``ValueError`` naming it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["lion"].learning_rate,
                  betas: tuple[float, float] = (_LION["b1"], _LION["b2"]),
                  weight_decay: float = _LION["weight_decay"], *, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool = False, cpu_threads: int = 1) -> None:
+                 capturable: bool = False, cpu_threads: int = 1,
+                 fallback: str | dict[str, Any] | None = None) -> None:
         super().__init__(params, {
-            "rule": "lion", "lr": lr, "betas": tuple(betas), "weight_decay": weight_decay,
+            "rule": "lion", "fallback": fallback, "lr": lr, "betas": tuple(betas),
+            "weight_decay": weight_decay,
             "maximize": maximize, "foreach": foreach, "fused": fused, "capturable": capturable,
         }, cpu_threads=cpu_threads)

@@ -84,7 +84,7 @@ class SkipNonFinite(RuleOptimizer):
             self.total_nonfinite += 1
             if self.nonfinite_count <= self.skip_nonfinite:
                 return loss
-        super().step()
+        self._update()  # not super().step(): the step hooks run once, around this step
         return loss
 
     def __getstate__(self) -> dict[str, Any]:

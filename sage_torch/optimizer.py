@@ -13,6 +13,7 @@ its own.
 from __future__ import annotations
 
 import itertools
+import numbers
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
@@ -58,6 +59,57 @@ def _negative(route: ResolvedRoute) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A route's axes counted from the end (``(-1,), (-2,)``: every ``(..., out, in)``)."""
     ndim = len(route.shape)
     return tuple(a - ndim for a in route.fan_in), tuple(a - ndim for a in route.fan_out)
+
+
+def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with every ``step`` that is a Python number as a float32 tensor.
+
+    A shallow copy (the caller's dict is left as it is); anything else, a ``step`` of
+    another type included, is kept for :meth:`RuleOptimizer.check_state_dict` to judge.
+    """
+    saved = state_dict.get("state")
+    if not isinstance(saved, Mapping):
+        return dict(state_dict)
+    state: dict[Any, Any] = {}
+    for pid, st in saved.items():
+        step = st.get("step") if isinstance(st, Mapping) else None
+        if isinstance(step, numbers.Real) and not isinstance(step, bool):
+            st = {**st, "step": torch.tensor(float(step), dtype=torch.float32)}
+        state[pid] = st
+    return {**state_dict, "state": state}
+
+
+def _drop_duplicates(group: dict[str, Any]) -> None:
+    """Keep each parameter of ``group`` once (``torch.optim`` has warned of the duplicate).
+
+    ``torch.optim`` keeps both and steps the parameter twice; here the second is dropped.
+    """
+    params = group["params"]
+    if len({id(p) for p in params}) == len(params):
+        return
+    first: dict[int, int] = {}
+    for i, p in enumerate(params):
+        first.setdefault(id(p), i)
+    keep = sorted(first.values())
+    group["params"] = [params[i] for i in keep]
+    if len(group.get("param_names") or []) == len(params):
+        group["param_names"] = [group["param_names"][i] for i in keep]
+
+
+def _real(t: Any) -> Any:
+    return torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t
+
+
+def _as_real(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]]
+             ) -> tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]:
+    """Complex parameters, gradients and state as ``torch.view_as_real`` views.
+
+    What ``torch.optim.Adam``/``AdamW`` do with complex parameters: the element-wise rules
+    then treat the real and imaginary parts as two real numbers; the views share storage,
+    so the step writes the complex tensors.
+    """
+    return ([_real(p) for p in params], [_real(g) for g in grads],
+            [{k: _real(v) for k, v in st.items()} for st in states])
 
 
 class MomentumError(ValueError):
@@ -117,6 +169,22 @@ class RuleOptimizer(torch.optim.Optimizer):
         configuration's): a group added with ``kind=`` and no ``rule`` gets that kind's rule,
         hyperparameters and learning rate.
 
+    Attributes:
+      model: the ``nn.Module`` the optimizer was built from (set by
+        :func:`sage_torch.make_optimizer`; ``None`` otherwise, and in a copy or an unpickled
+        optimizer): :meth:`add_param_group` routes new parameters found in it by its
+        evidence.
+
+    Param groups may set ``fallback`` (the classes' ``fallback=`` argument): a rule name
+    (``"adamw"``) or a dict of group options with a ``"rule"``; the parameters the group's
+    rule cannot treat (a vector under SinkGD or APOLLO, a complex tensor under SAGE, SinkGD
+    or APOLLO) then go to a group of their own, appended after it, with that rule, the
+    group's ``lr``, ``weight_decay``, ``maximize``, ``foreach`` and ``capturable``, and the
+    fallback rule's defaults for its other hyperparameters (a dict's keys win).  Without a
+    fallback such a parameter raises a ``ValueError`` naming it and why.  Complex
+    parameters are trained by the element-wise rules (``adamw``, ``lion``, ``unit_norm``)
+    as ``torch.optim`` trains them: as ``torch.view_as_real`` pairs of reals.
+
     ``fan_in_dim``/``fan_out_dim`` are a dim or a tuple of dims (merged into one matrix axis,
     :class:`sage_torch.common.MatrixView`); ``fan_out_dim=None`` makes SAGE element-wise.
     Groups without ``param_names`` get generated names (``param_groups[2].params[0]``) when
@@ -142,6 +210,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._cpu_threads = cpu_threads
         self._rules: dict[str, Rule] = self._make_rules()
         self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
+        self.model: torch.nn.Module | None = None
         merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
         super().__init__(params, merged)
         merged.owner = self
@@ -180,6 +249,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("kinds", {})
         self.__dict__.setdefault("_projection", None)
         self.__dict__.setdefault("_cpu_threads", 1)
+        self.__dict__.setdefault("model", None)  # not pickled: a copy routes no new module
         self._rules = self._make_rules()
 
     def _name_group(self, param_group: dict[str, Any]) -> None:
@@ -224,10 +294,28 @@ class RuleOptimizer(torch.optim.Optimizer):
         make a ``'vector'`` group, named matrices take their kind and axes from their names;
         a group that mixes kinds or layouts, or a matrix nothing places, raises a
         ``ValueError`` that names it and the keys to add (``kind=``, ``fan_in_dim=``,
-        ``fan_out_dim=``).
+        ``fan_out_dim=``).  Parameters of a module given with them (``"module": layer``)
+        or found in :attr:`model` (the module the optimizer was built from) are instead
+        placed by that module's evidence, as :func:`sage_torch.make_optimizer` places a
+        model's, and added as one group per kind and layout, each with the group's options.
+        As ``torch.optim``, a parameter already in another group raises a ``ValueError``;
+        one listed twice in the group warns and is kept once.  Parameters the group's rule
+        cannot treat go to its ``fallback`` (see the class docstring) or raise.
         """
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        module = param_group.pop("module", None)
+        if module is not None and not isinstance(module, torch.nn.Module):
+            raise TypeError(f"param group 'module' must be an nn.Module, got "
+                            f"{type(module).__name__}")
+        if module is not None and not self.kinds:
+            raise ValueError(
+                "param group gives module=, which routes its parameters by kind: only an "
+                "optimizer from sage_torch.make_optimizer has kinds; give this optimizer's "
+                "group fan_in_dim=/fan_out_dim= (or rule=) instead")
+        if (param_group.get("kind") is None and "rule" not in param_group and self.kinds
+                and self._route_by_module(param_group, module)):
+            return
         if param_group.get("kind") is None and "rule" not in param_group and self.kinds:
             self._route_group(param_group)
         kind = param_group.get("kind")
@@ -242,6 +330,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._name_group(param_group)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        _drop_duplicates(group)
         rule = group.get("rule")
         if rule not in self._rules:
             self.param_groups.pop()
@@ -257,9 +346,131 @@ class RuleOptimizer(torch.optim.Optimizer):
         try:
             self._rules[rule].validate(group)
             self._check_fused(group)
+            moved = self._unsupported(group)
         except ValueError:
             self.param_groups.pop()
             raise
+        if moved:
+            self._add_fallback(group, moved)
+
+    def _unsupported(self, group: dict[str, Any]) -> list[int]:
+        """Indices of ``group``'s parameters its rule cannot treat (to its fallback).
+
+        Raises:
+          ValueError: such a parameter and no ``fallback``, naming it, its shape and why,
+            or a ``fallback`` that names no rule.  (The fallback's group is then checked
+            as any group: a fallback rule that cannot treat it either raises there.)
+        """
+        rule = self._rules[group["rule"]]
+        fallback = group.get("fallback")
+        index = len(self.param_groups) - 1
+        if fallback is not None:
+            name = fallback.get("rule") if isinstance(fallback, Mapping) else fallback
+            if not isinstance(name, str) or name not in self._rules:
+                raise ValueError(f"fallback must be a rule name or a dict with a 'rule', one "
+                                 f"of {', '.join(sorted(self._rules))}; got {fallback!r} "
+                                 f"(param group {index})")
+        moved = []
+        for i, (p, name) in enumerate(zip(group["params"], self._names(group), strict=True)):
+            reason = rule.unsupported(p, name)
+            if reason is None:
+                continue
+            if fallback is None:
+                raise ValueError(
+                    f"{reason} (param group {index}). Give the optimizer a fallback rule for "
+                    "such parameters (fallback='adamw', as SinkGD(params, fallback='adamw')), "
+                    "or put them in a param group of their own with rule='adamw' or 'lion'")
+            moved.append(i)
+        return moved
+
+    def _add_fallback(self, group: dict[str, Any], moved: list[int]) -> None:
+        """Move the parameters ``moved`` of ``group`` (the last) to its fallback's group."""
+        fallback = group["fallback"]
+        options = dict(fallback) if isinstance(fallback, Mapping) else {"rule": fallback}
+        rule = options["rule"]
+        names = self._names(group)
+        params = [p for i, p in enumerate(group["params"]) if i in set(moved)]
+        group["params"] = [p for i, p in enumerate(group["params"]) if i not in set(moved)]
+        if "param_names" in group:
+            group["param_names"] = [n for i, n in enumerate(names) if i not in set(moved)]
+        if not group["params"]:
+            self.param_groups.pop()
+        defaults: dict[str, Any] = dict(RULE_DEFAULTS[rule])
+        for key in ("b1", "b2", "projection"):
+            defaults.pop(key, None)
+        if "b1" in RULE_DEFAULTS[rule]:
+            defaults["betas"] = (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"])
+        new: dict[str, Any] = {
+               **{k: v for k, v in group.items() if k not in ("params", "param_names")},
+               **defaults,
+               **{k: group[k] for k in ("lr", "weight_decay", "maximize", "foreach",
+                                        "capturable") if k in group},
+               "fused": None, "fallback": None, "fan_in_dim": None, "fan_out_dim": None,
+               **options, "params": params}
+        if "param_names" in group or self.param_groups and "param_names" in self.param_groups[0]:
+            new["param_names"] = [n for i, n in enumerate(names) if i in set(moved)]
+        if "kind" in group:
+            new["kind"] = group["kind"]
+        self.add_param_group(new)
+
+    def _route_by_module(self, param_group: dict[str, Any],
+                         module: torch.nn.Module | None) -> bool:
+        """Route a group added without ``kind``/``rule`` by a module's evidence, if one holds it.
+
+        The module is the group's ``module`` or else :attr:`model`; every parameter of the
+        group must be one of its parameters (else ``False``: the group is routed by names
+        and shapes, :meth:`_route_group`).  Parameters are placed as
+        :func:`sage_torch.route_params` places the module's (module types, API, names) and
+        named by it; a group whose parameters get several kinds or layouts (an
+        ``nn.Linear``'s weight and bias) is added as one group per kind and layout, each with
+        the group's options, as :func:`sage_torch.make_optimizer` groups a model.
+        """
+        from sage_torch.routing import routing
+
+        module = module if module is not None else self.model
+        if module is None:
+            return False
+        raw = param_group["params"]
+        if isinstance(raw, Tensor):
+            raw = [raw]
+        elif isinstance(raw, set):
+            return False  # torch.optim refuses it, saying why
+        raw = list(raw)
+        tensors = [x[1] if isinstance(x, tuple) and len(x) == 2 else x for x in raw]
+        names = {id(p): n for n, p in module.named_parameters()}
+        if not tensors or not all(isinstance(t, Tensor) and id(t) in names for t in tensors):
+            param_group["params"] = raw
+            return False
+        result = routing(module, None, frozen=True)
+        if result.errors:
+            result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
+                                     "reading gets the same update")
+        wanted = {names[id(t)] for t in tensors}
+        errors = [e for e in result.errors
+                  if any(pr.leaf is None or pr.leaf in wanted for pr in (e.problems or (e,)))]
+        if errors:
+            from sage_optim.routing import RoutingError
+
+            raise RoutingError.combine(errors)
+        given = param_group.get("param_names")
+        own = ([x[0] for x in raw] if all(isinstance(x, tuple) for x in raw)
+               else list(given) if given is not None else [names[id(t)] for t in tensors])
+        buckets: dict[tuple[str, Any, Any], list[int]] = {}
+        for i, t in enumerate(tensors):
+            route = result.routes[id(t)]
+            fan_in = fan_out = None
+            if route.kind != "vector" and route.is_matrix:
+                fan_in = route.fan_in[0] if len(route.fan_in) == 1 else route.fan_in
+                fan_out = route.fan_out[0] if len(route.fan_out) == 1 else route.fan_out
+            buckets.setdefault((route.kind, fan_in, fan_out), []).append(i)
+        options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        order = {k: n for n, k in enumerate(self.kinds)}
+        for (kind, fan_in, fan_out), idx in sorted(buckets.items(),
+                                                   key=lambda kv: order.get(kv[0][0], 99)):
+            self.add_param_group({**options, "params": [tensors[i] for i in idx],
+                                  "param_names": [own[i] for i in idx], "kind": kind,
+                                  "fan_in_dim": fan_in, "fan_out_dim": fan_out})
+        return True
 
     def _route_group(self, param_group: dict[str, Any]) -> None:
         """Give a group added without ``kind`` or ``rule`` its kind and axes (by routing)."""
@@ -383,11 +594,14 @@ class RuleOptimizer(torch.optim.Optimizer):
 
         Raises:
           RuntimeError: a sparse gradient (from ``nn.Embedding(sparse=True)``).
-          ValueError: a complex parameter.
+          ValueError: a parameter the group's rule cannot treat (a complex one under SAGE).
         """
+        position = 0  # the parameter's number in the state dict: no name enters the state
         for index, group in enumerate(self.param_groups):
             rule = self.rule_of(group)
-            for p, name in zip(group["params"], self._names(group), strict=True):
+            start, position = position, position + len(group["params"])
+            for offset, (p, name) in enumerate(zip(group["params"], self._names(group),
+                                                   strict=True)):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
@@ -398,15 +612,16 @@ class RuleOptimizer(torch.optim.Optimizer):
                         "nn.EmbeddingBag built with sparse=True: build it with sparse=False "
                         "(sage_torch.make_optimizer refuses such a model up front)"
                     )
-                if torch.is_complex(p):
-                    raise ValueError(f"complex parameter {name} is not supported")
+                reason = rule.unsupported(p, name)  # a group edited since it was added
+                if reason is not None:
+                    raise ValueError(f"{reason} (param group {index})")
                 state = self.state[p]
                 if not state:
                     # on the parameter's device with capturable=True (as torch.optim.Adam)
                     state["step"] = torch.tensor(
                         0.0, dtype=torch.float32,
                         device=p.device if group.get("capturable", False) else None)
-                    state.update(rule.init_state(p, group, name))
+                    state.update(rule.init_state(p, group, name, start + offset))
 
     @torch.no_grad()
     def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
@@ -417,6 +632,15 @@ class RuleOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._update()
+        return loss
+
+    def _update(self) -> None:
+        """The step itself, without the closure and the step hooks (run by :meth:`step`).
+
+        A subclass whose ``step`` decides whether to update (``SkipNonFinite``) calls this,
+        not ``super().step()``, which would run the step hooks a second time.
+        """
         sizes = [p.numel() * p.element_size() for group in self.param_groups
                  for p in group["params"]]
         largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))
@@ -434,6 +658,8 @@ class RuleOptimizer(torch.optim.Optimizer):
                     names.append(name)
             if not params:
                 continue
+            if any(p.is_complex() for p in params):  # as torch.optim: pairs of reals
+                params, grads, states = _as_real(params, grads, states)
             foreach, fused = self._paths(group, rule, params, names)
             steps = [st["step"] for st in states]
             if foreach or fused:
@@ -453,7 +679,6 @@ class RuleOptimizer(torch.optim.Optimizer):
                     fe, fu = self._unfused(group, sub), False
                 rule.step(sub, [grads[i] for i in idx], [states[i] for i in idx],
                           [names[i] for i in idx], group, fe, fused=fu)
-        return loss
 
     @staticmethod
     def _fused_ready(p: Tensor) -> bool:
@@ -526,8 +751,12 @@ class RuleOptimizer(torch.optim.Optimizer):
         a one-line ``ValueError`` naming the group, the parameter and what differs, so that
         an ``adamw`` checkpoint never turns this optimizer into another.  An empty or partial
         state (parameters that have not stepped yet) loads.  Each floating state tensor
-        keeps its saved dtype (a bfloat16 parameter's float32 state stays float32).
+        keeps its saved dtype (a bfloat16 parameter's float32 state stays float32), and an
+        integer state tensor its dtype and device (APOLLO's ``proj_seed``).  A
+        ``step`` saved as a Python number (old checkpoints, other tools) is turned into a
+        float32 tensor first, as ``torch.optim`` accepts it; everything else is checked as is.
         """
+        state_dict = _tensor_steps(state_dict)
         self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -536,9 +765,11 @@ class RuleOptimizer(torch.optim.Optimizer):
             for key, saved in state_dict["state"].get(pid, {}).items():
                 current = self.state[p].get(key)
                 if (isinstance(saved, Tensor) and isinstance(current, Tensor)
-                        and saved.is_floating_point() and current.dtype != saved.dtype):
-                    self.state[p][key] = saved.to(device=current.device, dtype=saved.dtype,
-                                                  copy=True)
+                        and current.dtype != saved.dtype):
+                    # torch.optim casts all state to the parameter's dtype and device; an
+                    # integer (APOLLO's projection seed) stays exact and where it was saved
+                    device = current.device if saved.is_floating_point() else saved.device
+                    self.state[p][key] = saved.to(device=device, dtype=saved.dtype, copy=True)
 
     def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Raise a one-line ``ValueError`` unless ``state_dict`` fits this optimizer.

@@ -1048,11 +1048,11 @@ def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
     order = []
     seen_errors: set[int] = set()
     for name, p, group in named:
-        if not p.is_floating_point():
+        if not (p.is_floating_point() or p.is_complex()):  # complex: the rules judge
             raise RoutingError(
                 f"cannot place parameter {name!r} of shape {_fmt_shape(p.shape)}: dtype "
-                f"{p.dtype} is not floating point, so no optimizer can train it; register it "
-                "as a buffer"
+                f"{p.dtype} is neither floating point nor complex, so no optimizer can train "
+                "it; register it as a buffer"
             )
         if skip_frozen and not p.requires_grad:
             continue
@@ -1081,10 +1081,13 @@ def route_group(members: Sequence[tuple[str, torch.Tensor, bool]],
     return Routing(order, routes, errors, [dict(group)])
 
 
-def routing(params: Any, overrides: Mapping[str, Any] | None = None) -> Routing:
+def routing(params: Any, overrides: Mapping[str, Any] | None = None, *,
+            frozen: bool = False) -> Routing:
     """Route ``params`` (a model or what ``torch.optim`` takes), collecting every error.
 
-    :func:`route_params` is this and :meth:`Routing.placed`.
+    :func:`route_params` is this and :meth:`Routing.placed`.  ``frozen=True`` routes the
+    frozen parameters too (``requires_grad=False``; routing reads no gradient), as
+    :func:`sage_torch.make_optimizer` does so that they train once unfrozen.
 
     Raises:
       RoutingError: a non-floating parameter, an override that matches nothing or that
@@ -1093,13 +1096,14 @@ def routing(params: Any, overrides: Mapping[str, Any] | None = None) -> Routing:
     """
     if isinstance(params, nn.Module):
         router = _Router(params, overrides)
-        order, routes, errors = _collect([(n, p, None) for n, p in router.named], router.route)
+        order, routes, errors = _collect([(n, p, None) for n, p in router.named], router.route,
+                                         skip_frozen=not frozen)
         return Routing(order, routes, errors)
     entries, groups = _entries(params)
     names = _NameRouter(entries, overrides, groups)
     order, routes, errors = _collect(
         [(e.name, e.param, e.group) for e in names.entries],
-        lambda name, p: names.route(names.names[name]))
+        lambda name, p: names.route(names.names[name]), skip_frozen=not frozen)
     return Routing(order, routes, errors, groups or None)
 
 

@@ -409,6 +409,9 @@ class SageRule(Rule):
 
     name = "sage"
 
+    complex_why = ("takes the signs of real numbers and a damper of their magnitudes per "
+                   "fan-out axis, which have no complex counterpart")
+
     checked = ("eps", "damper")
 
     has_fused = True
@@ -431,6 +434,12 @@ class SageRule(Rule):
             fn(p, gs, m, s, [torch.tensor(3.0) for _ in ps], **kw)
             out[path] = (p, m, s)
         return fused_check.first_error(ps, out, ("parameter", "exp_avg", "scale_avg"), dtype)
+
+    def validate(self, group: dict[str, Any]) -> None:  # noqa: D102
+        super().validate(group)
+        mu = group.get("mu_dtype")
+        if mu is not None and not (isinstance(mu, torch.dtype) and mu.is_floating_point):
+            raise ValueError(f"mu_dtype must be None or a floating torch.dtype, got {mu!r}")
 
     def _reduce_dim(self, p: Tensor, group: dict[str, Any]) -> ReduceDim:
         """The fan-out dim (or dims) that ``s`` averages over; ``None``: element-wise.
@@ -459,7 +468,8 @@ class SageRule(Rule):
             return None
         return tuple(kept.index(a) for a in fan_in)
 
-    def init_state(self, p: Tensor, group: dict[str, Any], name: str) -> dict[str, Tensor]:  # noqa: D102
+    def init_state(self, p: Tensor, group: dict[str, Any], name: str,  # noqa: D102
+                   index: int = 0) -> dict[str, Tensor]:
         mu_dtype = group.get("mu_dtype") or p.dtype
         dim = self._reduce_dim(p, group)
         # S is created from the reduction of the parameter itself, so that its layout (and,
@@ -528,6 +538,11 @@ class SAGE(RuleOptimizer):
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
+      fallback: the rule for the parameters this one cannot treat (complex parameters): a rule name
+        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
+        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
+        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
+        ``None``: such a parameter raises a ``ValueError`` naming it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
@@ -536,9 +551,11 @@ class SAGE(RuleOptimizer):
                  damper: str = _SAGE["damper"], mu_dtype: torch.dtype | None = None,
                  fan_out_dim: Axes | None = -2, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool = False, cpu_threads: int = 1) -> None:
+                 capturable: bool = False, cpu_threads: int = 1,
+                 fallback: str | dict[str, Any] | None = None) -> None:
         super().__init__(params, {
-            "rule": "sage", "lr": lr, "betas": tuple(betas), "eps": eps,
+            "rule": "sage", "fallback": fallback, "lr": lr, "betas": tuple(betas),
+            "eps": eps,
             "weight_decay": weight_decay, "damper": damper, "mu_dtype": mu_dtype,
             "fan_out_dim": fan_out_dim, "maximize": maximize, "foreach": foreach,
             "fused": fused, "capturable": capturable,

@@ -613,6 +613,10 @@ class SinkGDRule(Rule):
 
     name = "sinkgd"
 
+    needs_matrix = True
+
+    complex_why = "normalises the rows and columns of real matrices (Sinkhorn)"
+
     checked = ("num_iters", "eps", "normalization")
 
     has_fused = True
@@ -661,7 +665,7 @@ class SinkGDRule(Rule):
             return SINKHORN_GROUP_BYTES
         return max(SINKHORN_GROUP_BYTES, FOREACH_ROUND_PARAMS * self.largest_param_bytes)
 
-    def init_state(self, p, group, name):  # noqa: D102
+    def init_state(self, p, group, name, index=0):  # noqa: D102
         matrix_axes(p, group, "SinkGD", name)
         return {}
 
@@ -741,6 +745,12 @@ class SinkGD(RuleOptimizer):
         fused path (as :mod:`sage_optax`'s ``group_bytes``), and on the foreach path the
         larger of 128 MiB and twice the optimizer's largest parameter
         (:meth:`SinkGDRule.group_bytes`).
+      fallback: the rule for the parameters this one cannot treat (vectors and 0-D
+        parameters, complex parameters): a rule name
+        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
+        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
+        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
+        ``None``: such a parameter raises a ``ValueError`` naming it.
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
@@ -750,9 +760,11 @@ class SinkGD(RuleOptimizer):
                  fan_in_dim: Axes = -1, fan_out_dim: Axes = -2, maximize: bool = False,
                  foreach: bool | None = None, fused: bool | None = None,
                  capturable: bool = False, cpu_threads: int = 1,
-                 group_bytes: int | None = None) -> None:
+                 group_bytes: int | None = None,
+                 fallback: str | dict[str, Any] | None = None) -> None:
         super().__init__(params, {"group_bytes": group_bytes,
-            "rule": "sinkgd", "lr": lr, "alpha": alpha, "num_iters": num_iters,
+            "rule": "sinkgd", "fallback": fallback, "lr": lr, "alpha": alpha,
+            "num_iters": num_iters,
             "weight_decay": weight_decay, "normalization": normalization, "eps": eps,
             "fan_in_dim": fan_in_dim, "fan_out_dim": fan_out_dim, "maximize": maximize,
             "foreach": foreach, "fused": fused, "capturable": capturable,

@@ -37,6 +37,8 @@ class UnitNormRule(Rule):
 
     name = "unit_norm"
 
+    complex_ok = True
+
     layout_free = True
 
     checked = ("eps",)
