@@ -439,10 +439,6 @@ def _unnamed(name: str) -> bool:
     return name == "<root>" or all(part.isdigit() for part in name.split("."))
 
 
-def _words(part: str) -> list[str]:
-    return [w for w in part.replace("-", "_").split("_") if w]
-
-
 def _refusal(name: str, shape: tuple[int, ...], message: str,
              options: list[tuple[Any, str]]) -> RoutingError:
     return RoutingError(message, leaf=name, shape=shape, options=options)

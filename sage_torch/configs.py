@@ -14,8 +14,9 @@ from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
+from sage_torch.grouping import ConfiguredOptimizer, update_key
 from sage_torch.nonfinite import SkipNonFinite
-from sage_torch.optimizer import RuleOptimizer, update_key
+from sage_torch.optimizer import RuleOptimizer
 from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, Routing, routing, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
@@ -302,7 +303,7 @@ def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float 
 
 def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
                    lr: float | None = None, *, model: nn.Module | None = None,
-                   **overrides: Any) -> RuleOptimizer:
+                   **overrides: Any) -> ConfiguredOptimizer:
     """Build one of the paper's eight configurations for ``model`` as one optimizer.
 
     Args:
@@ -335,7 +336,7 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
         param group keeps its options, e.g. Hugging Face's ``[{"params": decay,
         "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]``; a tensor that
         is not the model's raises a ``ValueError``.  The optimizer keeps the model
-        (:attr:`~sage_torch.RuleOptimizer.model`) to route groups added later.
+        (:attr:`~sage_torch.grouping.ConfiguredOptimizer.model`) to route groups added later.
       lr: learning rate of every group (default: the configuration's paper value).
         Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
@@ -355,9 +356,11 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
         of JAX's ``int32`` counter, in both frameworks).
 
     Returns:
-      A :class:`~sage_torch.RuleOptimizer` whose groups carry their rule and axes (a
+      A :class:`~sage_torch.grouping.ConfiguredOptimizer` (a
+      :class:`~sage_torch.RuleOptimizer`) whose groups carry their rule and axes (a
       :class:`~sage_torch.nonfinite.SkipNonFinite` when ``skip_nonfinite > 0``); a group
-      added later with ``kind=`` gets this configuration's rule for that kind.
+      added later with ``kind=`` gets this configuration's rule for that kind, one with
+      neither ``kind`` nor ``rule`` is routed into the kinds.
 
     Raises:
       RoutingError: a parameter the router cannot place (the message gives the override).
@@ -370,16 +373,11 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
     cpu_threads = overrides.pop("cpu_threads", 1)
     groups, _, kinds, _ = _plan(params, name, lr, overrides, model)
     module = params if isinstance(params, nn.Module) else model
-    opt: RuleOptimizer
     if skip:
-        opt = SkipNonFinite(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
-                            skip_nonfinite=skip, cpu_threads=cpu_threads)
-    else:
-        opt = RuleOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
-                            cpu_threads=cpu_threads)
-    if module is not None:
-        opt.model = module
-    return opt
+        return SkipNonFinite(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
+                             skip_nonfinite=skip, cpu_threads=cpu_threads, model=module)
+    return ConfiguredOptimizer(groups, {"lr": 0.0}, projection=projection, kinds=kinds,
+                               cpu_threads=cpu_threads, model=module)
 
 
 def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,

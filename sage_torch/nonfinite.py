@@ -25,7 +25,8 @@ from torch import Tensor
 
 from sage_optim.hyperparams import check_skip_nonfinite
 from sage_torch.common import Projection
-from sage_torch.optimizer import ParamsT, RuleOptimizer
+from sage_torch.grouping import ConfiguredOptimizer
+from sage_torch.optimizer import ParamsT
 
 __all__ = ["SkipNonFinite", "all_finite", "check_skip_nonfinite"]
 
@@ -41,8 +42,11 @@ def all_finite(tensors: list[Tensor]) -> bool:
     return all(bool(torch.stack(fs).all()) for fs in flags.values())
 
 
-class SkipNonFinite(RuleOptimizer):
-    """A :class:`~sage_torch.RuleOptimizer` that skips steps with non-finite gradients.
+class SkipNonFinite(ConfiguredOptimizer):
+    """A configuration's optimizer that skips steps with non-finite gradients.
+
+    What :func:`sage_torch.make_optimizer` returns with ``skip_nonfinite > 0``: a
+    :class:`~sage_torch.grouping.ConfiguredOptimizer` whose step is skipped as below.
 
     See the module docstring for the exact rule.  ``nonfinite_count`` is the length of
     the current run of non-finite steps and ``total_nonfinite`` their number since the
@@ -53,19 +57,22 @@ class SkipNonFinite(RuleOptimizer):
       params: parameters or param groups, as :class:`~sage_torch.RuleOptimizer`.
       defaults: default group options.
       projection: APOLLO's projection.
+      kinds: the configuration's kinds (:class:`~sage_torch.RuleOptimizer`).
       skip_nonfinite: ``N``, the number of consecutive non-finite steps to skip.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
+      model: the model the optimizer is built from (routes groups added later).
     """
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any],
                  projection: Projection | None = None,
                  kinds: Mapping[str, Mapping[str, Any]] | None = None, *,
-                 skip_nonfinite: int, cpu_threads: int = 1) -> None:
+                 skip_nonfinite: int, cpu_threads: int = 1,
+                 model: torch.nn.Module | None = None) -> None:
         self.skip_nonfinite = check_skip_nonfinite(skip_nonfinite)
         self.nonfinite_count = 0
         self.total_nonfinite = 0
         super().__init__(params, defaults, projection=projection, kinds=kinds,
-                         cpu_threads=cpu_threads)
+                         cpu_threads=cpu_threads, model=model)
 
     @torch.no_grad()
     def step(  # type: ignore[override]  # as RuleOptimizer.step

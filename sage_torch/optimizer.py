@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -22,43 +22,15 @@ from torch import Tensor
 
 from sage_optim.kernels import kernels_enabled, warn_overridden
 from sage_optim.presets import RULE_DEFAULTS
-from sage_optim.routing import ResolvedRoute
 from sage_torch import fused_check, registry
 from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
 
-def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRoute], Hashable]:
-    """``key(route)``: what update a route gets from a configuration's kind options.
-
-    Its kind's rule and options (learning rate and hyperparameters), plus its axes where the
-    rule reads them.  Two routes with one key get the same update: under ``adamw`` every
-    route of a matrix, under ``sage-pure`` a table and a dense matrix with the same axes.
-    Whether a rule reads the axes is its :attr:`~sage_torch.common.Rule.layout_free`.
-    """
-    rules = registry.rule_classes()
-
-    def key(route: ResolvedRoute) -> Hashable:
-        options = kinds[route.kind]
-        hp = tuple(sorted((k, repr(v)) for k, v in options.items()
-                          if k not in ("kind", "fan_in_dim", "fan_out_dim")))
-        rule = rules.get(options.get("rule", ""))
-        if rule is not None and rule.layout_free:
-            return hp
-        return hp, route.fan_in, route.fan_out, route.batch
-
-    return key
-
 _COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fused": None, "capturable": False,
                     "fan_in_dim": -1, "fan_out_dim": -2}
 _MOMENTUM_KEYS = ("betas", "momentum")
-
-
-def _negative(route: ResolvedRoute) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A route's axes counted from the end (``(-1,), (-2,)``: every ``(..., out, in)``)."""
-    ndim = len(route.shape)
-    return tuple(a - ndim for a in route.fan_in), tuple(a - ndim for a in route.fan_out)
 
 
 def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -169,12 +141,6 @@ class RuleOptimizer(torch.optim.Optimizer):
         configuration's): a group added with ``kind=`` and no ``rule`` gets that kind's rule,
         hyperparameters and learning rate.
 
-    Attributes:
-      model: the ``nn.Module`` the optimizer was built from (set by
-        :func:`sage_torch.make_optimizer`; ``None`` otherwise, and in a copy or an unpickled
-        optimizer): :meth:`add_param_group` routes new parameters found in it by its
-        evidence.
-
     Param groups may set ``fallback`` (the classes' ``fallback=`` argument): a rule name
     (``"adamw"``) or a dict of group options with a ``"rule"``; the parameters the group's
     rule cannot treat (a vector under SinkGD or APOLLO, a complex tensor under SAGE, SinkGD
@@ -210,7 +176,6 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._cpu_threads = cpu_threads
         self._rules: dict[str, Rule] = self._make_rules()
         self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
-        self.model: torch.nn.Module | None = None
         merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
         super().__init__(params, merged)
         merged.owner = self
@@ -249,7 +214,6 @@ class RuleOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("kinds", {})
         self.__dict__.setdefault("_projection", None)
         self.__dict__.setdefault("_cpu_threads", 1)
-        self.__dict__.setdefault("model", None)  # not pickled: a copy routes no new module
         self._rules = self._make_rules()
 
     def _name_group(self, param_group: dict[str, Any]) -> None:
@@ -289,15 +253,10 @@ class RuleOptimizer(torch.optim.Optimizer):
         (from :func:`sage_torch.make_optimizer`), ``kind="dense"`` without a ``rule`` gives
         the group the configuration's rule, hyperparameters and learning rate for that kind
         (keys the group sets win); its matrix axes default to ``nn.Linear``'s ``(out, in)``.
-        With neither ``kind`` nor ``rule``, the group's parameters are routed as
-        :func:`sage_torch.route_params` routes tensors and ``(name, tensor)`` pairs: vectors
-        make a ``'vector'`` group, named matrices take their kind and axes from their names;
-        a group that mixes kinds or layouts, or a matrix nothing places, raises a
-        ``ValueError`` that names it and the keys to add (``kind=``, ``fan_in_dim=``,
-        ``fan_out_dim=``).  Parameters of a module given with them (``"module": layer``)
-        or found in :attr:`model` (the module the optimizer was built from) are instead
-        placed by that module's evidence, as :func:`sage_torch.make_optimizer` places a
-        model's, and added as one group per kind and layout, each with the group's options.
+        A group with neither ``kind`` nor ``rule`` is left to :meth:`_place_group`: this
+        base places none (it knows no routing), the optimizer that
+        :func:`sage_torch.make_optimizer` returns routes it
+        (:class:`sage_torch.grouping.ConfiguredOptimizer`).
         As ``torch.optim``, a parameter already in another group raises a ``ValueError``;
         one listed twice in the group warns and is kept once.  Parameters the group's rule
         cannot treat go to its ``fallback`` (see the class docstring) or raise.
@@ -308,16 +267,9 @@ class RuleOptimizer(torch.optim.Optimizer):
         if module is not None and not isinstance(module, torch.nn.Module):
             raise TypeError(f"param group 'module' must be an nn.Module, got "
                             f"{type(module).__name__}")
-        if module is not None and not self.kinds:
-            raise ValueError(
-                "param group gives module=, which routes its parameters by kind: only an "
-                "optimizer from sage_torch.make_optimizer has kinds; give this optimizer's "
-                "group fan_in_dim=/fan_out_dim= (or rule=) instead")
-        if (param_group.get("kind") is None and "rule" not in param_group and self.kinds
-                and self._route_by_module(param_group, module)):
+        if (param_group.get("kind") is None and "rule" not in param_group
+                and self._place_group(param_group, module)):
             return
-        if param_group.get("kind") is None and "rule" not in param_group and self.kinds:
-            self._route_group(param_group)
         kind = param_group.get("kind")
         if kind is not None and "rule" not in param_group and self.kinds:
             if kind not in self.kinds:
@@ -413,132 +365,20 @@ class RuleOptimizer(torch.optim.Optimizer):
             new["kind"] = group["kind"]
         self.add_param_group(new)
 
-    def _route_by_module(self, param_group: dict[str, Any],
-                         module: torch.nn.Module | None) -> bool:
-        """Route a group added without ``kind``/``rule`` by a module's evidence, if one holds it.
+    def _place_group(self, param_group: dict[str, Any], module: torch.nn.Module | None
+                     ) -> bool:
+        """Place a group added without ``kind`` or ``rule``; ``True`` if it added it itself.
 
-        The module is the group's ``module`` or else :attr:`model`; every parameter of the
-        group must be one of its parameters (else ``False``: the group is routed by names
-        and shapes, :meth:`_route_group`).  Parameters are placed as
-        :func:`sage_torch.route_params` places the module's (module types, API, names) and
-        named by it; a group whose parameters get several kinds or layouts (an
-        ``nn.Linear``'s weight and bias) is added as one group per kind and layout, each with
-        the group's options, as :func:`sage_torch.make_optimizer` groups a model.
+        This base knows no routing: it places nothing, and a group's ``module`` (evidence
+        for routing) is refused.  :class:`sage_torch.grouping.ConfiguredOptimizer`, what
+        :func:`sage_torch.make_optimizer` returns, routes such a group into its kinds.
         """
-        from sage_torch.routing import routing
-
-        module = module if module is not None else self.model
-        if module is None:
-            return False
-        raw = param_group["params"]
-        if isinstance(raw, Tensor):
-            raw = [raw]
-        elif isinstance(raw, set):
-            return False  # torch.optim refuses it, saying why
-        raw = list(raw)
-        tensors = [x[1] if isinstance(x, tuple) and len(x) == 2 else x for x in raw]
-        names = {id(p): n for n, p in module.named_parameters()}
-        if not tensors or not all(isinstance(t, Tensor) and id(t) in names for t in tensors):
-            param_group["params"] = raw
-            return False
-        result = routing(module, None, frozen=True)
-        if result.errors:
-            result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
-                                     "reading gets the same update")
-        wanted = {names[id(t)] for t in tensors}
-        errors = [e for e in result.errors
-                  if any(pr.leaf is None or pr.leaf in wanted for pr in (e.problems or (e,)))]
-        if errors:
-            from sage_optim.routing import RoutingError
-
-            raise RoutingError.combine(errors)
-        given = param_group.get("param_names")
-        own = ([x[0] for x in raw] if all(isinstance(x, tuple) for x in raw)
-               else list(given) if given is not None else [names[id(t)] for t in tensors])
-        buckets: dict[tuple[str, Any, Any], list[int]] = {}
-        for i, t in enumerate(tensors):
-            route = result.routes[id(t)]
-            fan_in = fan_out = None
-            if route.kind != "vector" and route.is_matrix:
-                fan_in = route.fan_in[0] if len(route.fan_in) == 1 else route.fan_in
-                fan_out = route.fan_out[0] if len(route.fan_out) == 1 else route.fan_out
-            buckets.setdefault((route.kind, fan_in, fan_out), []).append(i)
-        options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
-        order = {k: n for n, k in enumerate(self.kinds)}
-        for (kind, fan_in, fan_out), idx in sorted(buckets.items(),
-                                                   key=lambda kv: order.get(kv[0][0], 99)):
-            self.add_param_group({**options, "params": [tensors[i] for i in idx],
-                                  "param_names": [own[i] for i in idx], "kind": kind,
-                                  "fan_in_dim": fan_in, "fan_out_dim": fan_out})
-        return True
-
-    def _route_group(self, param_group: dict[str, Any]) -> None:
-        """Give a group added without ``kind`` or ``rule`` its kind and axes (by routing)."""
-        from sage_torch.routing import route_group
-
-        params = param_group["params"]
-        if isinstance(params, Tensor):
-            params = param_group["params"] = [params]
-        elif isinstance(params, set):
-            return  # torch.optim refuses it below, saying why
-        else:
-            params = param_group["params"] = list(params)
-        if not params:
-            return
-        index = len(self.param_groups)
-        given = param_group.get("param_names")
-        members = []
-        for i, p in enumerate(params):
-            if isinstance(p, tuple) and len(p) == 2:
-                members.append((str(p[0]), p[1], False))
-            elif given is not None and i < len(list(given)):
-                members.append((str(list(given)[i]), p, False))
-            else:
-                members.append((f"param_groups[{index}].params[{i}]", p, True))
-        if not all(isinstance(p, Tensor) for _, p, _ in members):
-            return  # torch.optim says which is not a tensor
-        result = route_group(members, {k: param_group[k] for k in ("fan_in_dim", "fan_out_dim")
-                                       if k in param_group})
-        if result.errors:
-            result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
-                                     "reading gets the same update")
-        if result.errors:
-            problems = [p for e in result.errors for p in (e.problems or (e,))]
-            listed = "; ".join(f"{p.leaf} of shape {p.shape}" if p.leaf else str(p)
-                               for p in problems)
-            if "fan_in_dim" in param_group:
-                raise ValueError(
-                    f"param group {index} gives fan_in_dim/fan_out_dim but no kind, and "
-                    f"nothing says the kind of {listed}: add kind='dense' (a projection) or "
-                    "kind='embedding' (a token table or an output head) to the group")
+        if module is not None:
             raise ValueError(
-                f"param group {index} has no kind and nothing places {listed}: add kind= "
-                f"({', '.join(repr(k) for k in self.kinds)}) and, for a matrix, "
-                "fan_in_dim=/fan_out_dim= to the group (e.g. kind='dense', fan_in_dim=1, "
-                "fan_out_dim=0 for an nn.Linear weight (out, in)), or give (name, tensor) "
-                "pairs whose names say it ('...weight' is (out, in))")
-        routes = [(name, result.routes[id(p)]) for name, p, _ in result.order]
-        kinds = sorted({r.kind for _, r in routes})
-        if len(kinds) > 1:
-            listed = ", ".join(f"{n} ({r.kind})" for n, r in routes)
-            raise ValueError(
-                f"param group {index} mixes kinds ({listed}): one group has one rule; split "
-                "it into one group per kind, or give kind= to say which rule they all get")
-        param_group["kind"] = kinds[0]
-        if kinds[0] == "vector" or "fan_in_dim" in param_group:
-            return
-        layouts = {_negative(r) for _, r in routes}
-        if len(layouts) > 1:
-            layouts = {(r.fan_in, r.fan_out) for _, r in routes}
-        if len(layouts) > 1:
-            listed = ", ".join(f"{n} (fan_in={r.fan_in}, fan_out={r.fan_out})"
-                               for n, r in routes)
-            raise ValueError(
-                f"param group {index} mixes matrix layouts ({listed}): a group has one "
-                "fan_in_dim/fan_out_dim; split it into one group per layout")
-        fan_in, fan_out = layouts.pop()
-        param_group["fan_in_dim"] = fan_in[0] if len(fan_in) == 1 else fan_in
-        param_group["fan_out_dim"] = fan_out[0] if len(fan_out) == 1 else fan_out
+                "param group gives module=, which routes its parameters by kind: only an "
+                "optimizer from sage_torch.make_optimizer routes; give this optimizer's "
+                "group fan_in_dim=/fan_out_dim= (or rule=) instead")
+        return False
 
     def _check_fused(self, group: dict[str, Any]) -> None:
         """Check the group's ``fused``/``foreach`` options, as ``torch.optim`` does.

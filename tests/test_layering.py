@@ -180,3 +180,16 @@ def test_every_shared_rule_is_registered_once_per_optimizer():
     assert b.rule_of(b.param_groups[0]).projection is None
     assert set(a._rules) == set(RULE_DEFAULTS)
     assert not {id(r) for r in a._rules.values()} & {id(r) for r in b._rules.values()}
+
+
+def test_the_torch_optimizer_base_knows_no_routing():
+    """As ``torch.optim.Optimizer`` knows no algorithm, ``RuleOptimizer`` knows no routing:
+    the routing of groups added later lives in ``sage_torch.grouping`` (issue 28)."""
+    modules = set()
+    for node in ast.walk(ast.parse((ROOT / "sage_torch" / "optimizer.py").read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+            modules |= {f"{node.module}.{alias.name}" for alias in node.names}
+    routing = {"sage_torch.routing", "sage_torch.grouping", "sage_torch.configs",
+               "sage_optim.routing"}
+    assert not modules & routing, sorted(modules & routing)
