@@ -692,76 +692,17 @@ class _Leaf:
     name: str
     shape: tuple[int, ...]
     route: Route | RoutingError
-    overridden: bool = False
-    default: Route | RoutingError | None = None  # the route before any override
-    from_module: bool = False  # a module (nnx, Equinox) gave the route, not the names
 
 
-def _table_fact(x: _Leaf) -> core.TableFact | None:
-    """``x`` as a table of the head policy, if it is a 2-D table not routed by the user."""
-    r = x.route
-    if (not isinstance(r, Route) or r.kind != "embedding" or len(x.shape) != 2
-            or x.overridden or r.fan_in is None or r.fan_out is None):
-        return None
-    return core.TableFact(x.name, x.shape[r.fan_out[0]], x.shape[r.fan_in[0]])
-
-
-def _matrix_fact(x: _Leaf) -> core.MatrixFact | None:
-    """``x`` as a possible head: a 2-D dense reading (the user's ``embedding`` marks it)."""
-    route = x.default if x.overridden else x.route
-    if not isinstance(route, Route) or route.kind != "dense" or len(x.shape) != 2:
-        return None
-    if x.overridden and not (isinstance(x.route, Route) and x.route.kind == "embedding"):
-        return None
-    by_names = not x.from_module and core.components(x.name)[-1] in TORCH_NAMES
-    return core.MatrixFact(x.name, x.shape, route, by_names=by_names,
-                           head_override=x.overridden)
-
-
-def _find_head(leaves: list[_Leaf], vocab_size: int | None, remedy: str) -> None:
-    """Make the one dense matrix shaped like *the* token table the head, or refuse them all.
-
-    The policy is :func:`sage_optim.routing.find_head`, shared with ``sage_torch``; this
-    gathers its facts from the routes that modules and names gave.
-    """
-    tables = [t for x in leaves if (t := _table_fact(x)) is not None]
-    matrices = [m for x in leaves if (m := _matrix_fact(x)) is not None]
-    decision = core.find_head(matrices, tables, core.pick_token_table(tables),
-                              vocab_size=vocab_size, remedy=remedy)
-    for x in leaves:
-        if x.name in decision.refused:
-            x.route = decision.refused[x.name]
-        elif x.name in decision.found:
-            r = x.route
-            assert isinstance(r, Route)
-            x.route = dataclasses.replace(r, kind="embedding", evidence=decision.found[x.name])
-
-
-def _apply_override(x: _Leaf, override: Route, vocab_size: int | None) -> Route | RoutingError:
-    """The route of an overridden leaf: the override, with axes inferred where it gives none."""
-    if override.has_axes or (override.kind == "vector" and override.batch is not None):
-        return override
-    default = x.route
-    if override.kind == "vector":
-        batch = default.batch if isinstance(default, Route) and default.kind == "vector" else ()
-        return Route("vector", batch=batch, evidence="override")
-    if (isinstance(default, Route) and default.has_axes
-            and default.evidence != NO_EVIDENCE):
-        return Route(override.kind, default.fan_in, default.fan_out, default.batch,
-                     evidence=f"override (axes: {default.evidence})")
-    if override.kind == "embedding" and vocab_size is not None and len(x.shape) >= 2:
-        hits = [a for a in (-2, -1) if x.shape[a] == vocab_size]
-        if len(hits) == 1:
-            return Route("embedding", -1 if hits[0] == -2 else -2, hits[0],
-                         evidence=f"override (vocab axis: vocab_size={vocab_size})")
-    options = [(Route(override.kind, r.fan_in, r.fan_out, r.batch)
-                if isinstance(r, Route) and r.kind != "vector" else r, when)
-               for r, when in _matrix_options(x.shape, "in_out")
-               if not (isinstance(r, str) or r.kind == "vector")]
+def _override_refusal(e: core.Evidence, override: Route) -> RoutingError:
+    """An override that gives a kind but no axes, for a leaf whose axes nothing gives."""
+    options = [(Route(override.kind, r.fan_in, r.fan_out, r.batch), when)
+               for r, when in _matrix_options(e.shape, "in_out")
+               if isinstance(r, Route) and r.kind != "vector"]
     return _refusal(
-        x.name, x.shape,
-        f"override makes {x.name!r} of shape {x.shape} {override.kind!r}, but its axes are not "
-        f"known; give them: {core.override_advice(x.name, x.shape)}",
+        e.name, e.shape,
+        f"override makes {e.name!r} of shape {e.shape} {override.kind!r}, but its axes are not "
+        f"known; give them: {core.override_advice(e.name, e.shape)}",
         options,
     )
 
@@ -867,7 +808,7 @@ def route_params(
               if not axes_lib.is_masked(x) and hasattr(x, "shape")}
     facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
                         vocab_size, nnx_tree, shapes)
-    leaves: list[_Leaf] = []
+    records: list[core.Evidence] = []
     for name, x in named:
         if axes_lib.is_masked(x):
             continue
@@ -878,7 +819,8 @@ def route_params(
                 "nnx.state(model, nnx.Param))"
             )
         shape = tuple(int(s) for s in x.shape)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
+        floating = jnp.issubdtype(x.dtype, jnp.floating)
+        if not floating:
             route: Route | RoutingError = RoutingError(
                 f"cannot place parameter {name!r} of shape {shape}: dtype {jnp.dtype(x.dtype)} "
                 "is not floating point, so no optimizer can train it; filter it out of the "
@@ -889,12 +831,12 @@ def route_params(
             route = evidence[name]
         else:
             route = _name_route(name, shape, facts)
-        leaves.append(_Leaf(name, shape, route, default=route, from_module=name in evidence))
-    for x in leaves:
-        if x.name in override_of:
-            x.route = _apply_override(x, override_of[x.name], vocab_size)
-            x.overridden = True
-    _find_head(leaves, vocab_size, "Name")
+        records.append(core.Evidence(
+            name, shape, route, head_candidate=True, final=not floating,
+            by_names=name not in evidence and core.components(name)[-1] in TORCH_NAMES))
+    decided = core.decide(records, override_of, refuse_override=_override_refusal,
+                          vocab_size=vocab_size)
+    leaves = [_Leaf(e.name, e.shape, decided[e.name]) for e in records]
     _fallback(leaves, strict, warn)
     errors = list({id(x.route): x.route for x in leaves
                    if isinstance(x.route, RoutingError)}.values())  # a head error: once

@@ -28,7 +28,7 @@ import difflib
 import fnmatch
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 from sage_optim.presets import KINDS
@@ -831,3 +831,117 @@ def _sources(sources: list[str]) -> str:
     if not tables:
         return " and ".join(sources)
     return ("the table " if len(tables) == 1 else "the tables ") + ", ".join(tables)
+
+
+# ------------------------------------------------------------------- the one decision
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What one framework's evidence says of one parameter: the input of :func:`decide`.
+
+    Attributes:
+      name: the parameter's dotted name (overrides are matched against it).
+      shape: its shape.
+      route: the route its modules, the model's API or its name give (before overrides and
+        the head), or the :class:`RoutingError` saying why they cannot.
+      head_candidate: it may be the output head by shape (a dense 2-D reading the head
+        search looks at: any in ``sage_optax``, ``nn.Linear`` weights in ``sage_torch``).
+      by_names: only names say what it is (:class:`MatrixFact`).
+      api_token: the model's API says it is the token table.
+      given_kind: the kind a ``sage_torch`` param group gives it: not looked at by the head
+        search, except that ``'embedding'`` on a candidate names the head.
+      final: the error in ``route`` stands whatever the overrides say (a sparse embedding,
+        a non-floating dtype).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    route: Route | RoutingError
+    head_candidate: bool = False
+    by_names: bool = False
+    api_token: bool = False
+    given_kind: str | None = None
+    final: bool = False
+
+
+def apply_override(e: Evidence, override: Route, vocab_size: int | None = None,
+                   ) -> Route | None:
+    """The route an override gives ``e``: its axes, else the evidence's; ``None`` if unknown.
+
+    A kind alone takes the axes the evidence gives (a ``'vector'`` keeps its stacked
+    axes); an ``'embedding'`` with no axes but ``vocab_size`` on exactly one of the last two
+    axes takes that axis as its vocab axis.  ``None``: nothing gives the axes, and the
+    framework refuses with its remedies.
+    """
+    if override.has_axes or (override.kind == "vector" and override.batch is not None):
+        return dataclasses.replace(override, evidence="override")
+    default = e.route
+    if override.kind == "vector":
+        batch = default.batch if isinstance(default, Route) and default.kind == "vector" else ()
+        return Route("vector", batch=batch, evidence="override")
+    if isinstance(default, Route) and default.has_axes:
+        return Route(override.kind, default.fan_in, default.fan_out, default.batch,
+                     evidence=f"override (axes: {default.evidence})")
+    if override.kind == "embedding" and vocab_size is not None and len(e.shape) >= 2:
+        hits = [a for a in (-2, -1) if e.shape[a] == vocab_size]
+        if len(hits) == 1:
+            return Route("embedding", -1 if hits[0] == -2 else -2, hits[0],
+                         evidence=f"override (vocab axis: vocab_size={vocab_size})")
+    return None
+
+
+def decide(evidence: Sequence[Evidence], overrides: Mapping[str, Route], *,
+           refuse_override: Callable[[Evidence, Route], RoutingError],
+           vocab_size: int | None = None, find_heads: bool = True,
+           head_remedy: str = "Name") -> dict[str, Route | RoutingError]:
+    """Every parameter's route, or the error that refuses it: one decision for both frameworks.
+
+    Each framework gathers the :class:`Evidence`; this decides.  In order: the overrides
+    (:func:`apply_override`; ``refuse_override(e, override)`` when nothing gives an
+    override's axes), then the output head by shape (:func:`find_head` over the tables and
+    the candidates left, the token table by :func:`pick_token_table`), unless
+    ``find_heads`` is false (the model's API names its head).  Pure: the same evidence gives
+    the same decision in either framework.
+
+    Returns:
+      ``{name: route or error}``; several parameters may share one error (a refused head).
+    """
+    out: dict[str, Route | RoutingError] = {}
+    for e in evidence:
+        override = overrides.get(e.name)
+        if override is None or e.final:
+            out[e.name] = e.route
+        else:
+            routed = apply_override(e, override, vocab_size)
+            out[e.name] = routed if routed is not None else refuse_override(e, override)
+    if not find_heads:
+        return out
+    tables = []
+    for e in evidence:
+        r = out[e.name]
+        if (e.name in overrides or e.given_kind is not None or not isinstance(r, Route)
+                or r.kind != "embedding" or len(e.shape) != 2 or r.fan_in is None
+                or r.fan_out is None or len(r.fan_in) != 1 or len(r.fan_out) != 1):
+            continue
+        tables.append(TableFact(e.name, e.shape[r.fan_out[0]], e.shape[r.fan_in[0]],
+                                api=e.api_token))
+    matrices = []
+    for e in evidence:
+        named_head = (overrides[e.name].kind if e.name in overrides else e.given_kind
+                      ) == "embedding"
+        placed = e.name in overrides or e.given_kind is not None
+        if (not e.head_candidate or not isinstance(e.route, Route)
+                or e.route.kind != "dense" or len(e.shape) != 2 or (placed and not named_head)):
+            continue
+        matrices.append(MatrixFact(e.name, e.shape, e.route, by_names=e.by_names,
+                                   head_override=named_head))
+    decision = find_head(matrices, tables, pick_token_table(tables), vocab_size=vocab_size,
+                         remedy=head_remedy)
+    for name, error in decision.refused.items():
+        out[name] = error
+    for name, found in decision.found.items():
+        r = out[name]
+        assert isinstance(r, Route)
+        out[name] = dataclasses.replace(r, kind="embedding", evidence=found)
+    return out

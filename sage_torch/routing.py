@@ -432,65 +432,11 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
 # ------------------------------------------------------------------------------- the heads
 
 
-@dataclasses.dataclass
-class _Heads:
-    """The heads found by shape, and the errors of the candidates that could not be told."""
-
-    found: dict[int, str] = dataclasses.field(default_factory=dict)  # id -> evidence
-    refused: dict[int, RoutingError] = dataclasses.field(default_factory=dict)  # id -> error
-
-
 def _pick_token(tables: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
     """*The* token table among ``(name, weight)`` tables (the shared policy picks it)."""
     picked = core.pick_token_table(
         [core.TableFact(n, int(t.shape[0]), int(t.shape[1])) for n, t in tables])
     return next((t for t in tables if picked is not None and t[0] == picked.name), None)
-
-
-def _find_heads(token: tuple[str, torch.Tensor] | None,
-                tables: Sequence[tuple[str, torch.Tensor]],
-                linears: Sequence[tuple[str, torch.Tensor]],
-                overrides: Mapping[int, Route], names_only: bool = False,
-                api_token: bool = False) -> _Heads:
-    """The output head among ``linears`` (``(out, in)`` weights), by the tables' shapes.
-
-    The policy is :func:`sage_optim.routing.find_head`, shared with ``sage_optax``; this
-    gathers its facts.  ``overrides`` (by ``id``) leave their parameters out, and a linear
-    the user routed ``embedding`` means there is no head to find.  ``names_only``: no
-    module says these are ``nn.Linear`` weights, only their names.  ``api_token``: the
-    model's ``get_input_embeddings()`` gave ``token``.
-    """
-    facts = [core.TableFact(n, int(t.shape[0]), int(t.shape[1]),
-                            api=api_token and token is not None and t is token[1])
-             for n, t in tables]
-    if token is not None and not any(f.api or f.name == token[0] for f in facts):
-        facts.append(core.TableFact(token[0], int(token[1].shape[0]), int(token[1].shape[1]),
-                                    api=api_token))
-    token_fact = next((f for f in facts if token is not None and f.name == token[0]), None)
-    by_name: dict[str, torch.Tensor] = {}
-    matrices = []
-    for lname, w in linears:
-        if any(w is t for _, t in tables) or not w.requires_grad or w.dim() != 2:
-            continue
-        override = overrides.get(id(w))
-        if override is not None and override.kind != "embedding":
-            continue
-        evidence = "name 'weight': torch (out, in)" if names_only else "module nn.Linear"
-        by_name[lname] = w
-        matrices.append(core.MatrixFact(
-            lname, tuple(int(n) for n in w.shape),
-            Route("dense", fan_in=1, fan_out=0, evidence=evidence), by_names=names_only,
-            head_override=override is not None))
-    remedy = ("Pass the model itself (make_optimizer(name, model): its modules and "
-              "get_output_embeddings() decide), or name" if names_only else
-              "The model has no get_output_embeddings(). Name")
-    decision = core.find_head(matrices, facts, token_fact, remedy=remedy)
-    heads = _Heads()
-    for lname, evidence in decision.found.items():
-        heads.found[id(by_name[lname])] = evidence
-    for lname, error in decision.refused.items():
-        heads.refused[id(by_name[lname])] = error
-    return heads
 
 
 # ------------------------------------------------------------------------ the module router
@@ -551,10 +497,8 @@ class _Router:
         self.tables = self._tables()
         self.token = self._token_embedding()
         # the head by shape only when the model has no API saying which one it is
-        self.heads = _Heads() if has_out else _find_heads(
-            self.token, self.tables, self._linears(),
-            {pid: r for pid, (_, r) in self.overrides.items()},
-            api_token=self.api_in is not None)
+        self.find_heads = not has_out
+        self.linears = {id(w) for _, w in self._linears()}
 
     # -- evidence ----------------------------------------------------------------------
 
@@ -626,9 +570,7 @@ class _Router:
         embedding = [(o, r) for o, r in routes if r.kind == "embedding"]
         own = next((r for o, r in routes if o.path == name), None)
         kind = "embedding" if embedding else routes[0][1].kind
-        if id(p) in self.heads.found:
-            kind, evidence = "embedding", self.heads.found[id(p)]
-        elif embedding and all(o.path != name for o, _ in embedding):
+        if embedding and all(o.path != name for o, _ in embedding):
             evidence = f"tied to {embedding[0][0].path}"  # a table through another name
         elif own is not None:
             evidence = own.evidence + (f", {tied}" if tied else "")
@@ -645,43 +587,56 @@ class _Router:
 
     # -- one parameter -----------------------------------------------------------------
 
-    def route(self, name: str, p: torch.Tensor) -> ResolvedRoute:
-        """The route of one trainable parameter (raises :class:`RoutingError`)."""
+    def evidence(self, name: str, p: torch.Tensor) -> core.Evidence:
+        """What the model says of one trainable parameter (its route, or why it cannot)."""
         regs = self.owners.get(id(p), [])
+        shape = tuple(int(n) for n in p.shape)
         for o in regs:
             if isinstance(o.module, nn.Embedding | nn.EmbeddingBag) and o.module.sparse:
-                raise RoutingError(
+                return core.Evidence(name, shape, RoutingError(
                     f"parameter {name!r} of shape {_fmt_shape(p.shape)} belongs to "
                     f"{_label(o.module)}(sparse=True) at {o.path.rpartition('.')[0]!r}: it "
                     "gets sparse gradients, which no sage_torch rule takes (SAGE reduces over "
                     "the vocab axis, the others are dense). Build it with sparse=False, or "
                     f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False",
                     leaf=name, shape=p.shape,
-                )
-        override = self.overrides.get(id(p))
-        if override is not None:
-            _, route = override
-            if route.kind == "vector" or route.has_axes:
-                return route.resolve(p.shape, name)
-            if p.dim() < 2:
-                raise _too_few_dims(name, p, route.kind)
-            layout = self._layout(name, p)
-            if layout is None or layout.kind == "vector":
-                raise _unknown_layout(name, p, regs, route.kind, self.vocab)
-            return Route(route.kind, layout.fan_in, layout.fan_out,
-                         evidence="override").resolve(p.shape, name)
-        if id(p) in self.heads.refused:
-            raise self.heads.refused[id(p)]
+                ), final=True)
+        try:
+            route: Route | RoutingError = self._default(name, p, regs)
+        except RoutingError as err:
+            route = err
+        return core.Evidence(
+            name, shape, route, api_token=p is self.api_in,
+            head_candidate=id(p) in self.linears and p.requires_grad and p.dim() == 2)
+
+    def _default(self, name: str, p: torch.Tensor, regs: list[_Owner]) -> Route:
+        """The route of the model's evidence, before overrides and the head by shape."""
         if p.dim() <= 1:
-            return Route("vector", evidence=f"shape: {p.dim()}-D").resolve(p.shape, name)
+            return Route("vector", evidence=f"shape: {p.dim()}-D")
         layout = self._layout(name, p)
         if layout is not None:
-            return layout.resolve(p.shape, name)
+            return layout
         if p is self.api_in or p is self.api_out:  # the API's module has no known layout
             raise _unknown_layout(name, p, regs, "embedding", self.vocab)
         if sum(n != 1 for n in p.shape) <= 1:
-            return Route("vector", evidence="shape: one non-unit axis").resolve(p.shape, name)
+            return Route("vector", evidence="shape: one non-unit axis")
         raise _unknown_layout(name, p, regs, None, self.vocab)
+
+    def decide(self, records: Sequence[core.Evidence]) -> dict[str, Route | RoutingError]:
+        """The shared decision (:func:`sage_optim.routing.decide`) on this model's evidence."""
+        params = {n: q for n, q in self.named}
+        overrides = {self.param_names[pid]: r for pid, (_, r) in self.overrides.items()}
+
+        def refuse(e: core.Evidence, override: Route) -> RoutingError:
+            q = params[e.name]
+            if q.dim() < 2:
+                return _too_few_dims(e.name, q, override.kind)
+            return _unknown_layout(e.name, q, self.owners.get(id(q), []), override.kind,
+                                   self.vocab)
+
+        return core.decide(records, overrides, refuse_override=refuse,
+                           find_heads=self.find_heads,
+                           head_remedy="The model has no get_output_embeddings(). Name")
 
 
 def _as_option(route: Route) -> Any:
@@ -830,21 +785,14 @@ class _NameRouter:
         self.layouts = layouts
         tables = [(e.name, e.param) for e in self.entries
                   if (r := layouts[id(e.param)]) is not None and r.kind == "embedding"]
-        linears = [(e.name, e.param) for e in self.entries
-                   if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
-                   and components(e.name)[-1] == "weight"]
+        self.linears = {id(e.param) for e in self.entries
+                        if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
+                        and components(e.name)[-1] == "weight"}
         token = self.token = _pick_token(tables)
         self.conv1d = conv1d_reading(
             [(e.name, tuple(e.param.shape)) for e in self.entries
              if not e.bare and e.param.dim() == 2 and names_conv1d(e.name)],
             int(token[1].shape[1]) if token is not None else None)
-        by_id = dict(self.overrides)
-        for e in self.entries:  # a group's kind is an override of its members
-            if id(e.param) not in by_id and e.group is not None:
-                group = groups[e.group]
-                if group.get("kind") is not None:
-                    by_id[id(e.param)] = Route(group["kind"])
-        self.heads = _find_heads(token, tables, linears, by_id, names_only=True)
 
     @property
     def vocab(self) -> int | None:
@@ -904,21 +852,27 @@ class _NameRouter:
             "route it in route_overrides (Route is sage_optim.routing.Route, also "
             "sage_torch.Route)", kind)
 
-    def route(self, e: _Entry) -> ResolvedRoute:
-        """The route of one entry (raises :class:`RoutingError`)."""
-        name, p = e.name, e.param
-        override = self.overrides.get(id(p))
-        layout = self.layouts[id(p)]
-        if override is not None:
-            if override.kind == "vector" or override.has_axes:
-                return override.resolve(p.shape, name)
-            if p.dim() < 2:
-                raise _too_few_dims(name, p, override.kind)
-            if layout is None:
-                raise self._refuse(e, override.kind)
-            return Route(override.kind, layout.fan_in, layout.fan_out,
-                         evidence="override").resolve(p.shape, name)
+    def evidence(self, e: _Entry) -> core.Evidence:
+        """What the names, shapes and param group say of one entry (or why they cannot)."""
+        p = e.param
         group = self.groups[e.group] if e.group is not None else {}
+        try:
+            route: Route | RoutingError = self._default(e, group)
+        except RoutingError as err:
+            route = err
+        except ValueError as err:  # a group that contradicts its members: unless overridden
+            if id(p) not in self.overrides:
+                raise
+            route = RoutingError(str(err))
+        return core.Evidence(
+            e.name, tuple(int(n) for n in p.shape), route, by_names=True,
+            given_kind=group.get("kind"),
+            head_candidate=id(p) in self.linears and p.requires_grad and p.dim() == 2)
+
+    def _default(self, e: _Entry, group: Mapping[str, Any]) -> Route:
+        """The route of the names, shapes and group, before overrides and the head."""
+        name, p = e.name, e.param
+        layout = self.layouts[id(p)]
         kind = group.get("kind")
         fan_in, fan_out = group.get("fan_in_dim"), group.get("fan_out_dim")
         if (fan_in is None) != (fan_out is None):
@@ -926,41 +880,48 @@ class _NameRouter:
                              f"({fan_in!r}) and fan_out_dim ({fan_out!r}); give both")
         if kind is not None:
             if kind == "vector":
-                return Route("vector", evidence="param group kind").resolve(p.shape, name)
+                return Route("vector", evidence="param group kind")
             if p.dim() < 2:
                 raise ValueError(f"parameter {name!r} of shape {_fmt_shape(p.shape)} is in a "
                                  f"param group of kind {kind!r}, but has fewer than two dims; "
                                  "put it in a 'vector' group")
             if fan_in is not None:
-                return Route(kind, fan_in, fan_out,
-                             evidence="param group kind and axes").resolve(p.shape, name)
+                return Route(kind, fan_in, fan_out, evidence="param group kind and axes")
             if layout is not None:
                 return Route(kind, layout.fan_in, layout.fan_out,
-                             evidence=f"param group kind, axes {layout.evidence}"
-                             ).resolve(p.shape, name)
+                             evidence=f"param group kind, axes {layout.evidence}")
             if not e.bare and p.dim() == 2 and names_conv1d(name):
                 raise self._refuse_conv1d(e, kind)
             return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
-                         "(out, in)").resolve(p.shape, name)
-        if id(p) in self.heads.refused:
-            raise self.heads.refused[id(p)]
+                         "(out, in)")
         if p.dim() <= 1:
-            return Route("vector", evidence=f"shape: {p.dim()}-D").resolve(p.shape, name)
+            return Route("vector", evidence=f"shape: {p.dim()}-D")
         if fan_in is not None:
             if layout is not None:
-                kind = "embedding" if id(p) in self.heads.found else layout.kind
-                return Route(kind, fan_in, fan_out,
-                             evidence=f"param group axes, kind {layout.evidence}"
-                             ).resolve(p.shape, name)
+                return Route(layout.kind, fan_in, fan_out,
+                             evidence=f"param group axes, kind {layout.evidence}")
             raise self._refuse(e, None, (fan_in, fan_out))
         if layout is not None:
-            if id(p) in self.heads.found:
-                return Route("embedding", layout.fan_in, layout.fan_out,
-                             evidence=self.heads.found[id(p)]).resolve(p.shape, name)
-            return layout.resolve(p.shape, name)
+            return layout
         if sum(n != 1 for n in p.shape) <= 1:
-            return Route("vector", evidence="shape: one non-unit axis").resolve(p.shape, name)
+            return Route("vector", evidence="shape: one non-unit axis")
         raise self._refuse(e, None)
+
+    def decide(self, records: Sequence[core.Evidence]) -> dict[str, Route | RoutingError]:
+        """The shared decision (:func:`sage_optim.routing.decide`) on these names."""
+        overrides = {e.name: self.overrides[id(e.param)] for e in self.entries
+                     if id(e.param) in self.overrides}
+
+        def refuse(ev: core.Evidence, override: Route) -> RoutingError:
+            e = self.names[ev.name]
+            if e.param.dim() < 2:
+                return _too_few_dims(e.name, e.param, override.kind)
+            return self._refuse(e, override.kind)
+
+        return core.decide(
+            records, overrides, refuse_override=refuse,
+            head_remedy="Pass the model itself (make_optimizer(name, model): its modules and "
+                        "get_output_embeddings() decide), or name")
 
 
 # ------------------------------------------------------------------------------- routing
@@ -1039,14 +1000,18 @@ def _same_update(prob: RoutingError, name: str, p: torch.Tensor,
 
 
 def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
-             route: Callable[[str, torch.Tensor], ResolvedRoute],
+             evidence: Callable[[str, torch.Tensor], core.Evidence],
+             decide: Callable[[list[core.Evidence]], dict[str, Route | RoutingError]],
              skip_frozen: bool = True) -> tuple[list[tuple[str, torch.Tensor, int | None]],
                                                 dict[int, ResolvedRoute], list[RoutingError]]:
-    """Route every (trainable) parameter of ``named``, collecting the errors."""
-    routes: dict[int, ResolvedRoute] = {}
-    errors: list[RoutingError] = []
+    """Route every (trainable) parameter of ``named``, collecting the errors.
+
+    The evidence of every parameter, frozen ones too (a frozen token table still says which
+    matrix is the head), goes into one decision; only the trainable ones (all, unless
+    ``skip_frozen``) are placed or refused.
+    """
     order = []
-    seen_errors: set[int] = set()
+    records = []
     for name, p, group in named:
         if not (p.is_floating_point() or p.is_complex()):  # complex: the rules judge
             raise RoutingError(
@@ -1054,15 +1019,24 @@ def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
                 f"{p.dtype} is neither floating point nor complex, so no optimizer can train "
                 "it; register it as a buffer"
             )
-        if skip_frozen and not p.requires_grad:
-            continue
-        order.append((name, p, group))
-        try:
-            routes[id(p)] = route(name, p)
-        except RoutingError as err:
-            if id(err) not in seen_errors:  # an ambiguous head: one error, several params
-                seen_errors.add(id(err))
-                errors.append(err)
+        records.append(evidence(name, p))
+        if not skip_frozen or p.requires_grad:
+            order.append((name, p, group))
+    decided = decide(records)
+    routes: dict[int, ResolvedRoute] = {}
+    errors: list[RoutingError] = []
+    seen_errors: set[int] = set()
+    for name, p, _ in order:
+        route = decided[name]
+        if isinstance(route, Route):
+            try:
+                routes[id(p)] = route.resolve(p.shape, name)
+                continue
+            except RoutingError as err:
+                route = err
+        if id(route) not in seen_errors:  # an ambiguous head: one error, several params
+            seen_errors.add(id(route))
+            errors.append(route)
     return order, routes, errors
 
 
@@ -1077,7 +1051,7 @@ def route_group(members: Sequence[tuple[str, torch.Tensor, bool]],
     router = _NameRouter([_Entry(n, p, 0, bare) for n, p, bare in members], None, [group])
     order, routes, errors = _collect(
         [(e.name, e.param, e.group) for e in router.entries],
-        lambda name, p: router.route(router.names[name]), skip_frozen=False)
+        lambda name, p: router.evidence(router.names[name]), router.decide, skip_frozen=False)
     return Routing(order, routes, errors, [dict(group)])
 
 
@@ -1096,14 +1070,16 @@ def routing(params: Any, overrides: Mapping[str, Any] | None = None, *,
     """
     if isinstance(params, nn.Module):
         router = _Router(params, overrides)
-        order, routes, errors = _collect([(n, p, None) for n, p in router.named], router.route,
+        order, routes, errors = _collect([(n, p, None) for n, p in router.named],
+                                         router.evidence, router.decide,
                                          skip_frozen=not frozen)
         return Routing(order, routes, errors)
     entries, groups = _entries(params)
     names = _NameRouter(entries, overrides, groups)
     order, routes, errors = _collect(
         [(e.name, e.param, e.group) for e in names.entries],
-        lambda name, p: names.route(names.names[name]), skip_frozen=not frozen)
+        lambda name, p: names.evidence(names.names[name]), names.decide,
+        skip_frozen=not frozen)
     return Routing(order, routes, errors, groups or None)
 
 

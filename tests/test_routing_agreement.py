@@ -145,3 +145,20 @@ def test_a_model_in_both_frameworks_forms_gets_the_same_kinds_and_matrix_sizes()
     assert jax_side == torch_side
     assert torch_side["lm_head"] == ("embedding", D, V)  # vocab axis = fan-out in both
     assert torch_side["layers.0.up"] == ("dense", D, 2 * D)
+
+
+def test_a_frozen_token_table_still_names_the_head():
+    """Fine-tuning freezes the embedding: its shape still makes the untied head a head."""
+    model = LM(head="to_vocab")
+    model.wte.weight.requires_grad_(False)
+    routes = {r.name: r.route for r in sage_torch.route_params(model)}
+    assert "wte.weight" not in routes  # frozen: not trained, but evidence
+    assert routes["to_vocab.weight"].kind == "embedding"
+    assert routes["to_vocab.weight"].evidence == "head: shape of the token embedding 'wte.weight'"
+
+
+def test_no_override_trains_what_cannot_be_trained():
+    """An override never routes a non-floating leaf (the decision keeps a final refusal)."""
+    tree = {"ids": jnp.zeros((4, 8), jnp.int32), "w": {"kernel": jnp.ones((8, 8))}}
+    with pytest.raises(RoutingError, match="not floating point"):
+        sage_optax.route_params(tree, {"ids": sage_optax.Route("dense", -2, -1)})

@@ -120,7 +120,7 @@ def test_without_a_token_embedding_every_table_is_a_candidate():
     assert route.evidence == "head: shape of the tables 'a.weight', 'b.weight'"
     # ...and an override says otherwise
     route = routes_of(model, {"proj.weight": "dense"})["proj.weight"]
-    assert axes(route) == ("dense", (1,), (0,)) and route.evidence == "override"
+    assert axes(route) == ("dense", (1,), (0,)) and route.evidence.startswith("override")
 
 
 def test_a_head_marker_breaks_a_tie_between_square_linears():
@@ -257,7 +257,7 @@ def test_kind_only_override_takes_the_module_layout():
     assert axes(routes["c_attn.weight"]) == ("embedding", (0,), (1,))  # (in, out): vocab = out
     assert axes(routes["fc.weight"]) == ("embedding", (1,), (0,))
     assert axes(routes["conv.weight"]) == ("embedding", (1, 2, 3), (0,))
-    assert all(routes[n].evidence == "override" for n in routes if not n.endswith("bias"))
+    assert all(routes[n].evidence.startswith("override") for n in routes if not n.endswith("bias"))
     with pytest.raises(RoutingError, match="'norm.weight' of shape \\(16,\\).*route it 'vector'"
                        ) as info:
         route_params(model, {"norm.weight": "dense"})

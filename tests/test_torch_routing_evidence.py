@@ -208,4 +208,4 @@ def test_by_names_a_head_without_a_head_name_is_refused_with_the_head_first():
     assert routes_of(model.named_parameters(), info.value.overrides) == truth
     evidence = {r.name: r.route.evidence for r in sage_torch.route_params(
         model.named_parameters(), {"to_logits.weight": "embedding"})}
-    assert evidence["to_logits.weight"] == "override"
+    assert evidence["to_logits.weight"].startswith("override")
