@@ -107,6 +107,7 @@ from sage_optim.routing import (
     names_token_embedding,
     override_advice,
 )
+from sage_torch import moe
 
 __all__ = [
     "RoutedParam",
@@ -209,8 +210,13 @@ def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | N
     """The route that the layout of ``module`` gives its parameter ``attr``, or ``None``.
 
     ``None`` when the module type has no known layout for that parameter (a custom module,
-    a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.
+    a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.  transformers'
+    mixture-of-experts modules are read from :mod:`sage_torch.moe` (fused experts
+    ``(E, out, in)`` or ``(E, in, out)`` with the expert axis a batch axis, routers ``(E, d)``).
     """
+    expert = moe.moe_route(module, attr, param)
+    if expert is not None:
+        return expert
     if _is_xlnet_attention(module):
         return _xlnet_route(module, attr, param)
     if attr != "weight" and not (isinstance(module, nn.MultiheadAttention)
@@ -394,7 +400,8 @@ def _advice_lines(name: str, shape: Sequence[int], options: Sequence[Option]) ->
 
 def _known_layouts() -> str:
     return ("known: nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers Conv1D and "
-            "XLNetRelativeAttention, peft LoRA Embedding, nn.Conv1d/2d/3d")
+            "XLNetRelativeAttention, peft LoRA Embedding, nn.Conv1d/2d/3d, the experts and "
+            "routers of transformers' mixture-of-experts models)")
 
 
 def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str | None,
@@ -415,6 +422,9 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
                "the fan-in, as for nn.Conv: " + override_advice(name, shape, conv))
         return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
+    if module is not None and moe.says_experts(module) and p.dim() == 3 and kind in (
+            None, "dense"):
+        return _unknown_experts(name, p, module)
     embeddingish = _names_embedding(name) or any(
         isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
         or _is_peft_lora_embedding(o.parent) for o in owners)
@@ -424,6 +434,27 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
         f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} {where}: {what} "
         f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
         f"e.g. if it is\n{_advice_lines(name, shape, options)}\n"
+        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+        leaf=name, shape=shape, options=options,
+    )
+
+
+def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingError:
+    """The error for a 3-D tensor of an experts module that :mod:`sage_torch.moe` lacks."""
+    shape = tuple(int(s) for s in p.shape)
+    oi = Route("dense", fan_in=2, fan_out=1, batch=0)
+    io = Route("dense", fan_in=1, fan_out=2, batch=0)
+    options: list[Option] = [
+        (oi, "it is (E, out, in), one matrix per expert read as F.linear(x, W[e]) (most "
+             "families: Mixtral, Qwen-MoE, DeepSeek)"),
+        (io, "it is (E, in, out), read as x @ W[e] or torch.bmm(x, W) (GPT-OSS, Llama-4)"),
+        _VECTOR_OPTION]
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
+        f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch.moe."
+        "EXPERTS). To tell, look at its forward: F.linear(x, W[e]) means (E, out, in) (the "
+        "first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, out); the expert axis is a "
+        f"batch axis either way. E.g. if it is\n{_advice_lines(name, shape, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
