@@ -32,8 +32,8 @@ from torch import nn
 
 from sage_optim.routing import Route
 
-__all__ = ["EXPERTS", "IN_OUT", "OUT_IN", "ROUTERS", "experts_layout", "moe_route",
-           "says_experts"]
+__all__ = ["ELEMENTWISE", "EXPERTS", "IN_OUT", "OUT_IN", "ROUTERS", "experts_layout",
+           "moe_route", "says_experts"]
 
 OUT_IN = "(E, out, in)"
 """Expert tensors read as ``F.linear(x, W[e])``: axis 1 the fan-out, axis 2 the fan-in."""
@@ -329,6 +329,17 @@ ROUTERS: frozenset[str] = frozenset({
 })
 """Router classes whose ``weight`` ``(E, d)`` is read as ``F.linear(x, W)`` (``(out, in)``)."""
 
+ELEMENTWISE: Mapping[str, frozenset[str]] = MappingProxyType({
+    # modeling_jamba.py:530 A = -torch.exp(self.A_log.float()): (intermediate, d_state)
+    "jamba.modeling_jamba.JambaMambaMixer": frozenset({"A_log"}),
+    # modeling_mamba.py:380 A = -torch.exp(self.A_log.float())
+    "mamba.modeling_mamba.MambaMixer": frozenset({"A_log"}),
+    # modeling_falcon_mamba.py:403 A = -torch.exp(self.A_log.float())
+    "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": frozenset({"A_log"}),
+})
+"""Matrices of these families' other modules that their forward reads element by element
+(Mamba's ``A_log``, the log of a state matrix per channel, in Jamba's Mamba layers): vectors."""
+
 
 def _table_key(cls: type) -> str | None:
     """``<model>.modeling_<model>.<Class>`` for a class of ``transformers.models``."""
@@ -369,11 +380,15 @@ def _is_router(module: nn.Module) -> bool:
 def moe_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
     """The route of a parameter of a transformers experts or router module, or ``None``.
 
-    An experts tensor ``(E, ., .)`` is dense with the expert axis 0 a batch axis and its
-    fan-in/fan-out axes from :func:`experts_layout`; a per-expert bias ``(E, out)`` is a
-    vector.  A router's ``weight`` ``(E, d)`` is dense ``(out, in)``.  ``None`` for any
-    other module or parameter.
+    A parameter listed in :data:`ELEMENTWISE` is a vector.  An experts tensor
+    ``(E, ., .)`` is dense with the expert axis 0 a batch axis and its fan-in/fan-out axes
+    from :func:`experts_layout`; a per-expert bias ``(E, out)`` is a vector.  A router's
+    ``weight`` ``(E, d)`` is dense ``(out, in)``.  ``None`` for any other module or
+    parameter.
     """
+    for cls in type(module).__mro__:
+        if attr in ELEMENTWISE.get(_table_key(cls) or "", ()):
+            return Route("vector", evidence=f"module {type(module).__name__}: read element-wise")
     if _is_router(module):
         if attr == "weight" and param.dim() == 2:
             return Route("dense", fan_in=1, fan_out=0,
