@@ -184,6 +184,35 @@ def _is_peft_lora_embedding(module: nn.Module | None) -> bool:
     return module is not None and cls is not None and isinstance(module, cls)
 
 
+def _peft_expert_factors(model: nn.Module) -> dict[int, str]:
+    """The LoRA factors that peft's ``ParamWrapper`` holds for fused experts, by ``id``.
+
+    ``target_parameters`` LoRA on an ``(E, ., .)`` experts tensor stores the factors of all
+    experts in two ``nn.Linear`` weights, ``lora_A`` ``(E·r, in)`` (expert-major rows) and
+    ``lora_B`` ``(out, r·E)`` (expert-minor columns), which peft reshapes per expert rather
+    than calls; the value describes one for the refusal.
+    """
+    cls = _class_from("peft.tuners.lora.layer", "ParamWrapper")
+    if cls is None:
+        return {}
+    found: dict[int, str] = {}
+    for module in model.modules():
+        experts = getattr(module, "num_experts", 1)
+        if not isinstance(module, cls) or not isinstance(experts, int) or experts <= 1:
+            continue
+        get_base = getattr(module, "get_base_layer", None)
+        base = type(get_base()).__name__ if callable(get_base) else "experts"
+        target = f"{base}.{getattr(module, 'parameter_name', '?')}"
+        for which, layout in (("lora_A", "(E·r, in), the rows of each expert together"),
+                              ("lora_B", "(out, r·E), the columns of each expert strided")):
+            for linear in getattr(module, which, {}).values():
+                weight = getattr(linear, "weight", None)
+                if isinstance(weight, nn.Parameter):
+                    found[id(weight)] = (f"peft LoRA's {which} of the {experts} experts of "
+                                         f"{target} (ParamWrapper): {layout}")
+    return found
+
+
 _MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 _XLNET = "module XLNetRelativeAttention"
 
@@ -580,6 +609,7 @@ class _Router:
         self.api_out = _api_weight(out_module, self.param_names) if has_out else None
         self.out_module = out_module if self.api_out is not None else None
         self.tables = self._tables()
+        self.expert_factors = _peft_expert_factors(model)
         self.token = self._token_embedding()
         # the head by shape only when the model has no API saying which one it is
         self.heads = _Heads() if has_out else _find_heads(
@@ -703,6 +733,8 @@ class _Router:
                          evidence="override").resolve(p.shape, name)
         if id(p) in self.heads.refused:
             raise self.heads.refused[id(p)]
+        if id(p) in self.expert_factors:
+            raise _merged_expert_factors(name, p, self.expert_factors[id(p)])
         if p.dim() <= 1:
             return Route("vector", evidence=f"shape: {p.dim()}-D").resolve(p.shape, name)
         layout = self._layout(name, p)
@@ -718,6 +750,27 @@ class _Router:
 def _as_option(route: Route) -> Any:
     """A parsed override as the value to paste: the kind alone when it gives no axes."""
     return route.kind if not route.has_axes and route.batch is None else route
+
+
+def _merged_expert_factors(name: str, p: torch.Tensor, what: str) -> RoutingError:
+    """The refusal of peft's LoRA factors of fused experts (no per-expert route exists).
+
+    Its remedy is the kind ``"dense"`` (axes from the ``nn.Linear`` that holds it), not a
+    :class:`Route`: the refusal stands even where every matrix reading gives one update.
+    """
+    shape = tuple(int(s) for s in p.shape)
+    options: list[Option] = [
+        ("dense", "one (out, in) matrix over all experts' factors is acceptable (as nn.Linear "
+                  "reads it; SinkGD's and SAGE's normalisations then mix the experts)"),
+        _VECTOR_OPTION]
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)}: it is {what}. peft "
+        "reshapes it per expert, so its expert axis is merged with the rank axis and no "
+        "route gives each expert's factor its own normalisation. To train it as one (out, in) "
+        f"matrix, as nn.Linear reads it: route_overrides={{{name!r}: 'dense'}}; or, if "
+        f"it is\n{_advice_lines(name, shape, options)}",
+        leaf=name, shape=shape, options=options,
+    )
 
 
 def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:

@@ -323,3 +323,66 @@ def test_a_tiny_model_of_each_family_trains_with_no_override(family):
         assert _right(p.detach().numpy(), before[n], grads[n], _truth(n, tuple(p.shape))), (
             f"{family}: {n} {tuple(p.shape)}")
     model.load_state_dict(keep)
+
+
+# ---------------------------------------------------------------------------
+# classes the table does not know; peft LoRA on the experts
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_an_unlisted_decorated_experts_class_is_read_from_is_transposed(transposed):
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(is_transposed=transposed)
+    class NewExperts(nn.Module):  # a family newer than the table
+        def __init__(self, config):
+            super().__init__()
+            shape = (EXPERTS, HIDDEN, 2 * WIDTH) if transposed else (EXPERTS, 2 * WIDTH, HIDDEN)
+            self.gate_up_proj = nn.Parameter(torch.zeros(shape))
+
+    model = nn.ModuleDict({"m": NewExperts(transformers.PretrainedConfig())}).double()
+    route = sage_torch.route_params(model)[0].route
+    assert "use_experts_implementation(is_transposed=" in route.evidence
+    before, grads = _step(model)
+    weight = model["m"].gate_up_proj
+    assert _right(weight.detach().numpy(), before["m.gate_up_proj"], grads["m.gate_up_proj"],
+                  _truth("gate_up_proj", tuple(weight.shape)))
+
+
+def test_a_subclass_of_a_listed_experts_class_gets_its_layout():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    class MyExperts(GptOssExperts):
+        pass
+
+    config = transformers.GptOssConfig(**TINY)
+    routed = {r.name: r.route for r in sage_torch.route_params(MyExperts(config))}
+    assert (routed["gate_up_proj"].fan_in, routed["gate_up_proj"].fan_out) == ((1,), (2,))
+
+
+def test_peft_lora_factors_of_fused_experts_are_refused_with_a_remedy_and_then_train():
+    peft = pytest.importorskip("peft")
+    if not hasattr(peft.LoraConfig(), "target_parameters"):
+        pytest.skip(f"peft {peft.__version__} has no target_parameters (LoRA on experts)")
+    model = peft.get_peft_model(_causal_lm("mixtral"), peft.LoraConfig(
+        r=2, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    with pytest.raises(RoutingError) as info:
+        sage_torch.make_optimizer("sage-hybrid", model)
+    message = str(info.value)
+    assert "lora_A of the 4 experts of MixtralExperts.gate_up_proj (ParamWrapper)" in message
+    refused = info.value.overrides
+    assert sorted(refused) == sorted(n for n in dict(model.named_parameters())
+                                     if ".experts." in n and ".lora_" in n)
+    assert set(refused.values()) == {"dense"}
+    opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR, route_overrides=refused)
+    routed = {r.name: r.route for r in sage_torch.route_params(model, refused)}
+    a = next(n for n in refused if n.endswith("lora_A.default.weight"))
+    assert (routed[a].fan_in, routed[a].fan_out) == ((1,), (0,))  # as nn.Linear reads it
+    q = next(n for n in routed if "q_proj.lora_A" in n)
+    assert routed[q].evidence == "module nn.Linear"  # LoRA on attention: no override
+    ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
