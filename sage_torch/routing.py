@@ -28,8 +28,12 @@ available, in this order (``docs/routing.md``):
    ``einsum('ibnd,snd->ibns')``, is a table of 2 segments per head: embedding, vocab axis 0,
    fan-in 2, heads a batch axis); peft's LoRA ``Embedding`` (``lora_embedding_A`` ``(r, V)``
    read as ``F.embedding(x, A.T)``: a table whose vocab axis is 1, fan-in 0;
-   ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``).  peft
-   and transformers are never imported: their classes are looked up in ``sys.modules``.
+   ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``);
+   transformers' mixture-of-experts modules (:mod:`sage_torch.moe`: fused experts
+   ``(E, out, in)`` or ``(E, in, out)`` by class, the expert axis a batch axis; routers
+   ``(E, d)`` dense ``(out, in)``; peft's LoRA factors of fused experts are refused, no
+   route treating each expert's factor by itself).  peft and transformers are never
+   imported: their classes are looked up in ``sys.modules``.
 4. **shapes and names, last and only where unambiguous**: 0-D/1-D parameters (and tensors
    with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors.  The
    output head by shape: when *the* token table is known (the model API's, the only

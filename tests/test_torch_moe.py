@@ -45,7 +45,7 @@ TINY = dict(vocab_size=40, hidden_size=HIDDEN, intermediate_size=WIDTH,
             num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
             first_k_dense_replace=0, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=64, pad_token_id=0,
-            zero_expert_num=0)
+            zero_expert_num=0, experts_implementation="eager")  # the loop: float64 on CPU
 EXTRA = {  # what a family's config validation needs besides TINY
     "zaya": dict(num_experts_per_tok=1),
     "granitemoehybrid": dict(mamba_n_heads=2, mamba_d_head=16),
@@ -289,7 +289,6 @@ def _causal_lm(family: str) -> nn.Module:
     if size > 1_000_000:
         pytest.skip(f"{family}: {size} parameters from the tiny config (sizes it does not "
                     "take); its experts are tested as modules above")
-    config._experts_implementation = "eager"  # the reference loop: float64 on CPU
     torch.manual_seed(0)
     return model_cls(config).double().eval()
 
@@ -386,3 +385,11 @@ def test_peft_lora_factors_of_fused_experts_are_refused_with_a_remedy_and_then_t
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_docs_routing_lists_every_experts_class_with_its_layout():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "routing.md").read_text()
+    for key, layout in moe.EXPERTS.items():
+        row = next((line for line in doc.splitlines()
+                    if f"| `{key.rsplit('.', 1)[1]}` |" in line), None)
+        assert row is not None and f"| {layout} |" in row, key
