@@ -32,7 +32,7 @@ from torch import nn
 
 from sage_optim.routing import Route
 
-__all__ = ["ELEMENTWISE", "EXPERTS", "IN_OUT", "OUT_IN", "ROUTERS", "experts_layout",
+__all__ = ["ELEMENTWISE", "EXPERTS", "FLATTENED", "IN_OUT", "OUT_IN", "ROUTERS", "experts_layout",
            "moe_route", "says_experts"]
 
 OUT_IN = "(E, out, in)"
@@ -339,6 +339,25 @@ ELEMENTWISE: Mapping[str, frozenset[str]] = MappingProxyType({
 })
 """Matrices of these families' other modules that their forward reads element by element
 (Mamba's ``A_log``, the log of a state matrix per channel, in Jamba's Mamba layers): vectors."""
+
+FLATTENED: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    # modeling_dbrx.py:300-302 w1.view(-1, ffn, d)[e]; :264,265,268 x.matmul(w1.T),
+    # x.matmul(v1.T) (each expert (out, in)), intermediate.matmul(w2) (each expert (in, out))
+    "dbrx.modeling_dbrx.DbrxExpertGLU": MappingProxyType(
+        {"w1": OUT_IN, "v1": OUT_IN, "w2": IN_OUT}),
+})
+"""Experts stored as 2-D ``(E·n, d)`` weights that the forward views per expert: no route
+normalises each expert by itself, so they are refused (:mod:`sage_torch.routing`); the value
+is each expert's layout once viewed ``(E, n, d)``."""
+
+
+def flattened_layout(module: nn.Module, attr: str) -> str | None:
+    """Each expert's layout of a :data:`FLATTENED` weight, or ``None``."""
+    for cls in type(module).__mro__:
+        layout = FLATTENED.get(_table_key(cls) or "", {}).get(attr)
+        if layout is not None:
+            return layout
+    return None
 
 
 def _table_key(cls: type) -> str | None:

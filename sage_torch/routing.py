@@ -455,6 +455,9 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
                "the fan-in, as for nn.Conv: " + override_advice(name, shape, conv))
         return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
+    flattened = moe.flattened_layout(module, owners[0].attr) if module is not None else None
+    if flattened is not None and p.dim() == 2:
+        return _flattened_experts(name, p, module, flattened)
     if module is not None and moe.says_experts(module) and p.dim() == 3 and kind in (
             None, "dense"):
         return _unknown_experts(name, p, module)
@@ -467,6 +470,31 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
         f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} {where}: {what} "
         f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
         f"e.g. if it is\n{_advice_lines(name, shape, options)}\n"
+        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+        leaf=name, shape=shape, options=options,
+    )
+
+
+def _flattened_experts(name: str, p: torch.Tensor, module: nn.Module | None,
+                       layout: str) -> RoutingError:
+    """The refusal of experts stored as one 2-D ``(E·n, d)`` weight (DBRX)."""
+    shape = tuple(int(s) for s in p.shape)
+    as_read = Route("dense", fan_in=1, fan_out=0) if layout == moe.OUT_IN else Route(
+        "dense", fan_in=0, fan_out=1)
+    other = Route("dense", fan_in=as_read.fan_out, fan_out=as_read.fan_in)
+    reads = "F.linear(x, W[e]), each expert (out, in)" if layout == moe.OUT_IN else (
+        "x @ W[e], each expert (in, out)")
+    options: list[Option] = [
+        (as_read, f"one matrix over all experts is acceptable, read as the forward reads each "
+                  f"expert ({reads}; SinkGD's and SAGE's normalisations then mix the experts)"),
+        (other, "it is the transposed reading (not what the forward does)"),
+        _VECTOR_OPTION]
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
+        f"{_label(module) if module is not None else '?'}: it holds every expert's matrix "
+        f"stacked along axis 0 and its forward views it per expert ({reads}), so no route "
+        "gives each expert its own normalisation. E.g. if\n"
+        f"{_advice_lines(name, shape, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )

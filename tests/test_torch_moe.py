@@ -393,3 +393,51 @@ def test_docs_routing_lists_every_experts_class_with_its_layout():
         row = next((line for line in doc.splitlines()
                     if f"| `{key.rsplit('.', 1)[1]}` |" in line), None)
         assert row is not None and f"| {layout} |" in row, key
+
+
+def test_every_router_class_with_a_weight_matrix_is_in_the_table():
+    """Router classes holding their own ``weight`` ``(E, d)`` parameter (not an nn.Linear)."""
+    root = Path(transformers.__file__).parent / "models"
+    found = set()
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8")
+        if "Router" not in text:
+            continue
+        name = f"transformers.models.{path.parent.name}.{path.stem}"
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional dependency is missing
+            continue
+        for cls in vars(module).values():
+            if (isinstance(cls, type) and issubclass(cls, nn.Module) and cls.__module__ == name
+                    and "router" in cls.__name__.lower()
+                    and re.search(r"self\.weight = nn\.Parameter\(\s*torch\.\w+\(\s*[^,()]+,"
+                                  r"\s*[^,()]+[,)]", inspect.getsource(cls.__init__))):
+                found.add(_key(cls))
+    assert len(found) >= 50, sorted(found)
+    assert not sorted(found - moe.ROUTERS), sorted(found - moe.ROUTERS)
+
+
+def test_dbrx_flattened_experts_are_refused_with_the_forward_reading_first():
+    """DBRX stores its experts as (E·ffn, d) weights viewed per expert: no per-expert route."""
+    if getattr(transformers, "DbrxForCausalLM", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no DBRX")
+    torch.manual_seed(0)
+    model = transformers.DbrxForCausalLM(transformers.DbrxConfig(
+        vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=2, max_seq_len=32,
+        attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=WIDTH, moe_num_experts=EXPERTS, moe_top_k=2)))
+    with pytest.raises(RoutingError) as info:
+        sage_torch.make_optimizer("sage-hybrid", model)
+    assert "its forward views it per expert" in str(info.value)
+    prefix = "transformer.blocks.0.ffn.experts.mlp."
+    assert info.value.overrides == {
+        prefix + "w1": Route("dense", fan_in=1, fan_out=0),  # x.matmul(w1[e].T)
+        prefix + "v1": Route("dense", fan_in=1, fan_out=0),
+        prefix + "w2": Route("dense", fan_in=0, fan_out=1)}  # x.matmul(w2[e])
+    opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR,
+                                    route_overrides=info.value.overrides)
+    ids = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
