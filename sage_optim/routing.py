@@ -853,6 +853,9 @@ class Evidence:
         search, except that ``'embedding'`` on a candidate names the head.
       final: the error in ``route`` stands whatever the overrides say (a sparse embedding,
         a non-floating dtype).
+      layout: where ``route`` refuses a parameter whose modules do give axes (peft's LoRA
+        factors of fused experts: no per-expert reading), those axes: an override's kind
+        takes them.
     """
 
     name: str
@@ -863,6 +866,7 @@ class Evidence:
     api_token: bool = False
     given_kind: str | None = None
     final: bool = False
+    layout: Route | None = None
 
 
 def apply_override(e: Evidence, override: Route, vocab_size: int | None = None,
@@ -880,6 +884,8 @@ def apply_override(e: Evidence, override: Route, vocab_size: int | None = None,
     if override.kind == "vector":
         batch = default.batch if isinstance(default, Route) and default.kind == "vector" else ()
         return Route("vector", batch=batch, evidence="override")
+    if not isinstance(default, Route) and e.layout is not None:
+        default = e.layout
     if isinstance(default, Route) and default.has_axes:
         return Route(override.kind, default.fan_in, default.fan_out, default.batch,
                      evidence=f"override (axes: {default.evidence})")

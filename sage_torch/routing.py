@@ -28,8 +28,12 @@ available, in this order (``docs/routing.md``):
    ``einsum('ibnd,snd->ibns')``, is a table of 2 segments per head: embedding, vocab axis 0,
    fan-in 2, heads a batch axis); peft's LoRA ``Embedding`` (``lora_embedding_A`` ``(r, V)``
    read as ``F.embedding(x, A.T)``: a table whose vocab axis is 1, fan-in 0;
-   ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``).  peft
-   and transformers are never imported: their classes are looked up in ``sys.modules``.
+   ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``);
+   transformers' mixture-of-experts modules (:mod:`sage_torch.moe`: fused experts
+   ``(E, out, in)`` or ``(E, in, out)`` by class, the expert axis a batch axis; routers
+   ``(E, d)`` dense ``(out, in)``; peft's LoRA factors of fused experts are refused, no
+   route treating each expert's factor by itself).  peft and transformers are never
+   imported: their classes are looked up in ``sys.modules``.
 4. **shapes and names, last and only where unambiguous**: 0-D/1-D parameters (and tensors
    with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors.  The
    output head by shape: when *the* token table is known (the model API's, the only
@@ -107,6 +111,7 @@ from sage_optim.routing import (
     names_token_embedding,
     override_advice,
 )
+from sage_torch import moe
 
 __all__ = [
     "RoutedParam",
@@ -183,6 +188,35 @@ def _is_peft_lora_embedding(module: nn.Module | None) -> bool:
     return module is not None and cls is not None and isinstance(module, cls)
 
 
+def _peft_expert_factors(model: nn.Module) -> dict[int, str]:
+    """The LoRA factors that peft's ``ParamWrapper`` holds for fused experts, by ``id``.
+
+    ``target_parameters`` LoRA on an ``(E, ., .)`` experts tensor stores the factors of all
+    experts in two ``nn.Linear`` weights, ``lora_A`` ``(E·r, in)`` (expert-major rows) and
+    ``lora_B`` ``(out, r·E)`` (expert-minor columns), which peft reshapes per expert rather
+    than calls; the value describes one for the refusal.
+    """
+    cls = _class_from("peft.tuners.lora.layer", "ParamWrapper")
+    if cls is None:
+        return {}
+    found: dict[int, str] = {}
+    for module in model.modules():
+        experts = getattr(module, "num_experts", 1)
+        if not isinstance(module, cls) or not isinstance(experts, int) or experts <= 1:
+            continue
+        get_base = getattr(module, "get_base_layer", None)
+        base = type(get_base()).__name__ if callable(get_base) else "experts"
+        target = f"{base}.{getattr(module, 'parameter_name', '?')}"
+        for which, layout in (("lora_A", "(E·r, in), the rows of each expert together"),
+                              ("lora_B", "(out, r·E), the columns of each expert strided")):
+            for linear in getattr(module, which, {}).values():
+                weight = getattr(linear, "weight", None)
+                if isinstance(weight, nn.Parameter):
+                    found[id(weight)] = (f"peft LoRA's {which} of the {experts} experts of "
+                                         f"{target} (ParamWrapper): {layout}")
+    return found
+
+
 _MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
 _XLNET = "module XLNetRelativeAttention"
 
@@ -209,8 +243,13 @@ def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | N
     """The route that the layout of ``module`` gives its parameter ``attr``, or ``None``.
 
     ``None`` when the module type has no known layout for that parameter (a custom module,
-    a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.
+    a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.  transformers'
+    mixture-of-experts modules are read from :mod:`sage_torch.moe` (fused experts
+    ``(E, out, in)`` or ``(E, in, out)`` with the expert axis a batch axis, routers ``(E, d)``).
     """
+    expert = moe.moe_route(module, attr, param)
+    if expert is not None:
+        return expert
     if _is_xlnet_attention(module):
         return _xlnet_route(module, attr, param)
     if attr != "weight" and not (isinstance(module, nn.MultiheadAttention)
@@ -394,7 +433,8 @@ def _advice_lines(name: str, shape: Sequence[int], options: Sequence[Option]) ->
 
 def _known_layouts() -> str:
     return ("known: nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers Conv1D and "
-            "XLNetRelativeAttention, peft LoRA Embedding, nn.Conv1d/2d/3d")
+            "XLNetRelativeAttention, peft LoRA Embedding, nn.Conv1d/2d/3d, the experts and "
+            "routers of transformers' mixture-of-experts models)")
 
 
 def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str | None,
@@ -415,6 +455,12 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
                "the fan-in, as for nn.Conv: " + override_advice(name, shape, conv))
         return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
+    flattened = moe.flattened_layout(module, owners[0].attr) if module is not None else None
+    if flattened is not None and p.dim() == 2:
+        return _flattened_experts(name, p, module, flattened)
+    if module is not None and moe.says_experts(module) and p.dim() == 3 and kind in (
+            None, "dense"):
+        return _unknown_experts(name, p, module)
     embeddingish = _names_embedding(name) or any(
         isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
         or _is_peft_lora_embedding(o.parent) for o in owners)
@@ -424,6 +470,52 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
         f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} {where}: {what} "
         f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
         f"e.g. if it is\n{_advice_lines(name, shape, options)}\n"
+        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+        leaf=name, shape=shape, options=options,
+    )
+
+
+def _flattened_experts(name: str, p: torch.Tensor, module: nn.Module | None,
+                       layout: str) -> RoutingError:
+    """The refusal of experts stored as one 2-D ``(E·n, d)`` weight (DBRX)."""
+    shape = tuple(int(s) for s in p.shape)
+    as_read = Route("dense", fan_in=1, fan_out=0) if layout == moe.OUT_IN else Route(
+        "dense", fan_in=0, fan_out=1)
+    other = Route("dense", fan_in=as_read.fan_out, fan_out=as_read.fan_in)
+    reads = "F.linear(x, W[e]), each expert (out, in)" if layout == moe.OUT_IN else (
+        "x @ W[e], each expert (in, out)")
+    options: list[Option] = [
+        (as_read, f"one matrix over all experts is acceptable, read as the forward reads each "
+                  f"expert ({reads}; SinkGD's and SAGE's normalisations then mix the experts)"),
+        (other, "it is the transposed reading (not what the forward does)"),
+        _VECTOR_OPTION]
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
+        f"{_label(module) if module is not None else '?'}: it holds every expert's matrix "
+        f"stacked along axis 0 and its forward views it per expert ({reads}), so no route "
+        "gives each expert its own normalisation. E.g. if\n"
+        f"{_advice_lines(name, shape, options)}\n"
+        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+        leaf=name, shape=shape, options=options,
+    )
+
+
+def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingError:
+    """The error for a 3-D tensor of an experts module that :mod:`sage_torch.moe` lacks."""
+    shape = tuple(int(s) for s in p.shape)
+    oi = Route("dense", fan_in=2, fan_out=1, batch=0)
+    io = Route("dense", fan_in=1, fan_out=2, batch=0)
+    options: list[Option] = [
+        (oi, "it is (E, out, in), one matrix per expert read as F.linear(x, W[e]) (most "
+             "families: Mixtral, Qwen-MoE, DeepSeek)"),
+        (io, "it is (E, in, out), read as x @ W[e] or torch.bmm(x, W) (GPT-OSS, Llama-4)"),
+        _VECTOR_OPTION]
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
+        f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch.moe."
+        "EXPERTS). To tell, look at its forward: F.linear(x, W[e]) means (E, out, in) (the "
+        "first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, out); the expert axis is a "
+        f"batch axis either way. E.g. if it is\n{_advice_lines(name, shape, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
@@ -495,6 +587,7 @@ class _Router:
         self.api_out = _api_weight(out_module, self.param_names) if has_out else None
         self.out_module = out_module if self.api_out is not None else None
         self.tables = self._tables()
+        self.expert_factors = _peft_expert_factors(model)
         self.token = self._token_embedding()
         # the head by shape only when the model has no API saying which one it is
         self.find_heads = not has_out
@@ -601,6 +694,11 @@ class _Router:
                     f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False",
                     leaf=name, shape=p.shape,
                 ), final=True)
+        if id(p) in self.expert_factors:  # refused, but an override's kind takes its axes
+            return core.Evidence(
+                name, tuple(int(n) for n in p.shape),
+                _merged_expert_factors(name, p, self.expert_factors[id(p)]),
+                layout=self._layout(name, p))
         try:
             route: Route | RoutingError = self._default(name, p, regs)
         except RoutingError as err:
@@ -642,6 +740,27 @@ class _Router:
 def _as_option(route: Route) -> Any:
     """A parsed override as the value to paste: the kind alone when it gives no axes."""
     return route.kind if not route.has_axes and route.batch is None else route
+
+
+def _merged_expert_factors(name: str, p: torch.Tensor, what: str) -> RoutingError:
+    """The refusal of peft's LoRA factors of fused experts (no per-expert route exists).
+
+    Its remedy is the kind ``"dense"`` (axes from the ``nn.Linear`` that holds it), not a
+    :class:`Route`: the refusal stands even where every matrix reading gives one update.
+    """
+    shape = tuple(int(s) for s in p.shape)
+    options: list[Option] = [
+        ("dense", "one (out, in) matrix over all experts' factors is acceptable (as nn.Linear "
+                  "reads it; SinkGD's and SAGE's normalisations then mix the experts)"),
+        _VECTOR_OPTION]
+    return RoutingError(
+        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)}: it is {what}. peft "
+        "reshapes it per expert, so its expert axis is merged with the rank axis and no "
+        "route gives each expert's factor its own normalisation. To train it as one (out, in) "
+        f"matrix, as nn.Linear reads it: route_overrides={{{name!r}: 'dense'}}; or, if "
+        f"it is\n{_advice_lines(name, shape, options)}",
+        leaf=name, shape=shape, options=options,
+    )
 
 
 def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:

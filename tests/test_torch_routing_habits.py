@@ -441,14 +441,31 @@ def test_xlnet_attention_is_module_evidence_and_its_math():
 
 
 def test_a_3d_parameter_of_unknown_module_gets_the_stacked_in_out_reading_first():
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, D, 8))  # (L, in, out)
+
+    with pytest.raises(RoutingError) as info:
+        route_params(Stack())
+    assert info.value.overrides == {"w": Route("dense", fan_in=-2, fan_out=-1)}
+
+
+def test_a_3d_parameter_of_an_unknown_experts_module_gets_the_out_in_reading_first():
+    """Most MoE families read W[e] as F.linear(x, W[e]): (E, out, in) is the first remedy."""
+
     class Experts(nn.Module):
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.randn(4, D, 8))  # (E, in, out)
+            self.w = nn.Parameter(torch.randn(4, 8, D))  # (E, out, in)
 
     with pytest.raises(RoutingError) as info:
         route_params(Experts())
-    assert info.value.overrides == {"w": Route("dense", fan_in=-2, fan_out=-1)}
+    assert info.value.overrides == {"w": Route("dense", fan_in=2, fan_out=1, batch=0)}
+    message = str(info.value)
+    assert "F.linear(x, W[e]) means (E, out, in)" in message
+    assert "x @ W[e] or torch.bmm(x, W) means (E, in, out)" in message
+    assert "or Route('dense', fan_in=1, fan_out=2, batch=(0,)) if it is (E, in, out)" in message
 
 
 # ---------------------------------------------------------------------------
