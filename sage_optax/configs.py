@@ -16,6 +16,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import memory, routing, validation
 from sage_optax.apollo import apollo
+from sage_optax.lion import lion
 from sage_optax.sage import sage
 from sage_optax.sinkhorn import KERNELS, sinkgd
 from sage_optax.unit_norm import unit_norm_descent
@@ -58,9 +59,7 @@ def build_rule(
             mask=mask,
         )
     if rule.name == "lion":
-        return optax.lion(
-            learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask
-        )
+        return lion(learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask)
     if rule.name == "sage":
         return sage(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "sinkgd":
