@@ -78,7 +78,7 @@ def _reduced_spec(spec: Any, sources: tuple[int | None, ...], ndim: int, where: 
     if isinstance(spec, PartitionSpec):
         return PartitionSpec(*_select(spec, sources, ndim, where))
     if isinstance(spec, Sequence) and not isinstance(spec, str):
-        return type(spec)(_select(spec, sources, ndim, where))
+        return tuple(_select(spec, sources, ndim, where))
     raise ValueError(
         f"parameter {where!r}: cannot read its sharding metadata {spec!r} (expected a tuple "
         "of axis names, a PartitionSpec or a NamedSharding)"
@@ -111,7 +111,7 @@ def rebox(box: Any, value: Any, sources: AxisSources, where: str = "<leaf>") -> 
     return box.from_metadata(value, metadata)
 
 
-def state_like(params: Any, values: list[Any], sources: list[AxisSources]) -> Any:
+def state_like(params: Any, values: Sequence[Any], sources: Sequence[AxisSources]) -> Any:
     """A state tree with the structure of ``params``, ``values[i]`` for its ``i``-th leaf.
 
     ``values`` and ``sources`` list the state leaves in the order of
@@ -149,7 +149,7 @@ def keep_structure(state: Any, new: Any) -> Any:
     whatever boxes the gradients come in: ``new`` (built leaf by leaf from the gradients)
     is rebuilt in ``state``'s structure.  Masked leaves count as leaves on both sides.
     """
-    treedef = jax.tree.structure(state, is_leaf=axes_lib.is_masked)
+    treedef: Any = jax.tree.structure(state, is_leaf=axes_lib.is_masked)
     leaves = jax.tree.leaves(new, is_leaf=axes_lib.is_masked)
     if treedef.num_leaves != len(leaves):
         raise ValueError(

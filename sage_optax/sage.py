@@ -224,7 +224,8 @@ def scale_by_sage(
     def init_fn(params: optax.Params) -> ScaleBySageState:
         specs = axes_lib.resolve_spec(axes, params)
         treedef, leaves = axes_lib.flatten_with_spec(params, specs)
-        mu, s, s_axes = [], [], []
+        mu, s = [], []
+        s_axes: list[boxes.AxisSources] = []
         for path, spec, p in leaves:
             if axes_lib.is_masked(p):
                 mu.append(p)
