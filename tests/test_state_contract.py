@@ -7,8 +7,12 @@ containers are those users train with: plain dicts, ``nnx.State`` (from ``nnx.st
 ``nnx.split``: ``nnx.Param`` boxes), linen params without and with ``nn.Partitioned`` boxes
 (mesh names and logical names), Equinox models (filtered) and lists and tuples.
 
-Each check runs every configuration on one container at once (one compiled program, one
-checkpoint per container), so the whole matrix stays within seconds; a failure names the
+Each check runs every configuration on one container at once, so the whole matrix stays
+within seconds: for every container, the structure, shapes, dtypes and weak types after an
+update (what ``jit`` keys its cache on) and the trace of a jitted ``lax.scan`` are checked
+abstractly (``jax.eval_shape``, no compile), and a checkpoint round trip; the containers
+with boxes, where the structure used to change, also compile and run the jitted scan three
+times (one compile) and checkpoint the state it returns.  A failure names the
 configurations that broke the contract.
 """
 
