@@ -70,7 +70,7 @@ def _select(names: Any, sources: tuple[int | None, ...], ndim: int, where: str) 
 
 
 def _reduced_spec(spec: Any, sources: tuple[int | None, ...], ndim: int, where: str) -> Any:
-    """An ``nnx`` sharding metadata value restricted to ``sources`` (same type)."""
+    """An ``nnx`` sharding metadata value restricted to ``sources`` (a sequence: a tuple)."""
     if spec is None:
         return None
     if isinstance(spec, NamedSharding):

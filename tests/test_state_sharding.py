@@ -197,3 +197,28 @@ def test_nnx_state_sharding_metadata_fits_every_state_leaf(name):
         assert s.get_value().shape == (D,)
         assert s.get_metadata()["out_sharding"] == ("data",)
         assert s.get_value().sharding.spec == P("data")
+
+
+def test_rebox_reads_every_form_of_nnx_sharding_metadata():
+    """``out_sharding`` as a tuple, a short ``PartitionSpec`` (trailing axes replicated) or
+    a ``NamedSharding``: the reduced state gets the names of the axes it keeps; metadata it
+    cannot read, or naming more axes than the parameter has, is a one-line error."""
+    from sage_optax import boxes
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices("cpu")[:8])
+    value = jnp.zeros((D,))
+    cases = [(("vocab", "embed"), (1,), ("embed",)),
+             (P("vocab"), (1,), P(None)),
+             (P("vocab"), (0,), P("vocab")),
+             (NamedSharding(mesh, P(None, "data")), (1,), NamedSharding(mesh, P("data"))),
+             (("vocab", "embed"), (None, 1), (None, "embed"))]
+    for spec, sources, expected in cases:
+        box = nnx.Param(jnp.zeros((V, D)), out_sharding=spec, eager_sharding=False)
+        got = boxes.rebox(box, value, sources, "embed.embedding").get_metadata()["out_sharding"]
+        assert got == expected, (spec, sources, got)
+    for bad, match in [("data", "cannot read its sharding metadata"),
+                       (("a", "b", "c"), "names 3 axes, but the parameter has 2")]:
+        box = nnx.Param(jnp.zeros((V, D)), out_sharding=bad, eager_sharding=False)
+        with pytest.raises(ValueError, match=match):
+            boxes.rebox(box, value, (1,), "embed.embedding")
