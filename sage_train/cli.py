@@ -167,7 +167,7 @@ def model_label(model: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-train`` parser: help text and default for every option."""
     p = OneLineParser(prog="sage-train", description=__doc__, epilog=EPILOG,
-                      formatter_class=_Formatter, usage=USAGE)
+                      formatter_class=_Formatter, usage=USAGE, allow_abbrev=False)
     d = _DEFAULTS
     p.add_argument("--model", type=_model, default=None, metavar="NAME|FILE",
                    help=f"LLaMA size, one of {', '.join(MODELS)} (tiny: tests, small: CPU, 20m "
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_export_parser() -> argparse.ArgumentParser:
     """The ``sage-train export`` parser."""
-    p = OneLineParser(prog="sage-train export", formatter_class=_Formatter,
+    p = OneLineParser(prog="sage-train export", formatter_class=_Formatter, allow_abbrev=False,
                 description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
                 "directory\n(config.json, model.safetensors) with the run's tokenizer "
                 "(tokenizer.json,\ntokenizer_config.json): transformers' "
@@ -341,7 +341,8 @@ def build_export_parser() -> argparse.ArgumentParser:
                 "AutoTokenizer.from_pretrained(DIR) load it offline; sage-train\n"
                 "--init-from-hf DIR starts a run from it.")
     p.add_argument("--hf", required=True, metavar="DIR", default=argparse.SUPPRESS,
-                   help="the directory to write (created; its files are replaced)")
+                   help="the directory to write: new, empty, or an earlier export "
+                   "(its weights and tokenizer are then replaced as a whole)")
     p.add_argument("--run-dir", required=True, metavar="RUN", default=argparse.SUPPRESS,
                    help="the run's own directory, RUN_DIR/MODEL-OPTIMIZER")
     p.add_argument("--step", type=_checked("steps", int), default=None,
@@ -461,7 +462,7 @@ def _leave(status: int, error: BaseException) -> int:
 
 def build_sample_parser() -> argparse.ArgumentParser:
     """The ``sage-train sample`` parser."""
-    p = OneLineParser(prog="sage-train sample", formatter_class=_Formatter,
+    p = OneLineParser(prog="sage-train sample", formatter_class=_Formatter, allow_abbrev=False,
                       description="Generate text from a run's checkpoint: the prompt, "
                       "tokenized with the run's tokenizer,\ncontinued token by token by the "
                       "trained model (on one device; the run is only read).")
