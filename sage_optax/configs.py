@@ -57,11 +57,12 @@ def build_rule(
     if rule.name == "adamw":
         return optax.adamw(
             learning_rate, hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"],
-            mask=mask,
+            mask=validation.checked_mask(mask),
         )
     if rule.name == "lion":
         return optax.lion(
-            learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask
+            learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"],
+            mask=validation.checked_mask(mask),
         )
     if rule.name == "sage":
         return sage(learning_rate, **hp, mask=mask, axes=axes)
