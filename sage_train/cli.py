@@ -559,6 +559,15 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                  "process 0 writes the run's files and log, this one only its errors")
               + f"; a process that dies stops the others within {launch.heartbeat_timeout} s "
               "(--heartbeat-timeout)", flush=True)
+    if distributed.joined():  # the same settings on every process, before anything else
+        from sage_train.train import agreed_settings
+
+        distributed.same_settings({
+            "optimizer": [c.optimizer for c in cfgs],
+            **{k: v for k, v in agreed_settings(cfgs[0]).items()
+               if k not in ("optimizer", "run_dir")},
+            "run_dir": str(pathlib.Path(args.run_dir).absolute()),
+            "allow_config_change": args.allow_config_change, "restart": args.restart})
     results: list[Any] = []
     with contextlib.ExitStack() as locks:
         # every run directory locked and checked before any trains: exit status 2 still

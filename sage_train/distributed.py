@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -172,6 +173,8 @@ def join(launch: Launch) -> None:
     """
     import jax
 
+    if launch.process_id == 0 and launch.coordinator is not None:
+        check_port_free(launch.coordinator)
     try:
         jax.distributed.initialize(
             coordinator_address=launch.coordinator, num_processes=launch.num_processes,
@@ -187,6 +190,42 @@ def join(launch: Launch) -> None:
     except RuntimeError as e:  # the runtime's errors (unreachable coordinator, timeout...)
         raise ConfigError(f"cannot join the job as {launch.describe()} within "
                           f"{INIT_TIMEOUT_S} s: {_first_line(e)}") from None
+
+
+def check_port_free(coordinator: str) -> None:
+    """Refuse to start the job's coordination service on a port already in use here.
+
+    Process 0 starts the service on ``coordinator``'s port; a port another program (or
+    another process 0) listens on would make JAX's service fail natively (a crash, or a
+    job joined to the wrong service).  Checked by binding the port (no ``SO_REUSEPORT``),
+    released at once.
+
+    Raises:
+      ConfigError: the port is in use (one line naming it).
+    """
+    import errno
+    import socket
+
+    port = int(coordinator.rpartition(":")[2])
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(
+                        f"--coordinator {coordinator}: port {port} is already in use on this "
+                        "host (another program, or another process 0 of a job): choose a "
+                        "free port for process 0 to serve the job on") from None
+                if family == socket.AF_INET6:
+                    continue  # IPv6 without this address: the IPv4 check stands
+                raise ConfigError(f"--coordinator {coordinator}: cannot serve the job on port "
+                                  f"{port} here: {e.strerror}") from None
 
 
 def _first_line(e: BaseException, limit: int = 240) -> str:
@@ -282,6 +321,45 @@ def same_everywhere(value: str, what: str) -> None:
         if v != values[0]:
             raise JobError(f"{what} differs between processes: process 0 has {values[0]!r}, "
                            f"process {i} {v!r}")
+
+
+def _option(key: str) -> str:
+    """The command-line option of a setting: ``learning_rate`` -> ``--lr``."""
+    return {"learning_rate": "--lr"}.get(key, "--" + key.replace("_", "-"))
+
+
+def same_settings(settings: Mapping[str, object]) -> None:
+    """Check that every process of the job was given the same ``settings``.
+
+    A collective (every process calls it, with the same keys in the same order): one
+    all-gather of a digest where they agree; where they do not, one of a digest per
+    setting and one of the first differing setting's values.
+
+    Raises:
+      JobError: on every process, naming the first setting (as its option) that differs
+        and its value on process 0 and on the first process that differs.
+    """
+    if process_count() == 1:
+        return
+    texts = [json.dumps(v, sort_keys=True, default=str) for v in settings.values()]
+    whole = hashlib.sha256("\x00".join([*settings, *texts]).encode()).digest()
+    digests = allgather(np.frombuffer(whole, np.uint8))
+    if all(np.array_equal(d, digests[0]) for d in digests):
+        return
+    each = np.stack([np.frombuffer(hashlib.sha256(t.encode()).digest()[:8], np.uint8)
+                     for t in texts]) if texts else np.zeros((0, 8), np.uint8)
+    gathered = allgather(each)
+    for k, key in enumerate(settings):
+        differ = [i for i in range(len(gathered))
+                  if not np.array_equal(gathered[i][k], gathered[0][k])]
+        if differ:
+            values = allgather_text(texts[k])
+            raise JobError(f"the processes of the job were given other settings: "
+                           f"{_option(key)} is {values[0]} on process 0 but "
+                           f"{values[differ[0]]} on process {differ[0]}; every process must "
+                           "run the same command (only the launch flags differ)")
+    raise JobError("the processes of the job were given other settings (of other names): "
+                   "every process must run the same command and the same sage-train")
 
 
 def everywhere(error: UserError) -> UserError:
