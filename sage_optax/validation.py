@@ -114,7 +114,7 @@ def check_mask_structure(mask: Any, params: Any) -> None:
       ValueError: naming the mask and the first path that differs.
     """
     try:
-        jax.tree.structure(mask).flatten_up_to(params)
+        jax.tree.structure(mask).flatten_up_to(params)  # type: ignore[attr-defined]
         return
     except (ValueError, TypeError):
         pass

@@ -616,8 +616,8 @@ class Signals(StopSignals):
     SIGTERM and SIGUSR1 (a preemption) are also passed on to the running trainer, which
     saves a checkpoint of the step reached and exits with status 75; the sweep then stops.
     SIGINT (Ctrl-C, which the terminal sends to the trainer too) stops the sweep once the
-    trainer has stopped; a second one exits at once.  Calling the object names the first
-    signal received.
+    trainer has stopped; a second one exits at once (a second SIGTERM or SIGUSR1 too, after
+    passing it on).  Calling the object names the first signal received.
     """
 
     def __init__(self) -> None:
@@ -625,10 +625,10 @@ class Signals(StopSignals):
         self.child: int | None = None
 
     def _handle(self, signum: int, frame: Any) -> None:
-        super()._handle(signum, frame)
-        if signum != signal.SIGINT and self.child is not None:
+        if signum != signal.SIGINT and self.child is not None:  # first: a second one exits
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signum)
+        super()._handle(signum, frame)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -461,3 +461,65 @@ def test_a_busy_coordinator_port_is_one_line_before_jax_starts(train_corpus, tmp
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
     assert f"--coordinator 127.0.0.1:{port}: port {port} is already in use" in proc.stderr
+
+
+@pytest.mark.usefixtures("token_cache")
+def test_two_processes_with_one_id_are_one_line_each(train_corpus, tmp_path):
+    """Both given --process-id 0 (once: a native abort): both exit 2 with one line."""
+    codes, outs = launch_pair(train_corpus, tmp_path, [[], []], ids=(0, 0))
+    assert codes == [2, 2], outs
+    for out in outs:
+        errors = [line for line in out.splitlines() if line.startswith("sage-train: error")]
+        assert errors == ["sage-train: error: two processes of the job were given "
+                          "--process-id 0: give each of the 2 processes its own id in [0, 2)"
+                          ], out
+
+
+def test_the_rendezvous_names_a_duplicate_id_to_every_process():
+    """Three processes, two of them --process-id 1: all three refuse, before JAX starts."""
+    import threading
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    errors: dict[int, str] = {}
+
+    def member(index: int, pid: int) -> None:
+        try:
+            distributed.rendezvous(distributed.Launch(coordinator, 3, pid), timeout=60)
+            errors[index] = "joined"
+        except ConfigError as e:
+            errors[index] = str(e)
+
+    threads = [threading.Thread(target=member, args=(i, pid)) for i, pid in
+               enumerate((0, 1, 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    want = ("two processes of the job were given --process-id 1: give each of the 3 "
+            "processes its own id in [0, 3)")
+    assert errors == {0: want, 1: want, 2: want}
+    # and the right layout meets
+    coordinator = f"127.0.0.1:{free_port()}"
+    errors.clear()
+    threads = [threading.Thread(target=member, args=(i, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert errors == {0: "joined", 1: "joined", 2: "joined"}
+
+
+def test_a_second_sigterm_always_ends_the_process():
+    """A process stuck where the first SIGTERM is never polled (a collective another
+    process never joins: once alive 10 minutes later) ends on the second, status 75."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom sage_train.signals import StopSignals\n"
+         "with StopSignals():\n    print('ready', flush=True)\n    time.sleep(60)"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=1)  # the first is a request, polled between steps
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == PREEMPTED
+    assert "SIGTERM again: exiting now" in child.stderr.read()
