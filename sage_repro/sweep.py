@@ -616,8 +616,8 @@ class Signals(StopSignals):
     SIGTERM and SIGUSR1 (a preemption) are also passed on to the running trainer, which
     saves a checkpoint of the step reached and exits with status 75; the sweep then stops.
     SIGINT (Ctrl-C, which the terminal sends to the trainer too) stops the sweep once the
-    trainer has stopped; a second one exits at once (a second SIGTERM or SIGUSR1 too, after
-    passing it on).  Calling the object names the first signal received.
+    trainer has stopped; a second one exits at once (the same SIGTERM or SIGUSR1 a second
+    time too, after passing it on).  Calling the object names the first signal received.
     """
 
     def __init__(self) -> None:
