@@ -434,7 +434,7 @@ def add_decayed_weights_after_step(
         if mask is None:
             flat_m = [True] * len(flat_p)
         else:
-            mask_tree = mask(params) if callable(mask) else mask
+            mask_tree = validation.checked_mask(mask)(params)
             # Broadcast a prefix mask over the subtrees it covers.
             full = jax.tree.map(
                 lambda m, sub: jax.tree.map(lambda _: m, sub, is_leaf=axes_lib.is_masked),

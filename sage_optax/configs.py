@@ -58,7 +58,7 @@ def build_rule(
     if rule.name == "adamw":
         return optax.adamw(
             learning_rate, hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"],
-            mask=mask,
+            mask=validation.checked_mask(mask),
         )
     if rule.name == "lion":
         return lion(learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask)

@@ -119,6 +119,6 @@ def lion(
     validation.check_hyperparameters("lion", weight_decay=weight_decay)
     return optax.chain(
         scale_by_lion(b1, b2, mu_dtype),
-        optax.add_decayed_weights(weight_decay, mask),
+        optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -322,6 +322,6 @@ def sage(
     validation.check_hyperparameters("sage", weight_decay=weight_decay)
     return optax.chain(
         scale_by_sage(b1, b2, eps, axes=axes, mu_dtype=mu_dtype, damper=damper),
-        optax.add_decayed_weights(weight_decay, mask),
+        optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -549,6 +549,6 @@ def sinkgd(
         scale_by_sinkhorn(num_iters, eps, normalization, axes=axes, grouping=grouping,
                           group_bytes=group_bytes, kernel=kernel),
         optax.scale(alpha),
-        optax.add_decayed_weights(weight_decay, mask),
+        optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )

@@ -73,6 +73,6 @@ def unit_norm_descent(
     validation.check_hyperparameters("unit_norm", weight_decay=weight_decay)
     return optax.chain(
         scale_by_unit_norm(eps, axes=axes),
-        optax.add_decayed_weights(weight_decay, mask),
+        optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )

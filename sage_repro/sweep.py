@@ -168,6 +168,31 @@ MANAGED: frozenset[str] = frozenset({
 _UNCOMPARED = ("checkpoint_every", "log_every")  # a rerun may change these
 
 
+def managed_option(flag: str) -> str | None:
+    """The managed option (:data:`MANAGED`) that ``flag`` after ``--`` would set, if any.
+
+    Any spelling counts: ``--seed``, ``--seed=7``, an abbreviation (``--see``: a prefix of
+    a managed option that is no ``sage-train`` option of its own), or underscores for
+    dashes (``--batch_size``).  ``None`` for a value or another option.
+    """
+    if not flag.startswith("--") or flag == "--":
+        return None
+    name = flag.split("=", 1)[0].replace("_", "-")
+    if name in MANAGED:
+        return name
+    if len(name) > 2 and name not in _trainer_options():
+        prefixed = sorted(m for m in MANAGED if m.startswith(name))
+        if prefixed:
+            return prefixed[0]
+    return None
+
+
+def _trainer_options() -> frozenset[str]:
+    from sage_train.cli import build_parser as trainer_parser
+
+    return frozenset(trainer_parser()._option_string_actions)
+
+
 def has_hyperparameter(config: str, hp: str) -> bool:
     """Whether some rule of ``config`` takes ``hp`` (``sage-train`` refuses ``--b1`` else)."""
     preset = get_preset(config)
@@ -252,18 +277,99 @@ def read_state(out: pathlib.Path) -> tuple[Protocol, Plan] | None:
     path = out / STATE
     try:
         data = json.loads(path.read_text())
-        protocol = Protocol.from_dict(data["protocol"])
-        p = data["plan"]
-        plan = Plan(configs=tuple(p["configs"]), seeds=tuple(p["seeds"]),
-                    lrs=None if p["lrs"] is None else tuple(p["lrs"]),
-                    lr_factors=tuple(p["lr_factors"]), best_seeds=tuple(p["best_seeds"]),
-                    top=p["top"], reference=str(p["reference"]), piece=p.get("piece"))
+        problem = state_problem(data)
+        if problem is None:
+            protocol = Protocol.from_dict(data["protocol"])
+            p = data["plan"]
+            plan = Plan(configs=tuple(p["configs"]), seeds=tuple(p["seeds"]),
+                        lrs=None if p["lrs"] is None else tuple(p["lrs"]),
+                        lr_factors=tuple(p["lr_factors"]), best_seeds=tuple(p["best_seeds"]),
+                        top=p["top"], reference=str(p["reference"]), piece=p.get("piece"))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SweepError(f"{path} is damaged ({e}); move it away to start the record "
-                         "anew") from None
+        problem = str(e)
+    if problem is not None:
+        raise SweepError(f"{path} is damaged ({problem}); move it away to start the record "
+                         "anew")
     return protocol, plan
+
+
+def _is_int(x: Any, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def _is_number(x: Any) -> bool:
+    return (isinstance(x, int | float) and not isinstance(x, bool)
+            and math.isfinite(float(x)))
+
+
+def _list_of(ok: Callable[[Any], bool], *, empty: bool = False) -> Callable[[Any], bool]:
+    return lambda x: isinstance(x, list) and (empty or bool(x)) and all(ok(v) for v in x)
+
+
+def _maybe(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda x: x is None or ok(x)
+
+
+_COUNT_FIELD = (lambda x: _is_int(x, 1), "an integer >= 1")
+_FRACTION = (lambda x: _is_number(x) and 0 <= x <= 1, "a number in [0, 1]")
+_STATE_FIELDS: dict[str, dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "protocol": {
+        "model": (lambda x: x in MODELS, f"one of {', '.join(MODELS)}"),
+        "data": (_maybe(lambda x: isinstance(x, str)), "null or a string"),
+        "steps": _COUNT_FIELD, "batch_size": _COUNT_FIELD, "seq_len": _COUNT_FIELD,
+        "eval_every": _COUNT_FIELD, "eval_batches": _COUNT_FIELD, "log_every": _COUNT_FIELD,
+        "checkpoint_every": _COUNT_FIELD,
+        "schedule": (lambda x: isinstance(x, str), "a string"),
+        "warmup_frac": _FRACTION, "final_lr_frac": _FRACTION,
+        "clip": (_is_number, "a number"),
+        "b1": (_maybe(_is_number), "null or a number"),
+        "b2": (_maybe(_is_number), "null or a number"),
+        "weight_decay": (_maybe(_is_number), "null or a number"),
+        "trainer_args": (_list_of(lambda x: isinstance(x, str), empty=True),
+                         "a list of strings"),
+    },
+    "plan": {
+        "configs": (_list_of(lambda x: x in CONFIG_NAMES),
+                    "a non-empty list of configuration names"),
+        "seeds": (_list_of(lambda x: _is_int(x, 0)), "a non-empty list of integers >= 0"),
+        "lrs": (_maybe(_list_of(lambda x: _is_number(x) and x > 0)),
+                "null or a non-empty list of numbers > 0"),
+        "lr_factors": (_list_of(lambda x: _is_number(x) and x > 0),
+                       "a non-empty list of numbers > 0"),
+        "best_seeds": (_list_of(lambda x: _is_int(x, 0), empty=True),
+                       "a list of integers >= 0"),
+        "top": (_maybe(lambda x: _is_int(x, 1)), "null or an integer >= 1"),
+        "reference": (lambda x: isinstance(x, str), "a configuration name or 'slowest'"),
+        "piece": (_maybe(lambda x: isinstance(x, str)), "null or a string"),
+    },
+}
+_OPTIONAL_FIELDS = frozenset({"plan.piece", "protocol.schedule", "protocol.warmup_frac",
+                              "protocol.final_lr_frac", "protocol.clip", "protocol.b1",
+                              "protocol.b2", "protocol.weight_decay", "protocol.trainer_args"})
+
+
+def state_problem(data: Any) -> str | None:
+    """The first field of a ``sweep.json`` record that is missing or invalid (``None``: none).
+
+    As ``plan.seeds must be a non-empty list of integers >= 0, got []``.
+    """
+    if not isinstance(data, dict):
+        return f"it holds {type(data).__name__}, not an object"
+    for section, fields in _STATE_FIELDS.items():
+        part = data.get(section)
+        if not isinstance(part, dict):
+            return f"{section} must be an object, got {part!r}"
+        for name, (ok, what) in fields.items():
+            key = f"{section}.{name}"
+            if name not in part:
+                if key in _OPTIONAL_FIELDS:
+                    continue
+                return f"{key} is missing"
+            if not ok(part[name]):
+                return f"{key} must be {what}, got {json.dumps(part[name])}"
+    return None
 
 
 def write_state(out: pathlib.Path, protocol: Protocol, plan: Plan) -> None:
@@ -510,8 +616,8 @@ class Signals(StopSignals):
     SIGTERM and SIGUSR1 (a preemption) are also passed on to the running trainer, which
     saves a checkpoint of the step reached and exits with status 75; the sweep then stops.
     SIGINT (Ctrl-C, which the terminal sends to the trainer too) stops the sweep once the
-    trainer has stopped; a second one exits at once.  Calling the object names the first
-    signal received.
+    trainer has stopped; a second one exits at once (the same SIGTERM or SIGUSR1 a second
+    time too, after passing it on).  Calling the object names the first signal received.
     """
 
     def __init__(self) -> None:
@@ -519,10 +625,10 @@ class Signals(StopSignals):
         self.child: int | None = None
 
     def _handle(self, signum: int, frame: Any) -> None:
-        super()._handle(signum, frame)
-        if signum != signal.SIGINT and self.child is not None:
+        if signum != signal.SIGINT and self.child is not None:  # first: a second one exits
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.child, signum)
+        super()._handle(signum, frame)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -548,7 +654,10 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
     """
     before = read(out, protocol, spec)
     if before.status in ("finished", "diverged"):
+        check_reusable(out, protocol, spec)
         return Outcome("skipped", before.status, before.describe())
+    if set_aside_final_checkpoint(out, protocol, spec):  # its last metrics rows are gone
+        before = read(out, protocol, spec)
     group = spec.group(out)
     group.mkdir(parents=True, exist_ok=True)
     action = "resumed" if before.step_reached else "started"
@@ -577,6 +686,11 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
     step: int | None = None
     if rc == 0 and after.status == "finished":
         outcome, detail = "finished", ""
+    elif rc == 0:
+        outcome, detail = "failed", (f"the trainer ended at step {after.step_reached} of "
+                                     f"{protocol.steps} without the final evaluation in "
+                                     f"{spec.run_dir(out, protocol.model) / 'metrics.jsonl'}")
+        step = after.step_reached
     elif rc == 1 and (stop := report.stop_reason(spec.config, stderr)) is not None:
         outcome, (detail, step) = "diverged", stop
     elif rc in (EXIT_PREEMPTED, EXIT_INTERRUPTED) or rc < 0:
@@ -596,6 +710,99 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
     if rc == 2:
         raise SweepError(f"the trainer refused {spec.label()}: {last_line} (log: {err})")
     return Outcome(action, outcome, detail, rc)
+
+
+_DERIVED_SETTINGS = frozenset({"dtype", "layers", "loss_chunk", "attention", "sinkgd_kernel"})
+"""Recorded settings resolved on the devices (``auto``): not compared by the harness."""
+
+
+def expected_settings(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> dict[str, Any]:
+    """The settings ``sage-train`` records for ``spec`` under ``protocol``.
+
+    Those it can know without the devices, in the form of the run's ``config.json``.
+
+    Raises:
+      SweepError: the options after ``--`` are refused by ``sage-train``.
+    """
+    import io
+
+    from sage_train.cli import configs, parse_args
+    from sage_train.train import default_hyperparameter
+
+    argv = protocol.trainer_argv(spec, spec.group(out))
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            (cfg,) = configs(parse_args(argv))
+    except SystemExit:
+        raise SweepError(err.getvalue().strip().splitlines()[-1] if err.getvalue().strip()
+                         else f"sage-train refuses {shlex.join(protocol.trainer_args)}"
+                         ) from None
+    settings = dataclasses.asdict(cfg)
+    for hp in ("weight_decay", "b1", "b2"):
+        if settings[hp] is None:
+            settings[hp] = default_hyperparameter(cfg.optimizer, hp)
+    if cfg.init_from_hf is not None:
+        settings["init_from_hf"] = str(pathlib.Path(cfg.init_from_hf).expanduser().absolute())
+    return settings
+
+
+def check_reusable(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> None:
+    """Refuse to reuse ``spec``'s finished (or diverged) run trained under other settings.
+
+    Its recorded settings (``config.json``) must be the ones this sweep would train it with.
+
+    Compared: every setting that changes the math, the data or the evaluation
+    (:data:`sage_train.rundir.MATH_FIELDS` and ``eval_every``), except those resolved on the
+    devices (the kernels, the compute dtype and the layer layout).
+
+    Raises:
+      SweepError: the run was trained otherwise (every difference named), or its settings
+        are not recorded.
+    """
+    from sage_train import rundir
+    from sage_train.errors import RunDirError
+
+    run_dir = spec.run_dir(out, protocol.model)
+    try:
+        recorded = rundir.read_settings(run_dir)
+    except RunDirError as e:
+        raise SweepError(str(e)) from None
+    if recorded is None:
+        raise SweepError(f"{spec.label()}: {run_dir} holds a run whose settings are not "
+                         f"recorded ({rundir.CONFIG}); move it away to train it again")
+    fields = tuple(f for f in (*rundir.MATH_FIELDS, "eval_every")
+                   if f not in _DERIVED_SETTINGS)
+    diff = rundir.differences(recorded, expected_settings(out, protocol, spec), fields)
+    if diff:
+        raise SweepError(f"{spec.label()}: {run_dir} was trained under other settings than "
+                         f"this sweep's ({rundir.format_differences(diff)}); move it away to "
+                         "train it again, or give the settings it was trained with")
+
+
+def set_aside_final_checkpoint(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> bool:
+    """Let an unfinished run whose newest checkpoint is its last step be trained again.
+
+    Such a run lost the last rows of its ``metrics.jsonl`` (the final evaluation): the
+    trainer, resuming at its last step, would have nothing to train and the rows would never
+    come back.  Its checkpoint of ``protocol.steps`` is renamed ``STEP.superseded`` (kept,
+    never read), so the trainer resumes from the one before (or
+    from step 0) and recomputes the rows, bit-identical.  Returns whether one was set aside.
+    """
+    root = spec.run_dir(out, protocol.model) / "checkpoints"
+    if not root.is_dir():
+        return False
+    moved = False
+    for path in sorted(root.iterdir()):
+        if path.name == str(protocol.steps) and path.is_dir():
+            dest = root / f"{path.name}.superseded"
+            n = 1
+            while dest.exists():
+                n += 1
+                dest = root / f"{path.name}.superseded-{n}"
+            os.replace(path, dest)
+            moved = True
+    return moved
 
 
 def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], signals: Signals,
@@ -806,10 +1013,12 @@ def protocol_and_plan(args: argparse.Namespace, trainer_args: Sequence[str]
         raise SweepError("--top chooses the configurations that get --best-seeds: give "
                          "--best-seeds too")
     for flag in trainer_args:
-        name = flag.split("=", 1)[0]
-        if name in MANAGED:
-            raise SweepError(f"{name} after -- is set by sage-repro sweep itself: use its own "
-                             f"{name if name != '--lr' else '--lrs'} option")
+        managed = managed_option(flag)
+        if managed is not None:
+            name = flag.split("=", 1)[0]
+            spelled = "" if name == managed else f" (a spelling of {managed})"
+            raise SweepError(f"{name} after --{spelled} is set by sage-repro sweep itself: use "
+                             f"its own {managed if managed != '--lr' else '--lrs'} option")
     eval_every = args.eval_every or max(1, steps // 40)
     protocol = Protocol(
         model=args.model, data=args.data, steps=steps, batch_size=batch, seq_len=seq_len,

@@ -33,6 +33,73 @@ _COMMON_DEFAULTS = {"maximize": False, "foreach": None, "fused": None, "capturab
 _MOMENTUM_KEYS = ("betas", "momentum")
 
 
+def _names_of(groups: Any) -> list[list[str]] | None:
+    """Every group's ``param_names`` (``None`` unless every group has a full, unique list)."""
+    if not isinstance(groups, list | tuple) or not groups:
+        return None
+    names = []
+    for g in groups:
+        if not isinstance(g, Mapping):
+            return None
+        n = g.get("param_names")
+        if not isinstance(n, list | tuple) or len(n) != len(g.get("params", ())):
+            return None
+        names.append([str(x) for x in n])
+    flat = [x for n in names for x in n]
+    return names if len(set(flat)) == len(flat) else None
+
+
+def _by_names(state_dict: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``state_dict`` with its groups and parameters in the order of ``groups``, by name.
+
+    Where both sides record ``param_names`` in every group, each parameter of ``groups`` is
+    matched to the saved parameter of its name (and each group to the saved group holding
+    its parameters); elsewhere ``state_dict`` is returned as it is (matched by position).
+
+    Raises:
+      ValueError: the names cannot be matched one to one (a name on one side only, or a
+        group whose parameters were saved in several groups), naming the first.
+    """
+    saved_groups = state_dict.get("param_groups")
+    mine, theirs = _names_of(groups), _names_of(saved_groups)
+    if mine is None or theirs is None or mine == theirs or len(mine) != len(theirs) or sorted(
+            map(len, mine)) != sorted(map(len, theirs)):
+        return state_dict  # by position (other counts: check_state_dict names them)
+    assert isinstance(saved_groups, list | tuple)
+    where = {name: (gi, i) for gi, names in enumerate(theirs) for i, name in enumerate(names)}
+    ours = {name for names in mine for name in names}
+    for names in mine:
+        for name in names:
+            if name not in where:
+                raise ValueError(f"state dict does not fit: parameter {name!r} of this "
+                                 "optimizer is not in the state dict's param_names (it cannot "
+                                 "be matched by name; to match by position, delete "
+                                 "'param_names' from the state dict's param_groups)")
+    extra = [name for name in where if name not in ours]
+    if extra:
+        raise ValueError(f"state dict does not fit: parameter {extra[0]!r} of the state dict "
+                         "is not in this optimizer's param_names (it cannot be matched by "
+                         "name; to match by position, delete 'param_names' from the state "
+                         "dict's param_groups)")
+    out_groups = []
+    used: dict[int, int] = {}
+    for index, names in enumerate(mine):
+        homes = {where[name][0] for name in names}
+        if len(homes) > 1 or (homes and next(iter(homes)) in used):
+            raise ValueError(f"state dict does not fit: the parameters of param group {index} "
+                             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) "
+                             "are not one param group of the state dict")
+        if not homes:  # an empty group: the saved group at its position
+            out_groups.append(saved_groups[index])
+            continue
+        home = homes.pop()
+        used[home] = index
+        saved = saved_groups[home]
+        out_groups.append({**saved, "params": [saved["params"][where[n][1]] for n in names],
+                           "param_names": list(names)})
+    return {**state_dict, "param_groups": out_groups}
+
+
 def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """``state_dict`` with every ``step`` that is a Python number as a float32 tensor.
 
@@ -595,8 +662,12 @@ class RuleOptimizer(torch.optim.Optimizer):
         integer state tensor its dtype and device (APOLLO's ``proj_seed``).  A
         ``step`` saved as a Python number (old checkpoints, other tools) is turned into a
         float32 tensor first, as ``torch.optim`` accepts it; everything else is checked as is.
+        Where both sides record ``param_names`` (in every group), parameters and groups are
+        matched by name, not by position (same-shape parameters listed in another order keep
+        their own moments); names that cannot be matched one to one are refused, naming the
+        first.
         """
-        state_dict = _tensor_steps(state_dict)
+        state_dict = _by_names(_tensor_steps(state_dict), self.param_groups)
         self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])

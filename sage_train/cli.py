@@ -167,7 +167,7 @@ def model_label(model: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-train`` parser: help text and default for every option."""
     p = OneLineParser(prog="sage-train", description=__doc__, epilog=EPILOG,
-                      formatter_class=_Formatter, usage=USAGE)
+                      formatter_class=_Formatter, usage=USAGE, allow_abbrev=False)
     d = _DEFAULTS
     p.add_argument("--model", type=_model, default=None, metavar="NAME|FILE",
                    help=f"LLaMA size, one of {', '.join(MODELS)} (tiny: tests, small: CPU, 20m "
@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_export_parser() -> argparse.ArgumentParser:
     """The ``sage-train export`` parser."""
-    p = OneLineParser(prog="sage-train export", formatter_class=_Formatter,
+    p = OneLineParser(prog="sage-train export", formatter_class=_Formatter, allow_abbrev=False,
                 description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
                 "directory\n(config.json, model.safetensors) with the run's tokenizer "
                 "(tokenizer.json,\ntokenizer_config.json): transformers' "
@@ -341,7 +341,8 @@ def build_export_parser() -> argparse.ArgumentParser:
                 "AutoTokenizer.from_pretrained(DIR) load it offline; sage-train\n"
                 "--init-from-hf DIR starts a run from it.")
     p.add_argument("--hf", required=True, metavar="DIR", default=argparse.SUPPRESS,
-                   help="the directory to write (created; its files are replaced)")
+                   help="the directory to write: new, empty, or an earlier export "
+                   "(its weights and tokenizer are then replaced as a whole)")
     p.add_argument("--run-dir", required=True, metavar="RUN", default=argparse.SUPPRESS,
                    help="the run's own directory, RUN_DIR/MODEL-OPTIMIZER")
     p.add_argument("--step", type=_checked("steps", int), default=None,
@@ -461,7 +462,7 @@ def _leave(status: int, error: BaseException) -> int:
 
 def build_sample_parser() -> argparse.ArgumentParser:
     """The ``sage-train sample`` parser."""
-    p = OneLineParser(prog="sage-train sample", formatter_class=_Formatter,
+    p = OneLineParser(prog="sage-train sample", formatter_class=_Formatter, allow_abbrev=False,
                       description="Generate text from a run's checkpoint: the prompt, "
                       "tokenized with the run's tokenizer,\ncontinued token by token by the "
                       "trained model (on one device; the run is only read).")
@@ -558,6 +559,15 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                  "process 0 writes the run's files and log, this one only its errors")
               + f"; a process that dies stops the others within {launch.heartbeat_timeout} s "
               "(--heartbeat-timeout)", flush=True)
+    if distributed.joined():  # the same settings on every process, before anything else
+        from sage_train.train import agreed_settings
+
+        distributed.same_settings({
+            "optimizer": [c.optimizer for c in cfgs],
+            **{k: v for k, v in agreed_settings(cfgs[0]).items()
+               if k not in ("optimizer", "run_dir")},
+            "run_dir": str(pathlib.Path(args.run_dir).absolute()),
+            "allow_config_change": args.allow_config_change, "restart": args.restart})
     results: list[Any] = []
     with contextlib.ExitStack() as locks:
         # every run directory locked and checked before any trains: exit status 2 still

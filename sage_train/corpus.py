@@ -469,7 +469,18 @@ def _encode(tok: Tokenizer, docs: Sequence[Document], dtype: np.dtype, bar: Any)
 
 
 def _load_entry(entry: Path, vocab_size: int) -> Corpus | None:
-    """The cache entry, memory-mapped (``None``: missing or damaged)."""
+    """The cache entry, memory-mapped (``None``: missing or damaged, to be rebuilt).
+
+    Damaged: a file that does not load, or whose checksum is not the one recorded when it
+    was published (:func:`sage_train.data.verify_entry`), or a tokenizer of another
+    vocabulary size.
+    """
+    if not entry.is_dir():
+        return None
+    if (problem := data_lib.verify_entry(entry, vocab_size)) is not None:
+        warnings.warn(f"corpus cache entry {entry} is damaged ({problem}): it is rebuilt",
+                      stacklevel=3)
+        return None
     try:
         meta = json.loads((entry / "meta.json").read_text())
         tok = Tokenizer.from_file(str(entry / "tokenizer.json"))
@@ -565,7 +576,8 @@ def build_corpus(
     files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
              "documents.tsv": documents, "meta.json": json.dumps(meta, indent=1)}
     # an existing entry is damaged here: it did not load above
-    if (error := data_lib.publish_entry(entry, files, damaged=lambda: True)):
+    if (error := data_lib.publish_entry(entry, files, damaged=lambda: True,
+                                        vocab_size=vocab_size)):
         warnings.warn(f"could not write the corpus cache under {root}: {error}", stacklevel=2)
         return Corpus(train, test, tok, vocab_size, fp, meta, entry)
     return _load_entry(entry, vocab_size) or Corpus(train, test, tok, vocab_size, fp, meta,

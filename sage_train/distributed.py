@@ -30,13 +30,15 @@ Single-process runs never touch any of this: every helper is the identity there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -172,6 +174,11 @@ def join(launch: Launch) -> None:
     """
     import jax
 
+    if None not in (launch.coordinator, launch.num_processes, launch.process_id) and (
+            launch.num_processes or 0) > 1:
+        rendezvous(launch)  # duplicate ids and a busy port: one line, before JAX's service
+    elif launch.process_id == 0 and launch.coordinator is not None:
+        check_port_free(launch.coordinator)
     try:
         jax.distributed.initialize(
             coordinator_address=launch.coordinator, num_processes=launch.num_processes,
@@ -187,6 +194,177 @@ def join(launch: Launch) -> None:
     except RuntimeError as e:  # the runtime's errors (unreachable coordinator, timeout...)
         raise ConfigError(f"cannot join the job as {launch.describe()} within "
                           f"{INIT_TIMEOUT_S} s: {_first_line(e)}") from None
+
+
+def check_port_free(coordinator: str) -> None:
+    """Refuse to start the job's coordination service on a port already in use here.
+
+    Process 0 starts the service on ``coordinator``'s port; a port another program (or
+    another process 0) listens on would make JAX's service fail natively (a crash, or a
+    job joined to the wrong service).  Checked by binding the port (no ``SO_REUSEPORT``),
+    released at once.
+
+    Raises:
+      ConfigError: the port is in use (one line naming it).
+    """
+    import errno
+    import socket
+
+    port = int(coordinator.rpartition(":")[2])
+    for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(
+                        f"--coordinator {coordinator}: port {port} is already in use on this "
+                        "host (another program, or another process 0 of a job): choose a "
+                        "free port for process 0 to serve the job on") from None
+                if family == socket.AF_INET6:
+                    continue  # IPv6 without this address: the IPv4 check stands
+                raise ConfigError(f"--coordinator {coordinator}: cannot serve the job on port "
+                                  f"{port} here: {e.strerror}") from None
+
+
+_HELLO = "sage-train-job"
+"""The first word of a process's line to process 0 in :func:`rendezvous`."""
+
+
+def _read_line(conn: Any, deadline: float) -> str | None:
+    """One line from ``conn`` before ``deadline`` (``None``: closed, silent or not text)."""
+    import time
+
+    data = b""
+    while b"\n" not in data and len(data) < 4096:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.settimeout(min(left, 1.0))
+        try:
+            chunk = conn.recv(4096)
+        except TimeoutError:
+            continue
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        data += chunk
+    try:
+        return data.split(b"\n", 1)[0].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+def rendezvous(launch: Launch, timeout: float = INIT_TIMEOUT_S) -> None:
+    """Meet every process of the job on the coordinator's port before JAX's service starts.
+
+    Process 0 listens on the port (refused in one line if it is in use: another program,
+    or another process 0) and hears each other process's ``--process-id`` and
+    ``--num-processes``; it answers all of them at once, ``ok``, or the problem (two
+    processes with one id, another number of processes), which every process then raises.
+    The others connect (retrying until ``timeout``), say who they are and wait for the
+    answer.  JAX's own start would crash natively on these (a duplicate id aborts, a busy
+    port can segfault).
+
+    Raises:
+      ConfigError: on every process: duplicate ids, another ``--num-processes``, a busy
+        port, or processes missing after ``timeout`` seconds (one line).
+    """
+    import errno
+    import socket
+    import time
+
+    assert launch.coordinator is not None and launch.num_processes is not None
+    host, _, port_text = launch.coordinator.rpartition(":")
+    port, n, me = int(port_text), launch.num_processes, launch.process_id
+    deadline = time.monotonic() + timeout
+    hello = f"{_HELLO} {me} {n}\n".encode()
+    if me == 0:
+        try:
+            server = socket.create_server(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise ConfigError(f"--coordinator {launch.coordinator}: cannot serve the job "
+                                  f"on port {port} here: {e.strerror}") from None
+            # another process 0 of this job may be serving it: tell it, hear its answer
+            answer = None
+            with contextlib.suppress(OSError):
+                with socket.create_connection(("127.0.0.1", port), timeout=3) as conn:
+                    conn.sendall(hello)
+                    answer = _read_line(conn, time.monotonic() + 3)
+            if answer is not None and answer.startswith("error "):
+                raise ConfigError(answer[len("error "):]) from None
+            raise ConfigError(
+                f"--coordinator {launch.coordinator}: port {port} is already in use on this "
+                "host (another program, or another process 0 of a job): choose a free port "
+                "for process 0 to serve the job on") from None
+        clients: dict[int, Any] = {}
+        others: list[Any] = []  # connections to answer with the problem
+        problem = None
+        with server:
+            server.settimeout(1.0)
+            while len(clients) < n - 1 and problem is None:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(1, n)) - set(clients))
+                    problem = (f"cannot join the job as {launch.describe()} within "
+                               f"{int(timeout)} s: process{'es' if len(missing) > 1 else ''} "
+                               f"{', '.join(map(str, missing))} did not reach process 0")
+                    break
+                try:
+                    conn, _ = server.accept()
+                except TimeoutError:
+                    continue
+                line = _read_line(conn, time.monotonic() + 10) or ""
+                words = line.split()
+                if len(words) != 3 or words[0] != _HELLO or not (
+                        words[1].isdigit() and words[2].isdigit()):
+                    conn.close()  # not a process of a job (a port scan...)
+                    continue
+                pid, count = int(words[1]), int(words[2])
+                if count != n:
+                    problem = (f"the processes of the job were given other settings: "
+                               f"--num-processes is {n} on process 0 but {count} on "
+                               f"process {pid}")
+                elif pid == 0 or pid in clients or pid >= n:
+                    problem = (f"two processes of the job were given --process-id {pid}: "
+                               f"give each of the {n} processes its own id in [0, {n})"
+                               if pid < n else f"--process-id {pid} is not below "
+                               f"--num-processes {n}")
+                if problem is not None:
+                    others.append(conn)
+                else:
+                    clients[pid] = conn
+            reply = "ok\n" if problem is None else f"error {problem}\n"
+            for conn in [*clients.values(), *others]:
+                with contextlib.suppress(OSError):
+                    conn.sendall(reply.encode())
+                conn.close()
+        if problem is not None:
+            raise ConfigError(problem)
+        return
+    while True:  # a process other than 0: reach process 0, say who it is, hear the answer
+        try:
+            conn = socket.create_connection((host, port), timeout=5)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"cannot join the job as {launch.describe()} within "
+                                  f"{int(timeout)} s: process 0 is not serving it") from None
+            time.sleep(0.2)
+            continue
+        with conn:
+            conn.sendall(hello)
+            answer = _read_line(conn, deadline)
+        if answer is None or not answer.startswith(("ok", "error ")):
+            return  # not a rendezvous (an older process 0): JAX's own start decides
+        if answer.startswith("error "):
+            raise ConfigError(answer[len("error "):])
+        return
 
 
 def _first_line(e: BaseException, limit: int = 240) -> str:
@@ -282,6 +460,45 @@ def same_everywhere(value: str, what: str) -> None:
         if v != values[0]:
             raise JobError(f"{what} differs between processes: process 0 has {values[0]!r}, "
                            f"process {i} {v!r}")
+
+
+def _option(key: str) -> str:
+    """The command-line option of a setting: ``learning_rate`` -> ``--lr``."""
+    return {"learning_rate": "--lr"}.get(key, "--" + key.replace("_", "-"))
+
+
+def same_settings(settings: Mapping[str, object]) -> None:
+    """Check that every process of the job was given the same ``settings``.
+
+    A collective (every process calls it, with the same keys in the same order): one
+    all-gather of a digest where they agree; where they do not, one of a digest per
+    setting and one of the first differing setting's values.
+
+    Raises:
+      JobError: on every process, naming the first setting (as its option) that differs
+        and its value on process 0 and on the first process that differs.
+    """
+    if process_count() == 1:
+        return
+    texts = [json.dumps(v, sort_keys=True, default=str) for v in settings.values()]
+    whole = hashlib.sha256("\x00".join([*settings, *texts]).encode()).digest()
+    digests = allgather(np.frombuffer(whole, np.uint8))
+    if all(np.array_equal(d, digests[0]) for d in digests):
+        return
+    each = np.stack([np.frombuffer(hashlib.sha256(t.encode()).digest()[:8], np.uint8)
+                     for t in texts]) if texts else np.zeros((0, 8), np.uint8)
+    gathered = allgather(each)
+    for k, key in enumerate(settings):
+        differ = [i for i in range(len(gathered))
+                  if not np.array_equal(gathered[i][k], gathered[0][k])]
+        if differ:
+            values = allgather_text(texts[k])
+            raise JobError(f"the processes of the job were given other settings: "
+                           f"{_option(key)} is {values[0]} on process 0 but "
+                           f"{values[differ[0]]} on process {differ[0]}; every process must "
+                           "run the same command (only the launch flags differ)")
+    raise JobError("the processes of the job were given other settings (of other names): "
+                   "every process must run the same command and the same sage-train")
 
 
 def everywhere(error: UserError) -> UserError:

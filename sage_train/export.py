@@ -24,12 +24,50 @@ from sage_optim.models import get_model_config
 from sage_train import data as data_lib
 from sage_train import hf_convert, report, rundir
 from sage_train.checkpoints import Checkpoints
-from sage_train.errors import ConfigError, RunDirError
+from sage_train.errors import ConfigError, RunDirError, write_error
 from sage_train.sharding import make_mesh, state_shardings
 from sage_train.train import TrainConfig, _legacy, build, data_fingerprint, say
 
 PROVENANCE = "sage_export.json"
 """The file of an exported directory naming the run and step it came from."""
+
+REPLACED_NAMES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
+    "generation_config.json", hf_convert.WEIGHTS_INDEX,
+})
+"""Files of an earlier export (or of a Hugging Face save into it) that an export replaces
+as a whole: the weights (also ``*.safetensors`` shards, ``pytorch_model*``) and the
+tokenizer.  Those the new export does not write are removed."""
+
+
+def _replaced(name: str) -> bool:
+    return (name in REPLACED_NAMES or name.endswith((".safetensors", ".index.json"))
+            or name.startswith("pytorch_model"))
+
+
+def export_target(out: pathlib.Path) -> list[pathlib.Path]:
+    """Check that ``out`` may receive an export; return the files an export there replaces.
+
+    ``out`` must not exist, be empty, or be an earlier export (it holds
+    :data:`PROVENANCE`): its weights and tokenizer files are then replaced as a whole.
+
+    Raises:
+      RunDirError: ``out`` is a file, or a folder holding something else (named).
+    """
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise RunDirError(f"--hf {out} exists and is not a directory")
+    entries = sorted(out.iterdir())
+    if not entries:
+        return []
+    if not (out / PROVENANCE).is_file():
+        names = ", ".join(p.name for p in entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise RunDirError(f"--hf {out} is neither empty nor an earlier export of sage-train "
+                          f"(no {PROVENANCE}; it holds {names}): give a new or empty "
+                          "directory, its files would be mixed with the export's")
+    return [p for p in entries if p.is_file() and _replaced(p.name)]
 
 
 def run_settings(run_dir: pathlib.Path) -> dict[str, Any]:
@@ -188,16 +226,21 @@ def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, 
 
     Raises:
       RunDirError: ``run_dir`` is no run, holds no readable checkpoint (of ``step``), or
-        ``out_dir`` is inside a run directory.
-      ConfigError: ``transformers`` is not installed.
+        ``out_dir`` is inside a run directory, or neither new, empty nor an earlier export
+        (:func:`export_target`; an earlier export's weights and tokenizer are replaced as
+        a whole: those files the new export does not write are removed).
+      ConfigError: ``out_dir`` is empty, or ``transformers`` is not installed.
       RunFileError: a file could not be written.
     """
+    if not os.fspath(out_dir).strip():
+        raise ConfigError("--hf is empty: give the directory to write the export to")
     run_dir = pathlib.Path(run_dir).expanduser().absolute()
     out = pathlib.Path(out_dir).expanduser().absolute()
     settings = run_settings(run_dir)
     if out == run_dir or run_dir in out.parents or (out / rundir.LOCK).exists():
         raise RunDirError(f"--hf {out} is inside a run directory (its config.json would be "
                           "overwritten): give a directory of its own")
+    stale = export_target(out)
     report.require("transformers", "sage-train export")
     report.require("safetensors", "sage-train export")
     model, restored_step = _read_model(run_dir, settings, step, log)
@@ -209,6 +252,14 @@ def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, 
                                        eos_token=data_lib.EOT if tokenizer else None, **special)
     provenance = {"run_dir": str(run_dir), "step": restored_step, "settings": settings}
     rundir.atomic_write_text(out / PROVENANCE, json.dumps(provenance, indent=2))
+    removed = [p for p in stale if p not in files]
+    for path in removed:  # the earlier export's weights and tokenizer, replaced as a whole
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            raise write_error(path, e) from e
+    if removed:
+        log(f"removed from {out}, of an earlier export: {', '.join(p.name for p in removed)}")
     log(f"exported step {restored_step} of {run_dir} to {out}: "
         f"{', '.join(p.name for p in files)} (tokenizer: {source})")
     return [*files, out / PROVENANCE]

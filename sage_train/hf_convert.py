@@ -331,27 +331,53 @@ def config_mismatches(hf: Mapping[str, Any], config: LlamaConfig, *,
 def load_weights(directory: os.PathLike[str] | str) -> dict[str, np.ndarray]:
     """The tensors of a HF checkpoint (``model.safetensors`` or its shards), as NumPy arrays.
 
+    In transformers' order: ``model.safetensors`` where there is one (a stale index and
+    shards beside it are not read), else the shards that ``model.safetensors.index.json``
+    names.
+
     Raises:
-      ValueError: ``directory`` holds no safetensors weights (one line).
+      ValueError: ``directory`` holds no safetensors weights, its index cannot be read, or
+        a weight file is missing or unreadable (truncated, damaged): one line naming the
+        file(s).
     """
     from safetensors import safe_open
 
     root = pathlib.Path(directory)
-    if (root / WEIGHTS_INDEX).is_file():
-        index = json.loads((root / WEIGHTS_INDEX).read_text())
-        files = sorted({root / name for name in index.get("weight_map", {}).values()})
-    elif (root / WEIGHTS_FILE).is_file():
+    if (root / WEIGHTS_FILE).is_file():
         files = [root / WEIGHTS_FILE]
+    elif (root / WEIGHTS_INDEX).is_file():
+        index_path = root / WEIGHTS_INDEX
+        try:
+            index = json.loads(index_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {index_path}: {_first_line(e)}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index_path} names no weight files (no \"weight_map\")")
+        files = sorted({root / str(name) for name in weight_map.values()})
+        missing = [p for p in files if not p.is_file()]
+        if missing:
+            raise ValueError(f"{len(missing)} of the {len(files)} weight files that "
+                             f"{index_path} names are missing: "
+                             f"{', '.join(str(p) for p in missing)}")
     else:
         raise ValueError(f"{root} holds no {WEIGHTS_FILE} (nor {WEIGHTS_INDEX}); a "
                          "pytorch_model.bin checkpoint converts with transformers' "
                          "save_pretrained(DIR), which writes safetensors")
     out: dict[str, np.ndarray] = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as f:
-            for key in f.keys():
-                out[key] = f.get_tensor(key)
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for key in f.keys():
+                    out[key] = f.get_tensor(key)
+        except Exception as e:  # SafetensorError, OSError: truncated, damaged, unreadable
+            raise ValueError(f"cannot read the weight file {path}: {_first_line(e)}") from None
     return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 def _hf_order(config: LlamaConfig) -> list[str]:

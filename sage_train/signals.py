@@ -24,9 +24,12 @@ class StopSignals:
 
     Calling the object returns the name of the first signal received (``None`` before).
     Nothing is raised inside JAX or orbax (an interrupted compilation or save is never torn
-    down mid-way); a second SIGINT exits at once with status 130 (``os._exit``: no
-    interpreter teardown racing XLA's threads).  A SIGINT that was ignored (a background
-    job) stays ignored.
+    down mid-way); a second SIGINT exits at once with status 130, and the same SIGTERM or
+    SIGUSR1 a second time with status 75 (``os._exit``: no interpreter teardown racing XLA's
+    threads), so a process stuck where the first is never polled (a collective that another
+    process of its job never joins) always ends; a SIGTERM after a SIGUSR1 (SLURM's warning,
+    then its end) is only noted.  A SIGINT that was ignored (a background job) stays
+    ignored.
     """
 
     _SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -58,6 +61,10 @@ class StopSignals:
         if self.received is not None and name == "SIGINT":
             os.write(2, b"sage-train: interrupted again: exiting now\n")
             os._exit(INTERRUPTED)
+        if self.received == name and name in ("SIGTERM", "SIGUSR1"):
+            os.write(2, f"sage-train: {name} again: exiting now (without a checkpoint of "
+                     "the step reached)\n".encode())
+            os._exit(PREEMPTED)
         if self.received is None:
             self.received = name
 

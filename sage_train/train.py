@@ -783,6 +783,7 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
         the ``H_t`` record, the settings) could not be written; the earlier checkpoints are
         intact.
     """
+    distributed.same_settings(agreed_settings(cfg))  # in a job: before anything else
     check_config(cfg)
     implementations(cfg)  # refuses what cannot run before anything is written
     check_init_from_hf(cfg)
@@ -805,6 +806,18 @@ def train(cfg: TrainConfig, *, stop_after: int | None = None,
 
 def _quiet(message: str) -> None:
     """The log of a process other than process 0 of a job: nothing (process 0 logs)."""
+
+
+def agreed_settings(cfg: TrainConfig) -> dict[str, Any]:
+    """The settings of ``cfg`` that every process of a job must share.
+
+    Every field that ``config.json`` records, as given (the data and run directory as
+    absolute paths), but ``progress`` (a terminal is each process's own).
+    """
+    out = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "progress"}
+    out["data"] = rundir.normalize_data(cfg.data)
+    out["run_dir"] = str(pathlib.Path(cfg.run_dir).absolute())
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

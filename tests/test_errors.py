@@ -147,3 +147,75 @@ def test_skip_nonfinite_keeps_params_and_state(name, bad):
     u_clean, _ = update(g2, s, p1)
     for a, b in zip(jax.tree.leaves(u_after), jax.tree.leaves(u_clean), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# issue 33: NaN and inf learning rates, and masks of another structure, in every builder
+BUILDERS = {
+    "sage": lambda lr, **kw: sage_optax.sage(lr, **kw),
+    "sinkgd": lambda lr, **kw: sage_optax.sinkgd(lr, **kw),
+    "apollo": lambda lr, **kw: sage_optax.apollo(lr, **kw),
+    "unit_norm_descent": lambda lr, **kw: sage_optax.unit_norm_descent(lr, **kw),
+    "lion": lambda lr, **kw: sage_optax.lion(lr, **kw),
+    "sage_hybrid": lambda lr, **kw: sage_optax.sage_hybrid(lr, vocab_size=10, **kw),
+    **{f"make_optimizer({c})": (lambda lr, c=c, **kw: sage_optax.make_optimizer(
+        c, lr, vocab_size=10, **kw)) for c in CONFIG_NAMES},
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize(("lr", "shown"), [
+    (float("nan"), "learning_rate must be >= 0, got nan"),
+    (float("inf"), "learning_rate must be >= 0, got inf"),
+    (np.float32("nan"), "learning_rate must be >= 0, got nan"),
+    (jnp.asarray(float("inf")), "learning_rate must be >= 0, got inf"),
+    (optax.constant_schedule(float("nan")),
+     "learning_rate(0), the schedule's first value, must be >= 0, got nan"),
+    (optax.cosine_decay_schedule(float("inf"), 10),
+     "learning_rate(0), the schedule's first value, must be >= 0, got inf"),
+])
+def test_a_nonfinite_learning_rate_is_refused_in_every_builder(name, lr, shown):
+    with pytest.raises(ValueError) as e:
+        BUILDERS[name](lr)
+    assert str(e.value) == shown
+
+
+def test_the_learning_rate_refusal_is_sage_torchs():
+    torch = pytest.importorskip("torch")
+    import sage_torch
+
+    p = [torch.nn.Parameter(torch.zeros(2, 2))]
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError) as theirs:
+            sage_torch.SAGE(p, lr=value)
+        with pytest.raises(ValueError) as ours:
+            sage_optax.sage(value)
+        assert str(ours.value).replace("learning_rate", "lr") == str(theirs.value)
+
+
+def test_a_schedule_read_inside_a_step_still_works():
+    """A schedule is read at step 0 only to check it; its values still reach the update."""
+    sched = optax.linear_schedule(1e-3, 0.0, 10)
+    tx = sage_optax.sage(sched)
+    p = params()
+    state = tx.init(p)
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, p), state, p)
+    assert all(bool(jnp.all(jnp.isfinite(u))) for u in jax.tree.leaves(updates))
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_a_mask_of_another_structure_is_refused_naming_it(name):
+    p = {"embed": {"embedding": jnp.ones((10, 4))},
+         "mlp": {"kernel": jnp.ones((4, 6)), "out": jnp.ones((6, 4))}}
+    bad = {"embed": {"embedding": False}, "mlp": {"kernel": True, "bais": False}}
+    tx = BUILDERS[name](1e-3, mask=bad)
+    with pytest.raises(ValueError) as e:
+        state = tx.init(p)
+        tx.update(jax.tree.map(jnp.ones_like, p), state, p)
+    message = str(e.value)
+    assert message.startswith("the weight-decay mask does not have the structure of the "
+                              "params"), message
+    assert "'mlp.bais'" in message and "\n" not in message, message
+    good = {"embed": False, "mlp": {"kernel": True, "out": False}}  # a prefix is fine
+    tx = BUILDERS[name](1e-3, mask=good)
+    state = tx.init(p)
+    tx.update(jax.tree.map(jnp.ones_like, p), state, p)

@@ -427,3 +427,98 @@ def test_the_legends_sit_beside_the_curves(hand_computed, monkeypatch):
                 assert not legend.get_window_extent(renderer).overlaps(
                     ax.get_window_extent(renderer))
     assert legends == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 33: a sweep that only reuses what matches
+
+
+@pytest.mark.parametrize("flag", ["--see", "--see=7", "--seed=7", "--batch", "--batch_size",
+                                  "--checkpoint-e"])
+def test_every_spelling_of_a_managed_option_is_refused(tmp_path, capsys, flag):
+    argv = ["sweep", "--out", str(tmp_path), "--model", "tiny", "--steps", "4", "--", flag, "7"]
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{flag.split('=')[0]} after --" in err, err
+    assert "is set by sage-repro sweep itself" in err
+    assert not (tmp_path / sweep.STATE).exists()
+
+
+def test_the_trainer_refuses_abbreviations(capsys):
+    from sage_train.cli import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--see", "7"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --see 7" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (("plan", "configs", ["foo"]), 'plan.configs must be a non-empty list of configuration '
+                                   'names, got ["foo"]'),
+    (("protocol", "steps", "2"), 'protocol.steps must be an integer >= 1, got "2"'),
+    (("plan", "seeds", []), "plan.seeds must be a non-empty list of integers >= 0, got []"),
+    (("plan", "top", 0), "plan.top must be null or an integer >= 1, got 0"),
+    (("protocol", "clip", None), "protocol.clip must be a number, got null"),
+    (("plan", "lrs", [1e-3, -1]), "plan.lrs must be null or a non-empty list of numbers > 0"),
+    (("protocol", "model", None), "protocol.model must be one of tiny"),
+    (("plan", "best_seeds", None), "plan.best_seeds must be a list of integers >= 0"),
+])
+def test_an_edited_sweep_json_is_one_line_naming_the_field(tmp_path, capsys, edit, message):
+    plan = sweep.Plan(configs=("sage-hybrid",), seeds=(0,))
+    sweep.write_state(tmp_path, PROTOCOL, plan)
+    data = json.loads((tmp_path / sweep.STATE).read_text())
+    section, field, value = edit
+    data[section][field] = value
+    (tmp_path / sweep.STATE).write_text(json.dumps(data))
+    assert sweep.main(["report", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "is damaged" in err, err
+    del data[section][field]
+    (tmp_path / sweep.STATE).write_text(json.dumps(data))
+    if f"{section}.{field}" not in sweep._OPTIONAL_FIELDS:
+        assert sweep.main(["report", "--out", str(tmp_path)]) == 2
+        assert f"{section}.{field} is missing" in capsys.readouterr().err
+
+
+def test_a_finished_run_is_reused_only_under_its_own_settings(tmp_path, capsys):
+    """A run trained with --batch-size 2 --clip 1 is not reported under --batch-size 4
+    --clip 0 once sweep.json is moved away; a run whose last metrics row was lost is trained
+    again from its previous checkpoint, not failed forever."""
+    out = tmp_path / "sweep"
+    base = ["sweep", "--out", str(out), "--model", "tiny", "--steps", "2", "--seq-len", "16",
+            "--eval-every", "1", "--eval-batches", "1", "--checkpoint-every", "1",
+            "--configs", "adamw", "--seeds", "0", "--lrs", "0.001"]
+    tail = ["--", "--sharding", "none"]
+    assert sweep.main([*base, "--batch-size", "2", "--clip", "1", *tail]) == 0
+    spec = sweep.RunSpec("adamw", 0.001, 0)
+    run_dir = spec.run_dir(out, "tiny")
+    metrics = run_dir / "metrics.jsonl"
+    def losses():
+        return [(r["step"], r["loss"], r["test_ppl"]) for r in map(
+            json.loads, metrics.read_text().splitlines())]
+
+    rows = metrics.read_text().splitlines()
+    before = losses()
+    assert len(rows) == 2
+    assert before[-1][0] == 2
+
+    # the last row lost: the run is trained again from step 1, with the same numbers
+    metrics.write_text("".join(r + "\n" for r in rows[:-1]))
+    capsys.readouterr()
+    assert sweep.main([*base, "--batch-size", "2", "--clip", "1", *tail]) == 0
+    assert "runs: 0 started, 1 resumed, 0 skipped" in capsys.readouterr().out
+    assert losses() == before
+    assert (run_dir / "checkpoints" / "2.superseded").is_dir()
+    assert sweep.read(out, sweep.protocol_and_plan(
+        sweep.build_parser().parse_args([*base, "--batch-size", "2"]), tail[1:])[0],
+        spec).status == "finished"
+
+    # another protocol, sweep.json moved away as its message advises: refused, named
+    (out / sweep.STATE).rename(tmp_path / "old.json")
+    assert sweep.main([*base, "--batch-size", "4", "--clip", "0", *tail]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "was trained under other settings" in err
+    assert "clip 1.0 -> 0.0" in err and "batch_size 2 -> 4" in err
+    assert losses() == before  # nothing trained

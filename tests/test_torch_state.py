@@ -273,3 +273,35 @@ def test_copied_apollo_keeps_an_injected_projection():
     opt = sage_torch.make_optimizer("apollo", model, dense_projection=projection)
     twin = copy.deepcopy(opt)
     assert twin.rule_of(twin.param_groups[1]).projection is projection
+
+
+# issue 33: same-shape parameters listed in another order keep their own moments
+def test_load_state_dict_matches_parameters_by_their_names():
+    torch.manual_seed(0)
+    a, b, c = (nn.Parameter(torch.randn(4, 3)) for _ in range(3))
+    opt = sage_torch.Lion([{"params": [("a", a), ("b", b)]}, {"params": [("c", c)],
+                                                                "lr": 1e-3}], lr=1e-2)
+    for p, scale in ((a, 1.0), (b, 10.0), (c, 100.0)):
+        p.grad = scale * torch.randn(4, 3)
+    opt.step()
+    saved = opt.state_dict()
+    # the same parameters, listed in another order, their groups swapped too
+    again = sage_torch.Lion([{"params": [("c", c)], "lr": 1e-3},
+                             {"params": [("b", b), ("a", a)]}], lr=1e-2)
+    again.load_state_dict(saved)
+    for p in (a, b, c):
+        assert torch.equal(again.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+    assert [g["lr"] for g in again.param_groups] == [1e-3, 1e-2]
+    assert again.param_groups[1]["param_names"] == ["b", "a"]
+    # names that cannot be mapped one to one are refused, naming the first
+    renamed = sage_torch.Lion([{"params": [("a", a), ("z", b)]}, {"params": [("c", c)],
+                                                                   "lr": 1e-3}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"parameter 'z' of this optimizer is not in the "
+                                         r"state dict's param_names"):
+        renamed.load_state_dict(saved)
+    split = sage_torch.Lion([{"params": [("a", a), ("c", c)]}, {"params": [("b", b)]}],
+                            lr=1e-2)
+    with pytest.raises(ValueError, match="the parameters of param group 0 .* are not one "
+                                         "param group of the state dict"):
+        split.load_state_dict(saved)
+    assert not renamed.state and not split.state  # nothing loaded

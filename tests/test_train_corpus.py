@@ -331,3 +331,20 @@ def test_mid_models_flax_parameters_match_the_count():
         leaves = [x for _, x in iter_leaves(abstract_params(MODELS[name]))]
         assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
         assert sum(x.size for x in leaves) == MODELS[name].param_count()
+
+
+def test_a_damaged_corpus_cache_is_rebuilt_never_used(tree, monkeypatch):
+    """Issue 33: zeroed tokens in the cache's train.npy loaded silently, fingerprint unchanged."""
+    roots, _ = tree
+    a = corpus.build_corpus(roots, vocab_size=VOCAB, progress=False)
+    want = np.array(a.train)
+    assert data.verify_entry(a.path, VOCAB) is None
+    arr = np.load(a.path / "train.npy", mmap_mode="r+")
+    arr[:500] = 0
+    arr.flush()
+    del arr, a
+    with pytest.warns(UserWarning, match=r"corpus cache entry .* is damaged \(train.npy does "
+                                         r"not have the checksum"):
+        b = corpus.build_corpus(roots, vocab_size=VOCAB, progress=False)
+    np.testing.assert_array_equal(b.train, want)
+    assert data.verify_entry(b.path, VOCAB) is None

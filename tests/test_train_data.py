@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 
@@ -310,3 +313,65 @@ def test_eval_batches():
         data.eval_batches(np.arange(30), 4, 10)
     with pytest.raises(ValueError, match="shorter than seq_len"):
         data.eval_batches(np.arange(5), 1, 10)
+
+
+# ---------------------------------------------------------------- issue 33: cache integrity
+
+
+def _entries():
+    return sorted(p for p in (data.cache_dir() / "tokens").iterdir() if not p.name.startswith("."))
+
+
+def test_a_damaged_token_cache_entry_is_rebuilt_never_used(tmp_path, monkeypatch):
+    f = tmp_path / "story.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    td = data.load_data(f, vocab_size=300)
+    want_train, want_test = np.array(td.train), np.array(td.test)
+    (entry,) = _entries()
+    record = json.loads((entry / data.INTEGRITY).read_text())
+    assert record["vocab_size"] == 300
+    assert set(record["files"]) == {"tokenizer.json", "train.npy", "test.npy", "meta.json"}
+    assert data.verify_entry(entry, 300) is None
+    trained = []
+    real = data.train_tokenizer
+    monkeypatch.setattr(data, "train_tokenizer", lambda *a: trained.append(1) or real(*a))
+    # zeroed tokens in train.npy, the file's size unchanged: rebuilt, with a warning
+    arr = np.load(entry / "train.npy", mmap_mode="r+")
+    arr[10:60] = 0
+    arr.flush()
+    del arr
+    assert "train.npy does not have the checksum" in data.verify_entry(entry, 300)
+    with pytest.warns(UserWarning, match=r"token cache entry .* is damaged \(train.npy does "
+                                         r"not have the checksum it was written with\)"):
+        again = data.load_data(f, vocab_size=300)
+    assert trained == [1]
+    np.testing.assert_array_equal(again.train, want_train)
+    np.testing.assert_array_equal(again.test, want_test)
+    assert data.verify_entry(entry, 300) is None  # the entry was replaced
+    # an entry without its record (cut short, older version): rebuilt once
+    (entry / data.INTEGRITY).unlink()
+    with pytest.warns(UserWarning, match="no checksums.json"):
+        data.load_data(f, vocab_size=300)
+    assert trained == [1, 1] and data.verify_entry(entry, 300) is None
+    data.load_data(f, vocab_size=300)
+    assert trained == [1, 1]  # intact: used as it is
+
+
+def test_a_cache_entry_of_another_vocabulary_is_not_used(tmp_path, monkeypatch):
+    """An entry of a 300-token tokenizer found under the key of a 512-token model (copied,
+    or a damaged index): rebuilt, never read with the wrong tokenizer."""
+    f = tmp_path / "story.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    data.load_data(f, vocab_size=300)
+    (small,) = _entries()
+    shutil.rmtree(small.parent / ".keep", ignore_errors=True)
+    shutil.copytree(small, small.parent / ".keep")
+    td = data.load_data(f, vocab_size=VOCAB)
+    big = next(p for p in _entries() if p != small)
+    shutil.rmtree(big)
+    shutil.copytree(small.parent / ".keep", big)
+    assert "its tokenizer has 300 tokens, not vocab_size=512" in data.verify_entry(big, VOCAB)
+    with pytest.warns(UserWarning, match="its tokenizer has 300 tokens"):
+        again = data.load_data(f, vocab_size=VOCAB)
+    assert again.tokenizer.get_vocab_size() == VOCAB
+    np.testing.assert_array_equal(again.train, td.train)

@@ -201,9 +201,24 @@ def test_a_token_cache_with_ids_beyond_the_vocabulary_is_named(train_corpus, tmp
     vocab = get_model_config("tiny").vocab_size
     data_lib.load_data(cfg.data, vocab_size=vocab)
     [entry] = list((data_lib.cache_dir() / "tokens").iterdir())
-    bad = np.load(entry / "train.npy")
+    good = np.load(entry / "train.npy")
+    bad = good.copy()
     bad[5] = vocab + 188
     np.save(entry / "train.npy", bad)
+    # issue 33: the file no longer has its recorded checksum: the entry is rebuilt
+    with pytest.warns(UserWarning, match="train.npy does not have the checksum"):
+        rebuilt = data_lib.load_data(cfg.data, vocab_size=vocab)
+    np.testing.assert_array_equal(rebuilt.train, good)
+    # an entry published with such ids (its checksums agree): refused, naming the file
+    np.save(entry / "train.npy", bad)
+    import hashlib
+    import json
+
+    record = json.loads((entry / data_lib.INTEGRITY).read_text())
+    record["files"]["train.npy"] = {
+        "bytes": (entry / "train.npy").stat().st_size,
+        "sha256": hashlib.sha256((entry / "train.npy").read_bytes()).hexdigest()}
+    (entry / data_lib.INTEGRITY).write_text(json.dumps(record))
     with pytest.raises(DataError) as e:
         quiet(cfg)
     msg = str(e.value)

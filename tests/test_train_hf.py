@@ -214,3 +214,101 @@ def test_config_mismatches_reads_transformers_defaults():
         "rope_theta 500000.0 (not 10000.0)", "rope_type 'llama3' (not 'default')"]
     assert hf_convert.config_mismatches({"model_type": "llama"}, tiny)[0] == (
         "vocab_size 32000 (not 1024)")
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 33: exports that never leave a lie behind
+
+
+def test_an_empty_hf_is_refused_and_the_working_directory_kept(exported, tmp_path, capsys,
+                                                               monkeypatch):
+    _, run, _ = exported
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["export", "--hf", "", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--hf is empty" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+    assert (tmp_path / "config.json").read_text() == "{}"
+
+
+def shard(path, arrays):
+    import safetensors.numpy
+
+    path.write_bytes(safetensors.numpy.save(arrays, metadata={"format": "pt"}))
+
+
+def sharded_save(directory, weights):
+    """What transformers' sharded save_pretrained leaves: an index and two shards (with
+    other values than ``weights``)."""
+    keys = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": keys[:len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, part in halves.items():
+        shard(directory / name, {k: weights[k] + 1 for k in part})
+    (directory / hf_convert.WEIGHTS_INDEX).write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: n for n, part in halves.items() for k in part}}))
+    return halves
+
+
+def test_an_export_replaces_the_weights_and_tokenizer_as_a_whole(exported, tmp_path, capsys,
+                                                                  monkeypatch):
+    _, run, out = exported
+    weights = hf_convert.load_weights(out)
+    # a folder that is no export of ours (a sharded save) is refused, untouched
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    sharded_save(foreign, weights)
+    before = sorted(p.name for p in foreign.iterdir())
+    assert main(["export", "--hf", str(foreign), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "neither empty nor an earlier export" in err, err
+    assert sorted(p.name for p in foreign.iterdir()) == before
+    # an earlier export with a sharded save on top: the new export leaves no index or shard
+    earlier = tmp_path / "earlier"
+    shutil.copytree(out, earlier)
+    (earlier / "model.safetensors").unlink()
+    sharded_save(earlier, weights)
+    assert main(["export", "--hf", str(earlier), "--run-dir", str(run)]) == 0
+    assert sorted(p.name for p in earlier.iterdir()) == sorted(p.name for p in out.iterdir())
+    got = hf_convert.load_weights(earlier)
+    assert all(np.array_equal(got[k], weights[k]) for k in weights)
+    # a run without a tokenizer exported into an earlier export: no tokenizer left behind
+    from sage_train import export
+
+    monkeypatch.setattr(export, "_tokenizer_json",
+                        lambda *a: (None, "none: the run was trained on token ids"))
+    assert main(["export", "--hf", str(earlier), "--run-dir", str(run)]) == 0
+    assert sorted(p.name for p in earlier.iterdir()) == [
+        "config.json", "model.safetensors", "sage_export.json"]
+
+
+def test_weights_are_read_in_transformers_order_and_bad_files_named(exported, tmp_path):
+    cfg, _, out = exported
+    weights = hf_convert.load_weights(out)
+    both = tmp_path / "both"
+    shutil.copytree(out, both)
+    sharded_save(both, weights)  # stale shards beside model.safetensors: transformers
+    got = hf_convert.load_weights(both)  # reads model.safetensors
+    assert all(np.array_equal(got[k], weights[k]) for k in weights)
+
+    truncated = tmp_path / "truncated"
+    shutil.copytree(out, truncated)
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError) as e:
+        quiet(config(cfg.data, tmp_path / "run", init_from_hf=str(truncated)))
+    assert "cannot read the weight file" in str(e.value) and "model.safetensors" in str(e.value)
+    assert "\n" not in str(e.value)
+
+    missing = tmp_path / "missing"
+    shutil.copytree(out, missing)
+    (missing / "model.safetensors").unlink()
+    halves = sharded_save(missing, weights)
+    second = missing / sorted(halves)[1]
+    second.unlink()
+    with pytest.raises(ValueError, match=f"1 of the 2 weight files .* missing: {second}$"):
+        hf_convert.load_weights(missing)
+    (missing / hf_convert.WEIGHTS_INDEX).write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors.index.json"):
+        hf_convert.load_weights(missing)

@@ -394,3 +394,132 @@ def test_a_batch_the_devices_do_not_divide_is_refused_before_training(train_corp
     with pytest.raises(ConfigError, match="batch size 12 is not divisible by the 8 devices"):
         quiet(config(train_corpus, tmp_path / "run", batch_size=12))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 33: one job, one configuration
+
+
+def launch_pair(corpus: Any, root: pathlib.Path, extra: list[list[str]],
+                ids: tuple[int, int] = (0, 1)) -> tuple[list[int], list[str]]:
+    """Two processes of one job (one CPU device each, 2 steps of the tiny model), process i
+    given ``extra[i]`` too; their exit codes and outputs."""
+    port = free_port()
+    env = environment(1, root / "cache")
+    base = [sys.executable, "-m", "sage_train", "--model", "tiny", "--optimizer", "adamw",
+            "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--eval-every", "2",
+            "--eval-batches", "1", "--no-progress", "--data", str(corpus),
+            "--run-dir", str(root / "runs"), "--heartbeat-timeout", "20"]
+    procs = []
+    for i, pid in enumerate(ids):
+        argv = [*base, *extra[i], "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", "2", "--process-id", str(pid)]
+        procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], outs
+
+
+@pytest.mark.usefixtures("token_cache")
+@pytest.mark.parametrize(("option", "values"), [
+    ("--lr", ("0.002", "0.01")),  # once: both exit 0, step-3 loss 7.0257 (right: 6.9358)
+    ("--checkpoint-every", ("1", "2")),  # once: both hung, SIGTERM ignored
+])
+def test_processes_given_other_settings_refuse_together(train_corpus, tmp_path, option,
+                                                        values):
+    """One option differs on process 1: both processes exit 2 before the first step, each
+    with one line naming the option and both values."""
+    codes, outs = launch_pair(train_corpus, tmp_path, [[option, v] for v in values])
+    assert codes == [2, 2], outs
+    for i, out in enumerate(outs):
+        errors = [line for line in out.splitlines() if line.startswith("sage-train: error")]
+        assert len(errors) == 1, out
+        assert (f"process {i} of 2: the processes of the job were given other settings: "
+                f"{option} is {values[0]} on process 0 but {values[1]} on process 1"
+                in errors[0]), errors
+        assert "Traceback" not in out
+    assert not (tmp_path / "runs" / "tiny-adamw" / "metrics.jsonl").exists()
+
+
+def test_a_busy_coordinator_port_is_one_line_before_jax_starts(train_corpus, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "sage_train", "--model", "tiny", "--steps", "2",
+             "--data", str(train_corpus), "--run-dir", str(tmp_path / "runs"),
+             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+             "--process-id", "0"], cwd=ROOT, env=environment(1, tmp_path / "cache"),
+            capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert f"--coordinator 127.0.0.1:{port}: port {port} is already in use" in proc.stderr
+
+
+@pytest.mark.usefixtures("token_cache")
+def test_two_processes_with_one_id_are_one_line_each(train_corpus, tmp_path):
+    """Both given --process-id 0 (once: a native abort): both exit 2 with one line."""
+    codes, outs = launch_pair(train_corpus, tmp_path, [[], []], ids=(0, 0))
+    assert codes == [2, 2], outs
+    for out in outs:
+        errors = [line for line in out.splitlines() if line.startswith("sage-train: error")]
+        assert errors == ["sage-train: error: two processes of the job were given "
+                          "--process-id 0: give each of the 2 processes its own id in [0, 2)"
+                          ], out
+
+
+def test_the_rendezvous_names_a_duplicate_id_to_every_process():
+    """Three processes, two of them --process-id 1: all three refuse, before JAX starts."""
+    import threading
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    errors: dict[int, str] = {}
+
+    def member(index: int, pid: int) -> None:
+        try:
+            distributed.rendezvous(distributed.Launch(coordinator, 3, pid), timeout=60)
+            errors[index] = "joined"
+        except ConfigError as e:
+            errors[index] = str(e)
+
+    threads = [threading.Thread(target=member, args=(i, pid)) for i, pid in
+               enumerate((0, 1, 1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    want = ("two processes of the job were given --process-id 1: give each of the 3 "
+            "processes its own id in [0, 3)")
+    assert errors == {0: want, 1: want, 2: want}
+    # and the right layout meets
+    coordinator = f"127.0.0.1:{free_port()}"
+    errors.clear()
+    threads = [threading.Thread(target=member, args=(i, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert errors == {0: "joined", 1: "joined", 2: "joined"}
+
+
+def test_a_second_sigterm_always_ends_the_process():
+    """A process stuck where the first SIGTERM is never polled (a collective another
+    process never joins: once alive 10 minutes later) ends on the second, status 75."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom sage_train.signals import StopSignals\n"
+         "with StopSignals():\n    print('ready', flush=True)\n    time.sleep(60)"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(timeout=1)  # the first is a request, polled between steps
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == PREEMPTED
+    assert "SIGTERM again: exiting now" in child.stderr.read()
