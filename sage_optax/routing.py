@@ -395,8 +395,9 @@ ATTENTION_IN: frozenset[str] = frozenset({"query", "key", "value"})
 """Module names of attention's input projections (linen ``nn.MultiHeadDotProductAttention``,
 ``nnx.MultiHeadAttention``): a ``DenseGeneral`` kernel ``(in, heads, head_dim)``."""
 
-ATTENTION_OUT: frozenset[str] = frozenset({"out"})
-"""Module name of attention's output projection: a kernel ``(heads, head_dim, out)``."""
+ATTENTION_OUT: frozenset[str] = frozenset({"out", "attn_out_proj", "out_proj", "o_proj"})
+"""Module names of attention's output projection: a kernel ``(heads, head_dim, out)``
+(linen's ``out``, nanodo's ``attn_out_proj``, the common ``out_proj``/``o_proj``)."""
 
 
 def _sibling(name: str, leaf: str, facts: _TreeFacts) -> tuple[int, ...] | None:
