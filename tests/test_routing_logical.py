@@ -386,3 +386,13 @@ def test_nnx_scan_stacks_and_equinox_vmapped_experts_are_batch_axes():
         params = f64(eqx.filter(experts, eqx.is_inexact_array))
         grads = random_like(params, 3)
         check_updates(step(params, grads), grads, {"weight": ("dense", (2,), (1,), (0,))})
+
+
+def test_docs_list_every_name_of_the_table():
+    import pathlib
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "routing.md").read_text()
+    section = doc[doc.index("### Logical axis names"):doc.index("## The routing table")]
+    for name, role in sage_optax.logical.AXIS_ROLES.items():
+        row = next(line for line in section.splitlines() if f"`{name}`" in line)
+        assert f"| `{role}` |" in row, (name, role)
