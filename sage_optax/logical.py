@@ -242,6 +242,8 @@ def _matrix(name: str, shape: tuple[int, ...], ax: _Axes, batch: tuple[int, ...]
             "it, e.g. " + core.override_advice(name, shape, options[0][0]),
             leaf=name, shape=shape, options=options)
 
+    if (len(vocab) > 1 or len(embed) > 1) and len(rest) == 2:
+        return None  # ("embed", "embed"): a square width matrix; the leaf name decides
     if len(vocab) > 1 or (vocab and embed and len(embed) > 1):
         return refuse("two axes name the vocabulary or the width", None)
     if vocab:

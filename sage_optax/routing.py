@@ -893,7 +893,8 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
     if name in names:
         by_names = logical.route_from_names(name, shape, names[name], roles,
                                             torch_order=facts.layout == "torch")
-    if name in evidence:
+    if name in evidence and not (isinstance(evidence[name], RoutingError)
+                                 and isinstance(by_names, Route)):
         route = evidence[name]
         if (isinstance(route, Route) and isinstance(by_names, Route)
                 and not logical.agrees(route, by_names, shape)):

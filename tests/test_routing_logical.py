@@ -231,6 +231,11 @@ def test_user_roles_extend_the_table_and_overrides_win():
         sage_optax.make_optimizer("sage-hybrid", axis_roles={"x": "rows"})
 
 
+def test_a_square_width_matrix_is_left_to_its_leaf_name():
+    params = {"proj": {"kernel": nn.Partitioned(jnp.ones((4, 4)), ("embed", "embed"))}}
+    assert routes_of(route_params(params))["proj.kernel"] == ("dense", (0,), (1,), ())
+
+
 def test_mesh_axis_names_say_nothing_and_leave_the_leaf_to_its_name():
     """Real nanodo annotates mesh axes (("data", None)): no role, the name rules decide."""
     params = {"mlp": {"kernel": nn.Partitioned(jnp.ones((4, 6)), ("data", None))},
