@@ -15,7 +15,12 @@ convention):
    with the input and the output batch), ``nnx.Conv`` ``(*taps, Cin, Cout)`` (fan-in =
    input channels and taps, merged); extra leading axes (``nnx.vmap``/``nnx.scan``) are
    batch axes;
-3. **names and shapes**, only where unambiguous, in the declared ``layout``: ``"flax"``
+3. **logical axis names** (:mod:`sage_optax.logical`): ``nn.Partitioned`` boxes, the
+   ``out_sharding`` metadata of ``nnx.Param``, or ``axis_names=``, read through
+   :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
+   ``(in, out)``, ``("heads", "kv", "embed")`` ``(heads·head_dim) x out``, ``exp`` and
+   ``layers`` batch axes; where a module gives the axes too, both must agree;
+4. **names and shapes**, only where unambiguous, in the declared ``layout``: ``"flax"``
    (default: a 2-D ``kernel`` is ``(in, out)``, a 2-D ``embedding`` an ``Embed`` table
    ``(V, d)``) or ``"torch"`` (a 2-D ``weight`` is ``(out, in)``, a token table ``(V, d)``).
    0-D/1-D leaves are vectors.  A kernel, weight, ``scale`` or ``bias`` with more axes may

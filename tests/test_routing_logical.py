@@ -231,6 +231,18 @@ def test_user_roles_extend_the_table_and_overrides_win():
         sage_optax.make_optimizer("sage-hybrid", axis_roles={"x": "rows"})
 
 
+def test_names_settle_multi_axis_biases_and_the_torch_order():
+    params = {"q": {"bias": nn.Partitioned(jnp.ones((H, 4)), ("heads", "kv")),
+                    "kernel": nn.Partitioned(jnp.ones((D, H, 4)), ("embed", "heads", "kv"))},
+              "s": {"bias": nn.Partitioned(jnp.ones((L, H, 4)), ("layers", "heads", "kv"))}}
+    got = routes_of(route_params(params))
+    assert got["q.bias"] == ("vector", (), (), ())       # one (heads, head_dim) vector
+    assert got["s.bias"] == ("vector", (), (), (0,))     # one per layer
+    # layout="torch": matrices are (out, in), so the width first is the fan-out
+    w = {"up": {"weight": nn.Partitioned(jnp.ones((F, D)), ("mlp", "embed"))}}
+    assert routes_of(route_params(w, layout="torch"))["up.weight"] == ("dense", (1,), (0,), ())
+
+
 def test_a_square_width_matrix_is_left_to_its_leaf_name():
     params = {"proj": {"kernel": nn.Partitioned(jnp.ones((4, 4)), ("embed", "embed"))}}
     assert routes_of(route_params(params))["proj.kernel"] == ("dense", (0,), (1,), ())
