@@ -918,7 +918,14 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
     if by_names is not None:
         placed = all(isinstance(n, str) and roles.get(n) is not None for n in names[name])
         return by_names, not placed
-    return _name_route(name, shape, facts), True
+    route = _name_route(name, shape, facts)
+    if isinstance(route, RoutingError) and name in names and route.leaf == name:
+        said = ", ".join(repr(n) for n in names[name])
+        route = RoutingError(
+            f"{route} (its axis names ({said}) have no role in sage_optax.logical.AXIS_ROLES; "
+            "axis_roles={name: role} gives them one)",
+            leaf=route.leaf, shape=route.shape, options=route.options)
+    return route, True
 
 
 def _conv_transpose_refusal(full: str, shape: tuple[int, ...], conv: Route, what: str,

@@ -215,8 +215,9 @@ def test_contradicting_names_are_refused(names, why):
 
 def test_user_roles_extend_the_table_and_overrides_win():
     params = {"w": {"kernel": nn.Partitioned(jnp.ones((3, 4, 5)), ("my_e", "d_in", "d_out"))}}
-    with pytest.raises(RoutingError, match=r"cannot tell the layout"):
+    with pytest.raises(RoutingError, match=r"cannot tell the layout.*axis_roles=") as info:
         route_params(params)  # names the table does not know place nothing
+    assert info.value.overrides == {"w.kernel": Route("dense", -2, -1)}  # stacked: first
     roles = {"my_e": "batch", "d_in": "fan_in", "d_out": "fan_out"}
     got = routes_of(route_params(params, axis_roles=roles))
     assert got["w.kernel"] == ("dense", (1,), (2,), (0,))
