@@ -143,7 +143,10 @@ def names_of(tree: Any) -> dict[str, Names]:
         if names is None and (_is_names(x) or isinstance(x, jax.sharding.PartitionSpec)):
             names = tuple(x)
         if names and any(n is not None for n in names):
-            out[axes_lib.path_str(path)] = names
+            key = axes_lib.path_str(path)
+            out[key] = names
+            if key.startswith("params."):  # the variables of a linen module: its params too
+                out.setdefault(key.removeprefix("params."), names)
     return out
 
 

@@ -164,8 +164,9 @@ def test_nanodo_style_linen_model_routes_by_its_axis_names_with_no_override():
     plain = nn.unbox(variables["params"])
     with pytest.raises(RoutingError):
         route_params(plain)  # without names: the 3-D kernels are refused, as before
-    specs = nn.get_partition_spec(variables)["params"]
+    specs = nn.get_partition_spec(variables)  # {"params": ...}: either level will do
     assert routes_of(route_params(plain, axis_names=specs)) == NANODO_TRUTH
+    assert routes_of(route_params(plain, axis_names=specs["params"])) == NANODO_TRUTH
     # make_optimizer reads the boxes of the params it is given
     jax.eval_shape(sage_optax.make_optimizer("sage-hybrid").init, variables["params"])
 
