@@ -40,6 +40,10 @@ the largest single parameter.
 the named configurations twice, as ``"<name> [pallas]"`` and ``"<name> [jnp]"``: the
 figures that decide whether ``auto`` takes the kernel.
 
+``--temp-only`` compiles each step from the shapes alone (nothing is allocated, nothing
+timed) and prints its compiled temporary memory: deterministic, and cheap enough for a
+before/after comparison on a busy machine.
+
 ``--breakdown`` then times ``sage-hybrid`` on each parameter kind alone (embedding, dense,
 vector) against ``optax.adamw`` on the same leaves, to show where its time goes.
 """
@@ -271,6 +275,30 @@ def breakdown(name: str, shapes: dict[str, Any], args: argparse.Namespace, bw: f
             r.free()
 
 
+def compiled_temp_bytes(entry: str, shapes: Any) -> int:
+    """Temporary bytes of ``entry``'s donated step, compiled from the shapes alone."""
+    tx = make_tx(entry)
+
+    def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
+        u, s2 = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s2
+
+    state = jax.eval_shape(tx.init, shapes)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, state, shapes).compile()
+    memory = compiled.memory_analysis()
+    return -1 if memory is None else int(memory.temp_size_in_bytes)
+
+
+def print_temps(entries: list[str], shapes: Any, largest: int) -> None:
+    """``--temp-only``: a table of each step's compiled temporary memory."""
+    print()
+    print("| configuration | temp (MiB) | temp / largest param |")
+    print("|---|---:|---:|")
+    for entry in entries:
+        temp = compiled_temp_bytes(entry, shapes)
+        print(f"| {entry} | {temp / MIB:.1f} | {temp / largest:.2f} |", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="270m", help="a sage_optim model name (default 270m)")
@@ -299,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
                     "where scripts/gpu-check validated it, else jnp)")
     ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations with both SinkGD kernels, pallas and jnp")
+    ap.add_argument("--temp-only", action="store_true",
+                    help="only compile each step from the shapes (nothing allocated) and print "
+                    "its compiled temporary memory: deterministic, no timing")
     ap.add_argument("--bw-mib", type=int, default=512, help="bandwidth array size (MiB)")
     ap.add_argument("--bw-repeats", type=int, default=10)
     args = ap.parse_args(argv)
@@ -322,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
         f"largest leaf {largest / MIB:.1f} MiB"
     )
 
+    if args.temp_only:
+        print_temps([BASELINE, *entries], shapes, largest)
+        return
     bw = measure_bandwidth(args.bw_mib, args.bw_repeats, donate=True)
     bw_fresh = measure_bandwidth(args.bw_mib, args.bw_repeats, donate=False)
     print(

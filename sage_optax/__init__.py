@@ -20,6 +20,7 @@ from sage_optax import _require  # noqa: F401
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax.axes import EMBEDDING_TABLE
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
+from sage_optax.lion import lion, scale_by_lion
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
     LAYOUTS,
@@ -55,6 +56,7 @@ __all__ = [
     "SCALE_TYPES",
     "ScaleBySageState",
     "apollo",
+    "lion",
     "make_optimizer",
     "module_routes",
     "route_params",
@@ -63,6 +65,7 @@ __all__ = [
     "sage_damper",
     "sage_hybrid",
     "scale_by_apollo",
+    "scale_by_lion",
     "scale_by_sage",
     "scale_by_sinkhorn",
     "scale_by_unit_norm",

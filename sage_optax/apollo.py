@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import validation
+from sage_optax import boxes, validation
 from sage_optim.presets import RULE_DEFAULTS
 from sage_optim.routing import ResolvedRoute
 
@@ -97,6 +97,27 @@ class _LeafPlan(NamedTuple):
     moment_shape: tuple[int, ...]
     norm_shape: tuple[int, ...]
     merged: ResolvedRoute | None  # axis groups: work on this matrix view instead
+
+    def _view_axes(self, ndim: int) -> tuple[int | None, ...]:
+        """For each axis of the matrix view, the parameter axis it is (``None``: merged)."""
+        if self.merged is None:
+            return tuple(range(ndim))
+        m = self.merged
+
+        def one(group: tuple[int, ...]) -> int | None:
+            return group[0] if len(group) == 1 else None
+
+        return (*m.batch, one(m.fan_in), one(m.fan_out))
+
+    def moment_axes(self, ndim: int) -> tuple[int | None, ...]:
+        """The parameter axis of each axis of ``M`` and ``V`` (the rank axis: ``None``)."""
+        view = self._view_axes(ndim)
+        return tuple(None if i == self.compressed else a for i, a in enumerate(view))
+
+    def norm_axes(self, ndim: int) -> tuple[int | None, ...]:
+        """The parameter axis of each axis of the limiter norm (the batch axes)."""
+        view = self._view_axes(ndim)
+        return tuple(a for i, a in enumerate(view) if i not in self.matrix_axes)
 
 
 def _plan(path: str, spec: Any, shape: tuple[int, ...], rank: int) -> _LeafPlan | None:
@@ -252,6 +273,8 @@ def scale_by_apollo(
         specs = axes_lib.resolve_spec(axes, params)
         treedef, leaves = axes_lib.flatten_with_spec(params, specs)
         mu, nu, norm = [], [], []
+        moment_axes: list[boxes.AxisSources] = []
+        norm_axes: list[boxes.AxisSources] = []
         for path, spec, p in leaves:
             plan = None if axes_lib.is_masked(p) else _plan(path, spec, p.shape, rank)
             if plan is None:
@@ -259,6 +282,8 @@ def scale_by_apollo(
                 mu.append(masked)
                 nu.append(masked)
                 norm.append(masked)
+                moment_axes.append(None)
+                norm_axes.append(None)
                 continue
             # Built by the very operations update_fn applies to the gradient (projection,
             # norm over the matrix axes), so that dtypes and shardings of the state match
@@ -273,15 +298,15 @@ def scale_by_apollo(
             norm.append(
                 jnp.zeros_like(jnp.squeeze(_norm(p_wide, plan.matrix_axes), plan.matrix_axes))
             )
-        unflat = jax.tree_util.tree_unflatten
-        # Reduced shapes: built without nnx.Variable boxes, whose sharding metadata is the
-        # parameter's (nnx.Optimizer would apply it to these smaller arrays).
-        treedef = jax.tree.structure(axes_lib.unbox(params), is_leaf=axes_lib.is_masked)
+            moment_axes.append(plan.moment_axes(p.ndim))
+            norm_axes.append(plan.norm_axes(p.ndim))
+        # Reduced shapes, in the parameters' boxes with their axis names where an axis comes
+        # from one of the parameter's (the rank axis and merged axis groups are unnamed).
         return ScaleByApolloState(
             count=jnp.zeros([], jnp.int32),
-            mu=unflat(treedef, mu),
-            nu=unflat(treedef, nu),
-            norm=unflat(treedef, norm),
+            mu=boxes.state_like(params, mu, moment_axes),
+            nu=boxes.state_like(params, nu, moment_axes),
+            norm=boxes.state_like(params, norm, norm_axes),
         )
 
     def update_fn(
@@ -338,7 +363,12 @@ def scale_by_apollo(
              "the APOLLO second-moment state": state.nu,
              "the APOLLO limiter state": state.norm},
         )
-        return new_u, ScaleByApolloState(count=count, mu=new_mu, nu=new_nu, norm=new_norm)
+        # The state keeps the structure init gave it, whatever boxes the gradients are in.
+        keep = boxes.keep_structure
+        return new_u, ScaleByApolloState(
+            count=count, mu=keep(state.mu, new_mu), nu=keep(state.nu, new_nu),
+            norm=keep(state.norm, new_norm),
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 

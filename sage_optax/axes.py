@@ -98,9 +98,8 @@ def is_box(x: Any) -> bool:
 def unbox(tree: Any) -> Any:
     """``tree`` with every ``nnx.Variable``-like box replaced by the array it holds.
 
-    State whose shape differs from its parameter's (SAGE's ``S``, APOLLO's moments) is
-    built on the unboxed tree: ``nnx.Optimizer`` copies a box's metadata (its sharding
-    annotation) onto the state leaf built in it, which is wrong for a reduced shape.
+    For code that needs only the arrays (state bytes, diagnostics); a reduced state is
+    boxed with its own axis names instead (:func:`sage_optax.boxes.state_like`).
     """
     return jax.tree.map(
         lambda x: x.get_value() if is_box(x) else x,

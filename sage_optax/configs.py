@@ -18,6 +18,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import logical, memory, routing, validation
 from sage_optax.apollo import apollo
+from sage_optax.lion import lion
 from sage_optax.sage import sage
 from sage_optax.sinkhorn import KERNELS, sinkgd
 from sage_optax.unit_norm import unit_norm_descent
@@ -60,9 +61,7 @@ def build_rule(
             mask=mask,
         )
     if rule.name == "lion":
-        return optax.lion(
-            learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask
-        )
+        return lion(learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask)
     if rule.name == "sage":
         return sage(learning_rate, **hp, mask=mask, axes=axes)
     if rule.name == "sinkgd":
@@ -377,7 +376,9 @@ def sage_hybrid(
     )
 
 
-def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
+def routing_table(
+    tx_name: str, params: Any, *, wrt: Any = None, **overrides: Any
+) -> RoutingTable:
     """Route ``params`` as configuration ``tx_name`` would and count each leaf's state bytes.
 
     Each row gives the leaf's kind, rule, fan-in and fan-out axes (with sizes), the
@@ -387,23 +388,50 @@ def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
     Args:
       tx_name: a configuration name (see :func:`make_optimizer`).
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``), or an ``nnx.Module``
-        (its ``nnx.Param`` state, routed with its module types as evidence), or an Equinox
-        model (its inexact arrays, likewise).
+        (the state ``nnx.state(model, wrt)`` selects, routed with its module types as
+        evidence), or an Equinox model (its leaves ``eqx.filter(model, wrt)`` keeps,
+        likewise).
+      wrt: for a module, which leaves are trained: the filter given to ``nnx.Optimizer``
+        (default ``nnx.Param``; ``jax.Array`` for a model holding plain arrays) or to
+        ``eqx.filter`` (default ``eqx.is_inexact_array``).  For a tree of parameters,
+        leave it out (the tree is what is routed).
       **overrides: as for :func:`make_optimizer` (rule swaps, router options...).
 
     Returns:
       A :class:`RoutingTable`; ``print`` it.
+
+    Raises:
+      ValueError: nothing to route (the filter selects no array; the message says which
+        ``wrt`` to try), or ``wrt`` given with a tree of parameters.
     """
     if routing._is_nnx_module(params):
         from flax import nnx
 
         overrides.setdefault("model", params)
-        params = nnx.state(params, nnx.Param)
+        what = f"nnx.state(model, {'nnx.Param' if wrt is None else _filter_name(wrt)})"
+        params = nnx.state(params, nnx.Param if wrt is None else wrt)
     elif routing._is_equinox_module(params):
         import equinox as eqx
 
         overrides.setdefault("model", params)
-        params = eqx.filter(params, eqx.is_inexact_array)
+        what = "eqx.filter(model, " + (
+            "eqx.is_inexact_array" if wrt is None else _filter_name(wrt)) + ")"
+        params = eqx.filter(params, eqx.is_inexact_array if wrt is None else wrt)
+    elif wrt is not None:
+        raise ValueError(
+            "routing_table: wrt= selects the trained leaves of an nnx.Module or Equinox "
+            f"model, but params is a {type(params).__name__}; pass the model, or leave wrt "
+            "out and pass the selected parameters"
+        )
+    else:
+        what = "params"
+    if not routing.iter_leaves(params):
+        hint = (
+            "; a model whose parameters are plain arrays needs the filter nnx.Optimizer "
+            "is given, e.g. routing_table(name, model, wrt=jax.Array)"
+            if what.startswith("nnx") else ""
+        )
+        raise ValueError(f"routing_table: {what} holds no arrays to route{hint}")
     resolved = resolve_preset(tx_name, dict(overrides), OPTION_KEYS)
     tx = make_optimizer(tx_name, **overrides)
     route = _Router(dict(overrides))(params)
@@ -418,6 +446,11 @@ def routing_table(tx_name: str, params: Any, **overrides: Any) -> RoutingTable:
             r.describe_fan_in(), r.describe_fan_out(), r.evidence, per_leaf[path],
         ))
     return RoutingTable(tx_name, tuple(rows), shared)
+
+
+def _filter_name(wrt: Any) -> str:
+    """A short name of a filter, for messages."""
+    return getattr(wrt, "__name__", None) or repr(wrt)
 
 
 __all__ = ["CONFIG_NAMES", "RoutingTable", "make_optimizer", "routing_table", "sage_hybrid"]

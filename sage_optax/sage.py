@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import validation
+from sage_optax import boxes, validation
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["sage"]
@@ -49,6 +49,12 @@ class ScaleBySageState(NamedTuple):
 class _LeafPlan(NamedTuple):
     reduce_axes: tuple[int, ...] | None  # the vocab (fan-out) axes, None: element-wise s_t
     rms_axes: tuple[int, ...]  # axes of s_t that σ and γ average over
+
+    def kept_axes(self, ndim: int) -> tuple[int, ...] | None:
+        """The parameter axes ``S`` keeps, in order (``None``: all, element-wise)."""
+        if self.reduce_axes is None:
+            return None
+        return tuple(a for a in range(ndim) if a not in self.reduce_axes)
 
 
 def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
@@ -219,21 +225,24 @@ def scale_by_sage(
         specs = axes_lib.resolve_spec(axes, params)
         treedef, leaves = axes_lib.flatten_with_spec(params, specs)
         mu, s = [], []
+        s_axes: list[boxes.AxisSources] = []
         for path, spec, p in leaves:
             if axes_lib.is_masked(p):
                 mu.append(p)
                 s.append(p)
+                s_axes.append(None)
                 continue
             plan = _plan(path, spec, p.shape)
             mu.append(jnp.zeros_like(p, dtype=mu_dtype or p.dtype))
             # Built from the reduction of the parameter itself so that its dtype and
             # sharding are exactly those of what update_fn returns.
             s.append(jnp.zeros_like(_mean_abs(p, plan)))
-        unboxed = jax.tree.structure(axes_lib.unbox(params), is_leaf=axes_lib.is_masked)
+            s_axes.append(plan.kept_axes(p.ndim))
         return ScaleBySageState(
             count=jnp.zeros([], jnp.int32),
             mu=jax.tree_util.tree_unflatten(treedef, mu),
-            s=jax.tree_util.tree_unflatten(unboxed, s),  # reduced shape: no param metadata
+            # The reduced shape, in the parameter's box with the fan-out axes' names dropped.
+            s=boxes.state_like(params, s, s_axes),
         )
 
     def update_fn(
@@ -264,7 +273,11 @@ def scale_by_sage(
             leaf_update, updates, axes,
             {"the SAGE momentum state": state.mu, "the SAGE scale state": state.s},
         )
-        return new_u, ScaleBySageState(count=count, mu=new_mu, s=new_s)
+        # The state keeps the structure init gave it, whatever boxes the gradients are in.
+        return new_u, ScaleBySageState(
+            count=count, mu=boxes.keep_structure(state.mu, new_mu),
+            s=boxes.keep_structure(state.s, new_s),
+        )
 
     return optax.GradientTransformation(init_fn, update_fn)
 

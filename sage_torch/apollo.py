@@ -25,6 +25,7 @@ from sage_torch.common import (
     Rule,
     is_dtensor,
     matrix_axes,
+    shared_docs,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -330,6 +331,7 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
                     q.mul_(1 - lr * weight_decay)
 
 
+@shared_docs
 class APOLLO(RuleOptimizer):
     """APOLLO (Zhu et al. 2024) as ``docs/algorithms.md`` states it; defaults are APOLLO-Mini.
 
@@ -364,11 +366,8 @@ class APOLLO(RuleOptimizer):
         same-shape matrices stacked, one batched projection product, foreach kernels for
         the moments and the step.
       fallback: the rule for the parameters this one cannot treat (vectors and 0-D
-        parameters, complex parameters): a rule name
-        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
-        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
-        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
-        ``None``: such a parameter raises a ``ValueError`` naming it.
+        parameters, complex parameters):
+        {fallback_doc}
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,

@@ -250,21 +250,33 @@ the other paths round it: :mod:`sage_torch.triton_kernels`)."""
 FUSED_DOC = """fused: ``True`` runs the rule's Triton kernels (:mod:`sage_torch.triton_kernels`;
         float32, float64 or bfloat16 CUDA parameters, ``triton`` installed).  Opt-in, as
         ``torch.optim``'s ``fused``: the default ``None`` takes foreach on CUDA (and under
-        ``torch.compile``) and the single-tensor path elsewhere.  The kernels have not yet been
-        measured on a GPU; a kernel becomes a default only after ``scripts/gpu-check`` on a GPU
-        shows it correct and faster.  ``fused=True`` with ``foreach=True``, or on a parameter
-        the kernels cannot take, raises a ``ValueError`` naming it.  Before the first fused step
-        on a device and dtype the kernels are checked against the single-tensor path
+        ``torch.compile``) and the single-tensor path elsewhere.  On an H100 (2026-11-26,
+        ``benchmarks/RESULTS.md``) the kernels were faster than foreach for 6 of 8 float32
+        configurations but slower for ``sinkgd-pure`` and the bfloat16 SinkGD hybrids, so none
+        is a default; a kernel becomes one only where ``scripts/gpu-check`` shows it correct
+        and faster.  ``fused=True`` with ``foreach=True``, or on a parameter the kernels cannot
+        take, raises a ``ValueError`` naming it.  Before the first fused step on a device and
+        dtype the kernels are checked against the single-tensor path
         (:mod:`sage_torch.fused_check`; on a failure, one warning and the foreach path), and
         ``SAGE_KERNELS=off`` in the environment turns them off (:mod:`sage_optim.kernels`)."""
 """The ``fused`` paragraph of the optimizer classes' docstrings (``{fused_doc}`` there),
 one text for all of them, as ``torch.optim``'s ``_fused_doc``."""
 
+FALLBACK_DOC = """a rule name (``"adamw"``, ``"lion"``, ...) or a dict of group options with a
+        ``"rule"``; they go to a param group of their own with the group's ``lr`` and
+        ``weight_decay`` and the fallback rule's defaults, as Muon-style optimizers hand them
+        to AdamW.  Default ``None``: such a parameter raises a ``ValueError`` naming it."""
+"""The end of the ``fallback`` paragraph (``{fallback_doc}``), one text for every class."""
 
-def document_fused(cls: type) -> type:
-    """Class decorator: ``{fused_doc}`` in ``cls``'s docstring becomes :data:`FUSED_DOC`."""
+
+def shared_docs(cls: type) -> type:
+    """Class decorator: ``{fused_doc}``/``{fallback_doc}`` in the docstring, shared texts.
+
+    They become :data:`FUSED_DOC` and :data:`FALLBACK_DOC`.
+    """
     if cls.__doc__:
-        cls.__doc__ = cls.__doc__.replace("{fused_doc}", FUSED_DOC)
+        cls.__doc__ = cls.__doc__.replace("{fused_doc}", FUSED_DOC).replace(
+            "{fallback_doc}", FALLBACK_DOC)
     return cls
 
 

@@ -21,10 +21,10 @@ from sage_torch.common import (
     by_device_dtype,
     copy_all,
     decayed_step,
-    document_fused,
     is_dtensor,
     lr_of,
     lr_tensor,
+    shared_docs,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -169,7 +169,7 @@ class LionRule(Rule):
         fn(params, grads, [st["exp_avg"] for st in states], **hp)
 
 
-@document_fused
+@shared_docs
 class Lion(RuleOptimizer):
     """Lion (Chen et al. 2023): ``θ ← θ − η·(sign(b1·m + (1−b1)·g) + w·θ)``, as ``optax.lion``.
 
@@ -187,11 +187,8 @@ class Lion(RuleOptimizer):
         ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
       fallback: the rule for the parameters this one cannot treat (none: Lion treats every
-        real or complex tensor; accepted for uniformity): a rule name
-        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
-        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
-        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
-        ``None``: such a parameter raises a ``ValueError`` naming it.
+        real or complex tensor; accepted for uniformity):
+        {fallback_doc}
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["lion"].learning_rate,

@@ -30,10 +30,10 @@ from sage_torch.common import (
     by_device_dtype,
     copy_all,
     decayed_step,
-    document_fused,
     is_dtensor,
     lr_of,
     lr_tensor,
+    shared_docs,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -511,7 +511,7 @@ class SageRule(Rule):
            rms_dims=[self._rms_dims(p, group) for p in params], **hp)
 
 
-@document_fused
+@shared_docs
 class SAGE(RuleOptimizer):
     """SAGE, Sign-Adaptive GradiEnt (paper Algorithm 1; ``docs/algorithms.md``).
 
@@ -538,11 +538,8 @@ class SAGE(RuleOptimizer):
         ``lr``, so the step reads nothing back to the host (CUDA graphs), as
         ``torch.optim.Adam``'s option.
       cpu_threads: threads of the chunked CPU path (default 1: none started).
-      fallback: the rule for the parameters this one cannot treat (complex parameters): a rule name
-        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
-        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
-        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
-        ``None``: such a parameter raises a ``ValueError`` naming it.
+      fallback: the rule for the parameters this one cannot treat (complex parameters):
+        {fallback_doc}
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,

@@ -29,12 +29,12 @@ from sage_torch.common import (
     axis_group,
     by_device_dtype,
     decayed_step,
-    document_fused,
     is_dtensor,
     lr_of,
     lr_tensor,
     matrix_axes,
     pow2_floor,
+    shared_docs,
     wide,
 )
 from sage_torch.optimizer import ParamsT, RuleOptimizer
@@ -710,7 +710,7 @@ class SinkGDRule(Rule):
             _single_tensor_sinkgd(rest, rest_g, axes=rest_axes, **hp)
 
 
-@document_fused
+@shared_docs
 class SinkGD(RuleOptimizer):
     """SinkGD (``docs/algorithms.md``): ``θ ← θ − η·(α·X + w·θ)``.
 
@@ -746,11 +746,8 @@ class SinkGD(RuleOptimizer):
         larger of 128 MiB and twice the optimizer's largest parameter
         (:meth:`SinkGDRule.group_bytes`).
       fallback: the rule for the parameters this one cannot treat (vectors and 0-D
-        parameters, complex parameters): a rule name
-        (``"adamw"``, ``"lion"``, ...) or a dict of group options with a ``"rule"``; they go
-        to a param group of their own with the group's ``lr`` and ``weight_decay`` and the
-        fallback rule's defaults, as Muon-style optimizers hand them to AdamW.  Default
-        ``None``: such a parameter raises a ``ValueError`` naming it.
+        parameters, complex parameters):
+        {fallback_doc}
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,

@@ -541,8 +541,9 @@ def test_nnx_optimizer_init_on_sharded_params(name):
 
     ``nnx.Optimizer`` copies each Param's metadata (its sharding names) onto every state
     leaf built from that Param, so a reduced-shape state (SAGE's ``S`` ``(d,)`` of the
-    ``(V, d)`` embedding, APOLLO's rank-1 moments and scalar norms) must not carry it, or
-    ``nnx.Optimizer.__init__`` fails ("P('d', None) ... applied to a value of rank 1").
+    ``(V, d)`` embedding, APOLLO's rank-1 moments and scalar norms) must carry only the
+    names of the axes it kept, or ``nnx.Optimizer.__init__`` fails ("P('d', None) ...
+    applied to a value of rank 1"); ``tests/test_state_sharding.py`` checks those names.
     """
     with jax.set_mesh(_auto_mesh()):
         model = TinyLM(nnx.Rngs(0), sharded=True)
