@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import memory, routing, validation
+from sage_optax import logical, memory, routing, validation
 from sage_optax.apollo import apollo
 from sage_optax.lion import lion
 from sage_optax.sage import sage
@@ -27,7 +27,7 @@ from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
     "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "kernel",
-    "strict",
+    "strict", "axis_names", "axis_roles",
 )
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
@@ -115,7 +115,9 @@ def make_optimizer(
           ``nnx.LinearGeneral``, ``nnx.MultiHeadAttention`` or ``nnx.Einsum``) and
           ``strict=True`` (refuse a leaf with no layout evidence, a bare array in a list or
           tuple, instead of giving it the element-wise rule with a
-          :class:`~sage_optax.routing.NoLayoutEvidenceWarning`);
+          :class:`~sage_optax.routing.NoLayoutEvidenceWarning`), ``axis_names=`` (the
+          logical axis names of unboxed params) and ``axis_roles={name: role}`` (extends
+          :data:`sage_optax.logical.AXIS_ROLES`);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
         * ``kernel=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
           ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
@@ -229,6 +231,11 @@ class _Router:
         if model is not None:
             _refuse_called_module(model)
         self.evidence = routing.module_routes(model) if model is not None else None
+        # logical axis names, remembered across calls: nnx.Optimizer inits on nnx.Param
+        # boxes (their names) and updates on bare arrays
+        self.axis_roles = logical.check_axis_roles(overrides.pop("axis_roles", None))
+        self.names = logical.names_of(model) if routing._is_nnx_module(model) else {}
+        self.names.update(logical.names_of(overrides.pop("axis_names", None)))
         self.routed: dict[Any, routing.ParamRouting] = {}
         self.last: dict[str, tuple[tuple[int, ...], Any]] = {}  # path -> (shape, axes)
 
@@ -238,9 +245,11 @@ class _Router:
         key = (treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", "")))
                               for x in leaves))
         if key not in self.routed:
+            self.names.update(logical.names_of(params))
             self.routed[key] = routing.route_params(
                 params, self.route_overrides, vocab_size=self.vocab_size, layout=self.layout,
                 module_evidence=self.evidence, strict=self.strict, warn=warn,
+                axis_names=self.names, axis_roles=self.axis_roles,
             )
         result = self.routed[key]
         self.last = {path: (tuple(x.shape), axes) for (path, x), (_, axes) in zip(

@@ -15,7 +15,12 @@ convention):
    with the input and the output batch), ``nnx.Conv`` ``(*taps, Cin, Cout)`` (fan-in =
    input channels and taps, merged); extra leading axes (``nnx.vmap``/``nnx.scan``) are
    batch axes;
-3. **names and shapes**, only where unambiguous, in the declared ``layout``: ``"flax"``
+3. **logical axis names** (:mod:`sage_optax.logical`): ``nn.Partitioned`` boxes, the
+   ``out_sharding`` metadata of ``nnx.Param``, or ``axis_names=``, read through
+   :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
+   ``(in, out)``, ``("heads", "kv", "embed")`` ``(heads·head_dim) x out``, ``exp`` and
+   ``layers`` batch axes; where a module gives the axes too, both must agree;
+4. **names and shapes**, only where unambiguous, in the declared ``layout``: ``"flax"``
    (default: a 2-D ``kernel`` is ``(in, out)``, a 2-D ``embedding`` an ``Embed`` table
    ``(V, d)``) or ``"torch"`` (a 2-D ``weight`` is ``(out, in)``, a token table ``(V, d)``).
    0-D/1-D leaves are vectors.  A kernel, weight, ``scale`` or ``bias`` with more axes may
@@ -57,6 +62,7 @@ import jax
 import jax.numpy as jnp
 
 from sage_optax import axes as axes_lib
+from sage_optax import logical
 from sage_optim import routing as core
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 
@@ -394,8 +400,9 @@ ATTENTION_IN: frozenset[str] = frozenset({"query", "key", "value"})
 """Module names of attention's input projections (linen ``nn.MultiHeadDotProductAttention``,
 ``nnx.MultiHeadAttention``): a ``DenseGeneral`` kernel ``(in, heads, head_dim)``."""
 
-ATTENTION_OUT: frozenset[str] = frozenset({"out"})
-"""Module name of attention's output projection: a kernel ``(heads, head_dim, out)``."""
+ATTENTION_OUT: frozenset[str] = frozenset({"out", "attn_out_proj", "out_proj", "o_proj"})
+"""Module names of attention's output projection: a kernel ``(heads, head_dim, out)``
+(linen's ``out``, nanodo's ``attn_out_proj``, the common ``out_proj``/``o_proj``)."""
 
 
 def _sibling(name: str, leaf: str, facts: _TreeFacts) -> tuple[int, ...] | None:
@@ -750,6 +757,8 @@ def route_params(
     module_evidence: Mapping[str, Route | RoutingError] | None = None,
     strict: bool = False,
     warn: bool = True,
+    axis_names: Any | None = None,
+    axis_roles: Mapping[str, Any] | None = None,
 ) -> ParamRouting:
     """Give every parameter leaf its kind and axes, from the strongest evidence.
 
@@ -775,6 +784,17 @@ def route_params(
       strict: refuse leaves with no layout evidence (no name, no module, no override)
         instead of giving them the element-wise rule with a warning.
       warn: emit the :class:`NoLayoutEvidenceWarning` of such leaves.
+      axis_names: the logical axis names of leaves whose params come unboxed: a tree with
+        the params' paths holding ``nn.Partitioned`` or ``nnx.Variable`` boxes,
+        ``nn.get_partition_spec(variables)``'s ``PartitionSpec`` s or tuples of names, or
+        ``{dotted path: names}``.  Boxes in ``params`` and the ``nnx.Param`` metadata of
+        ``model`` are read without it (:mod:`sage_optax.logical`).
+      axis_roles: ``{axis name: role}`` laid over :data:`sage_optax.logical.AXIS_ROLES`
+        (roles: :data:`sage_optax.logical.ROLES`, or ``None`` for a name that says
+        nothing), e.g. ``{"my_in": "fan_in", "my_experts": "batch"}``.
+
+    Names, where they place a leaf, win over its leaf name and lose to ``overrides``; where
+    a module also gives the leaf's axes, the two must agree or the leaf is refused.
 
     Returns:
       A :class:`ParamRouting` of ``labels``, ``axes`` and ``routes`` pytrees.
@@ -788,6 +808,7 @@ def route_params(
         layout = None
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    roles = logical.check_axis_roles(axis_roles)
     nnx_tree = False
     if _is_nnx_module(params):
         from flax import nnx
@@ -798,6 +819,10 @@ def route_params(
         evidence.update(module_routes(model))
     if _holds_equinox(params):
         evidence.update(equinox_routes(params))
+    names = logical.names_of(model) if model is not None and _is_nnx_module(model) else {}
+    names.update(logical.names_of(params))
+    if axis_names is not None:
+        names.update(logical.names_of(axis_names))
     nnx_tree = _is_nnx_state(params) or (model is not None and _is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
@@ -820,6 +845,7 @@ def route_params(
             )
         shape = tuple(int(s) for s in x.shape)
         floating = jnp.issubdtype(x.dtype, jnp.floating)
+        head_candidate = True
         if not floating:
             route: Route | RoutingError = RoutingError(
                 f"cannot place parameter {name!r} of shape {shape}: dtype {jnp.dtype(x.dtype)} "
@@ -827,12 +853,10 @@ def route_params(
                 "params (e.g. nnx.Optimizer(..., wrt=nnx.Param), eqx.filter(model, "
                 "eqx.is_inexact_array)) or mask it"
             )
-        elif name in evidence:
-            route = evidence[name]
         else:
-            route = _name_route(name, shape, facts)
+            route, head_candidate = _gathered(name, shape, evidence, names, roles, facts)
         records.append(core.Evidence(
-            name, shape, route, head_candidate=True, final=not floating,
+            name, shape, route, head_candidate=head_candidate, final=not floating,
             by_names=name not in evidence and core.components(name)[-1] in TORCH_NAMES))
     decided = core.decide(records, override_of, refuse_override=_override_refusal,
                           vocab_size=vocab_size)
@@ -860,6 +884,48 @@ def route_params(
     unflat = jax.tree_util.tree_unflatten
     return ParamRouting(unflat(treedef, labels), unflat(treedef, leaf_axes),
                         unflat(treedef, routes))
+
+
+def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | RoutingError],
+              names: Mapping[str, logical.Names], roles: Mapping[str, str | None],
+              facts: _TreeFacts) -> tuple[Route | RoutingError, bool]:
+    """A floating leaf's route from its module, its axis names, then its leaf name.
+
+    Also whether it may be the output head by shape: not when its names place every axis
+    (they would have said ``vocab``).
+    """
+    by_names = None
+    if name in names:
+        by_names = logical.route_from_names(name, shape, names[name], roles,
+                                            torch_order=facts.layout == "torch")
+    if name in evidence and not (isinstance(evidence[name], RoutingError)
+                                 and isinstance(by_names, Route)):
+        route = evidence[name]
+        if (isinstance(route, Route) and isinstance(by_names, Route)
+                and not logical.agrees(route, by_names, shape)):
+            r, n = route.resolve(shape, name), by_names.resolve(shape, name)
+            return RoutingError(
+                f"cannot place {name!r} of shape {shape}: its {route.evidence} gives fan-in "
+                f"{r.fan_in}, fan-out {r.fan_out} but its {by_names.evidence} give fan-in "
+                f"{n.fan_in}, fan-out {n.fan_out}; fix the annotation or give it, e.g. "
+                + core.override_advice(name, shape, route),
+                leaf=name, shape=shape,
+                options=[(dataclasses.replace(route, evidence="override"),
+                          "the module's reading is right"),
+                         (dataclasses.replace(by_names, evidence="override"),
+                          "the axis names are right")]), True
+        return route, True
+    if by_names is not None:
+        placed = all(isinstance(n, str) and roles.get(n) is not None for n in names[name])
+        return by_names, not placed
+    route = _name_route(name, shape, facts)
+    if isinstance(route, RoutingError) and name in names and route.leaf == name:
+        said = ", ".join(repr(n) for n in names[name])
+        route = RoutingError(
+            f"{route} (its axis names ({said}) have no role in sage_optax.logical.AXIS_ROLES; "
+            "axis_roles={name: role} gives them one)",
+            leaf=route.leaf, shape=route.shape, options=route.options)
+    return route, True
 
 
 def _conv_transpose_refusal(full: str, shape: tuple[int, ...], conv: Route, what: str,

@@ -13,6 +13,7 @@ computed), so that ``sage-memory`` without it says so in one line.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from sage_optim._entry import require
 from sage_optim.cli_args import DefaultsFormatter, OneLineParser
@@ -99,10 +100,53 @@ def format_memory_table(models: tuple[str, ...] = tuple(PAPER_MODELS)) -> str:
     return "\n\n".join(blocks) + "\n\n" + note
 
 
+def hf_memory_rows(config: Any, configs: tuple[str, ...] = CONFIG_NAMES) -> list[MemoryRow]:
+    """Exact memory of every configuration for a transformers model built from ``config``.
+
+    ``config`` is a ``transformers.PretrainedConfig`` or the path of a ``config.json`` (or
+    of the folder holding it): a mixture-of-experts model too, whose fused experts
+    ``sage_torch`` routes per expert.  The model is built on the ``meta`` device and the
+    state counted by :func:`sage_torch.routing_table`: nothing is allocated.  Float32
+    weights, gradients and states, as the paper's table.
+    """
+    import torch
+    import transformers
+
+    import sage_torch
+
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = transformers.AutoConfig.from_pretrained(str(config))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    param_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    name = getattr(config, "model_type", type(config).__name__)
+    return [MemoryRow(name, c, param_bytes,
+                      sage_torch.routing_table(c, model).total_bytes, None, None)
+            for c in configs]
+
+
+def format_hf_memory_table(config: Any) -> str:
+    """The memory table of a transformers model from ``config`` (:func:`hf_memory_rows`)."""
+    rows = hf_memory_rows(config)
+    largest = max(2 * r.param_bytes + r.state_bytes for r in rows)
+    unit, size = next((u, n) for u, n in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10))
+                      if largest >= n or u == "KiB")
+    body = [(r.config, f"{r.state_bytes / size:.3f}",
+             f"{(2 * r.param_bytes + r.state_bytes) / size:.3f}") for r in rows]
+    title = (f"{rows[0].model}: {rows[0].param_bytes // 4:,} parameters "
+             f"({unit}, float32 states; routed by sage_torch)")
+    return title + "\n" + format_table(("configuration", "opt", "total"), body)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point (``sage-memory``): print the memory table."""
-    require("sage-memory", "jax")
     args = build_parser().parse_args(argv)
+    if args.hf_config:
+        require("sage-memory --hf-config", "torch", packages=("transformers",))
+        for path in args.hf_config:
+            print(format_hf_memory_table(path))
+        return
+    require("sage-memory", "jax")
     print(format_memory_table(tuple(args.models)))
 
 
@@ -115,6 +159,12 @@ def build_parser() -> OneLineParser:
         metavar="MODEL",
         help=f"model sizes, of {', '.join(MODELS)} (default: the paper's three, "
              f"{' '.join(PAPER_MODELS)})",
+    )
+    parser.add_argument(
+        "--hf-config", nargs="+", default=None, metavar="PATH",
+        help="instead, transformers config.json files (or their folders), mixture-of-experts "
+             "models included: the state of every configuration as sage_torch routes the "
+             "model (built on the meta device)",
     )
     return parser
 

@@ -143,3 +143,30 @@ def test_donated_step_needs_no_more_temporary_memory_than_the_largest_parameter(
     temp = compiled.memory_analysis().temp_size_in_bytes
     mib = 2**20
     assert temp <= bound * largest, f"{config}: temp {temp / mib:.1f} MiB > {largest / mib:.1f}"
+
+
+def test_hf_moe_config_prints_the_state_of_every_configuration(tmp_path, capsys):
+    """sage-memory --hf-config: a tiny Qwen3-MoE config.json, routed by sage_torch on the meta
+    device; SAGE-Hybrid's state is SAGE's on the (untied) token table and head and the
+    vectors, none on the per-expert matrices (SinkGD is stateless)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, num_experts=4,
+        num_experts_per_tok=2, head_dim=8, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path)
+    main(["--hf-config", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith("qwen3_moe: ") and "sage-hybrid" in out and "adamw" in out
+    from sage_repro.memory_report import hf_memory_rows
+
+    rows = {r.config: r for r in hf_memory_rows(config, ("adamw", "sage-hybrid"))}
+    import torch
+
+    with torch.device("meta"):
+        tensors = list(transformers.AutoModelForCausalLM.from_config(config).parameters())
+    n = rows["adamw"].param_bytes // 4
+    assert n == sum(p.numel() for p in tensors)
+    # m and v of every parameter, and torch's float32 step per tensor
+    assert rows["adamw"].state_bytes == 2 * 4 * n + 4 * len(tensors)
+    assert rows["sage-hybrid"].state_bytes < rows["adamw"].state_bytes / 4

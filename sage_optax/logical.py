@@ -1,0 +1,340 @@
+"""Logical axis names as routing evidence: the sharding names that JAX models give each axis.
+
+MaxText, nanodo-style linen models, T5X and most flax LLM code name every parameter axis for
+sharding: linen ``nn.with_partitioning(init, ("embed", "mlp"))`` or
+``nn.with_logical_partitioning`` (an ``nn.Partitioned``/``nn.LogicallyPartitioned`` box
+around the array), nnx ``nnx.with_partitioning`` or ``kernel_metadata={"out_sharding": ...}``
+(the ``out_sharding`` metadata of an ``nnx.Param``; ``sharding``/``sharding_names`` in older
+flax), and ``nn.scan``/``nn.vmap``/``nnx.vmap``/``nnx.scan`` insert the name of the axis they
+stack (``metadata_params={nn.PARTITION_NAME: "layers"}``).  Those names say which axes are
+the fan-in, the fan-out, the vocabulary, the experts or the stacked layers.
+
+:data:`AXIS_ROLES` maps the conventional names to a role (:data:`ROLES`); a user's
+``axis_roles={name: role}`` extends or overrides it, as flax's logical axis rules extend the
+mesh mapping.  The roles:
+
+* ``"batch"``: independent copies: experts (``exp``), scanned layers (``layers``), pipeline
+  stages (``stage``).  Each copy gets its own matrix step.
+* ``"embed"``: the model width.  It is the fan-in of a matrix it starts (``("embed",
+  "mlp")``, ``("embed", "heads", "kv")``) and the fan-out of one it ends (``("mlp",
+  "embed")``, ``("heads", "kv", "embed")``): a flax kernel is ``x @ W``, inputs first.  Every
+  other matrix axis is on the other side, merged into one group.
+* ``"vocab"``: the rows of a table (tokens, relative-position buckets): the vocab axis
+  (fan-out) of an ``embedding`` leaf, for a table ``("vocab", "embed")`` and an untied head
+  ``("embed", "vocab")`` alike.
+* ``"heads"``: attention's head axes (``heads``, ``kv``, ``head_dim``, ``joined_kv``...):
+  one group, on the side ``embed`` is not; without ``embed``, the group after a ``hidden``
+  one (``("q_lora", "q_heads", "kv")``) is the fan-out.
+* ``"hidden"``: another inner width (``mlp``, LoRA ranks ``q_lora``/``kv_lora``): one group.
+* ``"fan_in"``/``"fan_out"``: the side itself, wherever the axis stands.
+* ``"feature"``: a vector's feature axis with no matrix role (a norm's ``norm``).
+* ``None`` (in ``axis_roles``): the name says nothing (a mesh axis name such as ``"data"``).
+
+A leaf's names decide when they place every axis; where they leave an axis of a matrix
+with three or more axes unexplained (an unknown name or ``None``), or contradict each other
+(``embed`` twice or in the middle, three groups), the leaf is refused with the reading the
+names suggest first.  Names that place nothing (all ``None`` or unknown) leave the leaf to
+the other evidence.  See ``docs/routing.md``, "Logical axis names".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from sage_optim import routing as core
+from sage_optim.routing import Route, RoutingError
+
+ROLES: tuple[str, ...] = (
+    "batch", "embed", "vocab", "heads", "hidden", "fan_in", "fan_out", "feature")
+"""The roles an axis name can have (:mod:`sage_optax.logical`'s docstring defines them)."""
+
+AXIS_ROLES: Mapping[str, str] = {
+    # independent copies
+    "layers": "batch", "layer": "batch", "stage": "batch", "stages": "batch",
+    "exp": "batch", "expert": "batch", "experts": "batch", "num_experts": "batch",
+    # the model width
+    "embed": "embed", "embed_no_exp": "embed", "emb": "embed", "d_model": "embed",
+    # table rows
+    "vocab": "vocab", "relpos_buckets": "vocab",
+    # attention heads
+    "heads": "heads", "q_heads": "heads", "kv_heads": "heads", "kv": "heads",
+    "head_dim": "heads", "kv_head_dim": "heads", "joined_kv": "heads", "qkv": "heads",
+    # other inner widths
+    "mlp": "hidden", "mlp_no_fsdp": "hidden", "q_lora": "hidden", "kv_lora": "hidden",
+    "num_activations": "hidden",
+    # vector features
+    "norm": "feature",
+}
+"""Conventional logical axis names (MaxText, T5X, nanodo-style flax) and their roles."""
+
+Names = tuple[Any, ...]
+
+
+def check_axis_roles(axis_roles: Mapping[str, Any] | None) -> dict[str, str | None]:
+    """The table with ``axis_roles`` laid over it.
+
+    Raises:
+      ValueError: a name that is not a string, or a role not in :data:`ROLES` (nor ``None``).
+    """
+    table: dict[str, str | None] = dict(AXIS_ROLES)
+    if axis_roles is None:
+        return table
+    if not isinstance(axis_roles, Mapping):
+        raise ValueError(f"axis_roles must be a dict {{axis name: role}}, got {axis_roles!r}")
+    for name, role in axis_roles.items():
+        if not isinstance(name, str):
+            raise ValueError(f"axis_roles: axis name {name!r} is not a string")
+        if role is not None and role not in ROLES:
+            raise ValueError(
+                f"axis_roles[{name!r}] = {role!r}: the role must be one of {ROLES} or None")
+        table[name] = role
+    return table
+
+
+def _names_of_box(x: Any) -> Names | None:
+    """The axis names a flax box holds (``nn.Partitioned``, an ``nnx.Variable``), or None."""
+    names = getattr(x, "names", None)
+    if names is not None and hasattr(x, "unbox"):  # linen nn.Partitioned/LogicallyPartitioned
+        return tuple(names)
+    get = getattr(x, "get_metadata", None)
+    if get is not None and hasattr(x, "get_value"):
+        meta = get()
+        for key in ("out_sharding", "sharding_names", "sharding"):
+            value = meta.get(key)
+            if value:
+                return tuple(getattr(value, "spec", value))
+    return None
+
+
+def _is_names(x: Any) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def _is_names_leaf(x: Any) -> bool:
+    return (_names_of_box(x) is not None or _is_names(x)
+            or isinstance(x, jax.sharding.PartitionSpec))
+
+
+def names_of(tree: Any) -> dict[str, Names]:
+    """The axis names of every leaf of ``tree`` that has them, keyed by dotted path.
+
+    ``tree`` holds ``nn.Partitioned``/``nn.LogicallyPartitioned`` boxes (linen params as
+    ``init`` returns them), ``nnx.Variable`` boxes (``nnx.state(model, nnx.Param)``), the
+    ``PartitionSpec`` tree of ``nn.get_partition_spec``, or tuples of names; an
+    ``nnx.Module`` is read through its ``nnx.Param`` state.  Leaves without names are left out.
+    """
+    try:
+        from flax import nnx
+
+        if isinstance(tree, nnx.Module):
+            tree = nnx.state(tree, nnx.Param)
+    except ImportError:  # pragma: no cover - flax is optional
+        pass
+    from sage_optax import axes as axes_lib
+
+    out: dict[str, Names] = {}
+    found, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_names_leaf)
+    for path, x in found:
+        names = _names_of_box(x)
+        if names is None and (_is_names(x) or isinstance(x, jax.sharding.PartitionSpec)):
+            names = tuple(x)
+        if names and any(n is not None for n in names):
+            key = axes_lib.path_str(path)
+            out[key] = names
+            if key.startswith("params."):  # the variables of a linen module: its params too
+                out.setdefault(key.removeprefix("params."), names)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """A leaf's names read through the role table."""
+
+    names: Names
+    roles: tuple[str | None, ...]  # None: the name places nothing (None, unknown, role None)
+
+    @property
+    def said(self) -> str:
+        return "axis names (" + ", ".join(repr(n) for n in self.names) + ")"
+
+
+def _roles(names: Names, table: Mapping[str, str | None]) -> tuple[str | None, ...]:
+    return tuple(table.get(n) if isinstance(n, str) else None for n in names)
+
+
+def route_from_names(name: str, shape: tuple[int, ...], names: Names,
+                     table: Mapping[str, str | None], *, torch_order: bool = False,
+                     ) -> Route | RoutingError | None:
+    """The route that ``names`` (one per axis of ``shape``) give the leaf ``name``.
+
+    ``None`` when the names place nothing (every name ``None``, unknown or of role ``None``)
+    or too little for a vector; a :class:`RoutingError` when they leave a matrix axis
+    unexplained or contradict each other, with the reading they suggest first.
+    ``torch_order``: matrices are ``(out, in)`` (``layout="torch"``), so ``embed`` first is
+    the fan-out.
+    """
+    ndim = len(shape)
+    if len(names) != ndim:
+        return RoutingError(
+            f"parameter {name!r} of shape {shape} has {len(names)} axis names {tuple(names)} "
+            f"for {ndim} axes; fix its partitioning annotation", leaf=name, shape=shape,
+            options=[("vector", "element-wise rules are wanted")])
+    ax = _Axes(tuple(names), _roles(tuple(names), table))
+    if all(r is None for r in ax.roles):
+        return None
+    batch = tuple(i for i, r in enumerate(ax.roles) if r == "batch")
+    rest = [i for i in range(ndim) if i not in batch]
+    leaf = core.components(name)[-1]
+    if not rest:
+        return None
+    vector = Route("vector", batch=batch, evidence=ax.said)
+    if len(rest) == 1:
+        return vector
+    if leaf in core.VECTOR_NAMES or leaf == "offset":
+        if any(ax.roles[i] is None for i in rest):
+            return None  # an unnamed axis may be a stack: the other evidence decides
+        return vector
+    if leaf in ("embedding", "embeddings") and len(rest) == 2 and not any(
+            ax.roles[i] in ("vocab", "fan_in", "fan_out") for i in rest):
+        # a looked-up table (V, d): its width is its fan-in wherever it stands
+        width = [i for i in rest if ax.roles[i] == "embed"]
+        fan_in = width[0] if width else rest[1]
+        fan_out = rest[0] if fan_in == rest[1] else rest[1]
+        return Route("embedding", fan_in, fan_out, batch, evidence=ax.said + " (a table)")
+    return _matrix(name, shape, ax, batch, rest, torch_order)
+
+
+def _matrix(name: str, shape: tuple[int, ...], ax: _Axes, batch: tuple[int, ...],
+            rest: list[int], torch_order: bool) -> Route | RoutingError | None:
+    """The matrix route of ``rest`` (the non-batch axes), or why the names cannot give it."""
+    roles = ax.roles
+    order = rest[::-1] if torch_order else rest  # x @ W order: inputs first
+    side: dict[int, str] = {}
+    for i in rest:
+        if roles[i] in ("fan_in", "fan_out"):
+            side[i] = "in" if roles[i] == "fan_in" else "out"
+    kind = "dense"
+    vocab = [i for i in rest if roles[i] == "vocab"]
+    embed = [i for i in rest if roles[i] == "embed"]
+    free = [i for i in rest if i not in side]
+
+    def refuse(why: str, guess: dict[int, str] | None) -> RoutingError:
+        options: list[tuple[Any, str]] = []
+        if guess is not None:
+            guess = _complete(guess, [i for i in rest if i not in guess])
+            fi = tuple(i for i in rest if guess.get(i) == "in")
+            fo = tuple(i for i in rest if guess.get(i) == "out")
+            if fi and fo:
+                gb = tuple(i for i in range(len(shape)) if i not in fi + fo)
+                options.append((Route(kind, fi, fo, gb),
+                                "the named axes are read as their names say"
+                                + (" and the unnamed ones are stacked copies" if
+                                   set(gb) - set(batch) else "")))
+        options += [(Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
+                    ("vector", "element-wise rules are wanted")]
+        unknown = sorted({str(ax.names[i]) for i in rest if roles[i] is None
+                          and ax.names[i] is not None})
+        hint = (f"; name the role of {', '.join(repr(u) for u in unknown)} with "
+                f"axis_roles={{{unknown[0]!r}: 'batch' or 'fan_in' or ...}}" if unknown else "")
+        return RoutingError(
+            f"cannot place {name!r} of shape {shape} by its {ax.said}: {why}{hint}, or give "
+            "it, e.g. " + core.override_advice(name, shape, options[0][0]),
+            leaf=name, shape=shape, options=options)
+
+    if (len(vocab) > 1 or len(embed) > 1) and len(rest) == 2:
+        return None  # ("embed", "embed"): a square width matrix; the leaf name decides
+    if len(vocab) > 1 or (vocab and embed and len(embed) > 1):
+        return refuse("two axes name the vocabulary or the width", None)
+    if vocab:
+        kind = "embedding"
+        if any(side.get(i) == "in" for i in vocab):
+            return refuse("a vocab axis is named the fan-in", None)
+        table = {i: ("out" if i in vocab else side.get(i, "in")) for i in rest}
+        if any(roles[i] is None for i in rest) and len(rest) > 2:
+            return refuse("an axis has no role", table)
+        fo = tuple(i for i in rest if table[i] == "out")
+        fi = tuple(i for i in rest if table[i] == "in")
+        if not fi:
+            return refuse("no axis is left for the width", None)
+        return Route("embedding", fi, fo, batch, evidence=ax.said)
+    if len(embed) > 1:
+        return refuse("'embed' names two axes", None)
+    guess: dict[int, str] | None = None
+    if embed:
+        e = embed[0]
+        known = [i for i in order if roles[i] is not None or i in side]
+        if e in side:
+            own = side[e]
+        elif e == known[0]:
+            own = "in"
+        elif e == known[-1]:
+            own = "out"
+        else:
+            return refuse("the width stands between other named axes", None)
+        other = "out" if own == "in" else "in"
+        guess = {i: side.get(i, own if i == e else other) for i in known}
+        if len(rest) == 2:
+            guess = {i: guess.get(i, other) for i in rest}
+    else:
+        groups: list[str] = []  # the relative roles in order, each run once
+        for i in order:
+            r = roles[i]
+            if i in side or r is None:
+                continue
+            if not groups or groups[-1] != r:
+                groups.append(r)
+        if len(groups) != len(set(groups)):
+            return refuse(f"the groups {groups} interleave", None)
+        if len(groups) == 2:
+            first = [i for i in free if roles[i] == groups[0]]
+            guess = {i: side.get(i, "in" if i in first else "out") for i in rest
+                     if roles[i] is not None or i in side}
+        elif len(groups) == 1 and side and len(set(side.values())) == 1:
+            other = "out" if next(iter(side.values())) == "in" else "in"
+            guess = {i: side.get(i, other) for i in rest if roles[i] is not None or i in side}
+        elif len(groups) > 2:
+            return refuse(f"three groups {groups} cannot be one matrix", None)
+        elif not groups and side:
+            guess = dict(side)
+        else:
+            return None  # one group, no side: the names do not say which side it is
+        unplaced = [i for i in rest if i not in guess]
+        if unplaced and len(rest) == 2:
+            both = set(guess.values())
+            if len(both) != 1:
+                return None
+            guess[unplaced[0]] = "out" if both == {"in"} else "in"
+    assert guess is not None
+    if len(rest) > 2 and any(roles[i] is None for i in rest):
+        return refuse("an axis has no role (stacked layers without their name?)", guess)
+    fi = tuple(i for i in rest if guess.get(i) == "in")
+    fo = tuple(i for i in rest if guess.get(i) == "out")
+    if not fi or not fo:
+        return refuse("every axis is on one side", None)
+    return Route("dense", fi, fo, batch, evidence=ax.said)
+
+
+def _complete(guess: dict[int, str], unplaced: Sequence[int]) -> dict[int, str]:
+    """``guess`` completed for the suggested reading.
+
+    Unplaced axes are stacked copies (left out) when both sides have an axis, else they
+    fill the empty side (``("embed", None, None)``: one ``(in, heads, head_dim)`` matrix).
+    """
+    sides = set(guess.values())
+    if len(sides) == 2 or not sides:
+        return dict(guess)
+    other = "out" if sides == {"in"} else "in"
+    return {**guess, **{i: other for i in unplaced}}
+
+
+def agrees(a: Route, b: Route, shape: tuple[int, ...]) -> bool:
+    """Whether two routes resolve to the same kind-free axes on ``shape``."""
+    try:
+        ra, rb = a.resolve(shape), b.resolve(shape)
+    except RoutingError:
+        return False
+    return (ra.fan_in, ra.fan_out, ra.batch) == (rb.fan_in, rb.fan_out, rb.batch)
