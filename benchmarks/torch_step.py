@@ -312,9 +312,16 @@ def print_op_counts(model_name: str, rows: list[dict[str, Any]]) -> None:
 
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
-    """Bytes of every state tensor of ``opt`` except the ``step`` counters."""
-    return sum(v.numel() * v.element_size() for st in opt.state.values()
-               for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step")
+    """Bytes of every state tensor of ``opt`` but the ``step`` counters and a rule's host
+    bookkeeping (APOLLO's ``proj_seed``: :attr:`sage_torch.common.Rule.host_keys`)."""
+    total = 0
+    for group in opt.param_groups:
+        rule_of = getattr(opt, "rule_of", None)
+        skip = {"step", *(rule_of(group).host_keys if rule_of is not None else ())}
+        total += sum(v.numel() * v.element_size() for p in group["params"]
+                     for k, v in opt.state.get(p, {}).items()
+                     if isinstance(v, torch.Tensor) and k not in skip)
+    return total
 
 
 def bytes_moved(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -53,6 +53,16 @@ def environment():
     return env
 
 
+def as_from_a_terminal() -> None:
+    """In the child: SIGINT as a terminal's Ctrl-C finds it (the default action).
+
+    A suite started in the background (``cmd &`` in a non-interactive shell, as CI runners
+    may) hands its children SIGINT ignored, and sage-train rightly keeps an ignored SIGINT
+    ignored; the soak sends SIGINT as a user's Ctrl-C, so its children must not inherit that.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def rows(run):
     return [(r["step"], r["loss"], r["lr"], r.get("test_ppl"))
             for r in rundir.iter_metrics(run)]
@@ -109,7 +119,8 @@ def test_kill_and_resume_soak_ends_bit_identical(train_corpus, tmp_path):
         before = newest(run) if run.exists() else 0
         started = time.time_ns()
         proc = subprocess.Popen(command(train_corpus, runs), cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=as_from_a_terminal)
         if rng.random() < 0.35:  # start-up: Python, JAX's import, the data, compilation
             moment = f"{rng.uniform(0.5, 4.0):.2f}s"
             try:
@@ -157,7 +168,7 @@ def test_ctrl_c_during_start_up_and_compilation_exits_cleanly(train_corpus, tmp_
     for i, delay in enumerate((1.5, 3.0, 4.5)):
         proc = subprocess.Popen(command(train_corpus, tmp_path / f"runs{i}"), cwd=ROOT,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=as_from_a_terminal)
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
