@@ -48,12 +48,17 @@ def scale_by_lion(
       An ``optax.GradientTransformation`` with state ``optax.ScaleByLionState``.
 
     Examples:
+      The update is a sign, whatever the gradient's size; the state is optax's own:
+
       >>> import jax.numpy as jnp, optax, sage_optax
       >>> params = {"w": jnp.array([1.0, -2.0])}
       >>> tx = sage_optax.scale_by_lion()
-      >>> updates, _ = tx.update({"w": jnp.array([0.5, -0.1])}, tx.init(params))
-      >>> updates["w"]
-      Array([ 1., -1.], dtype=float32)
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.array([0.5, -0.1])}, state)
+      >>> print(updates["w"])
+      [ 1. -1.]
+      >>> print(isinstance(state, optax.ScaleByLionState), state.mu["w"].round(3))
+      True [ 0.005 -0.001]
 
     References:
       Chen et al., `Symbolic Discovery of Optimization Algorithms
@@ -110,6 +115,23 @@ def lion(
 
     Returns:
       An ``optax.GradientTransformation``.
+
+    Examples:
+      A drop-in for ``optax.lion``: the same steps, the same state:
+
+      >>> import jax, jax.numpy as jnp, optax, sage_optax
+      >>> def loss(params):
+      ...     return jnp.sum((params["w"] - 1.0) ** 2)
+      >>> params = {"w": jnp.array([0.0, 2.0, 0.5])}
+      >>> ours, theirs = sage_optax.lion(0.1), optax.lion(0.1, b2=0.99, weight_decay=0.01)
+      >>> a, b = ours.init(params), theirs.init(params)
+      >>> p = q = params
+      >>> for _ in range(3):
+      ...     ua, a = ours.update(jax.grad(loss)(p), a, p)
+      ...     ub, b = theirs.update(jax.grad(loss)(q), b, q)
+      ...     p, q = optax.apply_updates(p, ua), optax.apply_updates(q, ub)
+      >>> print(" ".join(f"{w:.3f}" for w in p["w"]), bool(jnp.allclose(p["w"], q["w"])))
+      0.300 1.694 0.798 True
 
     References:
       Chen et al., `Symbolic Discovery of Optimization Algorithms

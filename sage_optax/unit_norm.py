@@ -27,6 +27,20 @@ def scale_by_unit_norm(
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.
+
+    Examples:
+      >>> import jax.numpy as jnp, sage_optax
+      >>> tx = sage_optax.scale_by_unit_norm()
+      >>> updates, _ = tx.update({"scale": jnp.array([3.0, 4.0])}, tx.init(None))
+      >>> print(updates["scale"])
+      [0.6 0.8]
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (``sinkgd-pure``'s rule for 1-D parameters, which SinkGD cannot normalise).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (stateless normalised steps).
     """
     validation.check_hyperparameters("unit_norm", eps=eps)
 
@@ -68,6 +82,24 @@ def unit_norm_descent(
 
     Returns:
       An ``optax.GradientTransformation``.
+
+    Examples:
+      Each step has length ``learning_rate`` (plus the decay), whatever the gradient's:
+
+      >>> import jax, jax.numpy as jnp, optax, sage_optax
+      >>> params = {"bias": jnp.array([3.0, 4.0])}
+      >>> tx = sage_optax.unit_norm_descent(learning_rate=0.5, weight_decay=0.0)
+      >>> grads = jax.tree.map(lambda p: 100.0 * p, params)
+      >>> updates, _ = tx.update(grads, tx.init(params), params)
+      >>> print(updates["bias"], jnp.linalg.norm(updates["bias"]))
+      [-0.3 -0.4] 0.5
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (``sinkgd-pure``'s rule for 1-D parameters).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (the decoupled weight decay).
     """
     validation.check_learning_rate(learning_rate)
     validation.check_hyperparameters("unit_norm", weight_decay=weight_decay)
