@@ -9,10 +9,24 @@ Quick start::
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
 
-The transforms follow Optax: ``scale_by_*`` transformations hold the rule, the aliases
-(:func:`sage`, :func:`sinkgd`, :func:`apollo`) chain decoupled weight decay and the
-learning rate.  Reference: "SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM
-Optimization" (Lee & Kim); ``docs/`` states every convention.
+The transforms follow Optax: ``scale_by_*`` transformations hold the rule; the aliases
+(:func:`sage`, :func:`lion`, :func:`sinkgd`, :func:`unit_norm_descent`) chain it with
+decoupled weight decay and the learning rate, and :func:`apollo` with
+``add_decayed_weights_after_step`` (the step, then the decay, as APOLLO's code does);
+:func:`make_optimizer` assembles the paper's configurations from them.  ``docs/`` states
+every convention.
+
+References:
+  Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization.
+
+  Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+  <https://arxiv.org/abs/2502.06742>`_, 2025.
+
+  Zhu et al., `APOLLO: SGD-like Memory, AdamW-level Performance
+  <https://arxiv.org/abs/2412.05270>`_, 2024.
+
+  Chen et al., `Symbolic Discovery of Optimization Algorithms
+  <https://arxiv.org/abs/2302.06675>`_, 2023.
 """
 
 # first: without JAX/Optax, one line naming the [jax] extra instead of a deep traceback

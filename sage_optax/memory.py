@@ -24,6 +24,21 @@ def state_bytes(opt_state: Any) -> int:
     Every array leaf counts ``size * itemsize``; empty states, ``MaskedNode`` and Python
     scalars count nothing.  Use ``state_bytes(jax.eval_shape(tx.init, params))`` to count
     without allocating.
+
+    Examples:
+      AdamW's two float32 moments of a ``(16, 4)`` table (512 bytes) and its step count:
+
+      >>> import jax, jax.numpy as jnp, optax, sage_optax
+      >>> params = {"embedding": jnp.ones((16, 4))}
+      >>> print(sage_optax.state_bytes(jax.eval_shape(optax.adamw(1e-3).init, params)))
+      516
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Table 4: optimizer-state memory).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (AdamW, the two-state baseline).
     """
     return sum(leaf_bytes(x) for x in jax.tree.leaves(opt_state))
 
@@ -38,6 +53,13 @@ def state_bytes_by_leaf(opt_state: Any, params: Any) -> tuple[dict[str, int], in
 
     Returns:
       ``({dotted parameter path: bytes}, shared_bytes)``.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Table 4: optimizer-state memory).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (AdamW, the two-state baseline).
     """
     params, opt_state = axes_lib.unbox(params), axes_lib.unbox(opt_state)
     treedef: Any = jax.tree.structure(params, is_leaf=axes_lib.is_masked)

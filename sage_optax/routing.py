@@ -20,9 +20,11 @@ convention):
    :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
    ``(in, out)``, ``("heads", "kv", "embed")`` ``(heads·head_dim) x out``, ``exp`` and
    ``layers`` batch axes; where a module gives the axes too, both must agree;
-4. **names and shapes**, only where unambiguous, in the declared ``layout``: ``"flax"``
-   (default: a 2-D ``kernel`` is ``(in, out)``, a 2-D ``embedding`` an ``Embed`` table
-   ``(V, d)``) or ``"torch"`` (a 2-D ``weight`` is ``(out, in)``, a token table ``(V, d)``).
+4. **names and shapes**, only where unambiguous: by default (``layout=None``) each leaf's
+   name says its convention (a 2-D Flax ``kernel`` or Haiku ``w`` is ``(in, out)``, a 2-D
+   ``embedding`` an ``Embed`` table ``(V, d)``, a 2-D PyTorch or Equinox ``weight``
+   ``(out, in)``); ``layout="flax"`` or ``"torch"`` declares every 2-D matrix of the tree
+   ``(in, out)`` or ``(out, in)`` (a token table stays ``(V, d)``).
    0-D/1-D leaves are vectors.  A kernel, weight, ``scale`` or ``bias`` with more axes may
    be stacked layers, a multi-axis kernel or a convolution: without the model or an
    override it is refused, with the remedies in the message, most likely first: the
@@ -95,6 +97,14 @@ class ParamRouting(NamedTuple):
         transform of this package takes as ``axes``.
       routes: a :class:`~sage_optim.routing.ResolvedRoute` per leaf: kind, axis groups,
         and the evidence that placed it.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
 
     labels: Any
@@ -329,6 +339,14 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other
     parameter is left to the name rules.  A module's extra leading axes (``nnx.vmap``,
     ``nnx.scan``) are batch axes.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
     if _is_equinox_module(model):
         return equinox_routes(model)
@@ -715,7 +733,16 @@ def _override_refusal(e: core.Evidence, override: Route) -> RoutingError:
 
 
 class NoLayoutEvidenceWarning(UserWarning):
-    """Leaves with no layout evidence got the configuration's element-wise rule."""
+    """Leaves with no layout evidence got the configuration's element-wise rule.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
+    """
 
 
 def _fallback(leaves: list[_Leaf], strict: bool, warn: bool) -> None:
@@ -803,6 +830,14 @@ def route_params(
       RoutingError: one error for every leaf it cannot place (non-float dtype, unknown
         layout, ambiguous head, an override that does not apply), naming each path and
         shape, and ending with a ``route_overrides = {...}`` block to paste and check.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
     if layout == "auto":
         layout = None

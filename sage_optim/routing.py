@@ -93,6 +93,14 @@ class RoutingError(ValueError):
         is a :class:`Route` (or a kind) and ``when`` completes "right if ..." ("it is a
         stack of (in, out) matrices", ...).
       problems: the per-parameter errors a combined error holds (itself for one).
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
 
     def __init__(self, message: str, *, leaf: str | None = None,
@@ -170,6 +178,14 @@ class Route:
     ``Route("dense", fan_in=0, fan_out=1)`` is GPT-2's ``Conv1D`` ``(in, out)``;
     ``Route("dense", fan_in=(1, 2, 3), fan_out=0)`` a ``Conv2d`` weight ``(out, in, kh, kw)``.
     Axes may be negative.  Integers are stored as one-axis groups.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
 
     kind: str
@@ -258,6 +274,14 @@ class ResolvedRoute:
     for a vector), ``batch`` the axes treated independently (stacked layers).  A transform
     given a :class:`Route` resolves it against each leaf's shape; one given a
     ``ResolvedRoute`` (what :func:`sage_optax.route_params` returns) checks the shape.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
 
     kind: str

@@ -75,6 +75,10 @@ class RoutingRow(NamedTuple):
       fan_out: the fan-out axes with sizes (the vocab axis of a vocabulary matrix).
       evidence: what placed it (``override``, ``model API: ...``, ``module nn.Linear``, ...).
       state_bytes: its optimizer-state bytes.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Table 2, the rule of each kind; Table 4, optimizer-state memory).
     """
 
     path: str
@@ -95,6 +99,10 @@ class RoutingTable:
     so their printouts have one form: per parameter its kind, rule, fan-in and fan-out axes
     (with sizes), the evidence that placed it and its state bytes (:class:`RoutingRow`);
     ``shared_bytes`` counts state that belongs to no single parameter (step counts).
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Table 2, the rule of each kind; Table 4, optimizer-state memory).
     """
 
     config: str

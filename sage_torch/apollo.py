@@ -67,6 +67,10 @@ def gaussian_projection(seed: int = 0) -> Projection:
     float32 on the CPU, like :mod:`sage_optax`'s default (which keys on the leaf's path).
     To inject as ``projection=``; :class:`APOLLO`'s own default is keyed on the
     parameter's position instead (:func:`projection_seed`), so that names never matter.
+
+    References:
+      Zhu et al., `APOLLO: SGD-like Memory, AdamW-level Performance
+      <https://arxiv.org/abs/2412.05270>`_, 2024.
     """
 
     def projection(name: str, refresh_index: int, n: int, rank: int) -> Tensor:
@@ -365,9 +369,34 @@ class APOLLO(RuleOptimizer):
       foreach: the multi-tensor path (default: on CUDA and under ``torch.compile``):
         same-shape matrices stacked, one batched projection product, foreach kernels for
         the moments and the step.
+      cpu_threads: threads of the chunked CPU path (default 1: none started).
       fallback: the rule for the parameters this one cannot treat (vectors and 0-D
         parameters, complex parameters):
         {fallback_doc}
+
+    Examples:
+      APOLLO-Mini (the defaults) on an ``nn.Linear(4, 3)`` weight ``(out, in)``: the
+      smaller dim, fan-out, is projected to rank 1, so the moments hold 4 numbers, not 12,
+      and the step is the gradient times one positive factor (``"tensor"`` scaling):
+
+      >>> import torch, sage_torch
+      >>> w = torch.nn.Parameter(torch.zeros(3, 4))
+      >>> opt = sage_torch.APOLLO([w], lr=0.01, weight_decay=0.0)
+      >>> w.grad = torch.arange(1.0, 13.0).reshape(3, 4)
+      >>> opt.step()
+      >>> state = opt.state[w]
+      >>> print(tuple(state["exp_avg"].shape), tuple(state["exp_avg_sq"].shape))
+      (1, 4) (1, 4)
+      >>> ratio = -w.detach() / w.grad
+      >>> print(bool(torch.allclose(ratio, ratio[0, 0])), bool(ratio[0, 0] > 0))
+      True True
+
+    References:
+      Zhu et al., `APOLLO: SGD-like Memory, AdamW-level Performance
+      <https://arxiv.org/abs/2412.05270>`_, 2024.
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (the decoupled weight decay).
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["apollo"].learning_rate,

@@ -297,6 +297,10 @@ def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float 
     (a dim or a tuple of dims; ``None`` for vectors): an ``nn.Linear`` ``(out, in)`` is
     ``(1, 0)``, a transformers ``Conv1D`` ``(in, out)`` is ``(0, 1)``, a ``Conv2d``
     ``((1, 2, 3), 0)``.  ``overrides`` are those of :func:`make_optimizer`.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Table 2: the rule of each kind).
     """
     return _plan(params, name, lr, overrides, model)[0]
 
@@ -343,8 +347,9 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
         fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
         ``maximize``, ``foreach``, ``fused=True`` (opt-in: the Triton kernels of the
-        rules that have them, SAGE, Lion and SinkGD, not yet measured on a GPU; the other
-        groups keep their default path, foreach on CUDA; :data:`sage_torch.common.FUSED_DOC`),
+        rules that have them, SAGE, Lion and SinkGD, a default on no GPU yet: on an H100
+        they were slower than foreach for SinkGD's rule; the other groups keep their
+        default path, foreach on CUDA; :data:`sage_torch.common.FUSED_DOC`),
         ``capturable`` (step counts on the device, a tensor
         ``lr`` never read back: CUDA graphs; not with APOLLO), ``cpu_threads=N`` (spread
         the chunked CPU path over ``N`` threads, :mod:`sage_torch.chunked`; default 1: no
@@ -364,6 +369,43 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
 
     Raises:
       RoutingError: a parameter the router cannot place (the message gives the override).
+
+    Examples:
+      SAGE-Hybrid for a model: the router reads the module types (``nn.Embedding``,
+      ``nn.Linear``) and makes one param group per kind; the optimizer is a
+      ``torch.optim.Optimizer`` for schedulers and ``state_dict``:
+
+      >>> import torch, sage_torch
+      >>> _ = torch.manual_seed(0)
+      >>> model = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 8))
+      >>> opt = sage_torch.make_optimizer("sage-hybrid", model)  # the paper's lr, 2e-3
+      >>> for group in opt.param_groups:
+      ...     print(group["kind"], group["rule"], group["param_names"])
+      embedding sage ['0.weight']
+      dense sinkgd ['1.weight']
+      vector sage ['1.bias']
+      >>> scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+      >>> model(torch.tensor([[1, 2, 3]])).square().mean().backward()
+      >>> opt.step()
+      >>> scheduler.step()
+      >>> print(sorted(opt.state[model[0].weight]), f"{opt.param_groups[0]['lr']:.6f}")
+      ['exp_avg', 'scale_avg', 'step'] 0.001951
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Table 2: the eight configurations; the hybrid structure).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD and its hybrid with AdamW).
+
+      Chen et al., `Symbolic Discovery of Optimization Algorithms
+      <https://arxiv.org/abs/2302.06675>`_, 2023 (Lion).
+
+      Zhu et al., `APOLLO: SGD-like Memory, AdamW-level Performance
+      <https://arxiv.org/abs/2412.05270>`_, 2024 (APOLLO).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (AdamW).
     """
     overrides = dict(overrides)
     projection = None
@@ -391,6 +433,22 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
     kind, rule, fan-in and fan-out axes with sizes, the evidence that placed it and its state
     bytes.  The state is created on the ``meta`` device, so nothing is allocated.  Same form
     as :func:`sage_optax.routing_table`; the shared row counts the float32 ``step`` tensors.
+
+    Examples:
+      ``print(table)`` shows every column; here, a few of them:
+
+      >>> import torch, sage_torch
+      >>> model = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 8))
+      >>> table = sage_torch.routing_table("sage-hybrid", model)
+      >>> for row in table.rows:
+      ...     print(row.path, row.kind, row.rule, row.fan_out, row.evidence, row.state_bytes)
+      0.weight embedding sage 0 (16) module nn.Embedding 272
+      1.weight dense sinkgd(unit, alpha=10) 0 (8) module nn.Linear 0
+      1.bias vector sage - shape: 1-D 64
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma; Table 4, optimizer-state memory).
     """
     overrides = {k: v for k, v in overrides.items()
                  if not k.endswith("projection") and k not in ("skip_nonfinite", "cpu_threads")}

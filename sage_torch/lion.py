@@ -189,6 +189,26 @@ class Lion(RuleOptimizer):
       fallback: the rule for the parameters this one cannot treat (none: Lion treats every
         real or complex tensor; accepted for uniformity):
         {fallback_doc}
+
+    Examples:
+      The steps of :func:`sage_optax.lion`'s example (and ``optax.lion``'s):
+
+      >>> import torch, sage_torch
+      >>> w = torch.nn.Parameter(torch.tensor([0.0, 2.0, 0.5]))
+      >>> opt = sage_torch.Lion([w], lr=0.1)
+      >>> for _ in range(3):
+      ...     opt.zero_grad()
+      ...     ((w - 1.0) ** 2).sum().backward()
+      ...     opt.step()
+      >>> print(" ".join(f"{x:.3f}" for x in w.detach()))
+      0.300 1.694 0.798
+
+    References:
+      Chen et al., `Symbolic Discovery of Optimization Algorithms
+      <https://arxiv.org/abs/2302.06675>`_, 2023.
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (the decoupled weight decay).
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["lion"].learning_rate,

@@ -152,7 +152,31 @@ def _as_real(params: list[Tensor], grads: list[Tensor], states: list[dict[str, A
 
 
 class MomentumError(ValueError):
-    """A scheduler asked to cycle the momentum of a group whose rule has none."""
+    """A scheduler asked to cycle the momentum of a group whose rule has none.
+
+    Examples:
+      ``OneCycleLR`` cycles ``betas`` by default; SinkGD keeps no momentum:
+
+      >>> import torch, sage_torch
+      >>> w = torch.nn.Parameter(torch.zeros(3, 4))
+      >>> opt = sage_torch.SinkGD([w])
+      >>> try:
+      ...     torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=10)
+      ... except sage_torch.MomentumError as e:
+      ...     print(str(e)[:55])
+      param group 0 (kind '-', rule 'sinkgd') has no momentum
+      >>> scheduler = torch.optim.lr_scheduler.OneCycleLR(
+      ...     opt, max_lr=0.01, total_steps=10, cycle_momentum=False)
+      >>> print(f"{opt.param_groups[0]['lr']:.6f}")
+      0.000400
+
+    References:
+      Smith and Topin, `Super-Convergence: Very Fast Training of Neural Networks Using Large
+      Learning Rates <https://arxiv.org/abs/1708.07120>`_, 2017 (``OneCycleLR``).
+
+      Smith, `Cyclical Learning Rates for Training Neural Networks
+      <https://arxiv.org/abs/1506.01186>`_, 2017 (``CyclicLR``).
+    """
 
 
 class _Defaults(dict):
@@ -231,6 +255,35 @@ class RuleOptimizer(torch.optim.Optimizer):
     float32 ``"step"`` and the rule's tensors; floating state keeps its own dtype through
     ``state_dict``/``load_state_dict`` (``torch.optim.Optimizer`` would cast it to the
     parameter's dtype, turning SAGE's float32 ``S`` of a bfloat16 parameter into bfloat16).
+
+    Examples:
+      One optimizer, three rules: each group names its rule and sets any of its
+      hyperparameters; the others are the rule's defaults:
+
+      >>> import torch, sage_torch
+      >>> model = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 8))
+      >>> opt = sage_torch.RuleOptimizer([
+      ...     {"params": [model[0].weight], "rule": "sage"},
+      ...     {"params": [model[1].weight], "rule": "sinkgd", "alpha": 5.0},
+      ...     {"params": [model[1].bias], "rule": "adamw", "weight_decay": 0.0},
+      ... ], {"lr": 1e-3})
+      >>> for group in opt.param_groups:
+      ...     print(group["rule"], group.get("betas"), group["weight_decay"])
+      sage (0.9, 0.99) 0.01
+      sinkgd None 0.01
+      adamw (0.9, 0.99) 0.0
+      >>> model(torch.tensor([[1, 2, 3]])).square().mean().backward()
+      >>> opt.step()
+      >>> print([sorted(opt.state[p]) for p in model.parameters()])
+      [['exp_avg', 'scale_avg', 'step'], ['step'], ['exp_avg', 'exp_avg_sq', 'step']]
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (one rule per parameter kind: the hybrid structure).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (AdamW; the decoupled weight decay of
+      every rule).
     """
 
     def __init__(self, params: ParamsT, defaults: dict[str, Any],
@@ -624,9 +677,10 @@ class RuleOptimizer(torch.optim.Optimizer):
         Neither ``foreach`` nor ``fused`` set: foreach when every parameter is a CUDA
         tensor or under ``torch.compile`` (:meth:`_unfused`), else single-tensor; never
         fused, which is opt-in (``fused=True``) as in ``torch.optim``
-        (``_default_to_fused_or_foreach``): the kernels have not yet been
-        measured on a GPU.  ``fused=True`` is checked again (a parameter moved since the
-        optimizer was built, a group edited): a parameter the kernels cannot take, or a
+        (``_default_to_fused_or_foreach``): no GPU has yet shown the kernels correct
+        and faster (:data:`sage_optim.kernels.VALIDATED_ON`).  ``fused=True`` is checked
+        again (a parameter moved since the optimizer was built, a group edited): a
+        parameter the kernels cannot take, or a
         rule without a fused path, raises a ``ValueError`` naming it.  ``SAGE_KERNELS``
         is read here, at every step (:func:`sage_optim.kernels.kernels_enabled`): ``off``
         turns ``fused=True`` into the path ``fused=None`` would take, after a one-time

@@ -133,6 +133,14 @@ class RoutedParam(NamedTuple):
       param: the ``nn.Parameter``.
       route: its :class:`~sage_optim.routing.ResolvedRoute`: kind, fan-in/fan-out/batch
         axis groups checked against its shape, and the evidence that placed it.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
 
     name: str
@@ -1229,6 +1237,14 @@ def route_params(model: nn.Module | Iterable[Any],
         options most likely first (``err.overrides`` is the first of each), ending with a
         ``route_overrides = {...}`` block to check against the model's forward code and
         paste.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
     return routing(model, overrides).placed()
 

@@ -109,6 +109,11 @@ def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
     ``Ŝ`` and ``s`` stacked (one ``m`` for both; the kernels of one of them): the same
     numbers up to the order of summation, which torch may choose differently for the
     stacked shape when it splits a long reduction over several threads.
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Algorithm 1, the EMA damper; Appendix "Instantaneous Stability", the instantaneous
+      one).
     """
     use_ema, use_inst = damper in ("both", "ema"), damper in ("both", "instant")
     if not (use_ema or use_inst):
@@ -540,6 +545,34 @@ class SAGE(RuleOptimizer):
       cpu_threads: threads of the chunked CPU path (default 1: none started).
       fallback: the rule for the parameters this one cannot treat (complex parameters):
         {fallback_doc}
+
+    Examples:
+      One step on an ``nn.Embedding(2, 2)`` table, the numbers of
+      :func:`sage_optax.scale_by_sage`'s example: ``s``, the mean of ``|g|`` over the vocab
+      dim, is ``[2, 3]``, so the second column is damped to ``H ≈ 0.85``:
+
+      >>> import torch, sage_torch
+      >>> emb = torch.nn.Embedding(2, 2)
+      >>> with torch.no_grad():
+      ...     _ = emb.weight.zero_()
+      >>> opt = sage_torch.SAGE(emb.parameters(), lr=0.1, weight_decay=0.0)
+      >>> emb.weight.grad = torch.tensor([[1.0, 2.0], [3.0, -4.0]])
+      >>> opt.step()
+      >>> print(emb.weight.detach())
+      tensor([[-0.1000, -0.0850],
+              [-0.1000,  0.0850]])
+      >>> print(opt.state[emb.weight]["scale_avg"].shape)
+      torch.Size([2])
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Algorithm 1 and Appendix "Instantaneous Stability").
+
+      Chen et al., `Symbolic Discovery of Optimization Algorithms
+      <https://arxiv.org/abs/2302.06675>`_, 2023 (Lion, the sign direction).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (the decoupled weight decay).
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,

@@ -63,7 +63,15 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
 
     ``fan_in_dim``/``fan_out_dim`` may be groups of dims (tuples): ``g`` is then normalised
     as one matrix per batch index, each group merged into one axis (:class:`MatrixView`);
-    the dims of neither group are batch dims.
+    the dims of neither group are batch dims.  ``X`` has ``g``'s shape, in float32 or wider
+    (:mod:`sage_optax`'s :func:`~sage_optax.sinkhorn_normalize` returns ``g``'s dtype).
+
+    References:
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
+
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Unit-Norm SinkGD, ``"unit"``).
     """
     if not isinstance(fan_in_dim, int) or not isinstance(fan_out_dim, int):
         fan_in = axis_group(fan_in_dim, g.dim(), "fan_in_dim")
@@ -718,8 +726,8 @@ class SinkGD(RuleOptimizer):
     ``num_iters`` times).  Stateless.
 
     ``normalization="unit"`` is the SAGE paper's Unit-Norm SinkGD (α = 10); ``"sqrt"`` is
-    Scetbon et al.'s SR-Sinkhorn (α = 0.05).  Parameters with fewer than two dims are
-    rejected with an error naming their size.
+    Scetbon et al.'s SR-Sinkhorn (α = 0.05).  Parameters with fewer than two dims go to
+    the ``fallback`` rule; without one they are rejected with an error naming their size.
 
     Args:
       params: parameters or param groups.
@@ -748,6 +756,39 @@ class SinkGD(RuleOptimizer):
       fallback: the rule for the parameters this one cannot treat (vectors and 0-D
         parameters, complex parameters):
         {fallback_doc}
+
+    Examples:
+      An ``nn.Linear(4, 3)`` weight ``(out, in)`` (the transpose of
+      :func:`sage_optax.scale_by_sinkhorn`'s example): the last half-iteration divides each
+      input's column by its norm, so the columns of ``X`` have norm 1:
+
+      >>> import torch, sage_torch
+      >>> w = torch.nn.Parameter(torch.zeros(3, 4))
+      >>> opt = sage_torch.SinkGD([w], lr=0.1, alpha=1.0, weight_decay=0.0)
+      >>> w.grad = torch.tensor([[1.0, 3.0, 0.1, 1.0], [2.0, -4.0, 0.2, 1.0],
+      ...                        [0.5, 1.0, 0.3, 1.0]])
+      >>> opt.step()
+      >>> x = -w.detach() / 0.1  # α·X with α = 1
+      >>> print(" ".join(f"{n:.3f}" for n in x.norm(dim=0)))
+      1.000 1.000 1.000 1.000
+
+      A layer's bias is a vector, which SinkGD cannot normalise: ``fallback`` gives it a
+      param group of its own:
+
+      >>> layer = torch.nn.Linear(4, 3)
+      >>> opt = sage_torch.SinkGD(layer.parameters(), fallback="adamw")
+      >>> print([(group["rule"], len(group["params"])) for group in opt.param_groups])
+      [('sinkgd', 1), ('adamw', 1)]
+
+    References:
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
+
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (Unit-Norm SinkGD, ``"unit"``).
+
+      Loshchilov and Hutter, `Decoupled Weight Decay Regularization
+      <https://arxiv.org/abs/1711.05101>`_, 2019 (the decoupled weight decay).
     """
 
     def __init__(self, params: ParamsT, lr: float = PRESETS["sage-hybrid"].learning_rate,
