@@ -137,3 +137,15 @@ def test_the_sage_paper_is_cited_by_its_title():
                 sage_torch.SAGE, sage_torch.make_optimizer):
         doc = " ".join((inspect.getdoc(obj) or "").split())
         assert SAGE_TITLE in doc, f"{obj.__module__}.{obj.__qualname__}"
+
+
+def test_the_sage_optim_docstring_lists_its_modules():
+    # it once listed "memory figures" the package does not hold and none of its modules
+    package = importlib.import_module("sage_optim")
+    doc = package.__doc__ or ""
+    modules = {info.name for info in pkgutil.iter_modules(package.__path__)
+               if not info.name.startswith("_")}
+    named = set(re.findall(r":mod:`sage_optim\.(\w+)`", doc))
+    assert named == modules, (f"modules the docstring does not name: {modules - named}; "
+                              f"names that are no module: {named - modules}")
+    assert not [n for n in package.__all__ if n not in doc]
