@@ -723,7 +723,8 @@ class SinkGD(RuleOptimizer):
     """SinkGD (``docs/algorithms.md``): ``θ ← θ − η·(α·X + w·θ)``.
 
     ``X`` is the Sinkhorn-normalised gradient (fan-in norms, then fan-out norms,
-    ``num_iters`` times).  Stateless.
+    ``num_iters`` times).  Stateless but for the float32 ``step`` count every rule keeps
+    (:class:`RuleOptimizer`), which SinkGD's update does not read.
 
     ``normalization="unit"`` is the SAGE paper's Unit-Norm SinkGD (α = 10); ``"sqrt"`` is
     Scetbon et al.'s SR-Sinkhorn (α = 0.05).  Parameters with fewer than two dims go to
@@ -744,8 +745,9 @@ class SinkGD(RuleOptimizer):
       foreach: use the ``torch._foreach_*`` path, the Sinkhorn iterations batched over
         same-shape matrices (default: on CUDA and under ``torch.compile``).
       {fused_doc}
-      capturable: accept a device tensor ``lr`` and read nothing back to the host (CUDA
-        graphs), as ``torch.optim.Adam``'s option (SinkGD keeps no step count).
+      capturable: keep the ``step`` count on the parameters' device and accept a device
+        tensor ``lr``, so the step reads nothing back to the host (CUDA graphs), as
+        ``torch.optim.Adam``'s option (SinkGD's update does not read the count).
       cpu_threads: threads of the chunked CPU path (default 1: none started).
       group_bytes: the foreach path stacks same-shape matrices in chunks whose ``K`` holds
         at most this many bytes, the fused path in chunks of at most this many bytes of
