@@ -18,6 +18,7 @@ import importlib
 import inspect
 import pkgutil
 import re
+import sys
 import types
 
 import pytest
@@ -53,14 +54,17 @@ ENTRY_POINTS = {
 
 
 def _public_modules() -> list[types.ModuleType]:
-    modules = []
+    """The packages and the public modules they import.
+
+    Not the modules they import only when used (``sage_torch.triton_kernels``,
+    ``sage_optax.sinkhorn_pallas``): importing Triton here, before the fused tests set
+    ``TRITON_INTERPRET``, would change what the rest of the suite runs.
+    """
     for name in PACKAGES:
-        package = importlib.import_module(name)
-        modules.append(package)
-        for info in pkgutil.iter_modules(package.__path__):
-            if not info.name.startswith("_"):
-                modules.append(importlib.import_module(f"{name}.{info.name}"))
-    return modules
+        importlib.import_module(name)
+    return [module for name, module in sorted(sys.modules.items())
+            if name.split(".")[0] in PACKAGES
+            and not any(part.startswith("_") for part in name.split(".")[1:])]
 
 
 def _doctests() -> list[doctest.DocTest]:
