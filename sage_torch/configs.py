@@ -376,7 +376,6 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
       ``torch.optim.Optimizer`` for schedulers and ``state_dict``:
 
       >>> import torch, sage_torch
-      >>> _ = torch.manual_seed(0)
       >>> model = torch.nn.Sequential(torch.nn.Embedding(16, 4), torch.nn.Linear(4, 8))
       >>> opt = sage_torch.make_optimizer("sage-hybrid", model)  # the paper's lr, 2e-3
       >>> for group in opt.param_groups:

@@ -102,6 +102,10 @@ def test_the_entry_points_have_examples():
 def test_example_runs_as_written(test, request):
     if test.name.startswith("sage_torch"):
         request.getfixturevalue("torch_one_thread")
+        torch = importlib.import_module("torch")
+        # an example's nn.Module draws from torch's global generator: leave it as it was
+        state = torch.random.get_rng_state()
+        request.addfinalizer(lambda: torch.random.set_rng_state(state))
     runner = doctest.DocTestRunner(
         optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False)
     report: list[str] = []
