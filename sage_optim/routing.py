@@ -235,7 +235,8 @@ class Route:
           RoutingError: an axis out of range, an axis in two groups, a matrix route without
             axes, or batch axes that are not exactly the remaining axes.
         """
-        shape = leaf_shape = tuple(int(s) for s in shape)
+        leaf_shape = tuple(int(s) for s in shape)
+        shape = leaf_shape
         if self.view is not None:
             if math.prod(self.view) != math.prod(shape):
                 raise RoutingError(
@@ -281,10 +282,8 @@ class Route:
                     f"parameter {name!r} of shape {shape}: batch axes {self.batch} must be "
                     f"exactly the axes other than fan_in={self.fan_in} and fan_out={self.fan_out}"
                 )
-        if self.view is not None:
-            return ResolvedRoute(self.kind, fan_in, fan_out, batch, leaf_shape, self.evidence,
-                                 view=self.view)
-        return ResolvedRoute(self.kind, fan_in, fan_out, batch, shape, self.evidence)
+        return ResolvedRoute(self.kind, fan_in, fan_out, batch, leaf_shape, self.evidence,
+                             view=self.view)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -345,11 +345,24 @@ ELEMENTWISE: Mapping[str, frozenset[str]] = MappingProxyType({
     "deepseek_v4.modeling_deepseek_v4.DeepseekV4CSACompressor": frozenset({"position_bias"}),
     # modeling_glm5_next.py:999 grouped_gate_scores.float() + self.index_kpool_compress_ape...
     "glm5_next.modeling_glm5_next.Glm5NextTextIndexer": frozenset({"index_kpool_compress_ape"}),
+    # modeling_inkling2.py:157 hidden_states.float() * self.scale.float(): (heads, head_dim)
+    "inkling2.modeling_inkling2.Inkling2ScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2.py:192 self.l2_clip(hidden_states.float() * self.scale.float())
+    "inkling2.modeling_inkling2.Inkling2LogScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2_loop.py:200 hidden_states.float() * self.scale.float()
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2_loop.py:235 self.l2_clip(hidden_states.float() * self.scale.float())
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopLogScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2_loop.py:152,165 query (loop layers, 4, d): learned query tokens, one
+    # per message and loop layer, as a class token (self.query[loop_layer_idx] as the queries)
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopMessageAttentionResidual":
+        frozenset({"query"}),
 })
 """Matrices of these families' other modules that their forward reads element by element
 (Mamba's ``A_log``, the log of a state matrix per channel, in Jamba's Mamba layers;
 DeepSeek-V4's compressors' ``position_bias``, added to the gate of each position of a
-window): vectors."""
+window; Inkling-2's per-head ``scale``, multiplied in), and Inkling-2-Loop's learned query
+tokens (used as activations, as a class token is): vectors."""
 
 LINEAR = "F.linear(x, W)"
 """A custom matrix read as ``F.linear(x, W)``: ``(out, in)``."""
@@ -379,12 +392,19 @@ MATRICES: Mapping[str, Mapping[str, str]] = MappingProxyType({
     "hy_v4_vl.modeling_hy_v4_vl.HYV4VLHyperHead": MappingProxyType({"hc_fn": LINEAR}),
     # modeling_inkling.py:129 rel_logits = (relative_states @ self.proj): (d_rel, rel_extent)
     "inkling.modeling_inkling.InklingRelativeLogits": MappingProxyType({"proj": X_AT_W}),
+    # modeling_inkling2.py:224 rel_logits = (relative_states @ self.proj).transpose(1, 2)
+    "inkling2.modeling_inkling2.Inkling2RelativePositionBias": MappingProxyType(
+        {"proj": X_AT_W}),
+    # modeling_inkling2_loop.py:267 rel_logits = (relative_states @ self.proj).transpose(1, 2)
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopRelativePositionBias": MappingProxyType(
+        {"proj": X_AT_W}),
 })
 """Custom matrices of these families outside the experts, by class and attribute, with how
 their forward reads them: the hyper-connections' projections (DeepSeek-V4, HY-V4, GLM-5
 Next: ``fn`` ``((2 + N)·N, N·d)`` and the head's ``hc_fn`` ``(N, N·d)``, read as
-``F.linear``: ``(out, in)``), GLM-5 Next's indexer gate and Inkling's relative-logits bank
-``proj`` ``(d_rel, rel_extent)`` (``x @ W``: ``(in, out)``).  Dense matrices."""
+``F.linear``: ``(out, in)``), GLM-5 Next's indexer gate and Inkling's (and Inkling-2's)
+relative-logits bank ``proj`` ``(d_rel, rel_extent)`` (``x @ W``: ``(in, out)``).  Dense
+matrices."""
 
 FLATTENED: Mapping[str, Mapping[str, str]] = MappingProxyType({
     # modeling_dbrx.py:298,300-302 split_expert_shape = (-1, self.ffn_hidden_size,

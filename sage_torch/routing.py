@@ -34,8 +34,8 @@ available, in this order (``docs/routing.md``):
    ``(E, d)`` dense ``(out, in)``; DBRX's flattened experts ``(E·n, d)`` with the view
    ``(E, n, d)``; peft's LoRA factors of fused experts (``ParamWrapper``) per expert, with
    the views peft reshapes them by: ``lora_A`` ``(E·r, in)`` as ``(E, r, in)``, ``lora_B``
-   ``(out, r·E)`` as ``(out, r, E)``; a route's ``view`` is applied by the optimizer).  peft and transformers are never
-   imported: their classes are looked up in ``sys.modules``.
+   ``(out, r·E)`` as ``(out, r, E)``; a route's ``view`` is applied by the optimizer).
+   peft and transformers are never imported: their classes are looked up in ``sys.modules``.
 4. **shapes and names, last and only where unambiguous**: 0-D/1-D parameters (and tensors
    with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors.  The
    output head by shape: when *the* token table is known (the model API's, the only

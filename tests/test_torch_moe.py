@@ -269,6 +269,10 @@ HC_MULT, D_REL, REL_EXTENT = 2, 6, 10
 CUSTOM = {  # families with custom matrices outside the MoE (the tiny config sets their sizes)
     "deepseek_v4": dict(hc_mult=HC_MULT),  # hyper-connections, compressors' position_bias
     "hy_v4": dict(hc_mult=HC_MULT),  # hyper-connections
+    "hy_v4_vl": dict(hc_mult=HC_MULT),  # hyper-connections
+    "glm5_next": dict(hc_mult=HC_MULT),  # hyper-connections, the indexer's gate
+    **{f: dict(d_rel=D_REL, rel_extent=REL_EXTENT, sliding_window_size=REL_EXTENT)
+       for f in ("inkling2", "inkling2_loop")},  # relative position bias (d_rel, extent)
     "inkling": dict(d_rel=D_REL, rel_extent=REL_EXTENT,  # relative logits (d_rel, extent)
                     sliding_window_size=REL_EXTENT),  # a sliding layer's extent
 }
@@ -279,29 +283,87 @@ def _custom_truth(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
 
     Hyper-connections read ``F.linear(flat, fn)`` with ``flat`` the ``hc_mult`` streams of
     the hidden state concatenated (width ``hc_mult·d``); Inkling's relative logits read
-    ``relative_states @ proj`` with ``relative_states`` of width ``d_rel``.  ``None`` for
-    another parameter.
+    ``relative_states @ proj`` with ``relative_states`` of width ``d_rel``; GLM-5 Next's
+    indexer ``F.linear(hidden_states, index_kpool_compress_gate)``.  ``None`` for another
+    parameter.
     """
     leaf = name.rpartition(".")[2]
     if leaf in ("fn", "hc_fn"):
         hidden = shape.index(HC_MULT * HIDDEN)
         return hidden, 1 - hidden
-    if name.endswith("rel_logits_proj.proj"):
+    if name.endswith(("rel_logits_proj.proj", "relative_position_bias.proj")):
         assert shape == (D_REL, REL_EXTENT), shape
         return 0, 1
+    if leaf == "index_kpool_compress_gate":  # F.linear(hidden_states, gate)
+        hidden = shape.index(HIDDEN)
+        return hidden, 1 - hidden
     return None
 
 
+LANGUAGE_MODELS = {  # families without a *ForCausalLM: the language model of the composite
+    **{f: f"{c}TextModel" for f, c in (
+        ("deepseek_ocr2", "DeepseekOcr2"), ("ernie4_5_vl_moe", "Ernie4_5_VLMoe"),
+        ("glm4v_moe", "Glm4vMoe"), ("glm5_next", "Glm5Next"), ("hy_v4_vl", "HYV4VL"),
+        ("mistral_large4", "MistralLarge4"), ("muse_spark", "MuseSpark"),
+        ("qwen3_omni_moe", "Qwen3OmniMoeThinker"), ("qwen3_vl_moe", "Qwen3VLMoe"),
+        ("step3p7", "Step3p7"), ("unlimited_ocr", "UnlimitedOcr"))},
+    "diffusion_gemma": "DiffusionGemmaEncoderTextModel",  # its decoder is the same layers
+    "openai_privacy_filter": "OpenAIPrivacyFilterForTokenClassification",  # a tagger
+}
+MODEL_EXTRA = {  # what a whole tiny model needs besides TINY and EXTRA (sizes, MoE layers)
+    "gemma4": dict(vocab_size_per_layer_input=40, hidden_size_per_layer_input=8,
+                   global_head_dim=8, enable_moe_block=True, top_k_experts=2),
+    **{f: dict(unpadded_vocab_size=40, swa_num_attention_heads=2, swa_num_key_value_heads=2,
+               swa_head_dim=8) for f in ("inkling2", "inkling2_loop")},
+    "kimi_linear": dict(linear_attn_config={"head_dim": 8, "num_heads": 2,
+                                            "short_conv_kernel_size": 4,
+                                            "full_attn_layers": [], "kda_layers": [1]}),
+    "glm5_next": dict(linear_head_dim=8, linear_num_heads=2, mlp_layer_types=["sparse"]),
+    "step3p7": dict(mlp_layer_types=["sparse"], share_expert_dim=WIDTH, sliding_window=4),
+    "hy_v4_vl": dict(mlp_layer_types=["sparse"]),
+    "diffusion_gemma": dict(top_k_experts=2),
+    "glm4v_moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "mrope_section": [1, 1, 0]}),
+    "deepseek_ocr2": dict(mlp_layer_types=["sparse"]),
+    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention"]),
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[WIDTH, WIDTH], mlp_layer_types=["sparse"],
+                            moe_k=2, moe_num_experts=EXPERTS,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [1, 1, 2]}),
+}
+
+
+FLOAT32_ROUTERS = {
+    # modeling_inkling2.py:809,811 hidden_states.float(); F.linear(flat, self.weight)
+    "inkling2.modeling_inkling2.Inkling2TopKRouter",
+    # modeling_inkling2_loop.py:1165,1167 (the same)
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopTopKRouter",
+}
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's training loss on ``ids``: next-token, tagging, or the hidden states'."""
+    name = type(model).__name__
+    if name.endswith("ForCausalLM"):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    if name.endswith("ForTokenClassification"):
+        return model(input_ids=ids, labels=ids % model.config.num_labels).loss
+    return model(input_ids=ids, use_cache=False).last_hidden_state.pow(2).mean()
+
+
 def _causal_lm(family: str) -> nn.Module:
+    """A tiny model of ``family``: its *ForCausalLM, or :data:`LANGUAGE_MODELS`'s model."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     names = sorted(n for n in dir(module) if n.endswith("ForCausalLM"))
+    names = names or [n for n in (LANGUAGE_MODELS.get(family),) if n is not None]
     if not names:
-        pytest.skip(f"{family}: no *ForCausalLM (a composite model; its experts are tested "
-                    "as modules above)")
+        pytest.skip(f"{family}: no *ForCausalLM and no language model in LANGUAGE_MODELS; "
+                    "its experts are tested as modules above")
     model_cls = getattr(module, names[0])
     try:
         config = model_cls.config_class(**{**TINY, **EXTRA.get(family, {}),
-                                           **CUSTOM.get(family, {})})
+                                           **CUSTOM.get(family, {}),
+                                           **MODEL_EXTRA.get(family, {})})
         with torch.device("meta"):
             size = sum(p.numel() for p in model_cls(config).parameters())
     except Exception as e:  # noqa: BLE001
@@ -311,7 +373,11 @@ def _causal_lm(family: str) -> nn.Module:
         pytest.skip(f"{family}: {size} parameters from the tiny config (sizes it does not "
                     "take); its experts are tested as modules above")
     torch.manual_seed(0)
-    return model_cls(config).double().eval()
+    model = model_cls(config).double().eval()
+    for module in model.modules():  # routers that compute in float32 (hidden_states.float())
+        if _key(type(module)) in FLOAT32_ROUTERS:
+            module.float()
+    return model
 
 
 @pytest.mark.parametrize("family", sorted({_family(k) for k in moe.EXPERTS}))
@@ -319,7 +385,7 @@ def test_a_tiny_model_of_each_family_trains_with_no_override(family):
     model = _causal_lm(family)
     ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
     keep = copy.deepcopy(model.state_dict())
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss = _loss(model, ids)
     loss.backward()
     experts = [m for m in model.modules() if _fused(type(m))]
     fused = {n: p for n, p in model.named_parameters() if p.dim() == 3 and p.grad is not None
@@ -558,7 +624,8 @@ def _dbrx():
 
 def test_dbrx_flattened_experts_get_each_experts_step():
     """DBRX stores its experts as (E·ffn, d) weights and reads ``w.view(-1, ffn, d)[e]``:
-    ``x.matmul(w1[e].T)``, ``x.matmul(v1[e].T)`` (each (out, in)), ``h.matmul(w2[e])`` ((in, out))."""
+    ``x.matmul(w1[e].T)``, ``x.matmul(v1[e].T)`` (each (out, in)), ``h.matmul(w2[e])``
+    ((in, out))."""
     truth = {"w1": (1, 0), "v1": (1, 0), "w2": (0, 1)}  # modeling_dbrx.py:264,265,268
 
     def split(x):
