@@ -589,6 +589,17 @@ def test_docs_routing_lists_every_experts_class_with_its_layout():
         assert row is not None and f"| {layout} |" in row, key
 
 
+def test_docs_routing_lists_every_custom_matrix_with_its_route():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "routing.md").read_text()
+    tables = [(moe.MATRICES, lambda r: f"dense {'(out, in)' if r == moe.LINEAR else '(in, out)'}"),
+              ({k: dict.fromkeys(v, None) for k, v in moe.ELEMENTWISE.items()}, lambda r: "vector")]
+    for table, route in tables:
+        for key, attrs in table.items():
+            for attr, reading in attrs.items():
+                row = f"| `{key.rsplit('.', 1)[1]}` | `{attr}` | {route(reading)} |"
+                assert row in doc, row
+
+
 def test_every_router_class_with_a_weight_matrix_is_in_the_table():
     """Router classes holding their own ``weight`` ``(E, d)`` parameter (not an nn.Linear)."""
     root = Path(transformers.__file__).parent / "models"
