@@ -772,7 +772,10 @@ class RuleOptimizer(torch.optim.Optimizer):
     def _check_param_state(state: Mapping[str, Any], p: Tensor, group: dict[str, Any],
                            rule: Rule, where: str) -> None:
         """Check one parameter's saved state against what ``rule`` would create for ``p``."""
-        meta = viewed(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"), group, where)
+        try:
+            meta = viewed(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"), group)
+        except ValueError as e:
+            raise ValueError(f"state dict does not fit: {where}: {e}") from None
         try:
             expected = {"step": torch.empty((), dtype=torch.float32, device="meta"),
                         **rule.init_state(meta, group, where)}
