@@ -298,7 +298,9 @@ def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float 
     (``betas`` where the rule has momentum) and the matrix axes ``fan_in_dim``/``fan_out_dim``
     (a dim or a tuple of dims; ``None`` for vectors): an ``nn.Linear`` ``(out, in)`` is
     ``(1, 0)``, a transformers ``Conv1D`` ``(in, out)`` is ``(0, 1)``, a ``Conv2d``
-    ``((1, 2, 3), 0)``.  ``overrides`` are those of :func:`make_optimizer`.
+    ``((1, 2, 3), 0)``; a group whose route has a view (DBRX's flattened experts, peft's
+    LoRA factors of fused experts) also has ``view``, the shape its axes count in.
+    ``overrides`` are those of :func:`make_optimizer`.
     """
     return _plan(params, name, lr, overrides, model)[0]
 

@@ -255,6 +255,9 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     ``fan_in_dim``/``fan_out_dim`` are a dim or a tuple of dims (merged into one matrix axis,
     :class:`sage_torch.common.MatrixView`); ``fan_out_dim=None`` makes SAGE element-wise.
+    A group may set ``view`` (a shape, :func:`viewed`): its rule then sees each parameter
+    and gradient as ``p.view(view)`` (DBRX's flattened experts ``(E·n, d)`` as
+    ``(E, n, d)``), the axes count in it, and the state has its shape.
     Groups without ``param_names`` get generated names (``param_groups[2].params[0]``) when
     other groups have names, so named and unnamed groups mix.  A rule with momentum keeps it
     in ``betas``, the key torch's schedulers read; asking to cycle the momentum of a group
