@@ -699,3 +699,8 @@ def test_a_route_view_is_checked_and_refused_by_sage_optax():
                                            "supported by sage_optax"):
         sage_optax.route_params({"w": jnp.zeros((8, 4))}, {"w": Route(
             "dense", fan_in=2, fan_out=1, batch=0, view=(2, 4, 4))})
+    tx = sage_optax.sinkgd(1e-2, axes={"w": Route("dense", fan_in=2, fan_out=1, batch=0,
+                                                  view=(2, 4, 4))})
+    params = {"w": jnp.ones((8, 4))}
+    with pytest.raises(RoutingError, match=r"parameter '.*w.*': Route\(view=\(2, 4, 4\)\) is not"):
+        tx.update(params, tx.init(params), params)
