@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from sage_optim.routing import ResolvedRoute, Route
+from sage_optim.routing import ResolvedRoute, Route, RoutingError
 
 Path: TypeAlias = tuple[Any, ...]
 
@@ -59,7 +59,22 @@ def resolve_axes(spec: Route | ResolvedRoute, shape: tuple[int, ...], path: str,
     """``spec`` resolved against ``shape`` (raises a ``RoutingError`` naming ``path``)."""
     if not is_axes(spec):
         raise TypeError(f"parameter {path!r}: {what} must be a Route or None, got {spec!r}")
+    refuse_view(spec, path)
     return spec.resolve(tuple(shape), path)
+
+
+def refuse_view(route: Route | ResolvedRoute, path: str) -> None:
+    """Raise a one-line ``RoutingError`` naming ``path`` if ``route`` has a ``view``.
+
+    A view (``Route(..., view=shape)``, what ``sage_torch`` applies to weights its models
+    reshape in their forward, DBRX's experts) is not applied by ``sage_optax``: reshape the
+    leaf in the model instead (a JAX array's reshape is free under ``jit``) and route it.
+    """
+    view = getattr(route, "view", None)
+    if view is not None:
+        raise RoutingError(
+            f"parameter {path!r}: Route(view={view}) is not supported by sage_optax (only "
+            "sage_torch applies views); store the leaf with that shape and route its axes")
 
 
 def to_matrix(axes: ResolvedRoute, x: jax.Array) -> jax.Array:

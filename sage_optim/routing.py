@@ -160,6 +160,24 @@ def as_axis_group(value: Any, what: str) -> tuple[int, ...] | None:
     return group
 
 
+def as_view(value: Any) -> tuple[int, ...]:
+    """``value`` (a non-empty sequence of positive ints) as a :class:`Route`'s ``view``.
+
+    Raises:
+      RoutingError: anything else, naming it.
+    """
+    try:
+        view = tuple(value)
+    except TypeError:
+        raise RoutingError(f"a route's view must be a tuple of positive ints (a shape), got "
+                           f"{value!r}") from None
+    if not view or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                           for n in view):
+        raise RoutingError(f"a route's view must be a tuple of positive ints (a shape), got "
+                           f"{value!r}")
+    return view
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
     """The kind of one leaf and its axis groups: the routing decision, and the math.
@@ -174,6 +192,13 @@ class Route:
         is neither fan-in nor fan-out (for a vector: none).
       evidence: what placed the leaf (``"override"``, ``"module nn.Linear"``, ...), shown by
         the routing tables.
+      view: ``None`` (the default), or the shape the leaf is viewed as before the math, a
+        row-major reshape with as many elements (``p.view(view)``): the axes then count in
+        the view.  For weights whose forward reshapes them: DBRX stores its experts as one
+        ``(E·n, d)`` weight and reads ``w.view(E, n, d)[e]``, so
+        ``Route("dense", fan_in=2, fan_out=1, batch=0, view=(E, n, d))`` treats each
+        expert's ``(n, d)`` matrix by itself.  ``sage_torch`` applies it (the state has the
+        view's shape); ``sage_optax`` refuses it, naming the leaf.
 
     ``Route("dense", fan_in=0, fan_out=1)`` is GPT-2's ``Conv1D`` ``(in, out)``;
     ``Route("dense", fan_in=(1, 2, 3), fan_out=0)`` a ``Conv2d`` weight ``(out, in, kh, kw)``.
@@ -193,8 +218,11 @@ class Route:
     fan_out: Any = None
     batch: Any = None
     evidence: str = dataclasses.field(default="override", compare=False)
+    view: Any = None
 
     def __post_init__(self) -> None:
+        if self.view is not None:
+            object.__setattr__(self, "view", as_view(self.view))
         if self.kind not in KINDS:
             raise RoutingError(f"route kind must be one of {KINDS}, got {self.kind!r}")
         object.__setattr__(self, "fan_in", as_axis_group(self.fan_in, "fan_in"))
@@ -223,7 +251,14 @@ class Route:
           RoutingError: an axis out of range, an axis in two groups, a matrix route without
             axes, or batch axes that are not exactly the remaining axes.
         """
-        shape = tuple(int(s) for s in shape)
+        leaf_shape = tuple(int(s) for s in shape)
+        shape = leaf_shape
+        if self.view is not None:
+            if math.prod(self.view) != math.prod(shape):
+                raise RoutingError(
+                    f"parameter {name!r} of shape {shape}: its route views it as {self.view}, "
+                    f"which has {math.prod(self.view)} elements, not {math.prod(shape)}")
+            shape = self.view
         ndim = len(shape)
 
         def norm(group: tuple[int, ...] | None, what: str) -> tuple[int, ...]:
@@ -263,7 +298,8 @@ class Route:
                     f"parameter {name!r} of shape {shape}: batch axes {self.batch} must be "
                     f"exactly the axes other than fan_in={self.fan_in} and fan_out={self.fan_out}"
                 )
-        return ResolvedRoute(self.kind, fan_in, fan_out, batch, shape, self.evidence)
+        return ResolvedRoute(self.kind, fan_in, fan_out, batch, leaf_shape, self.evidence,
+                             view=self.view)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +310,8 @@ class ResolvedRoute:
     for a vector), ``batch`` the axes treated independently (stacked layers).  A transform
     given a :class:`Route` resolves it against each leaf's shape; one given a
     ``ResolvedRoute`` (what :func:`sage_optax.route_params` returns) checks the shape.
+    ``shape`` is the leaf's; with a ``view`` (:class:`Route`) the axes count in the view
+    (:attr:`axes_shape`).
 
     References:
       Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
@@ -290,6 +328,12 @@ class ResolvedRoute:
     batch: tuple[int, ...]
     shape: tuple[int, ...]
     evidence: str = dataclasses.field(default="override", compare=False)
+    view: tuple[int, ...] | None = None
+
+    @property
+    def axes_shape(self) -> tuple[int, ...]:
+        """The shape the axes count in: the ``view`` if any, else the leaf's ``shape``."""
+        return self.shape if self.view is None else self.view
 
     @property
     def is_matrix(self) -> bool:
@@ -299,17 +343,17 @@ class ResolvedRoute:
     @property
     def feature_axes(self) -> tuple[int, ...]:
         """All axes that are not batch axes (RMS and norms are taken over these)."""
-        return tuple(a for a in range(len(self.shape)) if a not in self.batch)
+        return tuple(a for a in range(len(self.axes_shape)) if a not in self.batch)
 
     @property
     def fan_in_size(self) -> int:
         """Size of the merged fan-in axis."""
-        return math.prod(self.shape[a] for a in self.fan_in)
+        return math.prod(self.axes_shape[a] for a in self.fan_in)
 
     @property
     def fan_out_size(self) -> int:
         """Size of the merged fan-out axis."""
-        return math.prod(self.shape[a] for a in self.fan_out)
+        return math.prod(self.axes_shape[a] for a in self.fan_out)
 
     @property
     def is_simple(self) -> bool:
@@ -323,7 +367,7 @@ class ResolvedRoute:
     def matrix(self) -> ResolvedRoute:
         """The route of the merged matrix view: batch first, then fan-in, then fan-out."""
         nb = len(self.batch)
-        shape = (*(self.shape[a] for a in self.batch), self.fan_in_size, self.fan_out_size)
+        shape = (*(self.axes_shape[a] for a in self.batch), self.fan_in_size, self.fan_out_size)
         return ResolvedRoute(self.kind, (nb,), (nb + 1,), tuple(range(nb)), shape,
                              self.evidence)
 
@@ -341,11 +385,11 @@ class ResolvedRoute:
 
     def describe_fan_in(self) -> str:
         """The fan-in axes with their sizes, as the routing tables print them."""
-        return format_axes(self.fan_in, self.shape)
+        return format_axes(self.fan_in, self.axes_shape)
 
     def describe_fan_out(self) -> str:
         """The fan-out axes with their sizes, as the routing tables print them."""
-        return format_axes(self.fan_out, self.shape)
+        return format_axes(self.fan_out, self.axes_shape)
 
 
 def format_axes(group: Sequence[int], shape: Sequence[int]) -> str:
@@ -466,6 +510,8 @@ def route_literal(route: Any) -> str:
             args.append(f"{key}={group[0] if len(group) == 1 else group}")
     if route.batch:
         args.append(f"batch={route.batch}")
+    if getattr(route, "view", None) is not None:
+        args.append(f"view={route.view}")
     return f"Route({', '.join(args)})"
 
 
@@ -912,7 +958,7 @@ def apply_override(e: Evidence, override: Route, vocab_size: int | None = None,
         default = e.layout
     if isinstance(default, Route) and default.has_axes:
         return Route(override.kind, default.fan_in, default.fan_out, default.batch,
-                     evidence=f"override (axes: {default.evidence})")
+                     evidence=f"override (axes: {default.evidence})", view=default.view)
     if override.kind == "embedding" and vocab_size is not None and len(e.shape) >= 2:
         hits = [a for a in (-2, -1) if e.shape[a] == vocab_size]
         if len(hits) == 1:

@@ -16,7 +16,7 @@ from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
 from sage_torch.grouping import ConfiguredOptimizer, update_key
 from sage_torch.nonfinite import SkipNonFinite
-from sage_torch.optimizer import RuleOptimizer
+from sage_torch.optimizer import RuleOptimizer, viewed
 from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, Routing, routing, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
@@ -262,15 +262,16 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
     _leave_out_frozen(result)
     routed = result.placed()
     group_of = {id(p): g for _, p, g in result.order}
-    layouts: dict[tuple[str, Any, Any, int | None], list[RoutedParam]] = {}
+    layouts: dict[tuple[str, Any, Any, int | None, Any], list[RoutedParam]] = {}
     for kind in KINDS:  # groups in kind order, then in order of first appearance
         for r in routed:
             if r.route.kind == kind:
                 layout = layout_options(r.route)
-                key = (kind, layout["fan_in_dim"], layout["fan_out_dim"], group_of[id(r.param)])
+                key = (kind, layout["fan_in_dim"], layout["fan_out_dim"], group_of[id(r.param)],
+                       r.route.view)
                 layouts.setdefault(key, []).append(r)
     groups = []
-    for (kind, fan_in, fan_out, index), members in layouts.items():
+    for (kind, fan_in, fan_out, index, view), members in layouts.items():
         given = {} if index is None or result.groups is None else {
             k: v for k, v in result.groups[index].items() if k not in GROUP_ROUTE_KEYS}
         groups.append({
@@ -280,6 +281,7 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
             **given,
             "fan_in_dim": fan_in,
             "fan_out_dim": fan_out,
+            **({"view": view} if view is not None else {}),
         })
     return groups, routed, kinds, preset
 
@@ -296,7 +298,9 @@ def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float 
     (``betas`` where the rule has momentum) and the matrix axes ``fan_in_dim``/``fan_out_dim``
     (a dim or a tuple of dims; ``None`` for vectors): an ``nn.Linear`` ``(out, in)`` is
     ``(1, 0)``, a transformers ``Conv1D`` ``(in, out)`` is ``(0, 1)``, a ``Conv2d``
-    ``((1, 2, 3), 0)``.  ``overrides`` are those of :func:`make_optimizer`.
+    ``((1, 2, 3), 0)``; a group whose route has a view (DBRX's flattened experts, peft's
+    LoRA factors of fused experts) also has ``view``, the shape its axes count in.
+    ``overrides`` are those of :func:`make_optimizer`.
 
     References:
       Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
@@ -458,7 +462,7 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
     for group in opt.param_groups:
         rule = opt.rule_of(group)
         for p, pname in zip(group["params"], group["param_names"], strict=True):
-            state = rule.init_state(p, group, pname)
+            state = rule.init_state(viewed(p, group, pname), group, pname)
             nbytes[pname] = state_nbytes({k: v for k, v in state.items()
                                           if k not in rule.host_keys})
     rows = []

@@ -41,7 +41,7 @@ def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRout
         rule = rules.get(options.get("rule", ""))
         if rule is not None and rule.layout_free:
             return hp
-        return hp, route.fan_in, route.fan_out, route.batch
+        return hp, route.fan_in, route.fan_out, route.batch, route.view
 
     return key
 
@@ -130,21 +130,22 @@ class ConfiguredOptimizer(RuleOptimizer):
         given = param_group.get("param_names")
         own = ([x[0] for x in raw] if all(isinstance(x, tuple) for x in raw)
                else list(given) if given is not None else [names[id(t)] for t in tensors])
-        buckets: dict[tuple[str, Any, Any], list[int]] = {}
+        buckets: dict[tuple[str, Any, Any, Any], list[int]] = {}
         for i, t in enumerate(tensors):
             route = result.routes[id(t)]
             fan_in = fan_out = None
             if route.kind != "vector" and route.is_matrix:
                 fan_in = route.fan_in[0] if len(route.fan_in) == 1 else route.fan_in
                 fan_out = route.fan_out[0] if len(route.fan_out) == 1 else route.fan_out
-            buckets.setdefault((route.kind, fan_in, fan_out), []).append(i)
+            buckets.setdefault((route.kind, fan_in, fan_out, route.view), []).append(i)
         options = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
         order = {k: n for n, k in enumerate(self.kinds)}
-        for (kind, fan_in, fan_out), idx in sorted(buckets.items(),
-                                                   key=lambda kv: order.get(kv[0][0], 99)):
+        for (kind, fan_in, fan_out, view), idx in sorted(
+                buckets.items(), key=lambda kv: order.get(kv[0][0], 99)):
             self.add_param_group({**options, "params": [tensors[i] for i in idx],
                                   "param_names": [own[i] for i in idx], "kind": kind,
-                                  "fan_in_dim": fan_in, "fan_out_dim": fan_out})
+                                  "fan_in_dim": fan_in, "fan_out_dim": fan_out,
+                                  **({"view": view} if view is not None else {})})
         return True
 
     def _route_group(self, param_group: dict[str, Any]) -> None:

@@ -32,8 +32,9 @@ from torch import nn
 
 from sage_optim.routing import Route
 
-__all__ = ["ELEMENTWISE", "EXPERTS", "FLATTENED", "IN_OUT", "OUT_IN", "ROUTERS", "experts_layout",
-           "moe_route", "says_experts"]
+__all__ = ["ELEMENTWISE", "EXPERTS", "FLATTENED", "IN_OUT", "LINEAR", "MATRICES", "OUT_IN",
+           "PEFT_FACTORS", "ROUTERS", "X_AT_W",
+           "experts_layout", "flattened_route", "moe_route", "peft_factor_route", "says_experts"]
 
 OUT_IN = "(E, out, in)"
 """Expert tensors read as ``F.linear(x, W[e])``: axis 1 the fan-out, axis 2 the fan-in."""
@@ -336,19 +337,100 @@ ELEMENTWISE: Mapping[str, frozenset[str]] = MappingProxyType({
     "mamba.modeling_mamba.MambaMixer": frozenset({"A_log"}),
     # modeling_falcon_mamba.py:403 A = -torch.exp(self.A_log.float())
     "falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": frozenset({"A_log"}),
+    # modeling_deepseek_v4.py:427 chunk_gate.view(...) + self.position_bias: (rate, head_dim)
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4HCACompressor": frozenset({"position_bias"}),
+    # modeling_deepseek_v4.py:543 chunk_gate.view(batch, n_windows, ratio, -1) + self.position_bias
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4Indexer": frozenset({"position_bias"}),
+    # modeling_deepseek_v4.py:658 chunk_gate.view(batch, n_windows, ratio, -1) + self.position_bias
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4CSACompressor": frozenset({"position_bias"}),
+    # modeling_glm5_next.py:999 grouped_gate_scores.float() + self.index_kpool_compress_ape...
+    "glm5_next.modeling_glm5_next.Glm5NextTextIndexer": frozenset({"index_kpool_compress_ape"}),
+    # modeling_inkling2.py:157 hidden_states.float() * self.scale.float(): (heads, head_dim)
+    "inkling2.modeling_inkling2.Inkling2ScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2.py:192 self.l2_clip(hidden_states.float() * self.scale.float())
+    "inkling2.modeling_inkling2.Inkling2LogScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2_loop.py:200 hidden_states.float() * self.scale.float()
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2_loop.py:235 self.l2_clip(hidden_states.float() * self.scale.float())
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopLogScaledL2Clip": frozenset({"scale"}),
+    # modeling_inkling2_loop.py:152,165 query (loop layers, 4, d): learned query tokens, one
+    # per message and loop layer, as a class token (self.query[loop_layer_idx] as the queries)
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopMessageAttentionResidual":
+        frozenset({"query"}),
 })
 """Matrices of these families' other modules that their forward reads element by element
-(Mamba's ``A_log``, the log of a state matrix per channel, in Jamba's Mamba layers): vectors."""
+(Mamba's ``A_log``, the log of a state matrix per channel, in Jamba's Mamba layers;
+DeepSeek-V4's compressors' ``position_bias``, added to the gate of each position of a
+window; Inkling-2's per-head ``scale``, multiplied in), and Inkling-2-Loop's learned query
+tokens (used as activations, as a class token is): vectors."""
+
+LINEAR = "F.linear(x, W)"
+"""A custom matrix read as ``F.linear(x, W)``: ``(out, in)``."""
+
+X_AT_W = "x @ W"
+"""A custom matrix read as ``x @ W``: ``(in, out)``."""
+
+MATRICES: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    # modeling_deepseek_v4.py:970 flattened = F.linear(flattened, self.fn.float())
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4HyperConnection": MappingProxyType(
+        {"fn": LINEAR}),
+    # modeling_deepseek_v4.py:1013 mixes = F.linear(flat, self.hc_fn.float())
+    "deepseek_v4.modeling_deepseek_v4.DeepseekV4HyperHead": MappingProxyType({"hc_fn": LINEAR}),
+    # modeling_glm5_next.py:302 flattened = F.linear(flattened, self.fn.float())
+    "glm5_next.modeling_glm5_next.Glm5NextTextHyperConnection": MappingProxyType(
+        {"fn": LINEAR}),
+    # modeling_glm5_next.py:837 gate_scores = F.linear(hidden_states, self.index_kpool_compre...
+    "glm5_next.modeling_glm5_next.Glm5NextTextIndexer": MappingProxyType(
+        {"index_kpool_compress_gate": LINEAR}),
+    # modeling_hy_v4.py:631 mixes = F.linear(flat, self.fn.float()) * self.input_norm(flat)
+    "hy_v4.modeling_hy_v4.HYV4HyperConnection": MappingProxyType({"fn": LINEAR}),
+    # modeling_hy_v4.py:664 mixes = F.linear(flat, self.hc_fn.float()) * self.input_norm(flat)
+    "hy_v4.modeling_hy_v4.HYV4HyperHead": MappingProxyType({"hc_fn": LINEAR}),
+    # modeling_hy_v4_vl.py:594 mixes = F.linear(flat, self.fn.float()) * self.input_norm(flat)
+    "hy_v4_vl.modeling_hy_v4_vl.HYV4VLHyperConnection": MappingProxyType({"fn": LINEAR}),
+    # modeling_hy_v4_vl.py:627 mixes = F.linear(flat, self.hc_fn.float()) * self.input_norm(flat)
+    "hy_v4_vl.modeling_hy_v4_vl.HYV4VLHyperHead": MappingProxyType({"hc_fn": LINEAR}),
+    # modeling_inkling.py:129 rel_logits = (relative_states @ self.proj): (d_rel, rel_extent)
+    "inkling.modeling_inkling.InklingRelativeLogits": MappingProxyType({"proj": X_AT_W}),
+    # modeling_inkling2.py:224 rel_logits = (relative_states @ self.proj).transpose(1, 2)
+    "inkling2.modeling_inkling2.Inkling2RelativePositionBias": MappingProxyType(
+        {"proj": X_AT_W}),
+    # modeling_inkling2_loop.py:267 rel_logits = (relative_states @ self.proj).transpose(1, 2)
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopRelativePositionBias": MappingProxyType(
+        {"proj": X_AT_W}),
+})
+"""Custom matrices of these families outside the experts, by class and attribute, with how
+their forward reads them: the hyper-connections' projections (DeepSeek-V4, HY-V4, GLM-5
+Next: ``fn`` ``((2 + N)·N, N·d)`` and the head's ``hc_fn`` ``(N, N·d)``, read as
+``F.linear``: ``(out, in)``), GLM-5 Next's indexer gate and Inkling's (and Inkling-2's)
+relative-logits bank ``proj`` ``(d_rel, rel_extent)`` (``x @ W``: ``(in, out)``).  Dense
+matrices."""
 
 FLATTENED: Mapping[str, Mapping[str, str]] = MappingProxyType({
-    # modeling_dbrx.py:300-302 w1.view(-1, ffn, d)[e]; :264,265,268 x.matmul(w1.T),
-    # x.matmul(v1.T) (each expert (out, in)), intermediate.matmul(w2) (each expert (in, out))
+    # modeling_dbrx.py:298,300-302 split_expert_shape = (-1, self.ffn_hidden_size,
+    # self.hidden_size); w1 = self.mlp.w1.view(split_expert_shape)[expert_idx];
+    # :264,265,268 x.matmul(expert_w1.T), x.matmul(expert_v1.T) (each expert (out, in)),
+    # intermediate_states.matmul(expert_w2) (each expert (in, out))
     "dbrx.modeling_dbrx.DbrxExpertGLU": MappingProxyType(
         {"w1": OUT_IN, "v1": OUT_IN, "w2": IN_OUT}),
 })
-"""Experts stored as 2-D ``(E·n, d)`` weights that the forward views per expert: no route
-normalises each expert by itself, so they are refused (:mod:`sage_torch.routing`); the value
-is each expert's layout once viewed ``(E, n, d)``."""
+"""Experts stored as 2-D ``(E·n, d)`` weights that the forward views per expert as
+``(E, n, d)`` (``n`` the module's ``ffn_hidden_size``): routed with that view
+(``Route(..., view=(E, n, d))``), the expert axis a batch axis; the value is each expert's
+layout once viewed."""
+
+FLATTENED_WIDTH = "ffn_hidden_size"
+"""The attribute of a :data:`FLATTENED` module giving ``n``, each expert's row count."""
+
+PEFT_FACTORS = {
+    "lora_A": "peft's A (E·r, in) read per expert as A.reshape(E, r, in)[e]",
+    "lora_B": "peft's B (out, r·E) read per expert as B.reshape(out, r, E)[:, :, e]",
+}
+"""How peft's ``ParamWrapper`` (``target_parameters`` LoRA on an ``(E, ., .)`` experts
+tensor) reads its two factors, from ``peft/tuners/lora/layer.py`` (0.18-0.21)
+``ParamWrapper.get_delta_weight``: ``weight_A.reshape(num_experts, -1, in)`` and
+``weight_B.reshape(out, -1, num_experts)``, ``delta[e] = B[:, :, e] @ A[e]`` (``in``/``out``
+the expert's true fan-in and fan-out, whatever the tensor's layout)."""
 
 
 def flattened_layout(module: nn.Module, attr: str) -> str | None:
@@ -392,6 +474,50 @@ def experts_layout(module: nn.Module) -> tuple[str, str] | None:
     return None
 
 
+def flattened_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
+    """The per-expert route of a :data:`FLATTENED` weight ``(E·n, d)``, or ``None``.
+
+    ``Route("dense", ..., batch=0, view=(E, n, d))`` with each expert's axes as its forward
+    reads them; ``None`` for another module or parameter, or one whose rows are not a
+    multiple of the module's ``ffn_hidden_size`` (then refused by the router).
+    """
+    layout = flattened_layout(module, attr)
+    width = getattr(module, FLATTENED_WIDTH, None)
+    if layout is None or param.dim() != 2 or not isinstance(width, int) or width <= 0:
+        return None
+    rows, d = (int(n) for n in param.shape)
+    if rows % width:
+        return None
+    fan_in, fan_out = (2, 1) if layout == OUT_IN else (1, 2)
+    return Route("dense", fan_in=fan_in, fan_out=fan_out, batch=0, view=(rows // width, width, d),
+                 evidence=f"module {type(module).__name__}: {attr}.view(-1, {width}, {d})[e], "
+                          f"{_READS[layout]}")
+
+
+def peft_factor_route(which: str, param: torch.Tensor, experts: int,
+                      target: str) -> Route | None:
+    """The per-expert route of a LoRA factor of peft's ``ParamWrapper``, or ``None``.
+
+    ``which`` is ``"lora_A"`` or ``"lora_B"``, ``experts`` the wrapper's ``num_experts``,
+    ``target`` the wrapped tensor for the evidence (``Qwen3MoeExperts.gate_up_proj``).  A
+    (:data:`PEFT_FACTORS`): ``(E·r, in)`` viewed ``(E, r, in)``, each expert's ``(r, in)``
+    read as ``F.linear`` (fan-in 2, fan-out 1, batch 0); B: ``(out, r·E)`` viewed
+    ``(out, r, E)``, each expert's ``(out, r)`` (fan-in 1, fan-out 0, batch 2).  ``None`` when
+    the shape does not split into ``experts`` factors.
+    """
+    if param.dim() != 2 or experts < 1:
+        return None
+    rows, cols = (int(n) for n in param.shape)
+    evidence = f"module peft ParamWrapper of {target}: {PEFT_FACTORS.get(which, '')}"
+    if which == "lora_A" and rows % experts == 0:
+        return Route("dense", fan_in=2, fan_out=1, batch=0,
+                     view=(experts, rows // experts, cols), evidence=evidence)
+    if which == "lora_B" and cols % experts == 0:
+        return Route("dense", fan_in=1, fan_out=0, batch=2,
+                     view=(rows, cols // experts, experts), evidence=evidence)
+    return None
+
+
 def _is_router(module: nn.Module) -> bool:
     return any(_table_key(cls) in ROUTERS for cls in type(module).__mro__)
 
@@ -399,7 +525,9 @@ def _is_router(module: nn.Module) -> bool:
 def moe_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
     """The route of a parameter of a transformers experts or router module, or ``None``.
 
-    A parameter listed in :data:`ELEMENTWISE` is a vector.  An experts tensor
+    A parameter listed in :data:`ELEMENTWISE` is a vector, one in :data:`MATRICES` a dense
+    matrix read as its forward reads it, one in :data:`FLATTENED` dense per expert with the
+    view its forward takes (:func:`flattened_route`).  An experts tensor
     ``(E, ., .)`` is dense with the expert axis 0 a batch axis and its fan-in/fan-out axes
     from :func:`experts_layout`; a per-expert bias ``(E, out)`` is a vector.  A router's
     ``weight`` ``(E, d)`` is dense ``(out, in)``.  ``None`` for any other module or
@@ -408,6 +536,14 @@ def moe_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None
     for cls in type(module).__mro__:
         if attr in ELEMENTWISE.get(_table_key(cls) or "", ()):
             return Route("vector", evidence=f"module {type(module).__name__}: read element-wise")
+        reading = MATRICES.get(_table_key(cls) or "", {}).get(attr)
+        if reading is not None and param.dim() == 2:
+            fan_in, fan_out = (1, 0) if reading == LINEAR else (0, 1)
+            return Route("dense", fan_in=fan_in, fan_out=fan_out,
+                         evidence=f"module {type(module).__name__}: {reading}")
+    flat = flattened_route(module, attr, param)
+    if flat is not None:
+        return flat
     if _is_router(module):
         if attr == "weight" and param.dim() == 2:
             return Route("dense", fan_in=1, fan_out=0,

@@ -13,6 +13,7 @@ its own.
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -135,6 +136,40 @@ def _drop_duplicates(group: dict[str, Any]) -> None:
         group["param_names"] = [group["param_names"][i] for i in keep]
 
 
+def viewed(p: Tensor, group: Mapping[str, Any], name: str = "") -> Tensor:
+    """``p`` as its group's ``view`` shape (a view sharing its storage), else ``p`` itself.
+
+    A param group's ``view`` (set by :func:`sage_torch.make_optimizer` from a route's
+    ``view``, e.g. DBRX's flattened experts ``(E·n, d)`` as ``(E, n, d)``) is the shape the
+    rule sees the parameter, its gradient and its state in; the axes
+    (``fan_in_dim``/``fan_out_dim``) count in it.
+
+    Raises:
+      ValueError: a ``view`` that is not a shape, has another number of elements than the
+        parameter, or a parameter that cannot be viewed (not contiguous), naming it.
+    """
+    view = group.get("view")
+    if view is None:
+        return p
+    if (not isinstance(view, tuple | list) or not view
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in view)):
+        raise ValueError(f"param group option view must be a tuple of positive ints (a "
+                         f"shape), got {view!r}")
+    view = tuple(view)
+    if tuple(p.shape) == view:
+        return p
+    if p.numel() != math.prod(view):
+        raise ValueError(f"parameter {name or '<unnamed>'} of shape {tuple(p.shape)} cannot be "
+                         f"viewed as {view} (its param group's view): {p.numel()} elements, "
+                         f"not {math.prod(view)}")
+    try:
+        return p.view(view)
+    except RuntimeError:
+        raise ValueError(f"parameter {name or '<unnamed>'} of shape {tuple(p.shape)} cannot be "
+                         f"viewed as {view} (its param group's view) without a copy: make it "
+                         "contiguous") from None
+
+
 def _real(t: Any) -> Any:
     return torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t
 
@@ -244,6 +279,9 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     ``fan_in_dim``/``fan_out_dim`` are a dim or a tuple of dims (merged into one matrix axis,
     :class:`sage_torch.common.MatrixView`); ``fan_out_dim=None`` makes SAGE element-wise.
+    A group may set ``view`` (a shape, :func:`viewed`): its rule then sees each parameter
+    and gradient as ``p.view(view)`` (DBRX's flattened experts ``(E·n, d)`` as
+    ``(E, n, d)``), the axes count in it, and the state has its shape.
     Groups without ``param_names`` get generated names (``param_groups[2].params[0]``) when
     other groups have names, so named and unnamed groups mix.  A rule with momentum keeps it
     in ``betas``, the key torch's schedulers read; asking to cycle the momentum of a group
@@ -444,7 +482,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                                  f"(param group {index})")
         moved = []
         for i, (p, name) in enumerate(zip(group["params"], self._names(group), strict=True)):
-            reason = rule.unsupported(p, name)
+            reason = rule.unsupported(viewed(p, group, name), name)
             if reason is None:
                 continue
             if fallback is None:
@@ -572,7 +610,8 @@ class RuleOptimizer(torch.optim.Optimizer):
                         "nn.EmbeddingBag built with sparse=True: build it with sparse=False "
                         "(sage_torch.make_optimizer refuses such a model up front)"
                     )
-                reason = rule.unsupported(p, name)  # a group edited since it was added
+                seen = viewed(p, group, name)
+                reason = rule.unsupported(seen, name)  # a group edited since it was added
                 if reason is not None:
                     raise ValueError(f"{reason} (param group {index})")
                 state = self.state[p]
@@ -581,7 +620,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                     state["step"] = torch.tensor(
                         0.0, dtype=torch.float32,
                         device=p.device if group.get("capturable", False) else None)
-                    state.update(rule.init_state(p, group, name, start + offset))
+                    state.update(rule.init_state(seen, group, name, start + offset))
 
     @torch.no_grad()
     def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
@@ -612,9 +651,12 @@ class RuleOptimizer(torch.optim.Optimizer):
             params, grads, states, names = [], [], [], []
             for p, name in zip(group["params"], self._names(group), strict=True):
                 if p.grad is not None:
-                    params.append(p)
-                    grads.append(-p.grad if group["maximize"] else p.grad)
+                    grad = -p.grad if group["maximize"] else p.grad
                     states.append(self.state[p])
+                    if group.get("view") is not None:  # the rule sees the view (state too)
+                        p, grad = viewed(p, group, name), grad.reshape(group["view"])
+                    params.append(p)
+                    grads.append(grad)
                     names.append(name)
             if not params:
                 continue
@@ -787,7 +829,10 @@ class RuleOptimizer(torch.optim.Optimizer):
     def _check_param_state(state: Mapping[str, Any], p: Tensor, group: dict[str, Any],
                            rule: Rule, where: str) -> None:
         """Check one parameter's saved state against what ``rule`` would create for ``p``."""
-        meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
+        try:
+            meta = viewed(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"), group)
+        except ValueError as e:
+            raise ValueError(f"state dict does not fit: {where}: {e}") from None
         try:
             expected = {"step": torch.empty((), dtype=torch.float32, device="meta"),
                         **rule.init_state(meta, group, where)}

@@ -31,9 +31,11 @@ available, in this order (``docs/routing.md``):
    ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``);
    transformers' mixture-of-experts modules (:mod:`sage_torch.moe`: fused experts
    ``(E, out, in)`` or ``(E, in, out)`` by class, the expert axis a batch axis; routers
-   ``(E, d)`` dense ``(out, in)``; peft's LoRA factors of fused experts are refused, no
-   route treating each expert's factor by itself).  peft and transformers are never
-   imported: their classes are looked up in ``sys.modules``.
+   ``(E, d)`` dense ``(out, in)``; DBRX's flattened experts ``(E·n, d)`` with the view
+   ``(E, n, d)``; peft's LoRA factors of fused experts (``ParamWrapper``) per expert, with
+   the views peft reshapes them by: ``lora_A`` ``(E·r, in)`` as ``(E, r, in)``, ``lora_B``
+   ``(out, r·E)`` as ``(out, r, E)``; a route's ``view`` is applied by the optimizer).
+   peft and transformers are never imported: their classes are looked up in ``sys.modules``.
 4. **shapes and names, last and only where unambiguous**: 0-D/1-D parameters (and tensors
    with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors.  The
    output head by shape: when *the* token table is known (the model API's, the only
@@ -196,18 +198,19 @@ def _is_peft_lora_embedding(module: nn.Module | None) -> bool:
     return module is not None and cls is not None and isinstance(module, cls)
 
 
-def _peft_expert_factors(model: nn.Module) -> dict[int, str]:
+def _peft_expert_factors(model: nn.Module) -> dict[int, tuple[Route | None, str]]:
     """The LoRA factors that peft's ``ParamWrapper`` holds for fused experts, by ``id``.
 
     ``target_parameters`` LoRA on an ``(E, ., .)`` experts tensor stores the factors of all
     experts in two ``nn.Linear`` weights, ``lora_A`` ``(E·r, in)`` (expert-major rows) and
     ``lora_B`` ``(out, r·E)`` (expert-minor columns), which peft reshapes per expert rather
-    than calls; the value describes one for the refusal.
+    than calls: each gets the per-expert route of :func:`sage_torch.moe.peft_factor_route`
+    (a view), or ``None`` with a description for the refusal when its shape does not split.
     """
     cls = _class_from("peft.tuners.lora.layer", "ParamWrapper")
     if cls is None:
         return {}
-    found: dict[int, str] = {}
+    found: dict[int, tuple[Route | None, str]] = {}
     for module in model.modules():
         experts = getattr(module, "num_experts", 1)
         if not isinstance(module, cls) or not isinstance(experts, int) or experts <= 1:
@@ -220,8 +223,10 @@ def _peft_expert_factors(model: nn.Module) -> dict[int, str]:
             for linear in getattr(module, which, {}).values():
                 weight = getattr(linear, "weight", None)
                 if isinstance(weight, nn.Parameter):
-                    found[id(weight)] = (f"peft LoRA's {which} of the {experts} experts of "
-                                         f"{target} (ParamWrapper): {layout}")
+                    found[id(weight)] = (
+                        moe.peft_factor_route(which, weight, experts, target),
+                        f"peft LoRA's {which} of the {experts} experts of {target} "
+                        f"(ParamWrapper): {layout}")
     return found
 
 
@@ -641,7 +646,7 @@ class _Router:
             r = _owner_route(o, p)
             if r is not None:
                 routes.append((o, r))
-        if len({(r.kind == "vector", r.fan_in, r.fan_out) for _, r in routes}) > 1:
+        if len({(r.kind == "vector", r.fan_in, r.fan_out, r.view) for _, r in routes}) > 1:
             listed = "; ".join(f"{o.path} ({r.evidence}: fan_in={r.fan_in}, "
                                f"fan_out={r.fan_out})" for o, r in routes)
             options = [(Route(r.kind, r.fan_in, r.fan_out),
@@ -679,7 +684,7 @@ class _Router:
             source = (embedding or routes)[0][0].path
             evidence = f"tied to {source}"
         first = routes[0][1]
-        return Route(kind, first.fan_in, first.fan_out, evidence=evidence)
+        return Route(kind, first.fan_in, first.fan_out, evidence=evidence, view=first.view)
 
     @property
     def vocab(self) -> int | None:
@@ -702,10 +707,11 @@ class _Router:
                     f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False",
                     leaf=name, shape=p.shape,
                 ), final=True)
-        if id(p) in self.expert_factors:  # refused, but an override's kind takes its axes
+        if id(p) in self.expert_factors:  # per expert; else refused (a kind takes Linear's)
+            factor, what = self.expert_factors[id(p)]
             return core.Evidence(
                 name, tuple(int(n) for n in p.shape),
-                _merged_expert_factors(name, p, self.expert_factors[id(p)]),
+                factor if factor is not None else _merged_expert_factors(name, p, what),
                 layout=self._layout(name, p))
         try:
             route: Route | RoutingError = self._default(name, p, regs)

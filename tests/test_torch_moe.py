@@ -265,22 +265,105 @@ def test_each_router_is_an_out_in_matrix(key):
 # whole models: no override, one training step, experts checked with real gradients
 # ---------------------------------------------------------------------------
 
-NOT_MOE_REFUSALS = {  # families whose tiny model has refused parameters outside its MoE
-    "deepseek_v4": ("hc_fn", "attn_hc.fn", "ffn_hc.fn", "position_bias"),  # hyper-connections
-    "hy_v4": ("attn_hc.fn", "ffn_hc.fn", "hc_fn"),  # hyper-connections
-    "inkling": ("rel_logits_proj.proj",),  # relative logits: a custom (d, buckets) matrix
+HC_MULT, D_REL, REL_EXTENT = 2, 6, 10
+CUSTOM = {  # families with custom matrices outside the MoE (the tiny config sets their sizes)
+    "deepseek_v4": dict(hc_mult=HC_MULT),  # hyper-connections, compressors' position_bias
+    "hy_v4": dict(hc_mult=HC_MULT),  # hyper-connections
+    "hy_v4_vl": dict(hc_mult=HC_MULT),  # hyper-connections
+    "glm5_next": dict(hc_mult=HC_MULT),  # hyper-connections, the indexer's gate
+    **{f: dict(d_rel=D_REL, rel_extent=REL_EXTENT, sliding_window_size=REL_EXTENT)
+       for f in ("inkling2", "inkling2_loop")},  # relative position bias (d_rel, extent)
+    "inkling": dict(d_rel=D_REL, rel_extent=REL_EXTENT,  # relative logits (d_rel, extent)
+                    sliding_window_size=REL_EXTENT),  # a sliding layer's extent
 }
 
 
+def _custom_truth(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(fan_in, fan_out)`` of a custom matrix from its forward (not from sage_torch.moe).
+
+    Hyper-connections read ``F.linear(flat, fn)`` with ``flat`` the ``hc_mult`` streams of
+    the hidden state concatenated (width ``hc_mult·d``); Inkling's relative logits read
+    ``relative_states @ proj`` with ``relative_states`` of width ``d_rel``; GLM-5 Next's
+    indexer ``F.linear(hidden_states, index_kpool_compress_gate)``.  ``None`` for another
+    parameter.
+    """
+    leaf = name.rpartition(".")[2]
+    if leaf in ("fn", "hc_fn"):
+        hidden = shape.index(HC_MULT * HIDDEN)
+        return hidden, 1 - hidden
+    if name.endswith(("rel_logits_proj.proj", "relative_position_bias.proj")):
+        assert shape == (D_REL, REL_EXTENT), shape
+        return 0, 1
+    if leaf == "index_kpool_compress_gate":  # F.linear(hidden_states, gate)
+        hidden = shape.index(HIDDEN)
+        return hidden, 1 - hidden
+    return None
+
+
+LANGUAGE_MODELS = {  # families without a *ForCausalLM: the language model of the composite
+    **{f: f"{c}TextModel" for f, c in (
+        ("deepseek_ocr2", "DeepseekOcr2"), ("ernie4_5_vl_moe", "Ernie4_5_VLMoe"),
+        ("glm4v_moe", "Glm4vMoe"), ("glm5_next", "Glm5Next"), ("hy_v4_vl", "HYV4VL"),
+        ("mistral_large4", "MistralLarge4"), ("muse_spark", "MuseSpark"),
+        ("qwen3_omni_moe", "Qwen3OmniMoeThinker"), ("qwen3_vl_moe", "Qwen3VLMoe"),
+        ("step3p7", "Step3p7"), ("unlimited_ocr", "UnlimitedOcr"))},
+    "diffusion_gemma": "DiffusionGemmaEncoderTextModel",  # its decoder is the same layers
+    "openai_privacy_filter": "OpenAIPrivacyFilterForTokenClassification",  # a tagger
+}
+MODEL_EXTRA = {  # what a whole tiny model needs besides TINY and EXTRA (sizes, MoE layers)
+    "gemma4": dict(vocab_size_per_layer_input=40, hidden_size_per_layer_input=8,
+                   global_head_dim=8, enable_moe_block=True, top_k_experts=2),
+    **{f: dict(unpadded_vocab_size=40, swa_num_attention_heads=2, swa_num_key_value_heads=2,
+               swa_head_dim=8) for f in ("inkling2", "inkling2_loop")},
+    "kimi_linear": dict(linear_attn_config={"head_dim": 8, "num_heads": 2,
+                                            "short_conv_kernel_size": 4,
+                                            "full_attn_layers": [], "kda_layers": [1]}),
+    "glm5_next": dict(linear_head_dim=8, linear_num_heads=2, mlp_layer_types=["sparse"]),
+    "step3p7": dict(mlp_layer_types=["sparse"], share_expert_dim=WIDTH, sliding_window=4),
+    "hy_v4_vl": dict(mlp_layer_types=["sparse"]),
+    "diffusion_gemma": dict(top_k_experts=2),
+    "glm4v_moe": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                       "mrope_section": [1, 1, 0]}),
+    "deepseek_ocr2": dict(mlp_layer_types=["sparse"]),
+    "lfm2_moe": dict(num_dense_layers=0, layer_types=["full_attention"]),
+    "ernie4_5_vl_moe": dict(moe_intermediate_size=[WIDTH, WIDTH], mlp_layer_types=["sparse"],
+                            moe_k=2, moe_num_experts=EXPERTS,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [1, 1, 2]}),
+}
+
+
+FLOAT32_ROUTERS = {
+    # modeling_inkling2.py:809,811 hidden_states.float(); F.linear(flat, self.weight)
+    "inkling2.modeling_inkling2.Inkling2TopKRouter",
+    # modeling_inkling2_loop.py:1165,1167 (the same)
+    "inkling2_loop.modeling_inkling2_loop.Inkling2LoopTopKRouter",
+}
+
+
+def _loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The model's training loss on ``ids``: next-token, tagging, or the hidden states'."""
+    name = type(model).__name__
+    if name.endswith("ForCausalLM"):
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+    if name.endswith("ForTokenClassification"):
+        return model(input_ids=ids, labels=ids % model.config.num_labels).loss
+    return model(input_ids=ids, use_cache=False).last_hidden_state.pow(2).mean()
+
+
 def _causal_lm(family: str) -> nn.Module:
+    """A tiny model of ``family``: its *ForCausalLM, or :data:`LANGUAGE_MODELS`'s model."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     names = sorted(n for n in dir(module) if n.endswith("ForCausalLM"))
+    names = names or [n for n in (LANGUAGE_MODELS.get(family),) if n is not None]
     if not names:
-        pytest.skip(f"{family}: no *ForCausalLM (a composite model; its experts are tested "
-                    "as modules above)")
+        pytest.skip(f"{family}: no *ForCausalLM and no language model in LANGUAGE_MODELS; "
+                    "its experts are tested as modules above")
     model_cls = getattr(module, names[0])
     try:
-        config = model_cls.config_class(**{**TINY, **EXTRA.get(family, {})})
+        config = model_cls.config_class(**{**TINY, **EXTRA.get(family, {}),
+                                           **CUSTOM.get(family, {}),
+                                           **MODEL_EXTRA.get(family, {})})
         with torch.device("meta"):
             size = sum(p.numel() for p in model_cls(config).parameters())
     except Exception as e:  # noqa: BLE001
@@ -290,28 +373,32 @@ def _causal_lm(family: str) -> nn.Module:
         pytest.skip(f"{family}: {size} parameters from the tiny config (sizes it does not "
                     "take); its experts are tested as modules above")
     torch.manual_seed(0)
-    return model_cls(config).double().eval()
+    model = model_cls(config).double().eval()
+    for module in model.modules():  # routers that compute in float32 (hidden_states.float())
+        if _key(type(module)) in FLOAT32_ROUTERS:
+            module.float()
+    return model
 
 
 @pytest.mark.parametrize("family", sorted({_family(k) for k in moe.EXPERTS}))
 def test_a_tiny_model_of_each_family_trains_with_no_override(family):
     model = _causal_lm(family)
-    if family in NOT_MOE_REFUSALS:
-        with pytest.raises(RoutingError) as info:
-            sage_torch.make_optimizer("sage-hybrid", model)
-        refused = set(info.value.overrides)
-        assert refused and all(any(n.endswith(s) or f".{s}" in n for s in
-                                   NOT_MOE_REFUSALS[family]) for n in refused), refused
-        return
     ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
     keep = copy.deepcopy(model.state_dict())
-    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss = _loss(model, ids)
     loss.backward()
     experts = [m for m in model.modules() if _fused(type(m))]
     fused = {n: p for n, p in model.named_parameters() if p.dim() == 3 and p.grad is not None
              and p.grad.abs().sum() > 0
              and any(p is q for m in experts for q in m.parameters(recurse=False))}
     assert fused, f"{family}: no expert received a gradient"
+    custom = {n: _custom_truth(n, tuple(p.shape)) for n, p in model.named_parameters()
+              if p.dim() == 2 and p.grad is not None and _custom_truth(n, tuple(p.shape))}
+    assert bool(custom) == (family in CUSTOM), (family, sorted(custom))
+    routes = {r.name: r.route for r in sage_torch.route_params(model)}
+    assert all(routes[n].kind == "vector" for n in routes if n.endswith("position_bias"))
+    truths = {**{n: _truth(n, tuple(p.shape)) for n, p in fused.items()}, **custom}
+    fused = {**fused, **{n: p for n, p in model.named_parameters() if n in custom}}
     before = {n: p.detach().numpy().copy() for n, p in fused.items()}
     grads = {n: p.grad.detach().numpy().copy() for n, p in fused.items()}
     opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR)
@@ -319,7 +406,7 @@ def test_a_tiny_model_of_each_family_trains_with_no_override(family):
     for n, p in model.named_parameters():
         assert torch.isfinite(p).all(), n
     for n, p in fused.items():
-        assert _right(p.detach().numpy(), before[n], grads[n], _truth(n, tuple(p.shape))), (
+        assert _right(p.detach().numpy(), before[n], grads[n], truths[n]), (
             f"{family}: {n} {tuple(p.shape)}")
     model.load_state_dict(keep)
 
@@ -360,31 +447,138 @@ def test_a_subclass_of_a_listed_experts_class_gets_its_layout():
     assert (routed["gate_up_proj"].fan_in, routed["gate_up_proj"].fan_out) == ((1,), (2,))
 
 
-def test_peft_lora_factors_of_fused_experts_are_refused_with_a_remedy_and_then_train():
+@pytest.mark.parametrize("family", sorted(CUSTOM))
+def test_custom_matrices_get_the_step_of_their_forward_reading(family):
+    model = _causal_lm(family)
+    custom = {n: _custom_truth(n, tuple(p.shape)) for n, p in model.named_parameters()
+              if p.dim() == 2 and _custom_truth(n, tuple(p.shape))}
+    assert custom, family
+    before, grads = _step(model)
+    params = dict(model.named_parameters())
+    for n, truth in custom.items():
+        assert _right(params[n].detach().numpy(), before[n], grads[n], truth), n
+    twin = _causal_lm(family)
+    flipped = {n: Route("dense", fan_in=t[1], fan_out=t[0]) for n, t in custom.items()}
+    before, grads = _step(twin, flipped)
+    params = dict(twin.named_parameters())
+    for n, truth in custom.items():
+        assert not _right(params[n].detach().numpy(), before[n], grads[n], truth), n
+
+
+# ---------------------------------------------------------------------------
+# views: peft LoRA on fused experts, DBRX's flattened experts
+# ---------------------------------------------------------------------------
+
+
+def _per_expert_right(after, before, grad, split, axes) -> bool:
+    """Whether each expert's matrix ``split(x)[e]`` got the SinkGD step of ``axes``."""
+    return _right(split(after), split(before), split(grad), axes)
+
+
+def _lora_model(family: str):
     peft = pytest.importorskip("peft")
     if not hasattr(peft.LoraConfig(), "target_parameters"):
         pytest.skip(f"peft {peft.__version__} has no target_parameters (LoRA on experts)")
-    model = peft.get_peft_model(_causal_lm("mixtral"), peft.LoraConfig(
-        r=2, target_modules=["q_proj"],
+    modules = ["q_proj", "o_proj"] + (["shared_expert.gate_proj"] if family == "qwen2_moe"
+                                      else [])
+    return peft.get_peft_model(_causal_lm(family), peft.LoraConfig(
+        r=2, target_modules=modules,
         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    with pytest.raises(RoutingError) as info:
-        sage_torch.make_optimizer("sage-hybrid", model)
-    message = str(info.value)
-    assert "lora_A of the 4 experts of MixtralExperts.gate_up_proj (ParamWrapper)" in message
-    refused = info.value.overrides
-    assert sorted(refused) == sorted(n for n in dict(model.named_parameters())
-                                     if ".experts." in n and ".lora_" in n)
-    assert set(refused.values()) == {"dense"}
-    opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR, route_overrides=refused)
-    routed = {r.name: r.route for r in sage_torch.route_params(model, refused)}
-    a = next(n for n in refused if n.endswith("lora_A.default.weight"))
-    assert (routed[a].fan_in, routed[a].fan_out) == ((1,), (0,))  # as nn.Linear reads it
-    q = next(n for n in routed if "q_proj.lora_A" in n)
-    assert routed[q].evidence == "module nn.Linear"  # LoRA on attention: no override
-    ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
-    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+
+def _lora_factors(model) -> dict[str, tuple[int, int, int]]:
+    """Each expert factor's name -> ``(E, r, which)``, checked against peft's own delta.
+
+    peft's ``ParamWrapper.get_delta_weight`` is the truth: the factors are read per expert
+    as ``A.reshape(E, r, in)[e]`` and ``B.reshape(out, r, E)[:, :, e]`` exactly when the
+    delta of expert ``e`` is ``B_e @ A_e`` (as (out, in); transposed for an (E, in, out)
+    tensor), which this checks on random factors.
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    found = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for wrapper in (m for m in model.modules() if isinstance(m, ParamWrapper)):
+        a, b = wrapper.lora_A["default"].weight, wrapper.lora_B["default"].weight
+        experts, r = wrapper.num_experts, wrapper.r["default"]
+        with torch.no_grad():
+            a.normal_(), b.normal_()
+            delta = wrapper.get_delta_weight("default") / wrapper.scaling["default"]
+            mine = torch.stack([b.reshape(b.shape[0], r, experts)[:, :, e]
+                                @ a.reshape(experts, r, -1)[e] for e in range(experts)])
+        if tuple(delta.shape) != tuple(mine.shape):
+            mine = mine.transpose(1, 2)  # the tensor is (E, in, out)
+        assert torch.allclose(delta, mine, rtol=0, atol=1e-10), names[id(a)]
+        found[names[id(a)]] = (experts, r, 0)
+        found[names[id(b)]] = (experts, r, 1)
+    return found
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen2_moe", "qwen3_moe"])
+def test_peft_lora_factors_of_fused_experts_get_each_experts_step(family):
+    model = _lora_model(family)
+    factors = _lora_factors(model)
+    assert len(factors) == 4, sorted(factors)
+    routed = {r.name: r.route for r in sage_torch.route_params(model)}
+    linear = [n for n in routed if ".lora_" in n and n not in factors]
+    assert linear and all(routed[n].evidence == "module nn.Linear" for n in linear), linear
+
+    def split(name):
+        experts, r, which = factors[name]
+        if which == 0:  # A (E·r, in) -> (E, r, in)
+            return lambda x: x.reshape(experts, r, -1)
+        return lambda x: np.moveaxis(x.reshape(x.shape[0], r, experts), 2, 0)  # B: (E, out, r)
+
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    gen = torch.Generator().manual_seed(1)
+    for p in trainable.values():
+        p.data = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+    before = {n: p.detach().numpy().copy() for n, p in trainable.items()}
+    grads = {n: p.grad.detach().numpy().copy() for n, p in trainable.items()}
+    state = copy.deepcopy(model.state_dict())
+    opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR)
     opt.step()
+    for n in factors:  # each expert's factor is an (out, in) matrix of F.linear
+        after = trainable[n].detach().numpy()
+        assert _per_expert_right(after, before[n], grads[n], split(n), (1, 0)), n
+        assert not _right(after, before[n], grads[n], (1, 0)), f"{n}: merged passed"
+    for n in linear:
+        assert _right(trainable[n].detach().numpy(), before[n], grads[n], (1, 0)), n
+    # the transposed reading of each expert's factor (same view) and the merged one fail
+    for wrong in ("transposed", "merged"):
+        model.load_state_dict(state)
+        for n, p in trainable.items():
+            p.grad = torch.from_numpy(grads[n].copy())
+        overrides = {n: Route("dense", fan_in=1, fan_out=0) if wrong == "merged" else Route(
+                         "dense", fan_in=routed[n].fan_out, fan_out=routed[n].fan_in,
+                         batch=routed[n].batch, view=routed[n].view) for n in factors}
+        sage_torch.make_optimizer("sage-hybrid", model, lr=LR, route_overrides=overrides).step()
+        for n in factors:
+            assert not _per_expert_right(trainable[n].detach().numpy(), before[n], grads[n],
+                                         split(n), (1, 0)), f"{n}: {wrong} passed"
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_peft_lora_on_moe_models_trains_with_no_override(family):
+    model = _lora_model(family)
+    opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR)
+    views = [g["view"] for g in opt.param_groups if g.get("view") is not None]
+    assert len(views) == 4, views
+    ids = torch.randint(0, TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        losses.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert losses[-1] < losses[0], losses
+    saved = opt.state_dict()  # the state of a viewed factor has the view's shape
+    fresh = sage_torch.make_optimizer("sage-hybrid", model, lr=LR)
+    fresh.load_state_dict(saved)
+    assert all(torch.equal(fresh.state[p]["step"], opt.state[p]["step"]) for p in opt.state)
 
 
 def test_docs_routing_lists_every_experts_class_with_its_layout():
@@ -393,6 +587,17 @@ def test_docs_routing_lists_every_experts_class_with_its_layout():
         row = next((line for line in doc.splitlines()
                     if f"| `{key.rsplit('.', 1)[1]}` |" in line), None)
         assert row is not None and f"| {layout} |" in row, key
+
+
+def test_docs_routing_lists_every_custom_matrix_with_its_route():
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "routing.md").read_text()
+    tables = [(moe.MATRICES, lambda r: f"dense {'(out, in)' if r == moe.LINEAR else '(in, out)'}"),
+              ({k: dict.fromkeys(v, None) for k, v in moe.ELEMENTWISE.items()}, lambda r: "vector")]
+    for table, route in tables:
+        for key, attrs in table.items():
+            for attr, reading in attrs.items():
+                row = f"| `{key.rsplit('.', 1)[1]}` | `{attr}` | {route(reading)} |"
+                assert row in doc, row
 
 
 def test_every_router_class_with_a_weight_matrix_is_in_the_table():
@@ -418,26 +623,84 @@ def test_every_router_class_with_a_weight_matrix_is_in_the_table():
     assert not sorted(found - moe.ROUTERS), sorted(found - moe.ROUTERS)
 
 
-def test_dbrx_flattened_experts_are_refused_with_the_forward_reading_first():
-    """DBRX stores its experts as (E·ffn, d) weights viewed per expert: no per-expert route."""
+def _dbrx():
     if getattr(transformers, "DbrxForCausalLM", None) is None:
         pytest.skip(f"transformers {transformers.__version__} has no DBRX")
     torch.manual_seed(0)
-    model = transformers.DbrxForCausalLM(transformers.DbrxConfig(
+    return transformers.DbrxForCausalLM(transformers.DbrxConfig(
         vocab_size=40, d_model=HIDDEN, n_layers=1, n_heads=2, max_seq_len=32,
         attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-        ffn_config=dict(ffn_hidden_size=WIDTH, moe_num_experts=EXPERTS, moe_top_k=2)))
-    with pytest.raises(RoutingError) as info:
-        sage_torch.make_optimizer("sage-hybrid", model)
-    assert "its forward views it per expert" in str(info.value)
+        ffn_config=dict(ffn_hidden_size=WIDTH, moe_num_experts=EXPERTS, moe_top_k=2))).double()
+
+
+def test_dbrx_flattened_experts_get_each_experts_step():
+    """DBRX stores its experts as (E·ffn, d) weights and reads ``w.view(-1, ffn, d)[e]``:
+    ``x.matmul(w1[e].T)``, ``x.matmul(v1[e].T)`` (each (out, in)), ``h.matmul(w2[e])``
+    ((in, out))."""
+    truth = {"w1": (1, 0), "v1": (1, 0), "w2": (0, 1)}  # modeling_dbrx.py:264,265,268
+
+    def split(x):
+        return x.reshape(-1, WIDTH, HIDDEN)
+
     prefix = "transformer.blocks.0.ffn.experts.mlp."
-    assert info.value.overrides == {
-        prefix + "w1": Route("dense", fan_in=1, fan_out=0),  # x.matmul(w1[e].T)
-        prefix + "v1": Route("dense", fan_in=1, fan_out=0),
-        prefix + "w2": Route("dense", fan_in=0, fan_out=1)}  # x.matmul(w2[e])
-    opt = sage_torch.make_optimizer("sage-hybrid", model, lr=LR,
-                                    route_overrides=info.value.overrides)
+    model = _dbrx()
+    routed = {r.name: r.route for r in sage_torch.route_params(model)}
+    assert {routed[prefix + w].view for w in truth} == {(EXPERTS, WIDTH, HIDDEN)}
+    before, grads = _step(model)
+    params = dict(model.named_parameters())
+    for w, axes in truth.items():
+        n = prefix + w
+        after = params[n].detach().numpy()
+        assert _per_expert_right(after, before[n], grads[n], split, axes), n
+        assert not _right(after, before[n], grads[n], axes), f"{n}: merged passed"
+    for wrong in ("transposed", "merged"):
+        twin = _dbrx()
+        overrides = {prefix + w: Route("dense", fan_in=axes[1] + 1, fan_out=axes[0] + 1,
+                                       batch=0, view=(EXPERTS, WIDTH, HIDDEN))
+                     if wrong == "transposed" else Route("dense", fan_in=axes[0],
+                                                         fan_out=axes[1])
+                     for w, axes in truth.items()}
+        before, grads = _step(twin, overrides)
+        params = dict(twin.named_parameters())
+        for w, axes in truth.items():
+            n = prefix + w
+            assert not _per_expert_right(params[n].detach().numpy(), before[n], grads[n],
+                                         split, axes), f"{n}: {wrong} passed"
+    # a real step with no override; the state has the view's shape and round-trips
+    model = _dbrx()
+    opt = sage_torch.make_optimizer("sage-pure", model, lr=LR)
     ids = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+    w1 = dict(model.named_parameters())[prefix + "w1"]
+    assert tuple(opt.state[w1]["exp_avg"].shape) == (EXPERTS, WIDTH, HIDDEN)
+    assert tuple(opt.state[w1]["scale_avg"].shape) == (EXPERTS, HIDDEN)  # per expert
+    fresh = sage_torch.make_optimizer("sage-pure", model, lr=LR)
+    fresh.load_state_dict(opt.state_dict())
+    assert torch.equal(fresh.state[w1]["exp_avg"], opt.state[w1]["exp_avg"])
+
+
+def test_a_route_view_is_checked_and_refused_by_sage_optax():
+    with pytest.raises(RoutingError, match=r"views it as \(3, 4, 4\), which has 48 elements"):
+        Route("dense", fan_in=2, fan_out=1, batch=0, view=(3, 4, 4)).resolve((8, 4), "w")
+    with pytest.raises(RoutingError, match="view must be a tuple of positive ints"):
+        Route("dense", fan_in=2, fan_out=1, view=(2, 0, 4))
+    model = _dbrx()
+    name = "transformer.blocks.0.ffn.experts.mlp.w1"
+    with pytest.raises(ValueError, match=r"cannot be viewed as \(5, 24, 16\)"):
+        sage_torch.make_optimizer("sage-hybrid", model, route_overrides={
+            name: Route("dense", fan_in=2, fan_out=1, batch=0, view=(4, 24, 16))}
+        ).add_param_group({"params": [nn.Parameter(torch.zeros(96, 16))], "kind": "dense",
+                           "view": (5, 24, 16), "fan_in_dim": 2, "fan_out_dim": 1})
+    jnp = pytest.importorskip("jax.numpy")
+    sage_optax = pytest.importorskip("sage_optax")
+    with pytest.raises(RoutingError, match=r"parameter 'w': Route\(view=\(2, 4, 4\)\) is not "
+                                           "supported by sage_optax"):
+        sage_optax.route_params({"w": jnp.zeros((8, 4))}, {"w": Route(
+            "dense", fan_in=2, fan_out=1, batch=0, view=(2, 4, 4))})
+    tx = sage_optax.sinkgd(1e-2, axes={"w": Route("dense", fan_in=2, fan_out=1, batch=0,
+                                                  view=(2, 4, 4))})
+    params = {"w": jnp.ones((8, 4))}
+    with pytest.raises(RoutingError, match=r"parameter '.*w.*': Route\(view=\(2, 4, 4\)\) is not"):
+        tx.update(params, tx.init(params), params)
