@@ -14,7 +14,10 @@ convention):
    ``nnx.Einsum`` (contracted kernel letters are fan-in, kept letters fan-out, letters shared
    with the input and the output batch), ``nnx.Conv`` ``(*taps, Cin, Cout)`` (fan-in =
    input channels and taps, merged); extra leading axes (``nnx.vmap``/``nnx.scan``) are
-   batch axes;
+   batch axes; for linen, ``model=sage_optax.linen_model(module, *inputs)`` reads
+   ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``, ``nn.Conv`` and the
+   norm layers the same way (:mod:`sage_optax.linen_evidence`), axes inserted by
+   ``nn.scan``/``nn.vmap`` being batch axes wherever they stand;
 3. **logical axis names** (:mod:`sage_optax.logical`): ``nn.Partitioned`` boxes, the
    ``out_sharding`` metadata of ``nnx.Param``, or ``axis_names=``, read through
    :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
@@ -30,8 +33,9 @@ convention):
    or ``out`` (linen's ``nn.MultiHeadDotProductAttention``), unless a sibling bias says
    stacked layers.  A PyTorch-named ``weight`` follows ``sage_torch``'s name rules: GPT-2's
    ``Conv1D`` names (``c_attn``, ...) are refused, ``wpe``/``shared``/
-   ``relative_attention_bias`` are tables.  ``model=`` reads NNX and Equinox modules only;
-   a linen module (bound or not) is refused with a ``TypeError``.
+   ``relative_attention_bias`` are tables.  ``model=`` reads NNX and Equinox modules and
+   :func:`sage_optax.linen_model`; a bare linen module (bound or not) is refused with a
+   ``TypeError`` naming ``linen_model``.
 
 A **head** (an untied output projection: kind ``embedding``, vocab axis as fan-out) is a
 dense matrix with the shape of *the* token embedding, ``(d, V)`` (``(V, d)`` in the torch
@@ -323,7 +327,9 @@ def _spatial(conv: Any) -> int:
 def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the modules of ``model``, keyed by dotted path.
 
-    ``model`` is a flax NNX module or an Equinox model (:func:`equinox_routes`).  For NNX,
+    ``model`` is a flax NNX module, an Equinox model (:func:`equinox_routes`) or a linen
+    module with a sample input (:func:`sage_optax.linen_model`,
+    :func:`sage_optax.linen_evidence.linen_routes`).  For NNX,
     only parameters owned by a module of known layout appear (``nnx.Embed``,
     ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
     ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other
@@ -332,17 +338,22 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """
     if _is_equinox_module(model):
         return equinox_routes(model)
+    from sage_optax import linen_evidence
+
+    if isinstance(model, linen_evidence.LinenModel):
+        return linen_evidence.linen_routes(model)
     if not _is_nnx_module(model):
         linen = sys.modules.get("flax.linen")
-        what = ("a flax linen module, whose submodules exist only inside apply, so there are "
-                "no modules to read (bound or not)" if linen is not None
-                and isinstance(model, linen.Module) else f"a {type(model).__name__}")
+        if linen is not None and isinstance(model, linen.Module):
+            raise TypeError(
+                "model= got a flax linen module, whose submodules exist only while it runs "
+                "(bound or not); pass it with a sample input, "
+                "model=sage_optax.linen_model(module, *inputs) (jax.ShapeDtypeStruct inputs "
+                "will do), so that its module types decide, or give the multi-axis leaves "
+                "their axes in route_overrides")
         raise TypeError(
-            f"model= takes a flax NNX module or an Equinox model, got {what}; route the "
-            "params tree without model= (2-D kernels and embeddings route by name) and give "
-            "multi-axis leaves their axes in route_overrides: the RoutingError lists them "
-            "with a block to paste"
-        )
+            f"model= takes a flax NNX module, an Equinox model or "
+            f"sage_optax.linen_model(module, *inputs), got a {type(model).__name__}")
     return _module_evidence_of_nnx(model)
 
 
@@ -496,7 +507,11 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
     elif facts.nnx_tree:
         remedy = ("Pass the model (make_optimizer(..., model=model), route_params(model)) so "
                   "that its module types decide, or give it")
-    else:  # linen, Haiku, a state dict: no model to pass (model= reads NNX and Equinox only)
+    elif facts.flax:  # a linen (or Haiku) tree: the linen module and an input decide
+        remedy = ("A plain params tree has no module evidence: for a linen model pass "
+                  "model=sage_optax.linen_model(module, *inputs) so that its module types "
+                  "decide, or give it")
+    else:  # a state dict: no model to pass
         remedy = "A plain params tree has no module evidence: give it"
     attention = _attention_reading(name, shape, facts)
     if leaf in core.VECTOR_NAMES or leaf == "offset":
@@ -821,11 +836,12 @@ def route_params(
         evidence.update(equinox_routes(params))
     names = logical.names_of(model) if model is not None and _is_nnx_module(model) else {}
     names.update(logical.names_of(params))
-    if axis_names is not None:
-        names.update(logical.names_of(axis_names))
+    given = logical.names_of(axis_names) if axis_names is not None else {}
+    names.update(given)
     nnx_tree = _is_nnx_state(params) or (model is not None and _is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
+    logical.check_matched(given, [n for n, _ in named])
     # Globs are matched against every path, masked ones too: optax.partition routes each
     # kind's subtree with the other kinds' leaves masked.
     override_of = core.match_overrides([n for n, _ in named], overrides)
@@ -914,6 +930,15 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
                           "the module's reading is right"),
                          (dataclasses.replace(by_names, evidence="override"),
                           "the axis names are right")]), True
+        if isinstance(route, Route) and isinstance(by_names, Route):  # same axes: the kinds
+            vocab = any(isinstance(n, str) and roles.get(n) == "vocab" for n in names[name])
+            clash = logical.kind_conflict(route, by_names, name, shape, vocab)
+            if clash is not None:
+                return clash, True
+            if route.kind != by_names.kind:  # a matrix whose fan-out the names call vocab
+                return dataclasses.replace(
+                    by_names, evidence=f"{route.evidence}, its output {by_names.evidence}"
+                    " (a head)"), True
         return route, True
     if by_names is not None:
         placed = all(isinstance(n, str) and roles.get(n) is not None for n in names[name])
