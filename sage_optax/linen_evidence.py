@@ -39,6 +39,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from sage_optax import axes as axes_lib
 from sage_optim import routing as core
@@ -220,9 +221,21 @@ def _run(model: LinenModel) -> tuple[dict[tuple[str, ...], _Seen], dict[str, tup
         key = jax.random.key(0)
         rngs = {"params": key, "dropout": key}
     extra = {} if model.method is None else {"method": model.method}
+    # arrays and ShapeDtypeStructs are traced; anything else (train=False) stays static
+    leaves, treedef = jax.tree.flatten((model.args, dict(model.kwargs)))
+    traced = [i for i, x in enumerate(leaves)
+              if isinstance(x, jax.ShapeDtypeStruct) or hasattr(x, "__jax_array__")
+              or isinstance(x, jax.Array | np.ndarray)]
+
+    def init(*arrays: Any) -> Any:
+        filled = list(leaves)
+        for i, x in zip(traced, arrays, strict=True):
+            filled[i] = x
+        args, kwargs = jax.tree.unflatten(treedef, filled)
+        return model.module.init(rngs, *args, **extra, **kwargs)
+
     with nn.intercept_methods(interceptor):
-        variables = jax.eval_shape(
-            lambda: model.module.init(rngs, *model.args, **extra, **model.kwargs))
+        variables = jax.eval_shape(init, *[leaves[i] for i in traced])
     stored: dict[str, tuple[int, ...]] = {}
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(variables.get("params", {})))
     for path, x in leaves:

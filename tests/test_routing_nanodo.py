@@ -472,3 +472,21 @@ def test_axis_names_that_name_no_parameter_are_refused_in_one_line():
     assert routes_of(route_params(params, axis_names=boxed))["mlp.kernel"] == (
         "dense", (0,), (1,), ())
     jax.eval_shape(sage_optax.make_optimizer("sage-hybrid", axis_names=boxed).init, params)
+
+
+def test_linen_model_traces_array_inputs_and_keeps_python_ones_static():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, *, train):
+            x = nn.DenseGeneral((2, 3), name="query")(x)
+            if train:  # Python control flow on a keyword input
+                x = nn.Dropout(0.5, deterministic=False)(x)
+            return nn.Dense(4, name="out")(x.reshape(x.shape[:-2] + (6,)))
+
+    x = jax.ShapeDtypeStruct((1, 5), jnp.float32)
+    params = jax.eval_shape(functools.partial(Net().init, train=False), jax.random.key(0), x)
+    for given in (x, np.ones((1, 5), np.float32)):
+        got = routes_of(route_params(params["params"], model=sage_optax.linen_model(
+            Net(), given, train=True)))
+        assert got["query.kernel"] == ("dense", (0,), (1, 2), ())
+        assert got["query.bias"] == ("vector", (), (), ())
