@@ -234,8 +234,18 @@ def _run(model: LinenModel) -> tuple[dict[tuple[str, ...], _Seen], dict[str, tup
         args, kwargs = jax.tree.unflatten(treedef, filled)
         return model.module.init(rngs, *args, **extra, **kwargs)
 
-    with nn.intercept_methods(interceptor):
-        variables = jax.eval_shape(init, *[leaves[i] for i in traced])
+    try:
+        with nn.intercept_methods(interceptor):
+            variables = jax.eval_shape(init, *[leaves[i] for i in traced])
+    except Exception as e:  # the user's module on the user's inputs: say which, keep the cause
+        shapes = ", ".join(
+            f"{type(x).__name__}{tuple(x.shape)}" if hasattr(x, "shape") else repr(x)
+            for x in leaves)
+        raise ValueError(
+            f"linen_model: {type(model.module).__name__}.init on the sample inputs ({shapes}) "
+            f"failed with {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
+            "give the inputs the module's __call__ takes (jax.ShapeDtypeStruct will do)"
+        ) from e
     stored: dict[str, tuple[int, ...]] = {}
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(variables.get("params", {})))
     for path, x in leaves:
@@ -257,9 +267,15 @@ def _placed(route: Route, inner: tuple[int, ...], at: tuple[int, ...], ndim: int
                  batch, evidence=route.evidence)
 
 
-def _stacked(name: str, route: Route, inner: tuple[int, ...], outer: tuple[int, ...],
-             ) -> Route | RoutingError | None:
-    """``route`` of a parameter a lifted transform stacked from ``inner`` to ``outer``."""
+def stacked_route(name: str, route: Route, inner: tuple[int, ...], outer: tuple[int, ...],
+                  transform: str = "nn.scan/nn.vmap") -> Route | RoutingError | None:
+    """``route`` (of the ``inner`` shape) of a parameter a lifted transform stacked to ``outer``.
+
+    The axes of ``outer`` that are not ``inner``'s (matched by size, in order) are batch
+    axes.  ``None`` when ``inner`` does not fit in ``outer``; a :class:`RoutingError` when
+    several placements fit and give different routes (each is a remedy, the leading
+    placement first).
+    """
     if inner == outer:
         return _placed(route, inner, tuple(range(len(inner))), len(outer))
     fits = [c for c in itertools.combinations(range(len(outer)), len(inner))
@@ -271,14 +287,14 @@ def _stacked(name: str, route: Route, inner: tuple[int, ...], outer: tuple[int, 
     readings = list(dict.fromkeys(_placed(route, inner, c, len(outer)) for c in fits))
     if len(readings) == 1:
         r = readings[0]
-        return dataclasses.replace(r, evidence=f"{route.evidence}, stacked by a lifted "
-                                   "transform (nn.scan/nn.vmap): inserted axes are batch")
+        return dataclasses.replace(r, evidence=f"{route.evidence}, stacked by {transform} "
+                                   "(inserted axes are batch)")
     options: list[tuple[Any, str]] = [
         (dataclasses.replace(r, evidence="override"),
          f"the transform stacked axes {r.batch} (variable_axes)") for r in readings]
     return RoutingError(
         f"cannot place {name!r} of shape {outer}: its {route.evidence} is {inner} inside a "
-        f"lifted transform (nn.scan/nn.vmap), and the sizes do not say which axes the "
+        f"lifted transform ({transform}), and the sizes do not say which axes the "
         "transform inserted; give it, e.g. " + core.override_advice(name, outer, options[0][0]),
         leaf=name, shape=outer, options=options)
 
@@ -293,6 +309,8 @@ def linen_routes(model: LinenModel) -> dict[str, Route | RoutingError]:
 
     Raises:
       TypeError: ``model`` is not a :class:`LinenModel`.
+      ValueError: the module fails on the sample inputs (the message names them; the
+        module's own error is its cause).
     """
     if not isinstance(model, LinenModel):
         raise TypeError(f"linen_routes takes a LinenModel (linen_model(...)), got "
@@ -312,7 +330,7 @@ def linen_routes(model: LinenModel) -> dict[str, Route | RoutingError]:
                 out[name] = RoutingError(str(own).replace(repr(attr), repr(name), 1),
                                          leaf=name, shape=outer, options=own.options)
                 continue
-            route = _stacked(name, own, inner, outer)
+            route = stacked_route(name, own, inner, outer)
             if route is not None:
                 out[name] = route
     out.update({f"params.{k}": v for k, v in list(out.items())})

@@ -238,6 +238,62 @@ def _module_evidence_of_nnx(model: Any) -> dict[str, Route | RoutingError]:
             if isinstance(value, nnx.Param) and hasattr(value, "shape")
         }
         out.update(_module_param_routes(node, name, params))
+        out.update(_nnx_stacked(node, name, params))
+    return out
+
+
+def _nnx_own_shape(module: Any, attr: str) -> tuple[int, ...] | None:
+    """The shape ``module`` gives its parameter ``attr`` before any stacking, or None."""
+    from flax import nnx
+
+    def ints(x: Any) -> tuple[int, ...]:
+        return tuple(int(n) for n in (x if isinstance(x, tuple | list) else (x,)))
+
+    if isinstance(module, _norm_types()) and attr in ("scale", "bias"):
+        return ints(getattr(module, "num_features", ()))
+    if isinstance(module, nnx.Embed) and attr == "embedding":
+        return (int(module.num_embeddings), int(module.features))
+    if isinstance(module, nnx.LinearGeneral):
+        batch = ints(tuple(module.batch_axis.values()))
+        out_f = ints(module.out_features)
+        return ((*batch, *ints(module.in_features), *out_f) if attr == "kernel" else
+                (*batch, *out_f) if attr == "bias" else None)
+    if isinstance(module, nnx.Linear):
+        return ((int(module.in_features), int(module.out_features)) if attr == "kernel" else
+                (int(module.out_features),) if attr == "bias" else None)
+    if isinstance(module, nnx.Einsum):
+        own = getattr(module, f"{attr}_shape", None) if attr in ("kernel", "bias") else None
+        return ints(own) if own is not None else None
+    if isinstance(module, nnx.Conv) and attr in ("kernel", "bias"):
+        own = getattr(module, "kernel_shape", None)
+        if own is None:
+            return None
+        return ints(own) if attr == "kernel" else (int(module.out_features),)
+    return None
+
+
+def _nnx_stacked(module: Any, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Routes of ``module``'s parameters that ``nnx.vmap``/``nnx.scan`` stacked off axis 0.
+
+    The module's attributes give each parameter's own shape; the axes the transform
+    inserted (``nnx.StateAxes({nnx.Param: 1})`` puts them anywhere) are batch axes, found
+    as in :func:`sage_optax.linen_evidence.stacked_route`.  Parameters stacked on leading
+    axes only, or of unknown own shape, keep the routes :func:`_module_param_routes` gives.
+    """
+    from sage_optax import linen_evidence
+
+    out: dict[str, Any] = {}
+    for attr, p in params.items():
+        shape, own = tuple(int(n) for n in p.shape), _nnx_own_shape(module, attr)
+        if own is None or len(own) >= len(shape) or shape[len(shape) - len(own):] == own:
+            continue
+        full = f"{name}.{attr}" if name else attr
+        inner = _module_param_routes(module, name, {attr: jax.ShapeDtypeStruct(own, p.dtype)})
+        route = inner.get(full)
+        if isinstance(route, Route):
+            placed = linen_evidence.stacked_route(full, route, own, shape, "nnx.vmap/nnx.scan")
+            if placed is not None:
+                out[full] = placed
     return out
 
 

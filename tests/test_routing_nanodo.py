@@ -363,10 +363,11 @@ def test_linen_scan_and_vmap_stacks_by_module_evidence_per_layer_and_expert():
         params = f64(params)
         grads = random_like(params, 1)
         check_updates(step(params, grads, model=model), grads, STACK_TRUTH)
-        wrong = step(params, grads, model=model,
-                     route_overrides={"layers.query.kernel": Route("dense", 0, (1, 2, 3))})
-        with pytest.raises(AssertionError, match="layers.query.kernel"):
-            check_updates(wrong, grads, STACK_TRUTH)
+        path = "layers.query.kernel"  # the scan axis merged into the fan-out: fails
+        g = {path: grads["layers"]["query"]["kernel"]}
+        wrong = step(f64(g), g, route_overrides={path: Route("dense", 0, (1, 2, 3))})
+        with pytest.raises(AssertionError, match=path):
+            check_updates(wrong, g, {path: STACK_TRUTH[path]})
 
 
 class SquareBody(nn.Module):
@@ -490,3 +491,38 @@ def test_linen_model_traces_array_inputs_and_keeps_python_ones_static():
             Net(), given, train=True)))
         assert got["query.kernel"] == ("dense", (0,), (1, 2), ())
         assert got["query.bias"] == ("vector", (), (), ())
+
+
+def test_a_module_that_fails_on_the_sample_input_says_so_in_one_line():
+    with pytest.raises(ValueError, match=r"linen_model: TransformerDo.init on the sample "
+                       r"inputs \(ShapeDtypeStruct\(1, 5, 7\)\) failed") as info:
+        sage_optax.make_optimizer("sage-hybrid", model=sage_optax.linen_model(
+            TransformerDo(CFG), jax.ShapeDtypeStruct((1, 5, 7), jnp.float32)))  # not tokens
+    assert "\n" not in str(info.value) and info.value.__cause__ is not None
+
+
+def test_nnx_stacks_off_axis_0_are_batch_where_the_transform_put_them():
+    """nnx.vmap with StateAxes({nnx.Param: 1}): kernel (in, L, out); the module's own shape
+    (in_features, out_features) says axis 1 is the stack (it was read as the fan-in)."""
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(4, 6, rngs=rngs)
+            self.attn = nnx.LinearGeneral(6, (2, 5), rngs=rngs)
+            self.norm = nnx.RMSNorm(6, rngs=rngs)
+
+    @nnx.split_rngs(splits=3)
+    @nnx.vmap(in_axes=(0,), out_axes=nnx.StateAxes({nnx.Param: 1, ...: 0}))
+    def make(rngs):
+        return Layer(rngs)
+
+    truth = {"up.kernel": ("dense", (0,), (2,), (1,)),        # (4, L, 6)
+             "up.bias": ("vector", (), (), (1,)),             # (6, L)
+             "attn.kernel": ("dense", (0,), (2, 3), (1,)),    # (6, L, 2, 5)
+             "attn.bias": ("vector", (), (), (1,)),           # (2, L, 5)
+             "norm.scale": ("vector", (), (), (1,))}
+    model = make(nnx.Rngs(0))
+    assert routes_of(route_params(model)) == truth
+    with jax.enable_x64(True):
+        params = f64(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        grads = random_like(params, 4)
+        check_updates(step(params, grads, model=model), grads, truth)
