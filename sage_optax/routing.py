@@ -13,11 +13,12 @@ convention):
    ``(in, out)``, ``nnx.LinearGeneral`` (its ``in_features``/``out_features`` axes merged),
    ``nnx.Einsum`` (contracted kernel letters are fan-in, kept letters fan-out, letters shared
    with the input and the output batch), ``nnx.Conv`` ``(*taps, Cin, Cout)`` (fan-in =
-   input channels and taps, merged); extra leading axes (``nnx.vmap``/``nnx.scan``) are
-   batch axes; for linen, ``model=sage_optax.linen_model(module, *inputs)`` reads
-   ``nn.Dense``, ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``, ``nn.Conv`` and the
-   norm layers the same way (:mod:`sage_optax.linen_evidence`), axes inserted by
-   ``nn.scan``/``nn.vmap`` being batch axes wherever they stand;
+   input channels and taps, merged); the axes ``nnx.vmap``/``nnx.scan`` insert are batch
+   axes, found from each module's own shape wherever the transform put them; for linen,
+   ``model=sage_optax.linen_model(module, *inputs)`` reads ``nn.Dense``,
+   ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``, ``nn.Conv`` and the norm layers the
+   same way (:mod:`sage_optax.linen_evidence`), axes inserted by ``nn.scan``/``nn.vmap``
+   being batch axes wherever they stand;
 3. **logical axis names** (:mod:`sage_optax.logical`): ``nn.Partitioned`` boxes, the
    ``out_sharding`` metadata of ``nnx.Param``, or ``axis_names=``, read through
    :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
@@ -317,7 +318,9 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
     ``eqx.nn.Embedding`` ``(V, d)``, ``eqx.nn.Conv*`` ``(Cout, Cin, *taps)`` (fan-in: input
     channels and taps), ``eqx.nn.GRUCell``/``LSTMCell`` ``weight_ih``/``weight_hh``
     ``(out, in)``; biases and norm weights are vectors.  Leading axes beyond a module's own
-    (``eqx.filter_vmap``-stacked layers) are batch axes.  An ``eqx.nn.ConvTranspose`` weight
+    (``eqx.filter_vmap``-stacked layers) are batch axes, wherever ``out_axes`` put them for
+    ``Linear``, ``Embedding``, ``LayerNorm`` and ``RMSNorm`` (their own shape says which
+    axes are theirs).  An ``eqx.nn.ConvTranspose`` weight
     maps to the error it raises if used; other modules are left to the name rules.
     """
     eqx = sys.modules.get("equinox")
@@ -372,7 +375,39 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
                                   evidence=ev + " (Cout, Cin, *taps)")
             elif isinstance(node, matrices):
                 out[full] = Route("dense", -1, -2, evidence=ev + " (out, in)")
+            mine = _eqx_own_shape(node, attr)
+            route = out.get(full)
+            if (isinstance(route, Route) and mine is not None and len(mine) < ndim
+                    and shape[ndim - len(mine):] != mine):  # stacked off axis 0 (out_axes=1)
+                from sage_optax import linen_evidence
+
+                inner = route if route.kind != "vector" else Route(
+                    "vector", batch=(), evidence=route.evidence)
+                placed = linen_evidence.stacked_route(full, inner, mine, shape,
+                                                      "eqx.filter_vmap")
+                if placed is not None:
+                    out[full] = placed
     return out
+
+
+def _eqx_own_shape(node: Any, attr: str) -> tuple[int, ...] | None:
+    """The shape an Equinox module gives its array ``attr`` before any stacking, or None."""
+    nn = sys.modules["equinox"].nn
+
+    def dim(n: Any) -> tuple[int, ...]:
+        return () if n == "scalar" else (int(n),)
+
+    if hasattr(nn, "Linear") and isinstance(node, nn.Linear):
+        out_f = dim(node.out_features)
+        return ((*out_f, *dim(node.in_features)) if attr == "weight" else
+                out_f if attr == "bias" else None)
+    if hasattr(nn, "Embedding") and isinstance(node, nn.Embedding) and attr == "weight":
+        return (int(node.num_embeddings), int(node.embedding_size))
+    norms = tuple(getattr(nn, n) for n in ("LayerNorm", "RMSNorm") if hasattr(nn, n))
+    if isinstance(node, norms) and attr in ("weight", "bias"):
+        shape = node.shape
+        return tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
+    return None
 
 
 def _spatial(conv: Any) -> int:
@@ -389,8 +424,9 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     only parameters owned by a module of known layout appear (``nnx.Embed``,
     ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
     ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other
-    parameter is left to the name rules.  A module's extra leading axes (``nnx.vmap``,
-    ``nnx.scan``) are batch axes.
+    parameter is left to the name rules.  The axes ``nnx.vmap``/``nnx.scan`` insert are
+    batch axes, wherever they stand (``nnx.StateAxes({nnx.Param: 1})``): each module's own
+    shape (``in_features``, ``out_features``...) says which axes are its.
     """
     if _is_equinox_module(model):
         return equinox_routes(model)

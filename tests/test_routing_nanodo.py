@@ -526,3 +526,18 @@ def test_nnx_stacks_off_axis_0_are_batch_where_the_transform_put_them():
         params = f64(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
         grads = random_like(params, 4)
         check_updates(step(params, grads, model=model), grads, truth)
+
+
+def test_equinox_stacks_off_axis_0_are_batch_where_filter_vmap_put_them():
+    """eqx.filter_vmap(..., out_axes=1): weight (out, E, in); it was read (E as fan-out)."""
+    import equinox as eqx
+
+    experts = eqx.filter_vmap(lambda k: eqx.nn.Linear(4, 6, key=k), out_axes=1)(
+        jax.random.split(jax.random.key(0), 3))
+    params = eqx.filter(experts, eqx.is_inexact_array)
+    truth = {"weight": ("dense", (2,), (0,), (1,)), "bias": ("vector", (), (), (1,))}
+    assert routes_of(route_params(params)) == truth
+    with jax.enable_x64(True):
+        params = {"weight": jnp.zeros((6, 3, 4)), "bias": jnp.zeros((6, 3))}
+        grads = random_like(params, 5)
+        check_updates(step(params, grads, model=experts), grads, truth)
