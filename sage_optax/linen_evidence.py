@@ -152,8 +152,9 @@ def _own_routes(module: Any, attr: str, shape: tuple[int, ...], einsum_str: str 
             return None
         return Route("dense", tuple(range(n_b, n_b + n_in)), tuple(range(n_b + n_in, ndim)),
                      tuple(range(n_b)), evidence=ev + " (*batch_dims, *axis, *features)")
-    if attr == "bias":
-        return Route("vector", batch=(), evidence=ev) if ndim <= 1 else None
+    if attr == "bias":  # (out,), or an Einsum's output letters: one vector, as in nnx
+        return (Route("vector", batch=(), evidence=ev)
+                if ndim <= 1 or isinstance(module, nn.Einsum) else None)
     if isinstance(module, nn.Embed) and attr == "embedding" and ndim == 2:
         return Route("embedding", 1, 0, evidence=ev + " (V, d)")
     if attr != "kernel":

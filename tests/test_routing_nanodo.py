@@ -541,3 +541,23 @@ def test_equinox_stacks_off_axis_0_are_batch_where_filter_vmap_put_them():
         params = {"weight": jnp.zeros((6, 3, 4)), "bias": jnp.zeros((6, 3))}
         grads = random_like(params, 5)
         check_updates(step(params, grads, model=experts), grads, truth)
+
+
+def test_linen_einsum_and_conv_kernels_by_module_evidence():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, img, x):
+            y = nn.Conv(5, (3, 3), name="conv")(img)                     # (3, 3, 2, 5)
+            experts = nn.Einsum((4, 6, 7), "bed,edf->bef", name="experts")(x)  # per expert
+            joint = nn.Einsum((6, 2, 3), name="joint")(x, "bed,dhk->behk")  # at call time
+            return y, experts, joint
+
+    img = jax.ShapeDtypeStruct((1, 8, 8, 2), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, 4, 6), jnp.float32)
+    params = jax.eval_shape(Net().init, jax.random.key(0), img, x)["params"]
+    got = routes_of(route_params(params, model=sage_optax.linen_model(Net(), img, x)))
+    assert got["conv.kernel"] == ("dense", (2, 0, 1), (3,), ())   # Cin then taps, as nnx.Conv
+    assert got["experts.kernel"] == ("dense", (1,), (2,), (0,))   # e in input and output
+    assert got["joint.kernel"] == ("dense", (0,), (1, 2), ())     # d -> (h, k)
+    assert got["conv.bias"] == ("vector", (), (), ())
+    assert got["experts.bias"] == ("vector", (), (), ())           # (e, f): one vector, as nnx
