@@ -34,6 +34,7 @@ from sage_optax import _require  # noqa: F401
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax.axes import EMBEDDING_TABLE
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
+from sage_optax.linen_evidence import LinenModel, linen_model
 from sage_optax.lion import lion, scale_by_lion
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
@@ -59,6 +60,7 @@ __all__ = [
     "DAMPERS",
     "EMBEDDING_TABLE",
     "LAYOUTS",
+    "LinenModel",
     "NORMALIZATIONS",
     "NoLayoutEvidenceWarning",
     "ParamRouting",
@@ -70,6 +72,7 @@ __all__ = [
     "SCALE_TYPES",
     "ScaleBySageState",
     "apollo",
+    "linen_model",
     "lion",
     "make_optimizer",
     "module_routes",

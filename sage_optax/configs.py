@@ -278,7 +278,8 @@ class _Router:
         # boxes (their names) and updates on bare arrays
         self.axis_roles = logical.check_axis_roles(overrides.pop("axis_roles", None))
         self.names = logical.names_of(model) if routing._is_nnx_module(model) else {}
-        self.names.update(logical.names_of(overrides.pop("axis_names", None)))
+        self.given_names = logical.names_of(overrides.pop("axis_names", None))
+        self.names.update(self.given_names)
         self.routed: dict[Any, routing.ParamRouting] = {}
         self.last: dict[str, tuple[tuple[int, ...], Any]] = {}  # path -> (shape, axes)
 
@@ -288,11 +289,14 @@ class _Router:
         key = (treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", "")))
                               for x in leaves))
         if key not in self.routed:
+            paths = {p for p, _ in _all_paths(params)}  # masked leaves too: optax.partition
+            logical.check_matched(self.given_names, sorted(paths))  # axis_names= name them
             self.names.update(logical.names_of(params))
             self.routed[key] = routing.route_params(
                 params, self.route_overrides, vocab_size=self.vocab_size, layout=self.layout,
                 module_evidence=self.evidence, strict=self.strict, warn=warn,
-                axis_names=self.names, axis_roles=self.axis_roles,
+                axis_names={k: v for k, v in self.names.items() if k in paths},
+                axis_roles=self.axis_roles,
             )
         result = self.routed[key]
         self.last = {path: (tuple(x.shape), axes) for (path, x), (_, axes) in zip(
@@ -313,6 +317,12 @@ class _Router:
                 return self(params).axes  # not a subtree of the last tree: route it
             out.append(hit[1])
         return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _all_paths(params: Any) -> list[tuple[str, Any]]:
+    """``(dotted path, leaf)`` of every leaf of ``params``, masked ones included."""
+    with_path, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
+    return [(routing.leaf_name_path(p), x) for p, x in with_path]
 
 
 def with_tree_checks(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:

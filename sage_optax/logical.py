@@ -338,3 +338,62 @@ def agrees(a: Route, b: Route, shape: tuple[int, ...]) -> bool:
     except RoutingError:
         return False
     return (ra.fan_in, ra.fan_out, ra.batch) == (rb.fan_in, rb.fan_out, rb.batch)
+
+
+_KIND_WORDS = {"embedding": "a table or head (embedding)", "dense": "a matrix (dense)",
+               "vector": "a vector"}
+
+
+def kind_conflict(module: Route, names: Route, name: str, shape: tuple[int, ...],
+                  vocab: bool) -> RoutingError | None:
+    """The refusal of a leaf whose module and axis names give the same axes, other kinds.
+
+    ``None`` where they agree: the same kind, or a matrix module (``Dense``,
+    ``DenseGeneral``, ``Linear``...) whose fan-out the names call the vocabulary
+    (``vocab``): an untied head, ``embedding`` as every head.  Any other pair (a table
+    reading on a matrix module without a ``vocab`` axis, a matrix reading on an ``Embed``)
+    is refused with the module's reading first.
+    """
+    if module.kind == names.kind or (module.kind == "dense" and names.kind == "embedding"
+                                     and vocab):
+        return None
+    return RoutingError(
+        f"cannot place {name!r} of shape {shape}: its {module.evidence} makes it "
+        f"{_KIND_WORDS[module.kind]} but its {names.evidence} make it "
+        f"{_KIND_WORDS[names.kind]}; fix the annotation or give it, e.g. "
+        + core.override_advice(name, shape, module),
+        leaf=name, shape=shape,
+        options=[(dataclasses.replace(module, evidence="override"),
+                  "the module's reading is right"),
+                 (dataclasses.replace(names, evidence="override"),
+                  "the axis names are right")])
+
+
+def check_matched(given: Mapping[str, Names], paths: Sequence[str]) -> None:
+    """Refuse ``axis_names`` (read by :func:`names_of`) with paths that name no parameter.
+
+    A path matches with or without the ``params.`` level of a linen variables tree; in such
+    a tree only the ``params`` collection is looked at.
+
+    Raises:
+      RoutingError: one line naming every unmatched path and the nearest parameters.
+    """
+    import difflib
+
+    have = set(paths)
+    keys = list(given)
+    if any(k.startswith("params.") for k in keys):
+        keys = [k for k in keys if k.startswith("params.")]
+    missing = [k for k in keys if not ({k, k.removeprefix("params."), f"params.{k}"} & have)]
+    if not missing:
+        return
+    hints = []
+    for k in missing[:5]:
+        near = difflib.get_close_matches(k.removeprefix("params."), list(have), n=2,
+                                         cutoff=0.4)
+        hints.append(f"{k!r} (nearest: {', '.join(near) if near else 'none'})")
+    more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+    raise RoutingError(
+        f"axis_names: {len(missing)} path(s) name no parameter of the tree routed: "
+        f"{', '.join(hints)}{more}; give the names of these params (the boxed "
+        "variables they come from, or nn.get_partition_spec(variables)), keyed by their paths")

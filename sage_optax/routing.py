@@ -13,8 +13,12 @@ convention):
    ``(in, out)``, ``nnx.LinearGeneral`` (its ``in_features``/``out_features`` axes merged),
    ``nnx.Einsum`` (contracted kernel letters are fan-in, kept letters fan-out, letters shared
    with the input and the output batch), ``nnx.Conv`` ``(*taps, Cin, Cout)`` (fan-in =
-   input channels and taps, merged); extra leading axes (``nnx.vmap``/``nnx.scan``) are
-   batch axes;
+   input channels and taps, merged); the axes ``nnx.vmap``/``nnx.scan`` insert are batch
+   axes, found from each module's own shape wherever the transform put them; for linen,
+   ``model=sage_optax.linen_model(module, *inputs)`` reads ``nn.Dense``,
+   ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``, ``nn.Conv`` and the norm layers the
+   same way (:mod:`sage_optax.linen_evidence`), axes inserted by ``nn.scan``/``nn.vmap``
+   being batch axes wherever they stand;
 3. **logical axis names** (:mod:`sage_optax.logical`): ``nn.Partitioned`` boxes, the
    ``out_sharding`` metadata of ``nnx.Param``, or ``axis_names=``, read through
    :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
@@ -32,8 +36,9 @@ convention):
    or ``out`` (linen's ``nn.MultiHeadDotProductAttention``), unless a sibling bias says
    stacked layers.  A PyTorch-named ``weight`` follows ``sage_torch``'s name rules: GPT-2's
    ``Conv1D`` names (``c_attn``, ...) are refused, ``wpe``/``shared``/
-   ``relative_attention_bias`` are tables.  ``model=`` reads NNX and Equinox modules only;
-   a linen module (bound or not) is refused with a ``TypeError``.
+   ``relative_attention_bias`` are tables.  ``model=`` reads NNX and Equinox modules and
+   :func:`sage_optax.linen_model`; a bare linen module (bound or not) is refused with a
+   ``TypeError`` naming ``linen_model``.
 
 A **head** (an untied output projection: kind ``embedding``, vocab axis as fan-out) is a
 dense matrix with the shape of *the* token embedding, ``(d, V)`` (``(V, d)`` in the torch
@@ -244,6 +249,62 @@ def _module_evidence_of_nnx(model: Any) -> dict[str, Route | RoutingError]:
             if isinstance(value, nnx.Param) and hasattr(value, "shape")
         }
         out.update(_module_param_routes(node, name, params))
+        out.update(_nnx_stacked(node, name, params))
+    return out
+
+
+def _nnx_own_shape(module: Any, attr: str) -> tuple[int, ...] | None:
+    """The shape ``module`` gives its parameter ``attr`` before any stacking, or None."""
+    from flax import nnx
+
+    def ints(x: Any) -> tuple[int, ...]:
+        return tuple(int(n) for n in (x if isinstance(x, tuple | list) else (x,)))
+
+    if isinstance(module, _norm_types()) and attr in ("scale", "bias"):
+        return ints(getattr(module, "num_features", ()))
+    if isinstance(module, nnx.Embed) and attr == "embedding":
+        return (int(module.num_embeddings), int(module.features))
+    if isinstance(module, nnx.LinearGeneral):
+        batch = ints(tuple(module.batch_axis.values()))
+        out_f = ints(module.out_features)
+        return ((*batch, *ints(module.in_features), *out_f) if attr == "kernel" else
+                (*batch, *out_f) if attr == "bias" else None)
+    if isinstance(module, nnx.Linear):
+        return ((int(module.in_features), int(module.out_features)) if attr == "kernel" else
+                (int(module.out_features),) if attr == "bias" else None)
+    if isinstance(module, nnx.Einsum):
+        own = getattr(module, f"{attr}_shape", None) if attr in ("kernel", "bias") else None
+        return ints(own) if own is not None else None
+    if isinstance(module, nnx.Conv) and attr in ("kernel", "bias"):
+        own = getattr(module, "kernel_shape", None)
+        if own is None:
+            return None
+        return ints(own) if attr == "kernel" else (int(module.out_features),)
+    return None
+
+
+def _nnx_stacked(module: Any, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Routes of ``module``'s parameters that ``nnx.vmap``/``nnx.scan`` stacked off axis 0.
+
+    The module's attributes give each parameter's own shape; the axes the transform
+    inserted (``nnx.StateAxes({nnx.Param: 1})`` puts them anywhere) are batch axes, found
+    as in :func:`sage_optax.linen_evidence.stacked_route`.  Parameters stacked on leading
+    axes only, or of unknown own shape, keep the routes :func:`_module_param_routes` gives.
+    """
+    from sage_optax import linen_evidence
+
+    out: dict[str, Any] = {}
+    for attr, p in params.items():
+        shape, own = tuple(int(n) for n in p.shape), _nnx_own_shape(module, attr)
+        if own is None or len(own) >= len(shape) or shape[len(shape) - len(own):] == own:
+            continue
+        full = f"{name}.{attr}" if name else attr
+        inner = _module_param_routes(module, name, {attr: jax.ShapeDtypeStruct(own, p.dtype)})
+        route = inner.get(full)
+        if isinstance(route, Route):
+            placed = linen_evidence.stacked_route(full, route, own, shape, "nnx.vmap/nnx.scan")
+            if placed is not None:
+                out[full] = placed
     return out
 
 
@@ -267,7 +328,9 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
     ``eqx.nn.Embedding`` ``(V, d)``, ``eqx.nn.Conv*`` ``(Cout, Cin, *taps)`` (fan-in: input
     channels and taps), ``eqx.nn.GRUCell``/``LSTMCell`` ``weight_ih``/``weight_hh``
     ``(out, in)``; biases and norm weights are vectors.  Leading axes beyond a module's own
-    (``eqx.filter_vmap``-stacked layers) are batch axes.  An ``eqx.nn.ConvTranspose`` weight
+    (``eqx.filter_vmap``-stacked layers) are batch axes, wherever ``out_axes`` put them for
+    ``Linear``, ``Embedding``, ``LayerNorm`` and ``RMSNorm`` (their own shape says which
+    axes are theirs).  An ``eqx.nn.ConvTranspose`` weight
     maps to the error it raises if used; other modules are left to the name rules.
     """
     eqx = sys.modules.get("equinox")
@@ -322,7 +385,39 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
                                   evidence=ev + " (Cout, Cin, *taps)")
             elif isinstance(node, matrices):
                 out[full] = Route("dense", -1, -2, evidence=ev + " (out, in)")
+            mine = _eqx_own_shape(node, attr)
+            route = out.get(full)
+            if (isinstance(route, Route) and mine is not None and len(mine) < ndim
+                    and shape[ndim - len(mine):] != mine):  # stacked off axis 0 (out_axes=1)
+                from sage_optax import linen_evidence
+
+                inner = route if route.kind != "vector" else Route(
+                    "vector", batch=(), evidence=route.evidence)
+                placed = linen_evidence.stacked_route(full, inner, mine, shape,
+                                                      "eqx.filter_vmap")
+                if placed is not None:
+                    out[full] = placed
     return out
+
+
+def _eqx_own_shape(node: Any, attr: str) -> tuple[int, ...] | None:
+    """The shape an Equinox module gives its array ``attr`` before any stacking, or None."""
+    nn = sys.modules["equinox"].nn
+
+    def dim(n: Any) -> tuple[int, ...]:
+        return () if n == "scalar" else (int(n),)
+
+    if hasattr(nn, "Linear") and isinstance(node, nn.Linear):
+        out_f = dim(node.out_features)
+        return ((*out_f, *dim(node.in_features)) if attr == "weight" else
+                out_f if attr == "bias" else None)
+    if hasattr(nn, "Embedding") and isinstance(node, nn.Embedding) and attr == "weight":
+        return (int(node.num_embeddings), int(node.embedding_size))
+    norms = tuple(getattr(nn, n) for n in ("LayerNorm", "RMSNorm") if hasattr(nn, n))
+    if isinstance(node, norms) and attr in ("weight", "bias"):
+        shape = node.shape
+        return tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
+    return None
 
 
 def _spatial(conv: Any) -> int:
@@ -333,12 +428,15 @@ def _spatial(conv: Any) -> int:
 def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the modules of ``model``, keyed by dotted path.
 
-    ``model`` is a flax NNX module or an Equinox model (:func:`equinox_routes`).  For NNX,
+    ``model`` is a flax NNX module, an Equinox model (:func:`equinox_routes`) or a linen
+    module with a sample input (:func:`sage_optax.linen_model`,
+    :func:`sage_optax.linen_evidence.linen_routes`).  For NNX,
     only parameters owned by a module of known layout appear (``nnx.Embed``,
     ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
     ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other
-    parameter is left to the name rules.  A module's extra leading axes (``nnx.vmap``,
-    ``nnx.scan``) are batch axes.
+    parameter is left to the name rules.  The axes ``nnx.vmap``/``nnx.scan`` insert are
+    batch axes, wherever they stand (``nnx.StateAxes({nnx.Param: 1})``): each module's own
+    shape (``in_features``, ``out_features``...) says which axes are its.
 
     References:
       Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
@@ -350,17 +448,22 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """
     if _is_equinox_module(model):
         return equinox_routes(model)
+    from sage_optax import linen_evidence
+
+    if isinstance(model, linen_evidence.LinenModel):
+        return linen_evidence.linen_routes(model)
     if not _is_nnx_module(model):
         linen = sys.modules.get("flax.linen")
-        what = ("a flax linen module, whose submodules exist only inside apply, so there are "
-                "no modules to read (bound or not)" if linen is not None
-                and isinstance(model, linen.Module) else f"a {type(model).__name__}")
+        if linen is not None and isinstance(model, linen.Module):
+            raise TypeError(
+                "model= got a flax linen module, whose submodules exist only while it runs "
+                "(bound or not); pass it with a sample input, "
+                "model=sage_optax.linen_model(module, *inputs) (jax.ShapeDtypeStruct inputs "
+                "will do), so that its module types decide, or give the multi-axis leaves "
+                "their axes in route_overrides")
         raise TypeError(
-            f"model= takes a flax NNX module or an Equinox model, got {what}; route the "
-            "params tree without model= (2-D kernels and embeddings route by name) and give "
-            "multi-axis leaves their axes in route_overrides: the RoutingError lists them "
-            "with a block to paste"
-        )
+            f"model= takes a flax NNX module, an Equinox model or "
+            f"sage_optax.linen_model(module, *inputs), got a {type(model).__name__}")
     return _module_evidence_of_nnx(model)
 
 
@@ -514,7 +617,11 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
     elif facts.nnx_tree:
         remedy = ("Pass the model (make_optimizer(..., model=model), route_params(model)) so "
                   "that its module types decide, or give it")
-    else:  # linen, Haiku, a state dict: no model to pass (model= reads NNX and Equinox only)
+    elif facts.flax:  # a linen (or Haiku) tree: the linen module and an input decide
+        remedy = ("A plain params tree has no module evidence: for a linen model pass "
+                  "model=sage_optax.linen_model(module, *inputs) so that its module types "
+                  "decide, or give it")
+    else:  # a state dict: no model to pass
         remedy = "A plain params tree has no module evidence: give it"
     attention = _attention_reading(name, shape, facts)
     if leaf in core.VECTOR_NAMES or leaf == "offset":
@@ -856,11 +963,12 @@ def route_params(
         evidence.update(equinox_routes(params))
     names = logical.names_of(model) if model is not None and _is_nnx_module(model) else {}
     names.update(logical.names_of(params))
-    if axis_names is not None:
-        names.update(logical.names_of(axis_names))
+    given = logical.names_of(axis_names) if axis_names is not None else {}
+    names.update(given)
     nnx_tree = _is_nnx_state(params) or (model is not None and _is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
+    logical.check_matched(given, [n for n, _ in named])
     # Globs are matched against every path, masked ones too: optax.partition routes each
     # kind's subtree with the other kinds' leaves masked.
     override_of = core.match_overrides([n for n, _ in named], overrides)
@@ -951,6 +1059,15 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
                           "the module's reading is right"),
                          (dataclasses.replace(by_names, evidence="override"),
                           "the axis names are right")]), True
+        if isinstance(route, Route) and isinstance(by_names, Route):  # same axes: the kinds
+            vocab = any(isinstance(n, str) and roles.get(n) == "vocab" for n in names[name])
+            clash = logical.kind_conflict(route, by_names, name, shape, vocab)
+            if clash is not None:
+                return clash, True
+            if route.kind != by_names.kind:  # a matrix whose fan-out the names call vocab
+                return dataclasses.replace(
+                    by_names, evidence=f"{route.evidence}, its output {by_names.evidence}"
+                    " (a head)"), True
         return route, True
     if by_names is not None:
         placed = all(isinstance(n, str) and roles.get(n) is not None for n in names[name])

@@ -8,10 +8,10 @@ dict.  Without a module they are refused; the first remedy (the paste block,
 reading first, unless a sibling says otherwise (a bias ``(L, F)`` of stacked ``Dense``
 layers).  Each first remedy is checked by applying it: its routes equal those
 ``nnx.MultiHeadAttention``'s own modules give (``model=``), and its SinkGD update equals the
-update of the same matrix reshaped to 2-D in its true layout.  ``model=`` does not read linen
-modules, so the error for a linen tree no longer advises it, and ``model=`` with a linen
-module (bound or not) says what to do instead.  A converted GPT-2 state dict gets the
-``Conv1D`` refusal of ``sage_torch``'s names (``test_torch_routing_evidence.py``).
+update of the same matrix reshaped to 2-D in its true layout.  A linen module is read through
+``model=sage_optax.linen_model(module, *inputs)`` (issue 31), which the error for a linen tree
+advises; a bare linen module (bound or not) as ``model=`` says so.  A converted GPT-2 state
+dict gets the ``Conv1D`` refusal of ``sage_torch``'s names (``test_torch_routing_evidence.py``).
 """
 
 from __future__ import annotations
@@ -148,15 +148,21 @@ def test_scanned_attention_gets_the_attention_reading_per_layer():
     assert got["attn.out.kernel"] == ("dense", (1, 2), (3,), (0,))
 
 
-def test_linen_errors_do_not_advise_model_and_model_says_why():
+def test_linen_errors_advise_linen_model_and_a_bare_module_says_how():
     model, variables = linen_params()
     _, message = first_remedies(variables["params"])
-    assert "model=" not in message and "A plain params tree has no module evidence" in message
+    assert "for a linen model pass model=sage_optax.linen_model(module, *inputs)" in message
+    ids = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    got = resolved(route_params(variables["params"],
+                                model=sage_optax.linen_model(model, ids)))
+    assert {k: got[k] for k in ATTENTION} == ATTENTION  # the modules' readings, no override
     for given in (model, model.bind(variables)):
-        with pytest.raises(TypeError, match="flax linen module.*route_overrides"):
+        with pytest.raises(TypeError, match=r"flax linen module.*sage_optax\.linen_model"):
             route_params(variables["params"], model=given)
         with pytest.raises(TypeError, match="flax linen module"):
             sage_optax.make_optimizer("sage-hybrid", model=given)
+    bound = sage_optax.linen_model(model.bind(variables), ids)  # a bound module: its clone
+    assert resolved(route_params(variables["params"], model=bound)) == got
 
 
 def test_converted_gpt2_state_dict_refuses_conv1d_names_with_the_module_reading_first():
