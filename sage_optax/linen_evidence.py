@@ -62,6 +62,14 @@ class LinenModel:
       method: the method ``init`` runs (``None``: ``__call__``), as for ``module.init``.
       rngs: the PRNG keys ``init`` gets (``None``: one key for ``"params"`` and
         ``"dropout"``).
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
 
     module: Any
@@ -108,6 +116,14 @@ def linen_model(module: Any, *args: Any, method: str | Callable[..., Any] | None
       ...     params, model=sage_optax.linen_model(layer, x)).routes
       >>> routes["kernel"].fan_in, routes["kernel"].fan_out
       ((0,), (1, 2))
+
+    References:
+      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      (the embedding layer dilemma: vocabulary matrices need their own rule).
+
+      Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
+      fan-out axes).
     """
     from flax import linen as nn
 
