@@ -16,12 +16,8 @@ import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import logical, memory, routing, validation
-from sage_optax.apollo import apollo
-from sage_optax.lion import lion
-from sage_optax.sage import sage
-from sage_optax.sinkhorn import KERNELS, sinkgd
-from sage_optax.unit_norm import unit_norm_descent
+from sage_optax import logical, memory, registry, routing, validation
+from sage_optax.sinkhorn import KERNELS
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
@@ -47,6 +43,9 @@ def build_rule(
 ) -> optax.GradientTransformation:
     """The Optax transformation of one rule with its hyperparameters.
 
+    The rule's builder comes from :mod:`sage_optax.registry`, where its module registered
+    it: this function knows no rule by name.
+
     Args:
       rule: which update rule and its hyperparameters.
       learning_rate: float or schedule.
@@ -54,23 +53,8 @@ def build_rule(
       mask: weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
       kernel: SinkGD's scale computation (:data:`sage_optax.sinkhorn.KERNELS`).
     """
-    hp = rule.hyperparams
-    if rule.name == "adamw":
-        return optax.adamw(
-            learning_rate, hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"],
-            mask=validation.checked_mask(mask),
-        )
-    if rule.name == "lion":
-        return lion(learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask)
-    if rule.name == "sage":
-        return sage(learning_rate, **hp, mask=mask, axes=axes)
-    if rule.name == "sinkgd":
-        return sinkgd(learning_rate, **hp, mask=mask, axes=axes, kernel=kernel)
-    if rule.name == "apollo":
-        return apollo(learning_rate, **hp, mask=mask, axes=axes)
-    if rule.name == "unit_norm":
-        return unit_norm_descent(learning_rate, **hp, mask=mask, axes=axes)
-    raise ValueError(f"unknown rule {rule.name!r}; valid rules: {sorted(RULE_DEFAULTS)}")
+    build = registry.builder(rule.name)
+    return build(learning_rate, rule.hyperparams, registry.RuleContext(axes, mask, kernel))
 
 
 def make_optimizer(

@@ -26,6 +26,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import boxes, validation
+from sage_optax.registry import RuleContext, register
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["sage"]
@@ -325,3 +326,10 @@ def sage(
         optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+@register("sage")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`sage` with the ``sage`` rule's hyperparameters ``hp`` (its builder)."""
+    return sage(learning_rate, **hp, mask=context.mask, axes=context.axes)

@@ -47,6 +47,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import placement, validation
+from sage_optax.registry import RuleContext, register
 from sage_optim import hyperparams, kernels
 from sage_optim.presets import RULE_DEFAULTS
 from sage_optim.routing import ResolvedRoute
@@ -552,3 +553,10 @@ def sinkgd(
         optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+@register("sinkgd")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`sinkgd` with the ``sinkgd`` rule's hyperparameters ``hp`` (its builder)."""
+    return sinkgd(learning_rate, **hp, mask=context.mask, axes=context.axes, kernel=context.impl)

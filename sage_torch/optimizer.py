@@ -183,7 +183,7 @@ class _Defaults(dict):
                     f"('betas'): the {group['rule']} rule keeps none, so a scheduler cannot "
                     "cycle it. Pass cycle_momentum=False to OneCycleLR/CyclicLR (the learning "
                     "rate of every group is still scheduled), or give that group a rule with "
-                    "betas (sage, lion, adamw, apollo)"
+                    f"betas ({', '.join(r for r, d in RULE_DEFAULTS.items() if 'b1' in d)})"
                 )
         return True
 
@@ -192,7 +192,8 @@ class RuleOptimizer(torch.optim.Optimizer):
     """An optimizer whose param groups each name their update rule.
 
     Args:
-      params: parameters or param groups; every group must have a ``"rule"`` (one of
+      params: parameters or param groups; every group must have a ``"rule"`` (a rule of
+        :data:`sage_optim.presets.RULE_DEFAULTS` registered in :mod:`sage_torch.registry`:
         ``"sage"``, ``"sinkgd"``, ``"lion"``, ``"adamw"``, ``"apollo"``, ``"unit_norm"``)
         unless ``defaults`` gives one, and that rule's hyperparameters.
       defaults: default group options (``lr``, ``weight_decay``, ``maximize``,
@@ -360,7 +361,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             if key in ("b1", "b2", "projection"):
                 continue
             group.setdefault(key, RULE_DEFAULTS[rule][key])
-        if rule in ("sage", "lion", "adamw", "apollo"):
+        if "b1" in RULE_DEFAULTS[rule]:  # a rule with momentum keeps it in betas
             group.setdefault("betas", (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]))
         try:
             self._rules[rule].validate(group)
