@@ -17,8 +17,8 @@ Optimization" (Lee & Kim); ``docs/`` states every convention.
 
 # first: without JAX/Optax, one line naming the [jax] extra instead of a deep traceback
 from sage_optax import _require  # noqa: F401
-from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax import adamw as _adamw  # noqa: F401  (registers the adamw rule)
+from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax.axes import EMBEDDING_TABLE
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
 from sage_optax.lion import lion, scale_by_lion

@@ -18,7 +18,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import logical, memory, registry, routing, validation
 from sage_optax.sinkhorn import KERNELS
-from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve_preset
+from sage_optim.presets import CONFIG_NAMES, KINDS, Rule, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (

@@ -47,6 +47,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import placement, validation
+from sage_optax.numerics import pow2_sqrt_floor, range_scale
 from sage_optax.registry import RuleContext, register
 from sage_optim import hyperparams, kernels
 from sage_optim.presets import RULE_DEFAULTS
@@ -75,16 +76,6 @@ support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, ze
 explicit sharding) use this module whatever the choice; ``SAGE_KERNELS=off`` in the
 environment makes every choice this module."""
 _KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
-
-
-def _sharding_of(x: jax.Array) -> Any:
-    """``x``'s sharding when the mesh has explicit axes (a dot needs it there), else None."""
-    sharding = jax.typeof(x).sharding
-    explicit = jax.sharding.AxisType.Explicit
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not mesh.empty and explicit in mesh.axis_types:
-        return sharding
-    return None
 
 
 def sinkhorn_normalize(
@@ -120,27 +111,6 @@ def apply_scales(
     """
     g = g.astype(c.dtype) if g.dtype != c.dtype else g
     return jnp.expand_dims(c, axes.fan_out) * g * jnp.expand_dims(r, axes.fan_in)
-
-
-def range_scale(g: jax.Array, axes: ResolvedRoute) -> jax.Array:
-    """``m``: a power of two with ``m ≤ max|G| < 2m`` per batch index (1 for an all-zero one).
-
-    Shaped like ``g`` with size-1 fan-in and fan-out axes, in ``g``'s dtype; at least the
-    dtype's smallest normal number, so that ``1/m`` and ``eps/m`` stay finite, and at most
-    its reciprocal, so that ``1/m`` stays normal.  A matrix
-    with a non-finite entry gets ``m = 1`` (its result is non-finite anyway).  Zero-size
-    matrices give 1.
-    """
-    amax = jnp.max(jnp.abs(g), axis=(*axes.fan_in, *axes.fan_out), keepdims=True, initial=0.0)
-    mantissa, _ = jnp.frexp(amax)  # amax = mantissa · 2^e with mantissa in [0.5, 1)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result).
-    m = jnp.where(ok, amax / jnp.where(ok, 2 * mantissa, 1), 1)
-    # At most 1/tiny: XLA:CPU divides by multiplying with the reciprocal, and 1/m for
-    # m = 2^127 is subnormal and flushed to zero (G/m would be 0).  Any power of two gives
-    # the same X, so the cap changes nothing but keeps 1/m normal.
-    tiny = jnp.finfo(g.dtype).tiny
-    return jnp.clip(m, tiny, 1 / tiny).astype(g.dtype)
 
 
 def sinkhorn_scales(
@@ -187,7 +157,8 @@ def stacked_sinkhorn_scales(
     gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
     ms = [range_scale(g, axes) for g in gs]
     k = _squares([g / m for g, m in zip(gs, ms, strict=True)], after)
-    return _iterate(k, jnp.stack(ms), _stacked(axes, len(gs)), num_iters, eps, normalization)
+    return _iterate(k, jnp.stack(ms), axes_lib.stacked_route(axes, len(gs)), num_iters, eps,
+                    normalization)
 
 
 def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
@@ -232,10 +203,10 @@ def _iterate(
     r = jnp.ones_like(jnp.sum(k, axis=fi))  # one scale per output unit
     hi = jax.lax.Precision.HIGHEST
     row_norms = functools.partial(  # one squared norm per output unit (over the fan-in axis)
-        jnp.einsum, f"{sub},{c_sub}->{r_sub}", precision=hi, out_sharding=_sharding_of(r)
+        jnp.einsum, f"{sub},{c_sub}->{r_sub}", precision=hi, out_sharding=axes_lib.sharding_of(r)
     )
     col_norms = functools.partial(
-        jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=_sharding_of(c)
+        jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=axes_lib.sharding_of(c)
     )
 
     def rescale(scale: jax.Array, norm_sq: jax.Array, target: jax.Array, eps: Any
@@ -258,15 +229,8 @@ def _iterate(
     c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
     # X = c·(G/m)·r = (c·2^-a)·G·(r·2^-b) with 2^a·2^b = m, a ≈ b: both scales and c·G
     # stay in range.
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return c / jnp.squeeze(half, fo), r / jnp.squeeze(m / half, fi)
-
-
-def _pow2_sqrt_floor(m: jax.Array) -> jax.Array:
-    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact)."""
-    _, e = jnp.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
-    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
-    return jnp.where(e % 2 == 0, jnp.sqrt(m / 2), jnp.sqrt(m))
 
 
 def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
@@ -282,16 +246,6 @@ def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
             "optax.partition)"
         )
     return axes_lib.resolve_axes(spec, tuple(x.shape), path)
-
-
-def _stacked(axes: ResolvedRoute, n: int) -> ResolvedRoute:
-    """``axes`` of a leaf, for a stack of ``n`` such leaves along a new leading batch axis."""
-
-    def shift(group: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(a + 1 for a in group)
-
-    return ResolvedRoute(axes.kind, shift(axes.fan_in), shift(axes.fan_out),
-                         (0, *shift(axes.batch)), (n, *axes.shape), axes.evidence)
 
 
 def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:

@@ -1,18 +1,18 @@
 """The one registry of :mod:`sage_torch`'s update rules, read by the base optimizer.
 
 As ``torch.optim.Optimizer`` knows no algorithm, :class:`~sage_torch.RuleOptimizer`
-(:mod:`sage_torch.optimizer`) imports no algorithm module.  Each algorithm module
+(:mod:`sage_torch.optimizer`) imports no algorithm module. Each algorithm module
 (:mod:`sage_torch.sage`, :mod:`~sage_torch.sinkgd`, :mod:`~sage_torch.lion`,
-:mod:`~sage_torch.adamw`, :mod:`~sage_torch.unit_norm`, :mod:`~sage_torch.apollo`) registers
-its :class:`~sage_torch.common.Rule` class here with :func:`register` when it is imported, and
-``sage_torch/__init__.py`` imports them all, so the registry is complete once ``sage_torch``
-(or any module of it) is imported; a rule ``foo`` of ``RULE_DEFAULTS`` not registered yet is
-looked for in ``sage_torch/foo.py`` (:func:`make_rules` imports it), so a new rule needs no
-edit outside its module (``CONTRIBUTING.md``, "Adding an update rule").  Imports go one way (``tests/test_layering.py`` checks
-that they form no cycle): :mod:`~sage_torch.common` (the :class:`~sage_torch.common.Rule`
-interface) ← this module ← :mod:`~sage_torch.fused_check` ← :mod:`~sage_torch.optimizer`
-(the base) ← the algorithm modules (their rules register here, their optimizer classes
-subclass the base) ← :mod:`~sage_torch.configs` ← ``sage_torch``.
+:mod:`~sage_torch.adamw`, :mod:`~sage_torch.unit_norm`, :mod:`~sage_torch.apollo`) registers its
+:class:`~sage_torch.common.Rule` class here with :func:`register` when it is imported, and
+``sage_torch/__init__.py`` imports them all, so the registry is complete once ``sage_torch`` (or any
+module of it) is imported; a rule ``foo`` of ``RULE_DEFAULTS`` not registered yet is looked for in
+``sage_torch/foo.py`` (:func:`make_rules` imports it), so a new rule needs no edit outside its
+module (``CONTRIBUTING.md``, "Adding an update rule"). Imports go one way
+(``tests/test_layering.py`` checks that they form no cycle): :mod:`~sage_torch.common` (the
+:class:`~sage_torch.common.Rule` interface) ← this module ← :mod:`~sage_torch.fused_check` ←
+:mod:`~sage_torch.optimizer` (the base) ← the algorithm modules (their rules register here, their
+optimizer classes subclass the base) ← :mod:`~sage_torch.configs` ← ``sage_torch``.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from sage_torch.common import (
     lr_tensor,
     matrix_axes,
     pow2_floor,
+    pow2_sqrt_floor,
     shared_docs,
     wide,
 )
@@ -91,7 +92,7 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
         r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
         q = (g2 * r.square()).sum(dim=fan_out_dim, keepdim=True).sqrt()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return (c / half) * g * (r / (m / half))
 
 
@@ -107,17 +108,6 @@ def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
         shape = [1 if d in {x % g.dim() for x in dims} else n for d, n in enumerate(g.shape)]
         return torch.ones(shape, dtype=g.dtype, device=g.device)
     return pow2_floor(g.abs().amax(dim=dims, keepdim=True))
-
-
-def _pow2_sqrt_floor(m: Tensor) -> Tensor:
-    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact).
-
-    ``X = c·(G/m)·r`` is returned as ``(c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉)``: both scales and every
-    partial product stay in range for any finite ``G``.
-    """
-    _, e = torch.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
-    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
-    return torch.where(e % 2 == 0, (m / 2).sqrt(), m.sqrt())
 
 
 def _sinkhorn_targets(g: Tensor, fan_in_dim: int, fan_out_dim: int,
@@ -162,7 +152,7 @@ def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int
         r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
         q = torch.bmm(kbt, r.square()).sqrt_()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return (c / half).view(-1), (r / (m / half)).view(-1)
 
 
@@ -394,7 +384,7 @@ def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Buck
         torch.where(q_c > 0, scale(c, t_out) / den, c, out=c)
     del ks, kts
     # X = (c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉) per matrix, as sinkhorn_scales; then α·X, decayed step
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     c = c / torch.repeat_interleave(half, reps_c, output_size=n_c)
     r = r / torch.repeat_interleave(m / half, reps_r, output_size=n_r)
     updates: dict[int, Tensor] = {}
@@ -551,7 +541,7 @@ def _fused_scalars(amax: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Te
     not depend on which matrices are computed together.
     """
     m = pow2_floor(amax)
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return m, eps / m, half, m / half
 
 
