@@ -63,10 +63,10 @@ import jax.numpy as jnp
 import optax
 
 import sage_optax
-from sage_optim.models import get_model_config
 from sage_optim.presets import resolve_preset
 from sage_repro import traffic
 from sage_repro.llama_shapes import STACKED_ROUTES, llama_param_shapes
+from sage_train.model_shapes import get_model_config
 
 BASELINE = "optax.adamw (baseline)"
 GIB = 2.0**30

@@ -79,9 +79,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_torch
-from sage_optim.models import LlamaConfig, get_model_config
 from sage_optim.presets import CONFIG_NAMES, resolve_preset
 from sage_repro import traffic
+from sage_train.model_shapes import LlamaConfig, get_model_config
 
 BASELINE = "torch.optim.AdamW (baseline)"
 FUSED = "torch.optim.AdamW(fused=True)"

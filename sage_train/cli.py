@@ -14,13 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from sage_optax.sinkhorn import KERNELS
-from sage_optim.cli_args import OneLineParser, checked
-from sage_optim.models import MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
+from sage_train.cli_args import OneLineParser, checked
 from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
 from sage_train.errors import CheckpointError, RunDirError, RunFileError, UserError
 from sage_train.model import ATTENTIONS, REMAT_POLICIES
+from sage_train.model_shapes import MODELS, get_model_config
 from sage_train.sharding import MODES
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals
 from sage_train.train import (

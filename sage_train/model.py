@@ -50,7 +50,7 @@ from flax import nnx
 
 from sage_optax import placement
 from sage_optim import kernels
-from sage_optim.models import LlamaConfig
+from sage_train.model_shapes import LlamaConfig
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of embeddings and kernels (HF ``initializer_range``)."""

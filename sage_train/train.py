@@ -37,8 +37,6 @@ import sage_optax
 from sage_optax import placement
 from sage_optax.sinkhorn import KERNELS, resolved_kernel
 from sage_optim import kernels
-from sage_optim.models import MODELS as MODEL_NAMES
-from sage_optim.models import get_model_config, is_model_file
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_optim.table import format_bytes
 from sage_train import data as data_lib
@@ -56,6 +54,8 @@ from sage_train.model import (
     cudnn_problem,
     loss_fn,
 )
+from sage_train.model_shapes import MODELS as MODEL_NAMES
+from sage_train.model_shapes import get_model_config, is_model_file
 from sage_train.sharding import MODES as SHARDING_MODES
 from sage_train.sharding import (
     local_rows,

@@ -180,8 +180,9 @@ def test_sage_optax_runs_without_torch():
 def test_sage_optim_needs_neither_framework():
     proc = run_hidden(JAX_SIDE + TORCH_SIDE + ("numpy",), """
     import sage_optim
-    from sage_optim import CONFIG_NAMES, get_model_config, get_preset
+    from sage_optim import CONFIG_NAMES, get_preset
     from sage_optim._entry import EXTRAS, missing
+    from sage_train.model_shapes import get_model_config  # framework-free, beside the trainer
     from sage_optim.routing import Route
 
     assert [get_preset(name).name for name in CONFIG_NAMES] == list(CONFIG_NAMES)

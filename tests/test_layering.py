@@ -53,6 +53,9 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     ("sage_optim", ("jax", "torch")),
     ("sage_optax", ("torch", "sage_torch")),
     ("sage_torch", ("jax", "flax", "sage_optax")),
+    # the trainer's framework-free pieces, read by torch-only code (benchmarks, sage_repro)
+    ("sage_train.model_shapes", ("jax", "flax", "torch", "sage_optax", "sage_torch")),
+    ("sage_train.cli_args", ("jax", "flax", "torch", "sage_optax", "sage_torch")),
 ])
 def test_importing_a_package_loads_no_other_framework(package, absent):
     code = (f"import sys, {package}; "
