@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sage_optim._entry import require
+from sage_optim.extras import require
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
 from sage_repro.paper import PAPER_MEMORY_GIB

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sage_optim._entry import require
+from sage_optim.extras import require
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_optim.table import format_table
 from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
