@@ -18,7 +18,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import logical, memory, registry, routing, validation
 from sage_optax.sinkhorn import KERNELS
-from sage_optim.presets import CONFIG_NAMES, KINDS, Rule, resolve_preset
+from sage_optim.presets import CONFIG_NAMES, KINDS, RuleSpec, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
@@ -35,7 +35,7 @@ that gives its own (``<kind>_<hp>``, static)."""
 
 
 def build_rule(
-    rule: Rule,
+    rule: RuleSpec,
     learning_rate: optax.ScalarOrSchedule,
     axes: Any,
     mask: Any | None = None,
@@ -84,7 +84,7 @@ def make_optimizer(
 
         * ``embedding=``/``dense=``/``vector=``: a rule name (``"adamw"``, ``"lion"``,
           ``"sage"``, ``"sinkgd"``, ``"apollo"``, ``"unit_norm"``) or a
-          :class:`sage_optim.Rule` to swap, e.g. ``vector="adamw"`` for the paper's
+          :class:`sage_optim.RuleSpec` to swap, e.g. ``vector="adamw"`` for the paper's
           SAGE-Hybrid variant with AdamW on 1-D parameters;
         * ``<kind>_<hp>=``: one hyperparameter of one kind's rule, e.g. ``dense_alpha=5.0``;
         * ``<hp>=``: any other hyperparameter for every rule that has it, e.g.

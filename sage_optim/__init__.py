@@ -16,7 +16,7 @@ from sage_optim.presets import (
     PRESETS,
     RULE_DEFAULTS,
     Preset,
-    Rule,
+    RuleSpec,
     get_preset,
 )
 
@@ -26,6 +26,6 @@ __all__ = [
     "PRESETS",
     "RULE_DEFAULTS",
     "Preset",
-    "Rule",
+    "RuleSpec",
     "get_preset",
 ]

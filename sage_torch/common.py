@@ -1,6 +1,6 @@
 """Machinery shared by the algorithm modules of :mod:`sage_torch` (``sage.py``, ``sinkgd.py``, ...).
 
-The :class:`Rule` base class (state, checks, step of one param group), the checks of a
+The :class:`UpdateRule` base class (state, checks, step of one param group), the checks of a
 group's hyperparameters against the table shared with :mod:`sage_optax`, the matrix axes
 of a parameter (:func:`axis_group`, :class:`MatrixView`) and the decoupled-decay step
 ``θ ← θ − η·(u + w·θ)`` that every rule but APOLLO ends with.
@@ -381,7 +381,7 @@ def by_device_dtype(tensors: Sequence[Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-class Rule:
+class UpdateRule:
     """Base class of an update rule: its state, its checks and its step.
 
     ``cpu_threads``: helper threads of the chunked in-place CPU path
@@ -424,7 +424,7 @@ class Rule:
     temporaries of that size, a scale a rule's batching can use (SinkGD's ``group_bytes``)."""
 
     @classmethod
-    def create(cls, projection: Projection | None = None) -> Rule:
+    def create(cls, projection: Projection | None = None) -> UpdateRule:
         """A fresh instance for one optimizer (``projection``: APOLLO's; others ignore it)."""
         return cls()
 

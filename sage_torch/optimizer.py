@@ -23,7 +23,7 @@ from torch import Tensor
 from sage_optim.kernels import kernels_enabled, warn_overridden
 from sage_optim.presets import RULE_DEFAULTS
 from sage_torch import fused_check, registry
-from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported
+from sage_torch.common import FUSED_RULES, Projection, UpdateRule, fused_unsupported
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
@@ -242,13 +242,13 @@ class RuleOptimizer(torch.optim.Optimizer):
             raise ValueError(f"cpu_threads must be a positive int, got {cpu_threads!r}")
         self._projection = projection
         self._cpu_threads = cpu_threads
-        self._rules: dict[str, Rule] = self._make_rules()
+        self._rules: dict[str, UpdateRule] = self._make_rules()
         self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
         merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
         super().__init__(params, merged)
         merged.owner = self
 
-    def _make_rules(self) -> dict[str, Rule]:
+    def _make_rules(self) -> dict[str, UpdateRule]:
         """A fresh instance of every rule, with this optimizer's projection and threads."""
         rules = registry.make_rules(self._projection)
         for rule in rules.values():
@@ -477,7 +477,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                 if reason is not None:
                     raise ValueError(f"{reason} (param group {index})")
 
-    def rule_of(self, group: dict[str, Any]) -> Rule:
+    def rule_of(self, group: dict[str, Any]) -> UpdateRule:
         """The update rule (state layout, checks, step) that runs ``group``."""
         return self._rules[group["rule"]]
 
@@ -618,7 +618,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         return bool(foreach)
 
     @staticmethod
-    def _paths(group: dict[str, Any], rule: Rule, params: list[Tensor],
+    def _paths(group: dict[str, Any], rule: UpdateRule, params: list[Tensor],
                names: list[str]) -> tuple[bool, bool]:
         """``(foreach, fused)`` for this step of ``group``, by ``torch.optim``'s default rule.
 
@@ -732,7 +732,7 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _check_param_state(state: Mapping[str, Any], p: Tensor, group: dict[str, Any],
-                           rule: Rule, where: str) -> None:
+                           rule: UpdateRule, where: str) -> None:
         """Check one parameter's saved state against what ``rule`` would create for ``p``."""
         meta = torch.empty(tuple(p.shape), dtype=p.dtype, device="meta")
         try:

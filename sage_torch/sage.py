@@ -25,7 +25,7 @@ from sage_torch import chunked, fused_check
 from sage_torch.common import (
     Axes,
     ConstCache,
-    Rule,
+    UpdateRule,
     axis_group,
     bias_correction,
     by_device_dtype,
@@ -382,7 +382,7 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
 
 
 @register
-class SageRule(Rule):
+class SageRule(UpdateRule):
     """SAGE (Algorithm 1 + instantaneous damper): ``u = sign(b1·M + (1−b1)·g) ⊙ H``."""
 
     name = "sage"

@@ -25,7 +25,7 @@ from sage_torch.common import (
     Axes,
     ConstCache,
     MatrixView,
-    Rule,
+    UpdateRule,
     axis_group,
     by_device_dtype,
     decayed_step,
@@ -598,7 +598,7 @@ def _chunked_matrix(p: Tensor, g: Tensor, fi: int, fo: int, k_buf: Tensor | None
 
 
 @register
-class SinkGDRule(Rule):
+class SinkGDRule(UpdateRule):
     """SinkGD: ``u = α·X`` with ``X`` the Sinkhorn normalisation of the gradient (stateless)."""
 
     name = "sinkgd"

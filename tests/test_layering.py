@@ -119,12 +119,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def algorithm_modules() -> set[str]:
-    """The sage_torch modules that define an update rule (a subclass of ``Rule``)."""
+    """The sage_torch modules that define an update rule (a subclass of ``UpdateRule``)."""
     found = set()
     for path in (ROOT / "sage_torch").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ClassDef) and any(
-                    isinstance(b, ast.Name) and b.id == "Rule" for b in node.bases):
+                    isinstance(b, ast.Name) and b.id == "UpdateRule" for b in node.bases):
                 found.add(f"sage_torch.{path.stem}")
     return found
 
