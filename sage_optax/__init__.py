@@ -24,7 +24,7 @@ from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage
 from sage_optax.lion import lion, scale_by_lion
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
-    LAYOUTS,
+    PARAM_LAYOUTS,
     NoLayoutEvidenceWarning,
     ParamRouting,
     ResolvedRoute,
@@ -45,7 +45,7 @@ __all__ = [
     "CONFIG_NAMES",
     "DAMPERS",
     "EMBEDDING_TABLE",
-    "LAYOUTS",
+    "PARAM_LAYOUTS",
     "NORMALIZATIONS",
     "NoLayoutEvidenceWarning",
     "ParamRouting",

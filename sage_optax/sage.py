@@ -136,23 +136,27 @@ def lion_direction(g: jax.Array, mu_prev: jax.Array, mu_new: jax.Array, b1: Any,
 def sage_damper(
     s: jax.Array,
     s_hat: jax.Array,
-    rms_axes: tuple[int, ...],
     eps: Any,
     damper: str = "both",
+    rms_axes: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """The adaptive scale ``H_t`` of SAGE in the reduced shape of ``s`` (Algorithm 1).
 
     Args:
       s: instantaneous mean absolute gradient ``s_t``.
       s_hat: bias-corrected EMA ``Ŝ_t``.
-      rms_axes: axes of ``s`` that the RMS values σ and γ average over (not batch axes).
       eps: the ε of the paper.
       damper: one of :data:`DAMPERS`.
+      rms_axes: axes of ``s`` that the RMS values σ and γ average over (the others are
+        batch axes); ``None``: every axis.  The arguments come in the order of
+        :func:`sage_torch.sage_damper`'s (``dims`` there).
 
     Returns:
       ``H_t = min(σ/(Ŝ_t+ε), γ/(s_t+ε), 1)`` (terms dropped per ``damper``), finite for
       every finite ``s`` and ``Ŝ`` (σ and γ are computed by :func:`rms`).
     """
+    if rms_axes is None:
+        rms_axes = tuple(range(jnp.ndim(s)))
     h = jnp.ones_like(s)
     if damper in ("both", "ema"):
         sigma = rms(s_hat, rms_axes)
@@ -241,7 +245,7 @@ def scale_by_sage(
             s_t = _mean_abs(g, plan)
             s_ema = (b2 * s_prev.astype(wide) + (1 - b2) * s_t).astype(s_prev.dtype)
             bias = 1 - jnp.asarray(b2, wide) ** count.astype(wide)
-            h = sage_damper(s_t, s_ema.astype(wide) / bias, plan.rms_axes, eps, damper)
+            h = sage_damper(s_t, s_ema.astype(wide) / bias, eps, damper, plan.rms_axes)
             if plan.reduce_axes is not None:
                 h = jnp.expand_dims(h, plan.reduce_axes)
             mu_t = (1 - b2) * g32 + b2 * m32

@@ -36,7 +36,7 @@ row of sums, then the tiles in turn, against XLA's reduction tree) and, compiled
 Triton's division; the scales agree with the jnp path within float32 rounding
 (``tests/test_sinkhorn_pallas.py`` states the tolerance), not bit for bit.
 
-:func:`sinkhorn_scales` is the entry point; ``interpret=True`` runs the same kernels with
+:func:`pallas_scales` is the entry point; ``interpret=True`` runs the same kernels with
 Pallas's interpreter on any backend (how the CPU tests check the kernel's math).
 """
 
@@ -210,7 +210,7 @@ def _target(normalization: str, size: int) -> float:
     return 1.0 if normalization == "unit" else float(np.sqrt(np.float32(size)))
 
 
-def sinkhorn_scales(
+def pallas_scales(
     gs: list[jax.Array],
     axes: ResolvedRoute,
     num_iters: Any = 5,

@@ -23,7 +23,7 @@ from typing import Any
 KINDS: tuple[str, ...] = ("embedding", "dense", "vector")
 """The three parameter kinds, in the order tables print them."""
 
-RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
+_RULE_TABLE: dict[str, Mapping[str, Any]] = (
     {
         # Decoupled-decay Adam, as optax.adamw / torch.optim.AdamW.
         "adamw": types.MappingProxyType(
@@ -67,7 +67,14 @@ RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
         "unit_norm": types.MappingProxyType({"eps": 1e-8, "weight_decay": 0.01}),
     }
 )
-"""Default hyperparameters of every rule (the learning rate is set per configuration)."""
+
+RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(_RULE_TABLE)
+"""Default hyperparameters of every rule (the learning rate is set per configuration).
+
+The table of rules: a rule is a row here, its module in each framework (which registers it:
+:mod:`sage_optax.registry`, :mod:`sage_torch.registry`), the ranges of any new
+hyperparameter (:data:`sage_optim.hyperparams.RANGES`) and its float64 oracle
+(``tests/reference_np.py``): ``CONTRIBUTING.md``, "Adding an update rule"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +123,6 @@ class Preset:
     embedding: RuleSpec
     dense: RuleSpec
     vector: RuleSpec
-    description: str = ""
 
     def rule(self, kind: str) -> RuleSpec:
         """The rule used for parameters of ``kind`` (one of :data:`KINDS`)."""
@@ -138,22 +144,22 @@ PRESETS: Mapping[str, Preset] = types.MappingProxyType(
     {
         p.name: p
         for p in (
-            Preset("adamw", 1e-4, RuleSpec("adamw"), RuleSpec("adamw"), RuleSpec("adamw"),
-                   "AdamW on every parameter (the 2-state baseline)."),
-            Preset("lion", 1e-4, RuleSpec("lion"), RuleSpec("lion"), RuleSpec("lion"),
-                   "Lion on every parameter (1 state)."),
-            Preset("apollo", 1e-4, RuleSpec("adamw"), RuleSpec("apollo"), RuleSpec("adamw"),
-                   "APOLLO-Mini on attention and MLP matrices, AdamW on the rest."),
-            Preset("sinkgd-pure", 2e-2, _SINKGD_SQRT, _SINKGD_SQRT, RuleSpec("unit_norm"),
-                   "Stateless: SinkGD on every matrix, g/||g|| on vectors (ablation)."),
-            Preset("sinkgd-hybrid", 2e-2, RuleSpec("adamw"), _SINKGD_SQRT, RuleSpec("adamw"),
-                   "Scetbon et al.'s hybrid: SinkGD on dense matrices, AdamW on the rest."),
-            Preset("lion-hybrid", 2e-3, RuleSpec("lion"), _SINKGD_UNIT, RuleSpec("adamw"),
-                   "Lion on embeddings, Unit-Norm SinkGD on dense, AdamW on vectors."),
-            Preset("sage-pure", 2e-3, RuleSpec("sage"), RuleSpec("sage"), RuleSpec("sage"),
-                   "SAGE on every parameter (dense matrices reduce over fan-out)."),
-            Preset("sage-hybrid", 2e-3, RuleSpec("sage"), _SINKGD_UNIT, RuleSpec("sage"),
-                   "The paper's method: SAGE on embeddings and vectors, SinkGD (unit) on dense."),
+            # AdamW on every parameter (the 2-state baseline).
+            Preset("adamw", 1e-4, RuleSpec("adamw"), RuleSpec("adamw"), RuleSpec("adamw")),
+            # Lion on every parameter (1 state).
+            Preset("lion", 1e-4, RuleSpec("lion"), RuleSpec("lion"), RuleSpec("lion")),
+            # APOLLO-Mini on attention and MLP matrices, AdamW on the rest.
+            Preset("apollo", 1e-4, RuleSpec("adamw"), RuleSpec("apollo"), RuleSpec("adamw")),
+            # Stateless: SinkGD on every matrix, g/||g|| on vectors (ablation).
+            Preset("sinkgd-pure", 2e-2, _SINKGD_SQRT, _SINKGD_SQRT, RuleSpec("unit_norm")),
+            # Scetbon et al.'s hybrid: SinkGD on dense matrices, AdamW on the rest.
+            Preset("sinkgd-hybrid", 2e-2, RuleSpec("adamw"), _SINKGD_SQRT, RuleSpec("adamw")),
+            # Lion on embeddings, Unit-Norm SinkGD on dense, AdamW on vectors.
+            Preset("lion-hybrid", 2e-3, RuleSpec("lion"), _SINKGD_UNIT, RuleSpec("adamw")),
+            # SAGE on every parameter (dense matrices reduce over fan-out).
+            Preset("sage-pure", 2e-3, RuleSpec("sage"), RuleSpec("sage"), RuleSpec("sage")),
+            # The paper's method: SAGE on embeddings and vectors, SinkGD (unit) on dense.
+            Preset("sage-hybrid", 2e-3, RuleSpec("sage"), _SINKGD_UNIT, RuleSpec("sage")),
         )
     }
 )

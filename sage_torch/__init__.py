@@ -20,7 +20,7 @@ from sage_torch import _require, adamw, apollo, lion, sage, sinkgd, unit_norm  #
 from sage_torch.apollo import APOLLO, gaussian_projection
 from sage_torch.configs import make_optimizer, param_groups, routing_table
 from sage_torch.lion import Lion
-from sage_torch.optimizer import MomentumError, ParamsT, RuleOptimizer
+from sage_torch.optimizer import MomentumError, RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params
 from sage_torch.sage import SAGE, sage_damper
 from sage_torch.sinkgd import SinkGD, sinkhorn_normalize
@@ -33,7 +33,6 @@ __all__ = [
     "SAGE",
     "Lion",
     "MomentumError",
-    "ParamsT",
     "Route",
     "RoutedParam",
     "RoutingError",

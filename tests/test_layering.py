@@ -66,13 +66,18 @@ def test_importing_a_package_loads_no_other_framework(package, absent):
 
 
 def torch_import_graph() -> dict[str, set[str]]:
-    """``module -> the sage_torch modules it imports`` (``sage_torch`` is the package's
+    """``module -> the sage_torch modules it imports`` (:func:`import_graph`)."""
+    return import_graph("sage_torch")
+
+
+def import_graph(pkg: str) -> dict[str, set[str]]:
+    """``module -> the modules of package ``pkg`` it imports`` (``pkg`` is the package's
     ``__init__``), every import statement counted, the lazy ones too."""
-    package = ROOT / "sage_torch"
+    package = ROOT / pkg
     modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
 
     def name(path: pathlib.Path) -> str:
-        return "sage_torch" if path.stem == "__init__" else f"sage_torch.{path.stem}"
+        return pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
 
     graph: dict[str, set[str]] = {}
     for path in sorted(package.glob("*.py")):
@@ -83,14 +88,14 @@ def torch_import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from . import x, from .x import y
-                    base = "sage_torch" + (f".{base}" if base else "")
-                targets = [f"{base}.{a.name}" if base == "sage_torch" and a.name in modules
+                    base = pkg + (f".{base}" if base else "")
+                targets = [f"{base}.{a.name}" if base == pkg and a.name in modules
                            else base for a in node.names]
             else:
                 continue
             for target in targets:
                 parts = target.split(".")
-                if parts[0] == "sage_torch":
+                if parts[0] == pkg:
                     edges.add(".".join(parts[:2]))
     return graph
 
@@ -144,6 +149,14 @@ def test_sage_torch_imports_have_no_cycle():
     assert "sage_torch.optimizer" in graph and "sage_torch.registry" in graph
     cycle = find_cycle(graph)
     assert cycle is None, f"sage_torch modules import each other in a cycle: {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("package", ["sage_optim", "sage_optax", "sage_torch"])
+def test_no_package_imports_itself_in_a_cycle(package):
+    """No module cycle in any optimizer package (sinkhorn <-> sinkhorn_pallas was one)."""
+    graph = import_graph(package)
+    cycle = find_cycle({m: e - {package} for m, e in graph.items() if m != package})
+    assert cycle is None, f"{package} modules import each other in a cycle: {' -> '.join(cycle)}"
 
 
 def test_the_base_optimizer_imports_no_algorithm():

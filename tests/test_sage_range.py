@@ -166,7 +166,7 @@ def test_sinkgd_at_the_float32_limit_matches_the_reference(kernel):
     g = rng.standard_normal((20, 12))
     for top in (3e18, 1.7e38, 3e38):
         g32 = (g * (top / np.abs(g).max())).astype(np.float32)
-        tx = sage_optax.scale_by_sinkhorn(kernel=kernel)
+        tx = sage_optax.scale_by_sinkhorn(impl=kernel)
         out, _ = jax.jit(tx.update)({"w": jnp.asarray(g32)}, optax.EmptyState())
         want = ref.sinkhorn_ref(g32.astype(np.float64))
         np.testing.assert_allclose(np.asarray(out["w"], np.float64), want, rtol=1e-5,
