@@ -47,7 +47,7 @@ def scale_by_unit_norm(
 
         return axes_lib.map_leaves(normalize, updates, axes), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def unit_norm_descent(
