@@ -56,7 +56,7 @@ INIT_STD = 0.02
 """Standard deviation of the normal init of embeddings and kernels (HF ``initializer_range``)."""
 
 LAYER_MODES: tuple[str, ...] = ("scan", "loop")
-"""Layouts of the decoder layers: stacked and scanned, or one module per layer."""
+"""How the decoder layers run: stacked and scanned, or one module per layer (``--layers``)."""
 
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,
