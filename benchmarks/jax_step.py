@@ -63,10 +63,10 @@ import jax.numpy as jnp
 import optax
 
 import sage_optax
-from sage_optim.models import get_model_config
 from sage_optim.presets import resolve_preset
 from sage_repro import traffic
 from sage_repro.llama_shapes import STACKED_ROUTES, llama_param_shapes
+from sage_train.model_shapes import get_model_config
 
 BASELINE = "optax.adamw (baseline)"
 GIB = 2.0**30
@@ -144,7 +144,7 @@ def make_tx(entry: str) -> optax.GradientTransformation:
     if entry == BASELINE:
         return optax.adamw(1e-4, b1=0.9, b2=0.99, weight_decay=0.01)
     name, kernel = split_entry(entry)
-    return sage_optax.make_optimizer(name, route_overrides=ROUTES or None, kernel=kernel)
+    return sage_optax.make_optimizer(name, route_overrides=ROUTES or None, impl=kernel)
 
 
 def bytes_moved(name: str, shapes: Any, state_shapes: Any) -> int:
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", choices=("per-layer", "stacked"), default="per-layer",
                     help="one leaf per layer, or layers stacked on a leading axis as an "
                     "nnx.scan model holds them (default per-layer)")
-    ap.add_argument("--kernel", choices=sage_optax.sinkhorn.KERNELS, default="auto",
+    ap.add_argument("--kernel", choices=sage_optax.sinkhorn.IMPLS, default="auto",
                     help="SinkGD's scale computation (auto: the Pallas kernel only on a GPU "
                     "where scripts/gpu-check validated it, else jnp)")
     ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",

@@ -79,9 +79,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sage_torch
-from sage_optim.models import LlamaConfig, get_model_config
 from sage_optim.presets import CONFIG_NAMES, resolve_preset
 from sage_repro import traffic
+from sage_train.model_shapes import LlamaConfig, get_model_config
 
 BASELINE = "torch.optim.AdamW (baseline)"
 FUSED = "torch.optim.AdamW(fused=True)"
@@ -313,7 +313,7 @@ def print_op_counts(model_name: str, rows: list[dict[str, Any]]) -> None:
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of every state tensor of ``opt`` but the ``step`` counters and a rule's host
-    bookkeeping (APOLLO's ``proj_seed``: :attr:`sage_torch.common.Rule.host_keys`)."""
+    bookkeeping (APOLLO's ``proj_seed``: :attr:`sage_torch.common.UpdateRule.host_keys`)."""
     total = 0
     for group in opt.param_groups:
         rule_of = getattr(opt, "rule_of", None)

@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sage_optax import placement
-from sage_optim.models import get_model_config
 from sage_train import model as model_lib
 from sage_train.cli import _loss_chunk
+from sage_train.model_shapes import get_model_config
 from sage_train.train import TrainConfig, build, compute_dtype, loss_chunk_tokens, make_steps
 
 GIB = 1 << 30

@@ -31,6 +31,7 @@ References:
 
 # first: without JAX/Optax, one line naming the [jax] extra instead of a deep traceback
 from sage_optax import _require  # noqa: F401
+from sage_optax import adamw as _adamw  # noqa: F401  (registers the adamw rule)
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
 from sage_optax.axes import EMBEDDING_TABLE
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
@@ -38,7 +39,7 @@ from sage_optax.linen_evidence import LinenModel, linen_model
 from sage_optax.lion import lion, scale_by_lion
 from sage_optax.memory import state_bytes, state_bytes_by_leaf
 from sage_optax.routing import (
-    LAYOUTS,
+    PARAM_LAYOUTS,
     NoLayoutEvidenceWarning,
     ParamRouting,
     ResolvedRoute,
@@ -59,8 +60,8 @@ __all__ = [
     "CONFIG_NAMES",
     "DAMPERS",
     "EMBEDDING_TABLE",
-    "LAYOUTS",
     "LinenModel",
+    "PARAM_LAYOUTS",
     "NORMALIZATIONS",
     "NoLayoutEvidenceWarning",
     "ParamRouting",

@@ -34,6 +34,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import boxes, validation
+from sage_optax.registry import RuleContext, register
 from sage_optim.presets import RULE_DEFAULTS
 from sage_optim.routing import ResolvedRoute
 
@@ -585,3 +586,10 @@ def apollo(
         ),
         add_decayed_weights_after_step(weight_decay, learning_rate, mask),
     )
+
+
+@register("apollo")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`apollo` with the ``apollo`` rule's hyperparameters ``hp`` (its builder)."""
+    return apollo(learning_rate, **hp, mask=context.mask, axes=context.axes)

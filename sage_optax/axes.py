@@ -271,3 +271,23 @@ def check_same_shapes(
                 f"parameter {name!r}: {what} has shape {tuple(g.shape)} but {reference} has "
                 f"shape {tuple(e.shape)}"
             )
+
+
+def stacked_route(axes: ResolvedRoute, n: int) -> ResolvedRoute:
+    """``axes`` of a leaf, for a stack of ``n`` such leaves along a new leading batch axis."""
+
+    def shift(group: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(a + 1 for a in group)
+
+    return ResolvedRoute(axes.kind, shift(axes.fan_in), shift(axes.fan_out),
+                         (0, *shift(axes.batch)), (n, *axes.shape), axes.evidence)
+
+
+def sharding_of(x: jax.Array) -> Any:
+    """``x``'s sharding when the mesh has explicit axes (a dot needs it there), else None."""
+    sharding = jax.typeof(x).sharding
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and not mesh.empty and explicit in mesh.axis_types:
+        return sharding
+    return None

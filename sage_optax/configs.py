@@ -16,17 +16,13 @@ import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import logical, memory, routing, validation
-from sage_optax.apollo import apollo
-from sage_optax.lion import lion
-from sage_optax.sage import sage
-from sage_optax.sinkhorn import KERNELS, sinkgd
-from sage_optax.unit_norm import unit_norm_descent
-from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, resolve_preset
+from sage_optax import logical, memory, registry, routing, validation
+from sage_optax.sinkhorn import IMPLS
+from sage_optim.presets import CONFIG_NAMES, KINDS, PRESETS, RuleSpec, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
-    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "kernel",
+    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "impl",
     "strict", "axis_names", "axis_roles",
 )
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
@@ -39,38 +35,26 @@ that gives its own (``<kind>_<hp>``, static)."""
 
 
 def build_rule(
-    rule: Rule,
+    rule: RuleSpec,
     learning_rate: optax.ScalarOrSchedule,
     axes: Any,
     mask: Any | None = None,
-    kernel: str = "auto",
+    impl: str = "auto",
 ) -> optax.GradientTransformation:
     """The Optax transformation of one rule with its hyperparameters.
+
+    The rule's builder comes from :mod:`sage_optax.registry`, where its module registered
+    it: this function knows no rule by name.
 
     Args:
       rule: which update rule and its hyperparameters.
       learning_rate: float or schedule.
       axes: per-leaf :class:`~sage_optax.Route` (pytree or callable of the params).
       mask: weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
-      kernel: SinkGD's scale computation (:data:`sage_optax.sinkhorn.KERNELS`).
+      impl: SinkGD's implementation of its scales (:data:`sage_optax.sinkhorn.IMPLS`).
     """
-    hp = rule.hyperparams
-    if rule.name == "adamw":
-        return optax.adamw(
-            learning_rate, hp["b1"], hp["b2"], hp["eps"], weight_decay=hp["weight_decay"],
-            mask=validation.checked_mask(mask),
-        )
-    if rule.name == "lion":
-        return lion(learning_rate, hp["b1"], hp["b2"], weight_decay=hp["weight_decay"], mask=mask)
-    if rule.name == "sage":
-        return sage(learning_rate, **hp, mask=mask, axes=axes)
-    if rule.name == "sinkgd":
-        return sinkgd(learning_rate, **hp, mask=mask, axes=axes, kernel=kernel)
-    if rule.name == "apollo":
-        return apollo(learning_rate, **hp, mask=mask, axes=axes)
-    if rule.name == "unit_norm":
-        return unit_norm_descent(learning_rate, **hp, mask=mask, axes=axes)
-    raise ValueError(f"unknown rule {rule.name!r}; valid rules: {sorted(RULE_DEFAULTS)}")
+    build = registry.builder(rule.name)
+    return build(learning_rate, rule.hyperparams, registry.RuleContext(axes, mask, impl))
 
 
 def make_optimizer(
@@ -100,7 +84,7 @@ def make_optimizer(
 
         * ``embedding=``/``dense=``/``vector=``: a rule name (``"adamw"``, ``"lion"``,
           ``"sage"``, ``"sinkgd"``, ``"apollo"``, ``"unit_norm"``) or a
-          :class:`sage_optim.Rule` to swap, e.g. ``vector="adamw"`` for the paper's
+          :class:`sage_optim.RuleSpec` to swap, e.g. ``vector="adamw"`` for the paper's
           SAGE-Hybrid variant with AdamW on 1-D parameters;
         * ``<kind>_<hp>=``: one hyperparameter of one kind's rule, e.g. ``dense_alpha=5.0``;
         * ``<hp>=``: any other hyperparameter for every rule that has it, e.g.
@@ -119,7 +103,7 @@ def make_optimizer(
           logical axis names of unboxed params) and ``axis_roles={name: role}`` (extends
           :data:`sage_optax.logical.AXIS_ROLES`);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
-        * ``kernel=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
+        * ``impl=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
           ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
           kernel, on CUDA arrays; opt-in) or ``"jnp"`` (:func:`~sage_optax.scale_by_sinkhorn`;
           ``SAGE_KERNELS=off`` in the environment turns the kernel off);
@@ -192,8 +176,8 @@ def make_optimizer(
     validation.check_learning_rate(lr)
     router = _Router(overrides)
     mask = overrides.pop("mask", None)
-    kernel = overrides.pop("kernel", "auto")
-    validation.check_choice("kernel", kernel, KERNELS)
+    impl = overrides.pop("impl", "auto")
+    validation.check_choice("impl", impl, IMPLS)
     skip_nonfinite = validation.check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
     assert not overrides, overrides  # every key was consumed
 
@@ -204,7 +188,7 @@ def make_optimizer(
         return router(params, warn=True).labels  # the full tree: routed (and warned) once
 
     tx = optax.partition(
-        {kind: build_rule(preset.rule(kind), lr, axes_fn, mask, kernel) for kind in KINDS},
+        {kind: build_rule(preset.rule(kind), lr, axes_fn, mask, impl) for kind in KINDS},
         labels_fn,
     )
     if skip_nonfinite:
@@ -268,8 +252,9 @@ class _Router:
             raise ValueError(f"strict must be True or False, got {self.strict!r}")
         if layout == "auto":
             layout = None
-        if layout is not None and layout not in routing.LAYOUTS:
-            raise ValueError(f"layout must be one of {routing.LAYOUTS} or None, got {layout!r}")
+        if layout is not None and layout not in routing.PARAM_LAYOUTS:
+            raise ValueError(
+                f"layout must be one of {routing.PARAM_LAYOUTS} or None, got {layout!r}")
         self.layout = layout
         if model is not None:
             _refuse_called_module(model)
@@ -277,7 +262,7 @@ class _Router:
         # logical axis names, remembered across calls: nnx.Optimizer inits on nnx.Param
         # boxes (their names) and updates on bare arrays
         self.axis_roles = logical.check_axis_roles(overrides.pop("axis_roles", None))
-        self.names = logical.names_of(model) if routing._is_nnx_module(model) else {}
+        self.names = logical.names_of(model) if routing.is_nnx_module(model) else {}
         self.given_names = logical.names_of(overrides.pop("axis_names", None))
         self.names.update(self.given_names)
         self.routed: dict[Any, routing.ParamRouting] = {}
@@ -358,14 +343,19 @@ def check_matching_trees(updates: Any, params: Any) -> None:
     )
 
 
+_HYBRID = PRESETS["sage-hybrid"]
+_HYBRID_SAGE = _HYBRID.embedding.hyperparams
+_HYBRID_SINKGD = _HYBRID.dense.hyperparams
+
+
 def sage_hybrid(
-    learning_rate: optax.ScalarOrSchedule = 2e-3,
-    b1: float = 0.9,
-    b2: float = 0.99,
-    eps: float = 1e-8,
-    weight_decay: float = 0.01,
-    alpha: float = 10.0,
-    num_iters: int = 5,
+    learning_rate: optax.ScalarOrSchedule = _HYBRID.learning_rate,
+    b1: float = _HYBRID_SAGE["b1"],
+    b2: float = _HYBRID_SAGE["b2"],
+    eps: float = _HYBRID_SAGE["eps"],
+    weight_decay: float = _HYBRID_SAGE["weight_decay"],
+    alpha: float = _HYBRID_SINKGD["alpha"],
+    num_iters: int = _HYBRID_SINKGD["num_iters"],
     *,
     vector_rule: str = "sage",
     route_overrides: Mapping[str, Any] | None = None,
@@ -386,6 +376,9 @@ def sage_hybrid(
     ``model`` and a callable ``mask`` through ``static_args``
     (``optax.inject_hyperparams(sage_hybrid, static_args=("model",))``): optax calls every
     other callable argument with the step count, as a schedule.
+
+    Every default is the ``sage-hybrid`` preset's (:data:`sage_optim.presets.PRESETS`), read
+    from it, so the alias and :func:`make_optimizer` cannot drift apart.
 
     Args:
       learning_rate: float or schedule (paper: 2e-3, cosine with 10% warmup).
@@ -449,16 +442,16 @@ def sage_hybrid(
 
 
 def routing_table(
-    tx_name: str, params: Any, *, wrt: Any = None, **overrides: Any
+    name: str, params: Any, *, wrt: Any = None, **overrides: Any
 ) -> RoutingTable:
-    """Route ``params`` as configuration ``tx_name`` would and count each leaf's state bytes.
+    """Route ``params`` as configuration ``name`` would and count each leaf's state bytes.
 
     Each row gives the leaf's kind, rule, fan-in and fan-out axes (with sizes), the
     evidence that placed it and its state bytes.  Nothing is allocated: the state comes
     from ``jax.eval_shape(tx.init, params)``.
 
     Args:
-      tx_name: a configuration name (see :func:`make_optimizer`).
+      name: a configuration name (see :func:`make_optimizer`).
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``), or an ``nnx.Module``
         (the state ``nnx.state(model, wrt)`` selects, routed with its module types as
         evidence), or an Equinox model (its leaves ``eqx.filter(model, wrt)`` keeps,
@@ -495,13 +488,13 @@ def routing_table(
       Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
       (the embedding layer dilemma: why the kind and the axes of each leaf matter).
     """
-    if routing._is_nnx_module(params):
+    if routing.is_nnx_module(params):
         from flax import nnx
 
         overrides.setdefault("model", params)
         what = f"nnx.state(model, {'nnx.Param' if wrt is None else _filter_name(wrt)})"
         params = nnx.state(params, nnx.Param if wrt is None else wrt)
-    elif routing._is_equinox_module(params):
+    elif routing.is_equinox_module(params):
         import equinox as eqx
 
         overrides.setdefault("model", params)
@@ -523,8 +516,8 @@ def routing_table(
             if what.startswith("nnx") else ""
         )
         raise ValueError(f"routing_table: {what} holds no arrays to route{hint}")
-    resolved = resolve_preset(tx_name, dict(overrides), OPTION_KEYS)
-    tx = make_optimizer(tx_name, **overrides)
+    resolved = resolve_preset(name, dict(overrides), OPTION_KEYS)
+    tx = make_optimizer(name, **overrides)
     route = _Router(dict(overrides))(params)
     state = jax.eval_shape(tx.init, params)
     per_leaf, shared = memory.state_bytes_by_leaf(state, params)
@@ -536,7 +529,7 @@ def routing_table(
             path, tuple(leaf.shape), r.kind, resolved.rule(r.kind).describe(),
             r.describe_fan_in(), r.describe_fan_out(), r.evidence, per_leaf[path],
         ))
-    return RoutingTable(tx_name, tuple(rows), shared)
+    return RoutingTable(name, tuple(rows), shared)
 
 
 def _filter_name(wrt: Any) -> str:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from sage_optax import validation
+from sage_optax.registry import RuleContext, register
 from sage_optax.sage import lion_direction
 from sage_optim.presets import RULE_DEFAULTS
 
@@ -144,3 +145,10 @@ def lion(
         optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+@register("lion")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`lion` with the ``lion`` rule's hyperparameters ``hp`` (its builder)."""
+    return lion(learning_rate, **hp, mask=context.mask)

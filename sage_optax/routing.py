@@ -73,11 +73,11 @@ from sage_optax import logical
 from sage_optim import routing as core
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 
-LAYOUTS: tuple[str, ...] = ("flax", "torch")
+PARAM_LAYOUTS: tuple[str, ...] = ("flax", "torch")
 """Declared layouts of a params pytree: Flax ``(in, out)`` kernels or PyTorch ``(out, in)``."""
 
 __all__ = [
-    "LAYOUTS",
+    "PARAM_LAYOUTS",
     "NoLayoutEvidenceWarning",
     "ParamRouting",
     "ResolvedRoute",
@@ -131,7 +131,8 @@ def iter_leaves(params: Any) -> list[tuple[str, Any]]:
 # --------------------------------------------------------------------------- module evidence
 
 
-def _is_nnx_module(x: Any) -> bool:
+def is_nnx_module(x: Any) -> bool:
+    """Whether ``x`` is an ``nnx.Module`` (False without Flax installed)."""
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax is optional for sage_optax
@@ -308,16 +309,17 @@ def _nnx_stacked(module: Any, name: str, params: dict[str, Any]) -> dict[str, An
     return out
 
 
-def _is_equinox_module(x: Any) -> bool:
+def is_equinox_module(x: Any) -> bool:
+    """Whether ``x`` is an Equinox module (False unless ``equinox`` is imported)."""
     eqx = sys.modules.get("equinox")  # a tree cannot hold one unless equinox is imported
     return eqx is not None and isinstance(x, eqx.Module)
 
 
 def _holds_equinox(tree: Any) -> bool:
-    if _is_equinox_module(tree):
+    if is_equinox_module(tree):
         return True
-    return any(_is_equinox_module(x) for x in jax.tree.leaves(
-        tree, is_leaf=_is_equinox_module))
+    return any(is_equinox_module(x) for x in jax.tree.leaves(
+        tree, is_leaf=is_equinox_module))
 
 
 def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
@@ -446,13 +448,13 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
       fan-out axes).
     """
-    if _is_equinox_module(model):
+    if is_equinox_module(model):
         return equinox_routes(model)
     from sage_optax import linen_evidence
 
     if isinstance(model, linen_evidence.LinenModel):
         return linen_evidence.linen_routes(model)
-    if not _is_nnx_module(model):
+    if not is_nnx_module(model):
         linen = sys.modules.get("flax.linen")
         if linen is not None and isinstance(model, linen.Module):
             raise TypeError(
@@ -948,11 +950,11 @@ def route_params(
     """
     if layout == "auto":
         layout = None
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS} or None, got {layout!r}")
+    if layout is not None and layout not in PARAM_LAYOUTS:
+        raise ValueError(f"layout must be one of {PARAM_LAYOUTS} or None, got {layout!r}")
     roles = logical.check_axis_roles(axis_roles)
     nnx_tree = False
-    if _is_nnx_module(params):
+    if is_nnx_module(params):
         from flax import nnx
 
         model, params = params, nnx.state(params, nnx.Param)
@@ -961,11 +963,11 @@ def route_params(
         evidence.update(module_routes(model))
     if _holds_equinox(params):
         evidence.update(equinox_routes(params))
-    names = logical.names_of(model) if model is not None and _is_nnx_module(model) else {}
+    names = logical.names_of(model) if model is not None and is_nnx_module(model) else {}
     names.update(logical.names_of(params))
     given = logical.names_of(axis_names) if axis_names is not None else {}
     names.update(given)
-    nnx_tree = _is_nnx_state(params) or (model is not None and _is_nnx_module(model))
+    nnx_tree = _is_nnx_state(params) or (model is not None and is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
     logical.check_matched(given, [n for n, _ in named])

@@ -26,6 +26,9 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import boxes, validation
+from sage_optax.numerics import pow2_floor
+from sage_optax.registry import RuleContext, register
+from sage_optim.numerics import mean_scale
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["sage"]
@@ -89,18 +92,6 @@ def _plan(path: str, spec: Any, shape: tuple[int, ...]) -> _LeafPlan:
     return _LeafPlan((axis,), (other - (other > axis),))
 
 
-def mean_scale(n: int) -> float:
-    """``2^-k``, the least power of two with ``n · 2^-k ≤ 1``: the scale of SAGE's mean.
-
-    ``s_t = mean(|g|·c) / c`` with ``c = mean_scale(n)`` over ``n`` entries: no partial
-    sum exceeds ``max|g|``, so the mean of any finite gradient is finite (a plain sum of
-    ``V`` entries overflows float32 once ``|g|`` reaches about ``3.4e38 / V``).  Scaling by
-    a power of two is exact, so the result is bit for bit the plain mean's, unless an entry
-    falls below the smallest normal number times ``1/c`` (about ``2e-33`` for ``V = 128k``).
-    """
-    return 1.0 if n <= 1 else 2.0 ** -(int(n) - 1).bit_length()
-
-
 def _mean_abs(g: jax.Array, plan: _LeafPlan) -> jax.Array:
     a = jnp.abs(g.astype(axes_lib.wide(g.dtype)))
     if plan.reduce_axes is None:
@@ -111,30 +102,18 @@ def _mean_abs(g: jax.Array, plan: _LeafPlan) -> jax.Array:
     return jnp.mean(a * c, axis=plan.reduce_axes) / c
 
 
-def _pow2_floor(amax: jax.Array) -> jax.Array:
-    """Element-wise, the power of two ``m ≤ amax < 2m`` (1 where ``amax`` is 0 or not finite).
-
-    At least the dtype's smallest normal number, as :func:`sage_optax.sinkhorn.range_scale`.
-    """
-    mantissa, _ = jnp.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    m = jnp.where(ok, amax / jnp.where(ok, 2 * mantissa, 1), 1)
-    return jnp.maximum(m, jnp.finfo(amax.dtype).tiny).astype(amax.dtype)
-
-
 def rms(x: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """``sqrt(mean(x²))`` over ``axes`` (kept, size 1), finite for every finite ``x``.
 
     Computed as ``m · sqrt(mean((x/m)²))`` with ``m`` the power of two ``m ≤ max|x| < 2m``
-    (:func:`_pow2_floor`), at most ``1/tiny`` of the dtype (``2^126`` in float32: XLA:CPU
-    divides by multiplying by the reciprocal and flushes subnormals, so ``1/m`` must stay
-    normal).  The squares are then in range, where a plain ``x²`` overflows float32 from
-    ``|x| ≈ 1.8e19``.  Dividing and multiplying by a power of two is exact and the square
-    root of ``y/m²`` is ``sqrt(y)/m`` exactly, so where ``x²`` is in range the result is
+    (:func:`sage_optax.numerics.pow2_floor`), at most ``1/tiny`` of the dtype (``2^126`` in float32:
+    XLA:CPU divides by multiplying by the reciprocal and flushes subnormals, so ``1/m`` must stay
+    normal). The squares are then in range, where a plain ``x²`` overflows float32 from ``|x| ≈
+    1.8e19``. Dividing and multiplying by a power of two is exact and the square root of ``y/m²`` is
+    ``sqrt(y)/m`` exactly, so where ``x²`` is in range the result is
     bit for bit that of the plain formula.
     """
-    m = _pow2_floor(jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0))
-    m = jnp.minimum(m, jnp.asarray(1 / jnp.finfo(m.dtype).tiny, m.dtype))
+    m = pow2_floor(jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0))
     return jnp.sqrt(jnp.mean(jnp.square(x / m), axis=axes, keepdims=True)) * m
 
 
@@ -161,18 +140,20 @@ def lion_direction(g: jax.Array, mu_prev: jax.Array, mu_new: jax.Array, b1: Any,
 def sage_damper(
     s: jax.Array,
     s_hat: jax.Array,
-    rms_axes: tuple[int, ...],
     eps: Any,
     damper: str = "both",
+    rms_axes: tuple[int, ...] | None = None,
 ) -> jax.Array:
     """The adaptive scale ``H_t`` of SAGE in the reduced shape of ``s`` (Algorithm 1).
 
     Args:
       s: instantaneous mean absolute gradient ``s_t``.
       s_hat: bias-corrected EMA ``Ŝ_t``.
-      rms_axes: axes of ``s`` that the RMS values σ and γ average over (not batch axes).
       eps: the ε of the paper.
       damper: one of :data:`DAMPERS`.
+      rms_axes: axes of ``s`` that the RMS values σ and γ average over (the others are
+        batch axes); ``None``: every axis.  The arguments come in the order of
+        :func:`sage_torch.sage_damper`'s (``dims`` there).
 
     Returns:
       ``H_t = min(σ/(Ŝ_t+ε), γ/(s_t+ε), 1)`` (terms dropped per ``damper``), finite for
@@ -183,6 +164,8 @@ def sage_damper(
       (Algorithm 1, the EMA damper; Appendix "Instantaneous Stability", the instantaneous
       one).
     """
+    if rms_axes is None:
+        rms_axes = tuple(range(jnp.ndim(s)))
     h = jnp.ones_like(s)
     if damper in ("both", "ema"):
         sigma = rms(s_hat, rms_axes)
@@ -295,7 +278,7 @@ def scale_by_sage(
             s_t = _mean_abs(g, plan)
             s_ema = (b2 * s_prev.astype(wide) + (1 - b2) * s_t).astype(s_prev.dtype)
             bias = 1 - jnp.asarray(b2, wide) ** count.astype(wide)
-            h = sage_damper(s_t, s_ema.astype(wide) / bias, plan.rms_axes, eps, damper)
+            h = sage_damper(s_t, s_ema.astype(wide) / bias, eps, damper, plan.rms_axes)
             if plan.reduce_axes is not None:
                 h = jnp.expand_dims(h, plan.reduce_axes)
             mu_t = (1 - b2) * g32 + b2 * m32
@@ -385,3 +368,10 @@ def sage(
         optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+@register("sage")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`sage` with the ``sage`` rule's hyperparameters ``hp`` (its builder)."""
+    return sage(learning_rate, **hp, mask=context.mask, axes=context.axes)

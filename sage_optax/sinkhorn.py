@@ -27,11 +27,11 @@ Dividing by a power of two is exact, so for gradients whose squares are in range
 result is bit-for-bit that of the plain computation: the rescaling changes no number, it
 only keeps every finite gradient finite.  An all-zero matrix stays zero.
 
-With ``kernel="pallas"``, :func:`scale_by_sinkhorn` computes the scales of arrays on a CUDA
+With ``impl="pallas"``, :func:`scale_by_sinkhorn` computes the scales of arrays on a CUDA
 GPU with the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` instead: the same iteration
 without forming ``K``.  The choice follows where the arrays are, not JAX's default backend
 (:mod:`sage_optax.placement`): one jitted update runs the kernel on CUDA arrays and this
-module on CPU arrays.  ``kernel="auto"`` (the default) takes the kernel only on a GPU where
+module on CPU arrays.  ``impl="auto"`` (the default) takes the kernel only on a GPU where
 ``scripts/gpu-check`` has shown it correct and faster (:mod:`sage_optim.kernels`; on none
 yet), and ``SAGE_KERNELS=off`` turns it off everywhere.  This module stays the reference.
 """
@@ -47,6 +47,8 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import placement, validation
+from sage_optax.numerics import pow2_sqrt_floor, range_scale
+from sage_optax.registry import RuleContext, register
 from sage_optim import hyperparams, kernels
 from sage_optim.presets import RULE_DEFAULTS
 from sage_optim.routing import ResolvedRoute
@@ -58,13 +60,13 @@ GROUPINGS: tuple[str, ...] = ("auto", "leaf", "stack")
 per leaf, ``"stack"`` one batched computation per group of leaves sharing a shape, dtype and
 axes (stacked in chunks of at most ``group_bytes``), ``"auto"`` stacking for arrays on an
 accelerator (where each matrix's ~25 small kernels cost more in launches than in bytes) and
-one leaf at a time for arrays on the CPU (decided by placement, as the kernel)."""
+one leaf at a time for arrays on the CPU (decided by placement, as the implementation)."""
 
 GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
 """Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
 with :mod:`sage_torch`: :data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`)."""
 
-KERNELS: tuple[str, ...] = ("auto", "pallas", "jnp")
+IMPLS: tuple[str, ...] = ("auto", "pallas", "jnp")
 """Which code computes the scales in :func:`scale_by_sinkhorn`: ``"jnp"`` this module (the
 reference), ``"pallas"`` the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` (compiled
 with Triton for arrays on a CUDA GPU, run by Pallas's interpreter for arrays elsewhere),
@@ -74,16 +76,6 @@ support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, ze
 explicit sharding) use this module whatever the choice; ``SAGE_KERNELS=off`` in the
 environment makes every choice this module."""
 _KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
-
-
-def _sharding_of(x: jax.Array) -> Any:
-    """``x``'s sharding when the mesh has explicit axes (a dot needs it there), else None."""
-    sharding = jax.typeof(x).sharding
-    explicit = jax.sharding.AxisType.Explicit
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is not None and not mesh.empty and explicit in mesh.axis_types:
-        return sharding
-    return None
 
 
 def sinkhorn_normalize(
@@ -126,27 +118,6 @@ def apply_scales(
     """
     g = g.astype(c.dtype) if g.dtype != c.dtype else g
     return jnp.expand_dims(c, axes.fan_out) * g * jnp.expand_dims(r, axes.fan_in)
-
-
-def range_scale(g: jax.Array, axes: ResolvedRoute) -> jax.Array:
-    """``m``: a power of two with ``m ≤ max|G| < 2m`` per batch index (1 for an all-zero one).
-
-    Shaped like ``g`` with size-1 fan-in and fan-out axes, in ``g``'s dtype; at least the
-    dtype's smallest normal number, so that ``1/m`` and ``eps/m`` stay finite, and at most
-    its reciprocal, so that ``1/m`` stays normal.  A matrix
-    with a non-finite entry gets ``m = 1`` (its result is non-finite anyway).  Zero-size
-    matrices give 1.
-    """
-    amax = jnp.max(jnp.abs(g), axis=(*axes.fan_in, *axes.fan_out), keepdims=True, initial=0.0)
-    mantissa, _ = jnp.frexp(amax)  # amax = mantissa · 2^e with mantissa in [0.5, 1)
-    ok = (amax > 0) & jnp.isfinite(amax)
-    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result).
-    m = jnp.where(ok, amax / jnp.where(ok, 2 * mantissa, 1), 1)
-    # At most 1/tiny: XLA:CPU divides by multiplying with the reciprocal, and 1/m for
-    # m = 2^127 is subnormal and flushed to zero (G/m would be 0).  Any power of two gives
-    # the same X, so the cap changes nothing but keeps 1/m normal.
-    tiny = jnp.finfo(g.dtype).tiny
-    return jnp.clip(m, tiny, 1 / tiny).astype(g.dtype)
 
 
 def sinkhorn_scales(
@@ -193,7 +164,8 @@ def stacked_sinkhorn_scales(
     gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
     ms = [range_scale(g, axes) for g in gs]
     k = _squares([g / m for g, m in zip(gs, ms, strict=True)], after)
-    return _iterate(k, jnp.stack(ms), _stacked(axes, len(gs)), num_iters, eps, normalization)
+    return _iterate(k, jnp.stack(ms), axes_lib.stacked_route(axes, len(gs)), num_iters, eps,
+                    normalization)
 
 
 def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
@@ -238,10 +210,10 @@ def _iterate(
     r = jnp.ones_like(jnp.sum(k, axis=fi))  # one scale per output unit
     hi = jax.lax.Precision.HIGHEST
     row_norms = functools.partial(  # one squared norm per output unit (over the fan-in axis)
-        jnp.einsum, f"{sub},{c_sub}->{r_sub}", precision=hi, out_sharding=_sharding_of(r)
+        jnp.einsum, f"{sub},{c_sub}->{r_sub}", precision=hi, out_sharding=axes_lib.sharding_of(r)
     )
     col_norms = functools.partial(
-        jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=_sharding_of(c)
+        jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=axes_lib.sharding_of(c)
     )
 
     def rescale(scale: jax.Array, norm_sq: jax.Array, target: jax.Array, eps: Any
@@ -264,15 +236,8 @@ def _iterate(
     c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
     # X = c·(G/m)·r = (c·2^-a)·G·(r·2^-b) with 2^a·2^b = m, a ≈ b: both scales and c·G
     # stay in range.
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return c / jnp.squeeze(half, fo), r / jnp.squeeze(m / half, fi)
-
-
-def _pow2_sqrt_floor(m: jax.Array) -> jax.Array:
-    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact)."""
-    _, e = jnp.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
-    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
-    return jnp.where(e % 2 == 0, jnp.sqrt(m / 2), jnp.sqrt(m))
 
 
 def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
@@ -288,16 +253,6 @@ def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
             "optax.partition)"
         )
     return axes_lib.resolve_axes(spec, tuple(x.shape), path)
-
-
-def _stacked(axes: ResolvedRoute, n: int) -> ResolvedRoute:
-    """``axes`` of a leaf, for a stack of ``n`` such leaves along a new leading batch axis."""
-
-    def shift(group: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(a + 1 for a in group)
-
-    return ResolvedRoute(axes.kind, shift(axes.fan_in), shift(axes.fan_out),
-                         (0, *shift(axes.batch)), (n, *axes.shape), axes.evidence)
 
 
 def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
@@ -338,13 +293,13 @@ def _layout_bytes(group_bytes: Any) -> int:
     return int(group_bytes)
 
 
-def use_kernel(kernel: str, platform: str, device_count: int,
+def use_kernel(impl: str, platform: str, device_count: int,
                device_kind: str | None = None) -> bool:
-    """Whether ``kernel`` (:data:`KERNELS`) runs the Pallas kernel for arrays on ``platform``.
+    """Whether ``impl`` (:data:`IMPLS`) runs the Pallas kernel for arrays on ``platform``.
 
     ``platform`` is where the computation runs (``"cuda"``, ``"cpu"``, ...; ``"gpu"`` is
     taken as CUDA), ``device_count`` the number of that platform's devices and
-    ``device_kind`` their name.  ``kernel="pallas"`` runs the kernel (compiled on CUDA, in
+    ``device_kind`` their name.  ``impl="pallas"`` runs the kernel (compiled on CUDA, in
     Pallas's interpreter elsewhere).  ``"auto"`` takes it on a single CUDA device of a kind
     on which ``scripts/gpu-check`` has shown it correct and faster
     (:func:`sage_optim.kernels.validated`; none yet: on an H100 it was correct but slower,
@@ -353,24 +308,24 @@ def use_kernel(kernel: str, platform: str, device_count: int,
     computation, so under sharding (FSDP) XLA would gather a sharded gradient to run it,
     and the jnp path partitions instead.  ``SAGE_KERNELS=off`` turns both off.
     """
-    if kernel == "jnp" or not kernels.kernels_enabled():
+    if impl == "jnp" or not kernels.kernels_enabled():
         return False
-    if kernel == "auto":
+    if impl == "auto":
         return (platform in ("cuda", "gpu") and device_count == 1
                 and kernels.validated("sinkgd-pallas", device_kind))
-    return kernel == "pallas"
+    return impl == "pallas"
 
 
-def resolved_kernel(kernel: str, platform: str, device_count: int,
+def resolved_impl(impl: str, platform: str, device_count: int,
                     device_kind: str | None = None) -> str:
-    """``"pallas"`` or ``"jnp"``: what ``kernel`` computes SinkGD's scales with there.
+    """``"pallas"`` or ``"jnp"``: what ``impl`` computes SinkGD's scales with there.
 
     For a record of a run (``sage-train`` writes it into ``config.json``); the update itself
     decides per compiled program, by where its arrays are (:mod:`sage_optax.placement`).
     Arguments as :func:`use_kernel`.
     """
-    validation.check_choice("kernel", kernel, KERNELS)
-    return "pallas" if use_kernel(kernel, platform, device_count, device_kind) else "jnp"
+    validation.check_choice("impl", impl, IMPLS)
+    return "pallas" if use_kernel(impl, platform, device_count, device_kind) else "jnp"
 
 
 def _sinkhorn_all(
@@ -408,8 +363,8 @@ def _sinkhorn_all(
         # time (the compiled temporary memory is the largest batch's, not the sum of all).
         group, resolved = [g for _, g, _ in batch], batch[0][2]
         if kernel_batch:
-            c, r = pallas.sinkhorn_scales(group, resolved, num_iters, eps, normalization,
-                                          after, interpret=interpret)
+            c, r = pallas.pallas_scales(group, resolved, num_iters, eps, normalization,
+                                        after, interpret=interpret)
         elif len(batch) == 1:
             c, r = sinkhorn_scales(group[0], resolved, num_iters, eps, normalization, after)
         else:
@@ -433,7 +388,7 @@ def scale_by_sinkhorn(
     axes: axes_lib.AxesSpec = _KERNEL,
     grouping: str = "auto",
     group_bytes: int | None = None,
-    kernel: str = "auto",
+    impl: str = "auto",
 ) -> optax.GradientTransformation:
     """Replace each gradient matrix by its Sinkhorn normalisation ``X`` (stateless).
 
@@ -452,7 +407,7 @@ def scale_by_sinkhorn(
         :data:`~sage_optax.sinkhorn_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's ``2L``
         passes stay in an H100's L2).  A layout option, so a Python int: under
         ``optax.inject_hyperparams`` leave it out (or name it in ``static_args``).
-      kernel: :data:`KERNELS`; decided by where the arrays are (:func:`use_kernel`):
+      impl: :data:`IMPLS`; decided by where the arrays are (:func:`use_kernel`):
         ``"pallas"`` runs the Pallas kernel (compiled on CUDA arrays), ``"auto"`` only on a
         single GPU where ``scripts/gpu-check`` has validated it (none yet: slower on an
         H100) and the jnp path
@@ -492,7 +447,7 @@ def scale_by_sinkhorn(
     )
     validation.check_choice("grouping", grouping, GROUPINGS)
     group_bytes = _layout_bytes(group_bytes)
-    validation.check_choice("kernel", kernel, KERNELS)
+    validation.check_choice("impl", impl, IMPLS)
 
     def init_fn(params: optax.Params) -> optax.EmptyState:
         axes_lib.map_leaves(_check_matrix, params, axes)  # fail at init, before any step
@@ -512,24 +467,24 @@ def scale_by_sinkhorn(
                     matrices.append((i, g, resolved))
         if not matrices:
             return jax.tree_util.tree_unflatten(treedef, out), state
-        if kernel == "pallas" and not kernels.kernels_enabled():
-            kernels.warn_overridden('kernel="pallas"')
+        if impl == "pallas" and not kernels.kernels_enabled():
+            kernels.warn_overridden('impl="pallas"')
         stack_off_cpu = grouping != "leaf"  # "auto" stacks on an accelerator
         # The path follows where the arrays are (sage_optax.placement): the CUDA branch runs
-        # the compiled kernel (kernel="auto": on a single GPU only), the CPU branch the jnp
-        # path (kernel="pallas": the interpreted kernel); under jit only the branch of the
+        # the compiled kernel (impl="auto": on a single GPU only), the CPU branch the jnp
+        # path (impl="pallas": the interpreted kernel); under jit only the branch of the
         # platform the program is compiled for is lowered.
         branches = {
             "cpu": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(kernel, "cpu", 1), True,
+                _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True,
                 grouping == "stack", group_bytes, num_iters, eps, normalization),
             "cuda": functools.partial(
                 _sinkhorn_all, matrices,
-                use_kernel(kernel, "cuda", placement.cuda_device_count(),
+                use_kernel(impl, "cuda", placement.cuda_device_count(),
                            placement.cuda_device_kind()), False,
                 stack_off_cpu, group_bytes, num_iters, eps, normalization),
             "other": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(kernel, "other", 1), True,
+                _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True,
                 stack_off_cpu, group_bytes, num_iters, eps, normalization),
         }
         results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
@@ -552,7 +507,7 @@ def sinkgd(
     axes: axes_lib.AxesSpec = _KERNEL,
     grouping: str = "auto",
     group_bytes: int | None = None,
-    kernel: str = "auto",
+    impl: str = "auto",
 ) -> optax.GradientTransformation:
     r"""SinkGD with decoupled weight decay: :math:`\theta(1-\eta w) - \eta\alpha X`.
 
@@ -570,7 +525,7 @@ def sinkgd(
       axes: per-leaf axes, see :func:`scale_by_sinkhorn`.
       grouping: see :func:`scale_by_sinkhorn`.
       group_bytes: see :func:`scale_by_sinkhorn`.
-      kernel: see :func:`scale_by_sinkhorn` (``"pallas"``: the Pallas kernel on a GPU).
+      impl: see :func:`scale_by_sinkhorn` (``"pallas"``: the Pallas kernel on a GPU).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -608,8 +563,15 @@ def sinkgd(
     validation.check_hyperparameters("sinkgd", alpha=alpha, weight_decay=weight_decay)
     return optax.chain(
         scale_by_sinkhorn(num_iters, eps, normalization, axes=axes, grouping=grouping,
-                          group_bytes=group_bytes, kernel=kernel),
+                          group_bytes=group_bytes, impl=impl),
         optax.scale(alpha),
         optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+@register("sinkgd")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`sinkgd` with the ``sinkgd`` rule's hyperparameters ``hp`` (its builder)."""
+    return sinkgd(learning_rate, **hp, mask=context.mask, axes=context.axes, impl=context.impl)

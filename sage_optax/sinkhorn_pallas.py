@@ -36,7 +36,7 @@ row of sums, then the tiles in turn, against XLA's reduction tree) and, compiled
 Triton's division; the scales agree with the jnp path within float32 rounding
 (``tests/test_sinkhorn_pallas.py`` states the tolerance), not bit for bit.
 
-:func:`sinkhorn_scales` is the entry point; ``interpret=True`` runs the same kernels with
+:func:`pallas_scales` is the entry point; ``interpret=True`` runs the same kernels with
 Pallas's interpreter on any backend (how the CPU tests check the kernel's math).
 """
 
@@ -52,7 +52,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from sage_optax import sinkhorn as ref
+from sage_optax import axes as axes_lib
+from sage_optax.numerics import pow2_sqrt_floor, range_scale
 from sage_optim.routing import ResolvedRoute
 
 KERNEL_GROUP_BYTES: int = 32 * 2**20
@@ -103,7 +104,7 @@ def supports(g: Any, axes: ResolvedRoute) -> bool:
         return False
     if not any(jnp.dtype(g.dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
         return False
-    return isinstance(g, jax.ShapeDtypeStruct) or ref._sharding_of(g) is None
+    return isinstance(g, jax.ShapeDtypeStruct) or axes_lib.sharding_of(g) is None
 
 
 def _half_iteration_kernel(
@@ -180,10 +181,10 @@ def _view_scales(
 ) -> tuple[jax.Array, jax.Array]:
     """The iteration on the ``(B, R, C)`` view: ``(c, r)`` before the final split of ``1/m``.
 
-    ``m``: ``(B,)`` float32 powers of two (:func:`sage_optax.sinkhorn.range_scale`).
+    ``m``: ``(B,)`` float32 powers of two (:func:`sage_optax.numerics.range_scale`).
     """
     batch, n_rows, n_cols = g3.shape
-    half = ref._pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     s = jnp.stack([1 / half, half / m], axis=1)  # (1/half)·(half/m) = 1/m, both normal
     fan_in_size, fan_out_size = (n_rows, n_cols) if rows_are_fan_in else (n_cols, n_rows)
     c = jnp.ones((batch, fan_in_size), jnp.float32)  # one scale per fan-in index
@@ -209,7 +210,7 @@ def _target(normalization: str, size: int) -> float:
     return 1.0 if normalization == "unit" else float(np.sqrt(np.float32(size)))
 
 
-def sinkhorn_scales(
+def pallas_scales(
     gs: list[jax.Array],
     axes: ResolvedRoute,
     num_iters: Any = 5,
@@ -241,18 +242,18 @@ def sinkhorn_scales(
     if len(gs) == 1:
         g = gs[0]
     else:
-        g, axes = jnp.stack(gs), ref._stacked(axes, len(gs))
+        g, axes = jnp.stack(gs), axes_lib.stacked_route(axes, len(gs))
     view = matrix_view(axes)
     assert view is not None, axes
     batch, n_rows, n_cols, rows_are_fan_in = view
-    m = ref.range_scale(g.astype(jnp.float32), axes)  # fused: no float32 copy of g
+    m = range_scale(g.astype(jnp.float32), axes)  # fused: no float32 copy of g
     m_b = m.reshape(batch)
     c, r = _view_scales(
         g.reshape(batch, n_rows, n_cols), m_b, rows_are_fan_in, num_iters, eps,
         _target(normalization, axes.fan_in_size), _target(normalization, axes.fan_out_size),
         interpret,
     )
-    half = ref._pow2_sqrt_floor(m_b)
+    half = pow2_sqrt_floor(m_b)
     c, r = c / half[:, None], r / (m_b / half)[:, None]
     keep_c = [d for a, d in enumerate(axes.shape) if a not in axes.fan_out]
     keep_r = [d for a, d in enumerate(axes.shape) if a not in axes.fan_in]

@@ -10,6 +10,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import validation
+from sage_optax.registry import RuleContext, register
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["unit_norm"]
@@ -60,7 +61,7 @@ def scale_by_unit_norm(
 
         return axes_lib.map_leaves(normalize, updates, axes), state
 
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
 def unit_norm_descent(
@@ -108,3 +109,10 @@ def unit_norm_descent(
         optax.add_decayed_weights(weight_decay, validation.checked_mask(mask)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
+
+@register("unit_norm")
+def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+          context: RuleContext) -> optax.GradientTransformation:
+    """:func:`unit_norm_descent` with the ``unit_norm`` rule's hyperparameters (its builder)."""
+    return unit_norm_descent(learning_rate, **hp, mask=context.mask, axes=context.axes)

@@ -1,14 +1,14 @@
 """The one switch of every GPU kernel of both frameworks: the ``SAGE_KERNELS`` variable.
 
 sage-optim has hand-written kernels in both frameworks: :mod:`sage_optax`'s Pallas kernel for
-SinkGD's scales (``kernel="auto"|"pallas"``) and :mod:`sage_torch`'s Triton kernels
+SinkGD's scales (``impl="auto"|"pallas"``) and :mod:`sage_torch`'s Triton kernels
 (``fused=True``).  When a kernel fails on a user's GPU (a driver, a Triton or a jaxlib the
 project has not run on), ``SAGE_KERNELS=off`` in the environment turns all of them off
 without a code change: every update then takes the framework's reference path (jnp, foreach
 or single-tensor), which computes the same math.  An explicit request for a kernel
-(``kernel="pallas"``, ``fused=True``) is overridden too, with a one-time warning that says so.
+(``impl="pallas"``, ``fused=True``) is overridden too, with a one-time warning that says so.
 
-Defaults: a GPU path becomes a default (``kernel="auto"``, ``--attention auto``, torch's
+Defaults: a GPU path becomes a default (``impl="auto"``, ``--attention auto``, torch's
 choice with neither ``foreach`` nor ``fused``) only once ``scripts/gpu-check`` on that GPU has
 shown it correct and faster than the reference path; :data:`VALIDATED_ON` lists, per path,
 the GPUs where that has happened, and :func:`validated` is what every ``auto`` asks.  Until
@@ -37,7 +37,7 @@ CHOICES: tuple[str, ...] = ("auto", "off")
 
 PATHS: tuple[str, ...] = ("sinkgd-pallas", "torch-fused", "cudnn-attention")
 """The GPU paths whose default is decided by measurement: SinkGD's Pallas kernel
-(:mod:`sage_optax.sinkhorn_pallas`, ``kernel="pallas"``), sage_torch's Triton kernels
+(:mod:`sage_optax.sinkhorn_pallas`, ``impl="pallas"``), sage_torch's Triton kernels
 (``fused=True``), and cuDNN's flash attention in ``sage-train`` (``--attention cudnn``)."""
 
 VALIDATED_ON: Mapping[str, tuple[str, ...]] = types.MappingProxyType({

@@ -23,7 +23,7 @@ from typing import Any
 KINDS: tuple[str, ...] = ("embedding", "dense", "vector")
 """The three parameter kinds, in the order tables print them."""
 
-RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
+_RULE_TABLE: dict[str, Mapping[str, Any]] = (
     {
         # Decoupled-decay Adam, as optax.adamw / torch.optim.AdamW.
         "adamw": types.MappingProxyType(
@@ -67,11 +67,18 @@ RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(
         "unit_norm": types.MappingProxyType({"eps": 1e-8, "weight_decay": 0.01}),
     }
 )
-"""Default hyperparameters of every rule (the learning rate is set per configuration)."""
+
+RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(_RULE_TABLE)
+"""Default hyperparameters of every rule (the learning rate is set per configuration).
+
+The table of rules: a rule is a row here, its module in each framework (which registers it:
+:mod:`sage_optax.registry`, :mod:`sage_torch.registry`), the ranges of any new
+hyperparameter (:data:`sage_optim.hyperparams.RANGES`) and its float64 oracle
+(``tests/reference_np.py``): ``CONTRIBUTING.md``, "Adding an update rule"."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Rule:
+class RuleSpec:
     """An update rule and the hyperparameters a configuration sets for it."""
 
     name: str
@@ -95,9 +102,9 @@ class Rule:
         """The full hyperparameter dict: the rule's defaults updated by the overrides."""
         return {**RULE_DEFAULTS[self.name], **self.overrides}
 
-    def with_overrides(self, **overrides: Any) -> Rule:
+    def with_overrides(self, **overrides: Any) -> RuleSpec:
         """A copy of this rule with more hyperparameters overridden."""
-        return Rule(self.name, {**self.overrides, **overrides})
+        return RuleSpec(self.name, {**self.overrides, **overrides})
 
     def describe(self) -> str:
         """A short human-readable name, e.g. ``sinkgd(sqrt, alpha=0.05)``."""
@@ -113,47 +120,46 @@ class Preset:
 
     name: str
     learning_rate: float
-    embedding: Rule
-    dense: Rule
-    vector: Rule
-    description: str = ""
+    embedding: RuleSpec
+    dense: RuleSpec
+    vector: RuleSpec
 
-    def rule(self, kind: str) -> Rule:
+    def rule(self, kind: str) -> RuleSpec:
         """The rule used for parameters of ``kind`` (one of :data:`KINDS`)."""
         if kind not in KINDS:
             raise ValueError(f"unknown parameter kind {kind!r}; valid kinds: {KINDS}")
         return getattr(self, kind)
 
-    def with_rule(self, kind: str, rule: Rule) -> Preset:
+    def with_rule(self, kind: str, rule: RuleSpec) -> Preset:
         """A copy with ``kind`` routed to ``rule`` instead."""
         self.rule(kind)
         changes: dict[str, Any] = {kind: rule}
         return dataclasses.replace(self, **changes)
 
 
-_SINKGD_SQRT = Rule("sinkgd", {"normalization": "sqrt", "alpha": 0.05})
-_SINKGD_UNIT = Rule("sinkgd", {"normalization": "unit", "alpha": 10.0})
+_SINKGD_SQRT = RuleSpec("sinkgd", {"normalization": "sqrt", "alpha": 0.05})
+_SINKGD_UNIT = RuleSpec("sinkgd", {"normalization": "unit", "alpha": 10.0})
 
 PRESETS: Mapping[str, Preset] = types.MappingProxyType(
     {
         p.name: p
         for p in (
-            Preset("adamw", 1e-4, Rule("adamw"), Rule("adamw"), Rule("adamw"),
-                   "AdamW on every parameter (the 2-state baseline)."),
-            Preset("lion", 1e-4, Rule("lion"), Rule("lion"), Rule("lion"),
-                   "Lion on every parameter (1 state)."),
-            Preset("apollo", 1e-4, Rule("adamw"), Rule("apollo"), Rule("adamw"),
-                   "APOLLO-Mini on attention and MLP matrices, AdamW on the rest."),
-            Preset("sinkgd-pure", 2e-2, _SINKGD_SQRT, _SINKGD_SQRT, Rule("unit_norm"),
-                   "Stateless: SinkGD on every matrix, g/||g|| on vectors (ablation)."),
-            Preset("sinkgd-hybrid", 2e-2, Rule("adamw"), _SINKGD_SQRT, Rule("adamw"),
-                   "Scetbon et al.'s hybrid: SinkGD on dense matrices, AdamW on the rest."),
-            Preset("lion-hybrid", 2e-3, Rule("lion"), _SINKGD_UNIT, Rule("adamw"),
-                   "Lion on embeddings, Unit-Norm SinkGD on dense, AdamW on vectors."),
-            Preset("sage-pure", 2e-3, Rule("sage"), Rule("sage"), Rule("sage"),
-                   "SAGE on every parameter (dense matrices reduce over fan-out)."),
-            Preset("sage-hybrid", 2e-3, Rule("sage"), _SINKGD_UNIT, Rule("sage"),
-                   "The paper's method: SAGE on embeddings and vectors, SinkGD (unit) on dense."),
+            # AdamW on every parameter (the 2-state baseline).
+            Preset("adamw", 1e-4, RuleSpec("adamw"), RuleSpec("adamw"), RuleSpec("adamw")),
+            # Lion on every parameter (1 state).
+            Preset("lion", 1e-4, RuleSpec("lion"), RuleSpec("lion"), RuleSpec("lion")),
+            # APOLLO-Mini on attention and MLP matrices, AdamW on the rest.
+            Preset("apollo", 1e-4, RuleSpec("adamw"), RuleSpec("apollo"), RuleSpec("adamw")),
+            # Stateless: SinkGD on every matrix, g/||g|| on vectors (ablation).
+            Preset("sinkgd-pure", 2e-2, _SINKGD_SQRT, _SINKGD_SQRT, RuleSpec("unit_norm")),
+            # Scetbon et al.'s hybrid: SinkGD on dense matrices, AdamW on the rest.
+            Preset("sinkgd-hybrid", 2e-2, RuleSpec("adamw"), _SINKGD_SQRT, RuleSpec("adamw")),
+            # Lion on embeddings, Unit-Norm SinkGD on dense, AdamW on vectors.
+            Preset("lion-hybrid", 2e-3, RuleSpec("lion"), _SINKGD_UNIT, RuleSpec("adamw")),
+            # SAGE on every parameter (dense matrices reduce over fan-out).
+            Preset("sage-pure", 2e-3, RuleSpec("sage"), RuleSpec("sage"), RuleSpec("sage")),
+            # The paper's method: SAGE on embeddings and vectors, SinkGD (unit) on dense.
+            Preset("sage-hybrid", 2e-3, RuleSpec("sage"), _SINKGD_UNIT, RuleSpec("sage")),
         )
     }
 )
@@ -186,8 +192,8 @@ def resolve_preset(
     Consumes from ``overrides`` (in place) every key it understands, leaving only the
     framework's own ``option_keys``:
 
-    * ``embedding=``/``dense=``/``vector=``: a rule name or :class:`Rule` to swap in (the
-      hyperparameters a :class:`Rule` sets count as that kind's own, as ``<kind>_<hp>``);
+    * ``embedding=``/``dense=``/``vector=``: a rule name or :class:`RuleSpec` to swap in (the
+      hyperparameters a :class:`RuleSpec` sets count as that kind's own, as ``<kind>_<hp>``);
     * ``<kind>_<hp>=``: one hyperparameter of one kind's rule (``dense_alpha=5.0``);
     * ``<hp>=``: a hyperparameter for every rule of the configuration that has it
       (``b1=0.891``, ``weight_decay=0.0``).
@@ -202,7 +208,7 @@ def resolve_preset(
 
     Raises:
       ValueError: unknown configuration, rule or hyperparameter, or one hyperparameter of a
-        kind given twice (in a :class:`Rule` and as ``<kind>_<hp>``); the message lists what
+        kind given twice (in a :class:`RuleSpec` and as ``<kind>_<hp>``); the message lists what
         is valid.
     """
     preset = get_preset(name)
@@ -210,8 +216,8 @@ def resolve_preset(
     for kind in KINDS:
         if kind in overrides:
             value = overrides.pop(kind)
-            rule = value if isinstance(value, Rule) else Rule(value)
-            preset = preset.with_rule(kind, Rule(rule.name))
+            rule = value if isinstance(value, RuleSpec) else RuleSpec(value)
+            preset = preset.with_rule(kind, RuleSpec(rule.name))
             per_kind[kind].update(rule.overrides)
     for key in [k for k in overrides if k.split("_", 1)[0] in KINDS]:
         kind, hp = key.split("_", 1)
@@ -224,7 +230,7 @@ def resolve_preset(
         if hp in per_kind[kind]:
             raise ValueError(
                 f"{key}: {hp!r} of the {kind} kind is given twice, as {key}= and in "
-                f"{kind}=Rule({rule.name!r}, ...); give it once"
+                f"{kind}=RuleSpec({rule.name!r}, ...); give it once"
             )
         per_kind[kind][hp] = overrides.pop(key)
     for hp in [k for k in overrides if k not in option_keys]:

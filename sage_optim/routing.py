@@ -836,18 +836,18 @@ def find_head(matrices: Sequence[MatrixFact], tables: Sequence[TableFact],
     if not fits or any(m.head_override for m, _, _ in fits):
         return decision
 
-    def evidence(m: MatrixFact, sources: list[str], named: bool) -> str:
+    def evidence(sources: list[str], named: bool) -> str:
         return f"head: shape of {_sources(sources)}{' + name' if named else ''}"
 
     vocabularies = [f for f in fits if f[2] and not in_numbered_layers(f[0].name)]
     named = [f for f in vocabularies if names_head(f[0].name)]
     if len(fits) == 1 and vocabularies and (named or not fits[0][0].by_names):
         m, sources, _ = fits[0]
-        decision.found[m.name] = evidence(m, sources, bool(named))
+        decision.found[m.name] = evidence(sources, bool(named))
         return decision
     if len(fits) > 1 and len(named) == 1:
         m, sources, _ = named[0]
-        decision.found[m.name] = evidence(m, sources, True)
+        decision.found[m.name] = evidence(sources, True)
         return decision
     likely = vocabularies[-1][0] if vocabularies else None
     problems = []

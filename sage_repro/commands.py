@@ -3,12 +3,12 @@
 ``sage-parity`` checks for its extras before :mod:`sage_repro.parity` imports PyTorch, and
 ``sage-repro`` for the ``[train]`` extra its runs (the trainer) and figures (matplotlib)
 need, so a missing one is one line naming it (exit status 1), not a traceback
-(:func:`sage_optim._entry.require`).
+(:func:`sage_optim.extras.require`).
 """
 
 from __future__ import annotations
 
-from sage_optim._entry import require
+from sage_optim.extras import require
 
 
 def parity() -> int:

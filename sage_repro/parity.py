@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from sage_optim._entry import require
-from sage_optim.cli_args import DefaultsFormatter, OneLineParser, checked
+from sage_optim.extras import require
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_optim.table import format_table
+from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
 
 if __name__ == "__main__":  # python -m sage_repro.parity: the extras first, in one line
     require("sage-parity", "jax", "torch")
@@ -332,9 +332,9 @@ def run_llama_parity(name: str, steps: int = 10, *, model: str = "tiny", tied: b
 
     import sage_optax
     import sage_torch
-    from sage_optim.models import get_model_config
     from sage_train.hf_convert import from_hf_state_dict, to_hf_state_dict
     from sage_train.model import Llama, loss_fn
+    from sage_train.model_shapes import get_model_config
 
     cfg = dataclasses.replace(get_model_config(model), tie_embeddings=tied)
     torch.manual_seed(seed)

@@ -43,10 +43,10 @@ import pathlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sage_optim.models import get_model_config
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_repro import sweep
 from sage_repro import sweep_report as report
+from sage_train.model_shapes import get_model_config
 
 DEFAULT_PIECES = pathlib.Path("benchmarks/paper")
 """Where the pieces' ``results.json`` are committed (``NAME/results.json``) and merged."""

@@ -54,11 +54,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sage_optim.cli_args import OneLineParser, checked
-from sage_optim.models import MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_repro import sweep_report as report
 from sage_repro.paper import PAPER_LR_GRID
+from sage_train.cli_args import OneLineParser, checked
+from sage_train.model_shapes import MODELS, get_model_config
 from sage_train.signals import StopSignals
 
 DEFAULT_OUT = pathlib.Path("runs/sweep")

@@ -17,12 +17,13 @@ from sage_optim.table import RoutingRow, RoutingTable
 # The algorithm modules register their rules in sage_torch.registry as they are imported;
 # the base optimizer (sage_torch.optimizer) imports none of them.
 from sage_torch import _require, adamw, apollo, lion, sage, sinkgd, unit_norm  # noqa: F401
-from sage_torch.apollo import gaussian_projection
+from sage_torch.apollo import APOLLO, gaussian_projection
 from sage_torch.configs import make_optimizer, param_groups, routing_table
-from sage_torch.optim import APOLLO, SAGE, Lion, MomentumError, RuleOptimizer, SinkGD
+from sage_torch.lion import Lion
+from sage_torch.optimizer import MomentumError, RuleOptimizer
 from sage_torch.routing import RoutedParam, route_params
-from sage_torch.sage import sage_damper
-from sage_torch.sinkgd import sinkhorn_normalize
+from sage_torch.sage import SAGE, sage_damper
+from sage_torch.sinkgd import SinkGD, sinkhorn_normalize
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from sage_torch import chunked
-from sage_torch.common import Rule, bias_correction, decayed_step, lr_of, wide
+from sage_torch.common import UpdateRule, bias_correction, decayed_step, lr_of, wide
 from sage_torch.registry import register
 
 
@@ -82,7 +82,7 @@ def _chunked_adamw(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *, 
 
 
 @register
-class AdamWRule(Rule):
+class AdamWRule(UpdateRule):
     """AdamW as ``optax.adamw`` (and ``torch.optim.AdamW``): bias-corrected ``m̂/(√v̂+ε)``."""
 
     name = "adamw"

@@ -22,7 +22,7 @@ from sage_torch.common import (
     Axes,
     MatrixView,
     Projection,
-    Rule,
+    UpdateRule,
     is_dtensor,
     matrix_axes,
     shared_docs,
@@ -113,7 +113,7 @@ def _one_minus_pow(b: float, t: float) -> float:
 
 
 @register
-class ApolloRule(Rule):
+class ApolloRule(UpdateRule):
     """APOLLO (Zhu et al. 2024, ``docs/algorithms.md``); decay is applied after the step."""
 
     name = "apollo"

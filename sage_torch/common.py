@@ -1,6 +1,6 @@
 """Machinery shared by the algorithm modules of :mod:`sage_torch` (``sage.py``, ``sinkgd.py``, ...).
 
-The :class:`Rule` base class (state, checks, step of one param group), the checks of a
+The :class:`UpdateRule` base class (state, checks, step of one param group), the checks of a
 group's hyperparameters against the table shared with :mod:`sage_optax`, the matrix axes
 of a parameter (:func:`axis_group`, :class:`MatrixView`) and the decoupled-decay step
 ``θ ← θ − η·(u + w·θ)`` that every rule but APOLLO ends with.
@@ -63,12 +63,30 @@ def bias_correction(b: float, step: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def pow2_floor(amax: Tensor) -> Tensor:
-    """Element-wise, the power of two ``m ≤ amax < 2m`` (1 where ``amax`` is 0 or not finite)."""
+    """Element-wise :func:`sage_optim.numerics.pow2_floor` (``tiny`` of ``amax``'s dtype).
+
+    The power of two ``m ≤ amax < 2m``; 1 where ``amax`` is 0 or not finite; within
+    ``[tiny, 1/tiny]``, so ``1/m`` stays a finite normal number (as
+    :func:`sage_optax.numerics.pow2_floor`).  The one version of :mod:`sage_torch`: SAGE's
+    RMS values and SinkGD's range scale.
+    """
     mantissa, _ = torch.frexp(amax)  # amax = mantissa · 2^e, mantissa in [0.5, 1)
     ok = (amax > 0) & torch.isfinite(amax)
-    # amax / mantissa is exactly 2^e (a correctly rounded division with an exact result)
+    # amax / (2·mantissa) is exactly 2^(e-1) (a correctly rounded division, exact result)
     m = torch.where(ok, amax / torch.where(ok, 2 * mantissa, 1), 1)
-    return m.clamp_min(torch.finfo(amax.dtype).tiny)
+    tiny = torch.finfo(amax.dtype).tiny
+    return m.clamp(tiny, 1 / tiny)
+
+
+def pow2_sqrt_floor(m: Tensor) -> Tensor:
+    """Element-wise :func:`sage_optim.numerics.pow2_sqrt_floor`: ``2^⌊k/2⌋`` of ``m = 2^k``.
+
+    ``X = c·(G/m)·r`` is returned as ``(c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉)``: both scales and every
+    partial product stay in range for any finite ``G``.
+    """
+    _, e = torch.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
+    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
+    return torch.where(e % 2 == 0, (m / 2).sqrt(), m.sqrt())
 
 
 def check_group(group: dict[str, Any], rule: str, keys: Sequence[str] = ()) -> None:
@@ -363,7 +381,7 @@ def by_device_dtype(tensors: Sequence[Tensor]) -> list[list[int]]:
     return list(groups.values())
 
 
-class Rule:
+class UpdateRule:
     """Base class of an update rule: its state, its checks and its step.
 
     ``cpu_threads``: helper threads of the chunked in-place CPU path
@@ -406,7 +424,7 @@ class Rule:
     temporaries of that size, a scale a rule's batching can use (SinkGD's ``group_bytes``)."""
 
     @classmethod
-    def create(cls, projection: Projection | None = None) -> Rule:
+    def create(cls, projection: Projection | None = None) -> UpdateRule:
         """A fresh instance for one optimizer (``projection``: APOLLO's; others ignore it)."""
         return cls()
 

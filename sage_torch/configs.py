@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sage_optim.hyperparams import check_skip_nonfinite
-from sage_optim.presets import KINDS, Preset, Rule, resolve_preset
+from sage_optim.presets import KINDS, Preset, RuleSpec, resolve_preset
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES
@@ -24,7 +24,7 @@ OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
-def group_options(rule: Rule) -> dict[str, Any]:
+def group_options(rule: RuleSpec) -> dict[str, Any]:
     """A param group's options for ``rule``: its hyperparameters in ``torch.optim`` names."""
     hp = dict(rule.hyperparams)
     hp.pop("projection", None)  # lives on the optimizer, not in (serialised) groups

@@ -3,7 +3,7 @@
 ``triton`` importing says nothing of whether its kernels compile and compute right with
 this driver, GPU and Triton.  So before the first fused step on a device and dtype in a
 process, :func:`fused_ready` runs every kernel once on small problems: the
-:meth:`~sage_torch.common.Rule.check_fused` of each rule with a fused path, found in
+:meth:`~sage_torch.common.UpdateRule.check_fused` of each rule with a fused path, found in
 :mod:`sage_torch.registry` (SAGE with a fan-out dim of each kind and a vector, Lion over two
 blocks, SinkGD with a stacked chunk and a lone matrix), runs
 :func:`~sage_torch.sage._fused_sage`, :func:`~sage_torch.lion._fused_lion` and

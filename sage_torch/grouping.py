@@ -30,7 +30,7 @@ def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRout
     Its kind's rule and options (learning rate and hyperparameters), plus its axes where the
     rule reads them.  Two routes with one key get the same update: under ``adamw`` every
     route of a matrix, under ``sage-pure`` a table and a dense matrix with the same axes.
-    Whether a rule reads the axes is its :attr:`~sage_torch.common.Rule.layout_free`.
+    Whether a rule reads the axes is its :attr:`~sage_torch.common.UpdateRule.layout_free`.
     """
     rules = registry.rule_classes()
 

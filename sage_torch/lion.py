@@ -17,7 +17,7 @@ from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked, fused_check
 from sage_torch.common import (
     ConstCache,
-    Rule,
+    UpdateRule,
     by_device_dtype,
     copy_all,
     decayed_step,
@@ -122,7 +122,7 @@ def _chunked_lion(p: Tensor, g: Tensor, m: Tensor, *, lr: float, beta1: float, b
 
 
 @register
-class LionRule(Rule):
+class LionRule(UpdateRule):
     """Lion: ``u = sign(b1·m + (1−b1)·g)``, then ``m ← b2·m + (1−b2)·g``."""
 
     name = "lion"

@@ -24,7 +24,7 @@ from torch import Tensor
 from sage_optim.kernels import kernels_enabled, warn_overridden
 from sage_optim.presets import RULE_DEFAULTS
 from sage_torch import fused_check, registry
-from sage_torch.common import FUSED_RULES, Projection, Rule, fused_unsupported
+from sage_torch.common import FUSED_RULES, Projection, UpdateRule, fused_unsupported
 
 ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]]
 
@@ -242,7 +242,7 @@ class _Defaults(dict):
                     f"('betas'): the {group['rule']} rule keeps none, so a scheduler cannot "
                     "cycle it. Pass cycle_momentum=False to OneCycleLR/CyclicLR (the learning "
                     "rate of every group is still scheduled), or give that group a rule with "
-                    "betas (sage, lion, adamw, apollo)"
+                    f"betas ({', '.join(r for r, d in RULE_DEFAULTS.items() if 'b1' in d)})"
                 )
         return True
 
@@ -251,7 +251,8 @@ class RuleOptimizer(torch.optim.Optimizer):
     """An optimizer whose param groups each name their update rule.
 
     Args:
-      params: parameters or param groups; every group must have a ``"rule"`` (one of
+      params: parameters or param groups; every group must have a ``"rule"`` (a rule of
+        :data:`sage_optim.presets.RULE_DEFAULTS` registered in :mod:`sage_torch.registry`:
         ``"sage"``, ``"sinkgd"``, ``"lion"``, ``"adamw"``, ``"apollo"``, ``"unit_norm"``)
         unless ``defaults`` gives one, and that rule's hyperparameters.
       defaults: default group options (``lr``, ``weight_decay``, ``maximize``,
@@ -332,13 +333,13 @@ class RuleOptimizer(torch.optim.Optimizer):
             raise ValueError(f"cpu_threads must be a positive int, got {cpu_threads!r}")
         self._projection = projection
         self._cpu_threads = cpu_threads
-        self._rules: dict[str, Rule] = self._make_rules()
+        self._rules: dict[str, UpdateRule] = self._make_rules()
         self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
         merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
         super().__init__(params, merged)
         merged.owner = self
 
-    def _make_rules(self) -> dict[str, Rule]:
+    def _make_rules(self) -> dict[str, UpdateRule]:
         """A fresh instance of every rule, with this optimizer's projection and threads."""
         rules = registry.make_rules(self._projection)
         for rule in rules.values():
@@ -451,7 +452,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             if key in ("b1", "b2", "projection"):
                 continue
             group.setdefault(key, RULE_DEFAULTS[rule][key])
-        if rule in ("sage", "lion", "adamw", "apollo"):
+        if "b1" in RULE_DEFAULTS[rule]:  # a rule with momentum keeps it in betas
             group.setdefault("betas", (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]))
         try:
             self._rules[rule].validate(group)
@@ -567,7 +568,7 @@ class RuleOptimizer(torch.optim.Optimizer):
                 if reason is not None:
                     raise ValueError(f"{reason} (param group {index})")
 
-    def rule_of(self, group: dict[str, Any]) -> Rule:
+    def rule_of(self, group: dict[str, Any]) -> UpdateRule:
         """The update rule (state layout, checks, step) that runs ``group``."""
         return self._rules[group["rule"]]
 
@@ -712,7 +713,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         return bool(foreach)
 
     @staticmethod
-    def _paths(group: dict[str, Any], rule: Rule, params: list[Tensor],
+    def _paths(group: dict[str, Any], rule: UpdateRule, params: list[Tensor],
                names: list[str]) -> tuple[bool, bool]:
         """``(foreach, fused)`` for this step of ``group``, by ``torch.optim``'s default rule.
 
@@ -827,7 +828,7 @@ class RuleOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _check_param_state(state: Mapping[str, Any], p: Tensor, group: dict[str, Any],
-                           rule: Rule, where: str) -> None:
+                           rule: UpdateRule, where: str) -> None:
         """Check one parameter's saved state against what ``rule`` would create for ``p``."""
         try:
             meta = viewed(torch.empty(tuple(p.shape), dtype=p.dtype, device="meta"), group)

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sage_optim.numerics import mean_scale
 from sage_optim.presets import PRESETS, RULE_DEFAULTS
 from sage_torch import chunked, fused_check
 from sage_torch.common import (
     Axes,
     ConstCache,
-    Rule,
+    UpdateRule,
     axis_group,
     bias_correction,
     by_device_dtype,
@@ -33,6 +34,7 @@ from sage_torch.common import (
     is_dtensor,
     lr_of,
     lr_tensor,
+    pow2_floor,
     shared_docs,
     wide,
 )
@@ -45,20 +47,8 @@ ReduceDim = int | tuple[int, ...] | None
 """The fan-out dim(s) ``s`` averages over; ``None``: element-wise (vectors)."""
 
 
-def mean_scale(n: int) -> float:
-    """``2^-k``, the least power of two with ``n · 2^-k ≤ 1`` (:func:`sage_optax.sage.mean_scale`).
-
-    ``s = mean(|g|·c) / c`` with ``c = mean_scale(n)`` over ``n`` entries: no partial sum
-    exceeds ``max|g|``, so ``s`` is finite for every finite gradient (a plain sum of ``V``
-    entries overflows float32 once ``|g|`` reaches about ``3.4e38 / V``).  Scaling by a
-    power of two is exact: bit for bit the plain mean, unless an entry is below the
-    smallest normal number times ``1/c``.
-    """
-    return 1.0 if n <= 1 else 2.0 ** -(int(n) - 1).bit_length()
-
-
 def _mean_abs(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
-    """``mean(|x|)`` over ``dim``, finite for every finite ``x`` (:func:`mean_scale`)."""
+    """``mean(|x|)`` over ``dim``, finite for every finite ``x`` (``numerics.mean_scale``)."""
     dims = dim if isinstance(dim, tuple) else (dim,)
     c = mean_scale(math.prod([x.shape[d] for d in dims]))  # a list: torch.compile traces it
     if c == 1.0:
@@ -66,24 +56,11 @@ def _mean_abs(x: Tensor, dim: int | tuple[int, ...]) -> Tensor:
     return x.abs().mul_(c).mean(dim=dim).div_(c)
 
 
-def _pow2_scale(amax: Tensor) -> Tensor:
-    """A power of two ``m`` with ``a < m ≤ 2a``, ``a = amax`` clamped to ``[tiny, 2^-1/tiny]``.
-
-    ``amax ≥ 0`` (a maximum of values ``≥ 0``); 0 gives ``2·tiny``, and NaN stays NaN (the
-    result is then NaN, as the plain formula's).  ``m = a / mantissa(a)`` (``frexp``; an
-    exact quotient), three element-wise ops on the reduced shape; ``m ≤ 1/tiny``, so
-    ``1/m`` stays a normal number, as :mod:`sage_optax` needs.
-    """
-    info = torch.finfo(amax.dtype)
-    a = amax.clamp(info.tiny, 0.5 / info.tiny)
-    mantissa, _ = torch.frexp(a)  # a = mantissa · 2^e, mantissa in [0.5, 1)
-    return a / mantissa
-
-
 def _rms_nonneg(x: Tensor) -> Tensor:
     """``sqrt(mean(x²))`` over every entry of ``x ≥ 0`` (0-D), as ``m · sqrt(mean((x/m)²))``.
 
-    ``m`` (:func:`_pow2_scale`) is a power of two within a factor 2 of ``max x``, so the
+    ``m`` (:func:`~sage_torch.common.pow2_floor`) is a power of two within a factor 2 of
+    ``max x``, so the
     squares are in range for every finite ``x`` (a plain ``x²`` overflows float32 from
     ``x ≈ 1.8e19``); dividing by a power of two is exact and the root of ``y/m²`` is
     ``sqrt(y)/m``, so where ``x²`` is in range the result is bit for bit the plain
@@ -91,7 +68,7 @@ def _rms_nonneg(x: Tensor) -> Tensor:
     """
     if x.numel() == 0:
         return x.square().mean()
-    m = _pow2_scale(x.amax())
+    m = pow2_floor(x.amax())
     return (x / m).square().mean().sqrt().mul(m)
 
 
@@ -103,7 +80,8 @@ def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
     dims (stacked layers, or the stacked parameters of :func:`_multi_tensor_sage`), each
     with its own σ and γ.  Finite for every finite ``s ≥ 0`` and ``Ŝ ≥ 0``: σ and γ are
     ``m · sqrt(mean((x/m)²))`` with ``m`` a power of two near the largest entry
-    (:func:`_pow2_scale`; per batch index), so no square overflows, and where the plain
+    (:func:`~sage_torch.common.pow2_floor`; per batch index), so no square overflows, and
+    where the plain
     squares are in range the values are the plain formula's (scaling by a power of two is
     exact, through the root too).  With ``dims``, both RMS values are computed at once, on
     ``Ŝ`` and ``s`` stacked (one ``m`` for both; the kernels of one of them): the same
@@ -127,7 +105,7 @@ def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
     x = torch.stack(srcs) if len(srcs) == 2 else srcs[0].unsqueeze(0)  # (k, *s.shape)
     rd = tuple(d + 1 for d in dims)
     if rd:
-        m = _pow2_scale(x.amax(dim=(0, *rd), keepdim=True))
+        m = pow2_floor(x.amax(dim=(0, *rd), keepdim=True))
         r = (x / m).square().mean(dim=rd, keepdim=True).sqrt().mul(m)  # σ and γ
     else:  # one entry per batch index: sqrt(x²) is x
         r = x
@@ -358,8 +336,8 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
     """One step of one plain CPU parameter, chunk by chunk (:mod:`sage_torch.chunked`).
 
     Pass 1 reduces ``|g|·c`` over the vocab dim (``s``: a partial sum per chunk, then their
-    sum, as ``mean``, then ``/c``; ``c`` of :func:`mean_scale`, so that the sums stay
-    finite); pass 2 updates ``M``, forms ``sign(b1·M_t + (b2−b1)·g)·H`` and
+    sum, as ``mean``, then ``/c``; ``c`` of :func:`sage_optim.numerics.mean_scale`, so that the sums
+    stay finite); pass 2 updates ``M``, forms ``sign(b1·M_t + (b2−b1)·g)·H`` and
     applies it with the decay, all on one chunk at a time, with the operations (and so the
     rounding) of the whole-tensor path.
     """
@@ -409,7 +387,7 @@ def _chunked_sage(p: Tensor, g: Tensor, m: Tensor, S: Tensor, step: Tensor, *,
 
 
 @register
-class SageRule(Rule):
+class SageRule(UpdateRule):
     """SAGE (Algorithm 1 + instantaneous damper): ``u = sign(b1·M + (1−b1)·g) ⊙ H``."""
 
     name = "sage"

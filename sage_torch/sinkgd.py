@@ -25,7 +25,7 @@ from sage_torch.common import (
     Axes,
     ConstCache,
     MatrixView,
-    Rule,
+    UpdateRule,
     axis_group,
     by_device_dtype,
     decayed_step,
@@ -34,6 +34,7 @@ from sage_torch.common import (
     lr_tensor,
     matrix_axes,
     pow2_floor,
+    pow2_sqrt_floor,
     shared_docs,
     wide,
 )
@@ -99,14 +100,14 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
         r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
         q = (g2 * r.square()).sum(dim=fan_out_dim, keepdim=True).sqrt()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return (c / half) * g * (r / (m / half))
 
 
 def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
     """``m``: a power of two with ``m ≤ max|g| < 2m`` over ``dims`` (kept, size 1).
 
-    As :func:`sage_optax.sinkhorn.range_scale`: 1 for an all-zero, zero-size or non-finite
+    As :func:`sage_optax.numerics.range_scale`: 1 for an all-zero, zero-size or non-finite
     matrix, and at least the dtype's smallest normal number.  The Sinkhorn iteration runs
     on ``g / m``, whose squares are in range for any finite ``g``; dividing by a power of
     two is exact, so in-range gradients give bit-for-bit the plain computation's result.
@@ -115,17 +116,6 @@ def range_scale(g: Tensor, dims: tuple[int, ...]) -> Tensor:
         shape = [1 if d in {x % g.dim() for x in dims} else n for d, n in enumerate(g.shape)]
         return torch.ones(shape, dtype=g.dtype, device=g.device)
     return pow2_floor(g.abs().amax(dim=dims, keepdim=True))
-
-
-def _pow2_sqrt_floor(m: Tensor) -> Tensor:
-    """For a power of two ``m = 2^k``, the power of two ``2^⌊k/2⌋`` (exact).
-
-    ``X = c·(G/m)·r`` is returned as ``(c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉)``: both scales and every
-    partial product stay in range for any finite ``G``.
-    """
-    _, e = torch.frexp(m)  # m = 0.5 · 2^e, so k = e − 1
-    # sqrt of an even power of two is exact; for odd k take sqrt(m / 2) = 2^((k − 1) / 2)
-    return torch.where(e % 2 == 0, (m / 2).sqrt(), m.sqrt())
 
 
 def _sinkhorn_targets(g: Tensor, fan_in_dim: int, fan_out_dim: int,
@@ -170,7 +160,7 @@ def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int
         r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
         q = torch.bmm(kbt, r.square()).sqrt_()
         c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return (c / half).view(-1), (r / (m / half)).view(-1)
 
 
@@ -402,7 +392,7 @@ def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Buck
         torch.where(q_c > 0, scale(c, t_out) / den, c, out=c)
     del ks, kts
     # X = (c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉) per matrix, as sinkhorn_scales; then α·X, decayed step
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     c = c / torch.repeat_interleave(half, reps_c, output_size=n_c)
     r = r / torch.repeat_interleave(m / half, reps_r, output_size=n_r)
     updates: dict[int, Tensor] = {}
@@ -559,7 +549,7 @@ def _fused_scalars(amax: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Te
     not depend on which matrices are computed together.
     """
     m = pow2_floor(amax)
-    half = _pow2_sqrt_floor(m)
+    half = pow2_sqrt_floor(m)
     return m, eps / m, half, m / half
 
 
@@ -616,7 +606,7 @@ def _chunked_matrix(p: Tensor, g: Tensor, fi: int, fo: int, k_buf: Tensor | None
 
 
 @register
-class SinkGDRule(Rule):
+class SinkGDRule(UpdateRule):
     """SinkGD: ``u = α·X`` with ``X`` the Sinkhorn normalisation of the gradient (stateless)."""
 
     name = "sinkgd"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sage_torch.common import Rule, decayed_step, lr_of
+from sage_torch.common import UpdateRule, decayed_step, lr_of
 from sage_torch.registry import register
 
 
@@ -32,7 +32,7 @@ def _multi_tensor_unit_norm(params: list[Tensor], grads: list[Tensor], *, lr: fl
 
 
 @register
-class UnitNormRule(Rule):
+class UnitNormRule(UpdateRule):
     """The stateless step of ``sinkgd-pure`` on vectors: ``u = g / (‖g‖₂ + ε)``."""
 
     name = "unit_norm"

@@ -13,14 +13,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from sage_optax.sinkhorn import KERNELS
-from sage_optim.cli_args import OneLineParser, checked
-from sage_optim.models import MODELS, get_model_config
+from sage_optax.sinkhorn import IMPLS
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
+from sage_train.cli_args import OneLineParser, checked
 from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
 from sage_train.errors import CheckpointError, RunDirError, RunFileError, UserError
 from sage_train.model import ATTENTIONS, REMAT_POLICIES
+from sage_train.model_shapes import MODELS, get_model_config
 from sage_train.sharding import MODES
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals
 from sage_train.train import (
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "materialised), auto (cudnn where it can run and scripts/gpu-check has "
                    "validated it on this GPU, else xla: cudnn on H100s today); the choice is "
                    "printed at the start and recorded in config.json and metrics.jsonl")
-    p.add_argument("--sinkgd-kernel", default=d.sinkgd_kernel, choices=KERNELS,
+    p.add_argument("--sinkgd-kernel", default=d.sinkgd_kernel, choices=IMPLS,
                    help="how SinkGD computes its scales (configurations with SinkGD): pallas "
                    "(the Pallas kernel; interpreted off a GPU), jnp, auto (pallas on a single "
                    "GPU where scripts/gpu-check has validated it, else jnp: jnp everywhere "

@@ -596,7 +596,7 @@ def load_installed(vocab_size: int, *, progress: bool | None = None) -> data_lib
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m sage_train.corpus``: build (or load) the corpus and print its figures."""
-    from sage_optim.models import get_model_config
+    from sage_train.model_shapes import get_model_config
 
     p = argparse.ArgumentParser(
         prog="python -m sage_train.corpus",

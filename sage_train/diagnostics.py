@@ -45,7 +45,7 @@ def embedding_damper(optimizer: Any, grads: Any, path: str = "embed.embedding",
             t = state.count.astype(jnp.float32)
             s_hat = leaves[path] / (1 - b2**t)
             s_t = jnp.mean(jnp.abs(g.astype(jnp.float32)), axis=-2)
-            return sage_optax.sage_damper(s_t, s_hat, (0,), eps)
+            return sage_optax.sage_damper(s_t, s_hat, eps, rms_axes=(0,))
     raise ValueError(f"no SAGE state trains {path!r}; is the embedding routed to SAGE?")
 
 

@@ -20,11 +20,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from sage_optim.models import get_model_config
 from sage_train import data as data_lib
 from sage_train import hf_convert, report, rundir
 from sage_train.checkpoints import Checkpoints
 from sage_train.errors import ConfigError, RunDirError, write_error
+from sage_train.model_shapes import get_model_config
 from sage_train.sharding import make_mesh, state_shardings
 from sage_train.train import TrainConfig, _legacy, build, data_fingerprint, say
 

@@ -28,8 +28,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sage_optim.models import LlamaConfig
 from sage_train.model import Llama, load_per_layer_params, per_layer_params
+from sage_train.model_shapes import LlamaConfig
 
 EMBED_KEY = "model.embed_tokens.weight"
 """HF name of the token embedding table."""

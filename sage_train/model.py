@@ -50,13 +50,13 @@ from flax import nnx
 
 from sage_optax import placement
 from sage_optim import kernels
-from sage_optim.models import LlamaConfig
+from sage_train.model_shapes import LlamaConfig
 
 INIT_STD = 0.02
 """Standard deviation of the normal init of embeddings and kernels (HF ``initializer_range``)."""
 
-LAYOUTS: tuple[str, ...] = ("scan", "loop")
-"""Layouts of the decoder layers: stacked and scanned, or one module per layer."""
+LAYER_MODES: tuple[str, ...] = ("scan", "loop")
+"""How the decoder layers run: stacked and scanned, or one module per layer (``--layers``)."""
 
 REMAT_POLICIES: dict[str, Any] = {
     "none": None,
@@ -406,8 +406,8 @@ class Llama(nnx.Module):
         loss_chunk: int = 0,
         attention: Literal["auto", "cudnn", "xla"] = "auto",
     ):
-        if layers not in LAYOUTS:
-            raise ValueError(f"layers must be one of {LAYOUTS}, got {layers!r}")
+        if layers not in LAYER_MODES:
+            raise ValueError(f"layers must be one of {LAYER_MODES}, got {layers!r}")
         if remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {tuple(REMAT_POLICIES)}, got {remat!r}")
         check_loss_chunk(loss_chunk)
@@ -716,7 +716,7 @@ __all__ = [
     "CUDNN_DTYPES",
     "CUDNN_MAX_HEAD_DIM",
     "INIT_STD",
-    "LAYOUTS",
+    "LAYER_MODES",
     "REMAT_POLICIES",
     "Llama",
     "abstract_params",

@@ -78,7 +78,7 @@ class NoBar:
 def progress_bar(**kwargs: Any) -> Any:
     """A ``tqdm.auto`` progress bar with ``kwargs``, or a :class:`NoBar` without tqdm.
 
-    tqdm is optional (:data:`sage_optim._entry.ON_DEMAND`): without it a run prints plain
+    tqdm is optional (:data:`sage_optim.extras.ON_DEMAND`): without it a run prints plain
     log lines and the ``installed`` corpus is built without bars.
     """
     try:

@@ -10,7 +10,7 @@ import os
 import signal
 from typing import Any
 
-from sage_optim._entry import require
+from sage_optim.extras import require
 
 PREEMPTED = 75
 """Exit status after SIGTERM or SIGUSR1: the checkpoint of the step reached was saved."""

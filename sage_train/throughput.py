@@ -8,7 +8,7 @@ computation dtype.  The peak comes from :data:`PEAK_TFLOPS` by the device's name
 
 from __future__ import annotations
 
-from sage_optim.models import LlamaConfig
+from sage_train.model_shapes import LlamaConfig
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     # dense tensor-core TFLOP/s per GPU from the vendor's data sheets (no sparsity);

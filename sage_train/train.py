@@ -35,10 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import sage_optax
 from sage_optax import placement
-from sage_optax.sinkhorn import KERNELS, resolved_kernel
+from sage_optax.sinkhorn import IMPLS, resolved_impl
 from sage_optim import kernels
-from sage_optim.models import MODELS as MODEL_NAMES
-from sage_optim.models import get_model_config, is_model_file
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_optim.table import format_bytes
 from sage_train import data as data_lib
@@ -48,7 +46,7 @@ from sage_train.diagnostics import DamperRecorder, embedding_damper
 from sage_train.errors import ConfigError, DataError, RunDirError, UserError
 from sage_train.model import (
     ATTENTIONS,
-    LAYOUTS,
+    LAYER_MODES,
     REMAT_POLICIES,
     Llama,
     attention_choice,
@@ -56,6 +54,8 @@ from sage_train.model import (
     cudnn_problem,
     loss_fn,
 )
+from sage_train.model_shapes import MODELS as MODEL_NAMES
+from sage_train.model_shapes import get_model_config, is_model_file
 from sage_train.sharding import MODES as SHARDING_MODES
 from sage_train.sharding import (
     local_rows,
@@ -160,7 +160,7 @@ def make_tx(cfg: TrainConfig, model: Llama | None = None) -> optax.GradientTrans
     a ``(L, in, out)`` kernel as ``L`` stacked matrices (without it such a leaf is refused).
     """
     tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg), model=model,
-                                   kernel=cfg.sinkgd_kernel, weight_decay=cfg.weight_decay,
+                                   impl=cfg.sinkgd_kernel, weight_decay=cfg.weight_decay,
                                    b1=cfg.b1, b2=cfg.b2)
     return optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx
 
@@ -178,7 +178,7 @@ def compute_dtype(cfg: TrainConfig) -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-LAYER_CHOICES: tuple[str, ...] = ("auto", *LAYOUTS)
+LAYER_CHOICES: tuple[str, ...] = ("auto", *LAYER_MODES)
 """``--layers`` choices (``auto``: ``scan`` on a GPU or TPU, ``loop`` on the CPU, where the
 scanned step measured ~10% slower on the ``small`` demo)."""
 
@@ -233,7 +233,7 @@ class Implementations:
 
     ``attention`` is ``"cudnn"`` or ``"xla"`` (:func:`~sage_train.model.attention_choice`);
     ``sinkgd_kernel`` is ``"pallas"`` or ``"jnp"``
-    (:func:`~sage_optax.sinkhorn.resolved_kernel`, ``SAGE_KERNELS`` included), ``None`` for a
+    (:func:`~sage_optax.sinkhorn.resolved_impl`, ``SAGE_KERNELS`` included), ``None`` for a
     configuration without SinkGD.  The ``*_why`` fields say why, for the log.
     """
 
@@ -251,7 +251,7 @@ def implementations(cfg: TrainConfig, mesh: Any = None) -> Implementations:
     The platform is that of the devices of the run's mesh (default: ``make_mesh(cfg.sharding)``),
     as :mod:`sage_optax.placement` names it, not JAX's default backend; the model and the
     optimizer choose by the same rules (:func:`~sage_train.model.attention_choice`,
-    :func:`~sage_optax.sinkhorn.resolved_kernel`) where their arrays are.
+    :func:`~sage_optax.sinkhorn.resolved_impl`) where their arrays are.
 
     Raises:
       ConfigError: ``--attention cudnn`` where cuDNN's attention cannot run (the reason
@@ -281,7 +281,7 @@ def implementations(cfg: TrainConfig, mesh: Any = None) -> Implementations:
         # the update decides with the process's CUDA devices (it cannot see the mesh when
         # traced): a --sharding none run on a host with several GPUs keeps the jnp path
         count = placement.cuda_device_count() if platform in ("cuda", "gpu") else n
-        kernel = resolved_kernel(cfg.sinkgd_kernel, platform, count, kind)
+        kernel = resolved_impl(cfg.sinkgd_kernel, platform, count, kind)
         enabled = kernels.kernels_enabled()
     except ValueError as e:  # an invalid SAGE_KERNELS (the message names it)
         raise ConfigError(str(e)) from None
@@ -524,7 +524,7 @@ def check_config(cfg: TrainConfig) -> None:
                "sharding": SHARDING_MODES, "token_dtype": (None, "uint16", "uint32"),
                "dtype": DTYPES, "param_dtype": PARAM_DTYPES, "layers": LAYER_CHOICES,
                "remat": tuple(REMAT_POLICIES), "attention": ATTENTIONS,
-               "sinkgd_kernel": KERNELS}
+               "sinkgd_kernel": IMPLS}
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")

@@ -675,7 +675,7 @@ def cmd_tokens(model: str, out: str) -> int:
     """
     import numpy as np
 
-    from sage_optim.models import get_model_config
+    from sage_train.model_shapes import get_model_config
 
     vocab = get_model_config(model).vocab_size
     ids = np.random.default_rng(0).integers(0, vocab, 6_000_000, dtype=np.uint32)

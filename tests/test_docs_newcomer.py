@@ -17,7 +17,7 @@ import tomllib
 
 from test_docs_blocks import PAGES, ROOT
 
-from sage_optim._entry import EXTRAS
+from sage_optim.extras import EXTRAS
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", flags=re.S | re.M)
 OURS = {"sage_optim", "sage_optax", "sage_torch", "sage_train", "sage_repro"}

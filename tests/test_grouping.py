@@ -13,8 +13,8 @@ import pytest
 
 import sage_optax
 from sage_optax import sinkhorn
-from sage_optim.models import get_model_config
 from sage_repro.llama_shapes import llama_param_shapes
+from sage_train.model_shapes import get_model_config
 
 
 def dense_tree(dtype, seed=0):

@@ -119,7 +119,7 @@ def test_sage_torch_runs_without_jax():
     proc = run_hidden(JAX_SIDE, """
     import torch
     import sage_optim, sage_torch
-    from sage_optim._entry import missing
+    from sage_optim.extras import missing
 
     assert missing(["jax", "optax", "torch"]) == ["jax", "optax"]
 
@@ -180,8 +180,9 @@ def test_sage_optax_runs_without_torch():
 def test_sage_optim_needs_neither_framework():
     proc = run_hidden(JAX_SIDE + TORCH_SIDE + ("numpy",), """
     import sage_optim
-    from sage_optim import CONFIG_NAMES, get_model_config, get_preset
-    from sage_optim._entry import EXTRAS, missing
+    from sage_optim import CONFIG_NAMES, get_preset
+    from sage_optim.extras import EXTRAS, missing
+    from sage_train.model_shapes import get_model_config  # framework-free, beside the trainer
     from sage_optim.routing import Route
 
     assert [get_preset(name).name for name in CONFIG_NAMES] == list(CONFIG_NAMES)
@@ -321,7 +322,7 @@ def test_base_install_needs_no_framework():
 
 
 def test_extras_match_the_entry_guard():
-    from sage_optim._entry import EXTRAS
+    from sage_optim.extras import EXTRAS
 
     for extra, modules in EXTRAS.items():
         dists = {IMPORT_TO_DIST.get(m, m) for m in modules}

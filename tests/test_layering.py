@@ -53,6 +53,9 @@ def test_the_scan_sees_lazy_imports(tmp_path):
     ("sage_optim", ("jax", "torch")),
     ("sage_optax", ("torch", "sage_torch")),
     ("sage_torch", ("jax", "flax", "sage_optax")),
+    # the trainer's framework-free pieces, read by torch-only code (benchmarks, sage_repro)
+    ("sage_train.model_shapes", ("jax", "flax", "torch", "sage_optax", "sage_torch")),
+    ("sage_train.cli_args", ("jax", "flax", "torch", "sage_optax", "sage_torch")),
 ])
 def test_importing_a_package_loads_no_other_framework(package, absent):
     code = (f"import sys, {package}; "
@@ -63,13 +66,18 @@ def test_importing_a_package_loads_no_other_framework(package, absent):
 
 
 def torch_import_graph() -> dict[str, set[str]]:
-    """``module -> the sage_torch modules it imports`` (``sage_torch`` is the package's
+    """``module -> the sage_torch modules it imports`` (:func:`import_graph`)."""
+    return import_graph("sage_torch")
+
+
+def import_graph(pkg: str) -> dict[str, set[str]]:
+    """``module -> the modules of package ``pkg`` it imports`` (``pkg`` is the package's
     ``__init__``), every import statement counted, the lazy ones too."""
-    package = ROOT / "sage_torch"
+    package = ROOT / pkg
     modules = {p.stem for p in package.glob("*.py")} - {"__init__"}
 
     def name(path: pathlib.Path) -> str:
-        return "sage_torch" if path.stem == "__init__" else f"sage_torch.{path.stem}"
+        return pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
 
     graph: dict[str, set[str]] = {}
     for path in sorted(package.glob("*.py")):
@@ -80,14 +88,14 @@ def torch_import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:  # relative: from . import x, from .x import y
-                    base = "sage_torch" + (f".{base}" if base else "")
-                targets = [f"{base}.{a.name}" if base == "sage_torch" and a.name in modules
+                    base = pkg + (f".{base}" if base else "")
+                targets = [f"{base}.{a.name}" if base == pkg and a.name in modules
                            else base for a in node.names]
             else:
                 continue
             for target in targets:
                 parts = target.split(".")
-                if parts[0] == "sage_torch":
+                if parts[0] == pkg:
                     edges.add(".".join(parts[:2]))
     return graph
 
@@ -116,12 +124,12 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def algorithm_modules() -> set[str]:
-    """The sage_torch modules that define an update rule (a subclass of ``Rule``)."""
+    """The sage_torch modules that define an update rule (a subclass of ``UpdateRule``)."""
     found = set()
     for path in (ROOT / "sage_torch").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ClassDef) and any(
-                    isinstance(b, ast.Name) and b.id == "Rule" for b in node.bases):
+                    isinstance(b, ast.Name) and b.id == "UpdateRule" for b in node.bases):
                 found.add(f"sage_torch.{path.stem}")
     return found
 
@@ -141,6 +149,14 @@ def test_sage_torch_imports_have_no_cycle():
     assert "sage_torch.optimizer" in graph and "sage_torch.registry" in graph
     cycle = find_cycle(graph)
     assert cycle is None, f"sage_torch modules import each other in a cycle: {' -> '.join(cycle)}"
+
+
+@pytest.mark.parametrize("package", ["sage_optim", "sage_optax", "sage_torch"])
+def test_no_package_imports_itself_in_a_cycle(package):
+    """No module cycle in any optimizer package (sinkhorn <-> sinkhorn_pallas was one)."""
+    graph = import_graph(package)
+    cycle = find_cycle({m: e - {package} for m, e in graph.items() if m != package})
+    assert cycle is None, f"{package} modules import each other in a cycle: {' -> '.join(cycle)}"
 
 
 def test_the_base_optimizer_imports_no_algorithm():

@@ -31,7 +31,7 @@ from torch import nn
 
 import sage_optax
 import sage_torch
-from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, Rule, get_preset
+from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, RuleSpec, get_preset
 
 V, D, F = 16, 8, 12
 
@@ -252,11 +252,11 @@ def test_vector_weight_decay_beats_weight_decay(framework):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_swapped_rules_own_values_are_per_kind(framework):
-    """``vector=Rule("adamw", {"weight_decay": 0.0})`` keeps its 0 under ``weight_decay=0.1``."""
+    """``vector=RuleSpec("adamw", {"weight_decay": 0.0})`` keeps 0 under ``weight_decay=0.1``."""
     lr = get_preset("sage-hybrid").learning_rate
     zero = [{n: np.zeros_like(x) for n, x in PARAMS.items()}]
     got = FRAMEWORKS[framework]("sage-hybrid", grads=zero, weight_decay=0.1,
-                                vector=Rule("adamw", {"weight_decay": 0.0}))
+                                vector=RuleSpec("adamw", {"weight_decay": 0.0}))
     for kind, n, _, _ in LEAVES:
         want = np.zeros_like(PARAMS[n]) if kind == "vector" else -lr * 0.1 * PARAMS[n]
         np.testing.assert_allclose(got[n][0], want, rtol=1e-5, atol=1e-12, err_msg=n)
@@ -264,7 +264,7 @@ def test_a_swapped_rules_own_values_are_per_kind(framework):
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_a_kind_value_given_twice_is_refused(framework):
-    options = {"vector": Rule("adamw", {"b1": 0.8}), "vector_b1": 0.7}
+    options = {"vector": RuleSpec("adamw", {"b1": 0.8}), "vector_b1": 0.7}
     with pytest.raises(ValueError, match=r"^vector_b1: 'b1' of the vector kind is given twice"):
         if framework == "jax":
             sage_optax.make_optimizer("sage-hybrid", **options)

@@ -1,7 +1,7 @@
 """Kernel choice by placement: a GPU host with arrays on its CPU devices runs the jnp path.
 
 A GPU host is emulated on this CPU-only machine: ``jax.default_backend()`` reports ``"gpu"``
-and the process has one device (so ``kernel="auto"`` wants the Pallas kernel), while every
+and the process has one device (so ``impl="auto"`` wants the Pallas kernel), while every
 array stays on the CPU.  Before the kernel choice followed placement, every jitted update of
 a configuration with SinkGD raised ``ValueError: Only interpret mode is supported on CPU
 backend`` there.  Now the CUDA branch (the compiled kernel) is traced but only the branch of
@@ -97,8 +97,8 @@ def test_eager_updates_follow_the_arrays_devices(validated_h100, monkeypatch):
     from sage_optax import sinkhorn_pallas
 
     launched = []
-    real = sinkhorn_pallas.sinkhorn_scales
-    monkeypatch.setattr(sinkhorn_pallas, "sinkhorn_scales",
+    real = sinkhorn_pallas.pallas_scales
+    monkeypatch.setattr(sinkhorn_pallas, "pallas_scales",
                         lambda *a, **k: launched.append(1) or real(*a, **k))
     params, grads = _params_grads()
     got = _two_steps("sinkgd-pure", params, grads, jit=False)
@@ -113,7 +113,7 @@ def test_eager_updates_follow_the_arrays_devices(validated_h100, monkeypatch):
 def _lowered(kernel, platform, grouping="auto"):
     grads = {"w": jnp.ones((16, 12)), "t": jnp.ones((3, 8, 4))}
     axes = {"w": Route("dense", 0, 1), "t": Route("dense", -1, -2)}
-    tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel, grouping=grouping)
+    tx = sage_optax.scale_by_sinkhorn(axes=axes, impl=kernel, grouping=grouping)
     with helpers.cuda_lowering_target():
         traced = jax.jit(tx.update).trace(grads, optax.EmptyState())
         return traced.lower(lowering_platforms=(platform,)).as_text()
@@ -152,7 +152,7 @@ def test_environment_switch_turns_every_kernel_off(validated_h100, monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "off")
     assert TRITON_CALL not in _lowered("auto", "cuda")
     kernels._warned.clear()
-    with pytest.warns(RuntimeWarning, match='SAGE_KERNELS=off: kernel="pallas" is ignored'):
+    with pytest.warns(RuntimeWarning, match='SAGE_KERNELS=off: impl="pallas" is ignored'):
         assert TRITON_CALL not in _lowered("pallas", "cuda")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
@@ -162,17 +162,17 @@ def test_environment_switch_turns_every_kernel_off(validated_h100, monkeypatch):
 
 
 def test_environment_switch_gives_the_jnp_numbers(monkeypatch):
-    """``kernel="pallas"`` (interpreted on the CPU) with the switch off: the jnp path, exactly."""
+    """``impl="pallas"`` (interpreted on the CPU) with the switch off: the jnp path, exactly."""
     rng = np.random.default_rng(5)
     g = _on_cpu({"w": rng.standard_normal((20, 12))})
-    want, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="jnp").update)(g, optax.EmptyState())
-    kernel, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="pallas").update)(
+    want, _ = jax.jit(sage_optax.scale_by_sinkhorn(impl="jnp").update)(g, optax.EmptyState())
+    kernel, _ = jax.jit(sage_optax.scale_by_sinkhorn(impl="pallas").update)(
         g, optax.EmptyState())
     assert not np.array_equal(kernel["w"], want["w"])  # another summation order
     monkeypatch.setenv(kernels.ENV_VAR, "off")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        got, _ = jax.jit(sage_optax.scale_by_sinkhorn(kernel="pallas").update)(
+        got, _ = jax.jit(sage_optax.scale_by_sinkhorn(impl="pallas").update)(
             g, optax.EmptyState())
     np.testing.assert_array_equal(got["w"], want["w"])
 
@@ -186,22 +186,22 @@ def test_environment_switch_rejects_other_values(monkeypatch):
     assert kernels.kernels_enabled()
 
 
-def test_resolved_kernel(monkeypatch):
+def test_resolved_impl(monkeypatch):
     h100 = "NVIDIA H100 80GB HBM3"
-    assert sinkhorn.resolved_kernel("auto", "cuda", 1, h100) == "jnp"  # not validated yet
-    assert sinkhorn.resolved_kernel("pallas", "cuda", 1, h100) == "pallas"
+    assert sinkhorn.resolved_impl("auto", "cuda", 1, h100) == "jnp"  # not validated yet
+    assert sinkhorn.resolved_impl("pallas", "cuda", 1, h100) == "pallas"
     monkeypatch.setattr(kernels, "VALIDATED_ON", {**kernels.VALIDATED_ON,
                                                   "sinkgd-pallas": ("H100",)})
-    assert sinkhorn.resolved_kernel("auto", "cuda", 1, h100) == "pallas"
-    assert sinkhorn.resolved_kernel("auto", "cuda", 1, None) == "jnp"
-    assert sinkhorn.resolved_kernel("auto", "cuda", 2, h100) == "jnp"
-    assert sinkhorn.resolved_kernel("auto", "cpu", 1, h100) == "jnp"
-    assert sinkhorn.resolved_kernel("pallas", "cpu", 8) == "pallas"
-    assert sinkhorn.resolved_kernel("jnp", "cuda", 1, h100) == "jnp"
+    assert sinkhorn.resolved_impl("auto", "cuda", 1, h100) == "pallas"
+    assert sinkhorn.resolved_impl("auto", "cuda", 1, None) == "jnp"
+    assert sinkhorn.resolved_impl("auto", "cuda", 2, h100) == "jnp"
+    assert sinkhorn.resolved_impl("auto", "cpu", 1, h100) == "jnp"
+    assert sinkhorn.resolved_impl("pallas", "cpu", 8) == "pallas"
+    assert sinkhorn.resolved_impl("jnp", "cuda", 1, h100) == "jnp"
     monkeypatch.setenv(kernels.ENV_VAR, "off")
-    assert sinkhorn.resolved_kernel("pallas", "cuda", 1, h100) == "jnp"
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        sinkhorn.resolved_kernel("triton", "cuda", 1)
+    assert sinkhorn.resolved_impl("pallas", "cuda", 1, h100) == "jnp"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sinkhorn.resolved_impl("triton", "cuda", 1)
     with pytest.raises(ValueError, match="unknown GPU path 'pallas'"):
         kernels.validated("pallas", h100)
 

@@ -44,7 +44,7 @@ def test_h_is_bounded_by_one(g, v):
 def test_damper_leaves_quiet_dimensions_at_one():
     """Dimensions quieter than the RMS in both the EMA and the instant signal get H = 1."""
     s = jnp.array([1.0, 1.0, 1.0, 10.0])
-    h = np.asarray(sage_optax.sage_damper(s, s, (0,), 1e-8))
+    h = np.asarray(sage_optax.sage_damper(s, s, 1e-8, rms_axes=(0,)))
     rms = np.sqrt(np.mean(np.square([1.0, 1.0, 1.0, 10.0])))
     np.testing.assert_array_equal(h[:3], 1.0)
     np.testing.assert_allclose(h[3], rms / (10.0 + 1e-8), rtol=1e-6)

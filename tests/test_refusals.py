@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from sage_optim.models import get_model_config
+from sage_train.model_shapes import get_model_config
 
 
 def one_line(text: str) -> bool:

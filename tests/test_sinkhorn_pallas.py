@@ -41,7 +41,7 @@ def _scales(g, leaf_axes, kernel, num_iters=5, eps=1e-8, normalization="unit"):
         if kernel == "jnp":
             c, r = sinkhorn.sinkhorn_scales(g, axes, num_iters, eps, normalization)
         else:
-            c, r = sinkhorn_pallas.sinkhorn_scales(
+            c, r = sinkhorn_pallas.pallas_scales(
                 [g], axes, num_iters, eps, normalization, interpret=True)
         return c, r, sinkhorn.apply_scales(g, axes, c, r)
 
@@ -91,7 +91,7 @@ def test_stacked_leaves_and_batches_match():
     _assert_same(g, FLAX, normalization="sqrt")
     gs = [_matrix((9, 20), seed=s) for s in (2, 3)]
     axes = TORCH.resolve((9, 20), "g")
-    c, r = jax.jit(lambda gs: sinkhorn_pallas.sinkhorn_scales(
+    c, r = jax.jit(lambda gs: sinkhorn_pallas.pallas_scales(
         gs, axes, 5, 1e-8, "unit", interpret=True))(gs)
     c0, r0 = sinkhorn.stacked_sinkhorn_scales(gs, axes, 5, 1e-8, "unit")
     assert c.shape == c0.shape == (2, 20) and r.shape == r0.shape == (2, 9)
@@ -158,7 +158,7 @@ def test_float64_leaves_use_the_jnp_path():
     """x64: the kernel is float32 arithmetic, so float64 leaves keep the jnp path exactly."""
     with jax.enable_x64(True):
         g = {"w": jnp.asarray(np.random.default_rng(12).standard_normal((9, 5)), jnp.float64)}
-        out = {k: jax.jit(sage_optax.scale_by_sinkhorn(kernel=k).update)(g, optax.EmptyState())[0]
+        out = {k: jax.jit(sage_optax.scale_by_sinkhorn(impl=k).update)(g, optax.EmptyState())[0]
                for k in ("jnp", "pallas")}
         assert out["pallas"]["w"].dtype == jnp.float64
         assert np.array_equal(out["pallas"]["w"], out["jnp"]["w"])
@@ -182,7 +182,7 @@ def test_scale_by_sinkhorn_kernel_choice(grouping):
     out = {}
     for kernel in ("jnp", "pallas"):
         tx = sage_optax.scale_by_sinkhorn(
-            num_iters=3, axes=axes, grouping=grouping, kernel=kernel)
+            num_iters=3, axes=axes, grouping=grouping, impl=kernel)
         out[kernel], _ = jax.jit(tx.update)(grads, tx.init(grads))
     for path in grads:
         assert _close(out["pallas"][path], out["jnp"][path]), path
@@ -196,7 +196,7 @@ def test_make_optimizer_with_the_kernel():
                          helpers.mixed_gradient(rng, params, 1))
     out = {}
     for kernel in ("jnp", "pallas"):
-        tx = sage_optax.make_optimizer("sinkgd-pure", kernel=kernel, num_iters=2)
+        tx = sage_optax.make_optimizer("sinkgd-pure", impl=kernel, num_iters=2)
         out[kernel], _ = jax.jit(tx.update)(grads, tx.init(params), params)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(out["pallas"]),
                             jax.tree.leaves(out["jnp"]), strict=True):
@@ -225,7 +225,7 @@ def test_auto_uses_the_kernel_on_one_validated_gpu_only(monkeypatch):
 def test_auto_is_jnp_on_cpu_arrays():
     """On CPU arrays ``auto`` runs the jnp path, on any host (placement, not the backend).
 
-    Without a CUDA device in the process the program is the very one of ``kernel="jnp"``
+    Without a CUDA device in the process the program is the very one of ``impl="jnp"``
     (the kernel's branch is not even traced); on a GPU host it is traced but not lowered
     for the CPU (``tests/test_placement.py``), and the result is the jnp path's, exactly.
     """
@@ -236,7 +236,7 @@ def test_auto_is_jnp_on_cpu_arrays():
     axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": Route("dense", 0, 2), "skip": None}
     texts, outs = {}, {}
     for kernel in ("auto", "jnp", "pallas"):
-        tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel)
+        tx = sage_optax.scale_by_sinkhorn(axes=axes, impl=kernel)
         texts[kernel] = jax.jit(tx.update).trace(grads, optax.EmptyState()).lower(
             lowering_platforms=("cpu",)).as_text()
         outs[kernel], _ = jax.jit(tx.update)(grads, optax.EmptyState())
@@ -248,13 +248,13 @@ def test_auto_is_jnp_on_cpu_arrays():
         np.testing.assert_array_equal(outs["auto"][path], outs["jnp"][path], err_msg=path)
 
 
-def test_kernel_is_validated():
-    with pytest.raises(ValueError, match="kernel must be one of"):
-        sage_optax.scale_by_sinkhorn(kernel="triton")
-    with pytest.raises(ValueError, match="kernel"):
-        sage_optax.sinkgd(1e-2, kernel="cuda")
-    with pytest.raises(ValueError, match="kernel"):
-        sage_optax.make_optimizer("sage-hybrid", kernel="fast")
+def test_impl_is_validated():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        sage_optax.scale_by_sinkhorn(impl="triton")
+    with pytest.raises(ValueError, match="impl"):
+        sage_optax.sinkgd(1e-2, impl="cuda")
+    with pytest.raises(ValueError, match="impl"):
+        sage_optax.make_optimizer("sage-hybrid", impl="fast")
 
 
 @pytest.mark.parametrize(("shape", "leaf_axes", "dtype"), [
@@ -267,7 +267,7 @@ def test_kernel_lowers_to_triton_for_cuda(shape, leaf_axes, dtype):
     operations); compiling the Triton IR to a GPU binary needs the GPU test below.
     """
     axes = leaf_axes.resolve(shape, "g")
-    run = jax.jit(lambda g: sinkhorn_pallas.sinkhorn_scales([g], axes, 5, 1e-8, "sqrt"))
+    run = jax.jit(lambda g: sinkhorn_pallas.pallas_scales([g], axes, 5, 1e-8, "sqrt"))
     with helpers.cuda_lowering_target():  # traced and lowered for that GPU
         text = run.trace(jax.ShapeDtypeStruct(shape, dtype)).lower(
             lowering_platforms=("cuda",)).as_text()
@@ -288,7 +288,7 @@ def test_compiled_kernel_on_the_gpu(dtype):
     axes = {"w": FLAX, "t": TORCH, "z": FLAX}
     out = {}
     for kernel in ("jnp", "pallas"):  # pallas: compiled on a GPU
-        tx = sage_optax.scale_by_sinkhorn(axes=axes, kernel=kernel, grouping="stack")
+        tx = sage_optax.scale_by_sinkhorn(axes=axes, impl=kernel, grouping="stack")
         text = jax.jit(tx.update).lower(grads, optax.EmptyState()).as_text()
         assert ("__gpu$xla.gpu.triton" in text) == (kernel == "pallas")  # the Pallas call
         out[kernel], _ = jax.jit(tx.update)(grads, optax.EmptyState())

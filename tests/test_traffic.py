@@ -11,9 +11,9 @@ import jax
 import pytest
 
 from sage_optim import CONFIG_NAMES
-from sage_optim.models import get_model_config
 from sage_repro import traffic
 from sage_repro.llama_shapes import llama_param_shapes
+from sage_train.model_shapes import get_model_config
 
 pytest.importorskip("torch")
 BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"

@@ -30,7 +30,6 @@ from train_helpers import config, quiet  # noqa: E402
 
 from sage_optax import placement  # noqa: E402
 from sage_optim import kernels  # noqa: E402
-from sage_optim.models import MODELS  # noqa: E402
 from sage_train import model as model_mod  # noqa: E402
 from sage_train import rundir  # noqa: E402
 from sage_train.cli import configs, main, parse_args  # noqa: E402
@@ -45,6 +44,7 @@ from sage_train.model import (  # noqa: E402
     loss_fn,
     reference_attention,
 )
+from sage_train.model_shapes import MODELS  # noqa: E402
 from sage_train.train import implementations, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")

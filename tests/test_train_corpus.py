@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from corpus_helpers import make_tree
 
-from sage_optim.models import MODELS
 from sage_train import corpus, data
+from sage_train.model_shapes import MODELS
 
 VOCAB = 300
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from corpus_helpers import installed_corpus
 
-from sage_optim.models import MODELS
 from sage_repro import sweep
 from sage_train import cut, data
+from sage_train.model_shapes import MODELS
 
 VOCAB = MODELS["tiny"].vocab_size
 

@@ -194,7 +194,7 @@ def test_the_run_dir_is_never_part_of_the_corpus(train_corpus, tmp_path, monkeyp
 
 def test_a_token_cache_with_ids_beyond_the_vocabulary_is_named(train_corpus, tmp_path,
                                                                monkeypatch):
-    from sage_optim.models import get_model_config
+    from sage_train.model_shapes import get_model_config
 
     monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))  # a cache of its own
     cfg = config(train_corpus, tmp_path / "run")

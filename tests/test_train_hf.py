@@ -202,7 +202,7 @@ def test_export_refusals_are_one_line_and_write_nothing(exported, tmp_path, caps
 
 
 def test_config_mismatches_reads_transformers_defaults():
-    from sage_optim.models import get_model_config
+    from sage_train.model_shapes import get_model_config
 
     tiny = get_model_config("tiny")
     fields = hf_convert.hf_config_fields(tiny) | {"model_type": "llama"}

@@ -227,7 +227,7 @@ def test_the_optimizer_state_across_processes_matches_one_process(jobs, sharding
     SAGE's mean over the vocabulary, SinkGD's norms and the gradient's global norm reduce
     across the two processes (under FSDP over shards that live on both).
     """
-    from sage_optim.models import get_model_config
+    from sage_train.model_shapes import get_model_config
     from sage_train.sharding import make_mesh
     from sage_train.train import TrainConfig, _abstract_state
 

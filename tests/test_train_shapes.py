@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from sage_optim.models import LlamaConfig, get_model_config, load_model_file
+from sage_train.model_shapes import LlamaConfig, get_model_config, load_model_file
 
 SHAPE = {"name": "odd", "vocab_size": 512, "hidden_size": 48, "intermediate_size": 80,
          "num_layers": 1, "num_heads": 3, "num_kv_heads": 1, "max_position_embeddings": 64}

@@ -44,7 +44,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import sage_torch  # noqa: E402
-from sage_torch.optim import RuleOptimizer  # noqa: E402
+from sage_torch.optimizer import RuleOptimizer  # noqa: E402
 
 WORLD = 2
 V, D, FF = 45, 16, 33  # vocab, width, MLP width (odd: uneven shards)
