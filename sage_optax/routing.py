@@ -974,8 +974,8 @@ def route_params(
     # Globs are matched against every path, masked ones too: optax.partition routes each
     # kind's subtree with the other kinds' leaves masked.
     override_of = core.match_overrides([n for n, _ in named], overrides)
-    for name, given in override_of.items():
-        axes_lib.refuse_view(given, name)
+    for name, route in override_of.items():
+        axes_lib.refuse_view(route, name)
     shapes = {n: tuple(int(s) for s in x.shape) for n, x in named
               if not axes_lib.is_masked(x) and hasattr(x, "shape")}
     facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
