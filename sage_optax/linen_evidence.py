@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from sage_optax import axes as axes_lib
+from sage_optax import module_layouts
 from sage_optim import routing as core
 from sage_optim.routing import Route, RoutingError
 
@@ -151,8 +152,6 @@ def _own_routes(module: Any, attr: str, shape: tuple[int, ...], einsum_str: str 
     """The route of ``module``'s parameter ``attr`` of (unstacked) ``shape``, or None."""
     from flax import linen as nn
 
-    from sage_optax import routing
-
     ev = f"module nn.{type(module).__name__}"
     ndim = len(shape)
     if isinstance(module, _norm_types(nn)) and attr in ("scale", "bias"):
@@ -179,13 +178,13 @@ def _own_routes(module: Any, attr: str, shape: tuple[int, ...], einsum_str: str 
         return Route("dense", 0, 1, evidence=ev + " (in, out)")
     if isinstance(module, nn.Einsum) and einsum_str:
         try:
-            route = routing._einsum_route(einsum_str, ndim, attr)
+            route = module_layouts.einsum_route(einsum_str, ndim, attr)
         except RoutingError as e:
             return e
         return dataclasses.replace(route, evidence=f"{ev} {einsum_str!r}")
     if isinstance(module, nn.ConvTranspose) and ndim >= 2:
         taps = ndim - 2
-        return routing._conv_transpose_refusal(
+        return module_layouts.conv_transpose_refusal(
             attr, shape, Route("dense", (-2, *range(-2 - taps, -2)), -1),
             "an nn.ConvTranspose kernel (*taps, Cin, Cout)",
             "input channels and taps are its fan-in, as for nn.Conv")

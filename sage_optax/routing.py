@@ -69,7 +69,7 @@ import jax
 import jax.numpy as jnp
 
 from sage_optax import axes as axes_lib
-from sage_optax import logical
+from sage_optax import logical, module_layouts
 from sage_optim import routing as core
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 
@@ -140,38 +140,6 @@ def is_nnx_module(x: Any) -> bool:
     return isinstance(x, nnx.Module)
 
 
-def _einsum_route(einsum_str: str, kernel_ndim: int, what: str) -> Route:
-    spec = einsum_str.replace(" ", "")
-    if "->" not in spec or spec.count(",") != 1 or "." in spec:
-        raise RoutingError(
-            f"{what}: cannot read the axes of einsum {einsum_str!r} (one input, one kernel, "
-            "no ellipsis); give them with an override Route('dense', fan_in=..., fan_out=...)"
-        )
-    lhs, out = spec.split("->")
-    inp, ker = lhs.split(",")
-    extra = kernel_ndim - len(ker)
-    fan_in, fan_out, batch = [], [], list(range(extra))
-    for i, letter in enumerate(ker):
-        axis = extra + i
-        if letter in out and letter in inp:
-            batch.append(axis)
-        elif letter in out:
-            fan_out.append(axis)
-        elif letter in inp:
-            fan_in.append(axis)
-        else:
-            raise RoutingError(
-                f"{what}: kernel letter {letter!r} of einsum {einsum_str!r} is in neither the "
-                "input nor the output; give the axes with an override"
-            )
-    if not fan_in or not fan_out:
-        return Route("vector", batch=tuple(batch), evidence=f"module nnx.Einsum {einsum_str!r}")
-    return Route(
-        "dense", tuple(fan_in), tuple(fan_out), tuple(batch),
-        evidence=f"module nnx.Einsum {einsum_str!r}",
-    )
-
-
 def _norm_types() -> tuple[type, ...]:
     from flax import nnx
 
@@ -216,13 +184,13 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
             out[full] = Route("dense", -2, -1, evidence=ev + " (in, out)")
         elif isinstance(module, nnx.Einsum):
             try:
-                out[full] = _einsum_route(module.einsum_str, len(shape), full)
+                out[full] = module_layouts.einsum_route(module.einsum_str, len(shape), full)
             except RoutingError as e:
                 out[full] = e
         elif isinstance(module, nnx.ConvTranspose):
             taps = len(shape) - 2
             conv = Route("dense", (-2, *range(-2 - taps, -2)), -1)
-            out[full] = _conv_transpose_refusal(
+            out[full] = module_layouts.conv_transpose_refusal(
                 full, shape, conv, "an nnx.ConvTranspose kernel (*taps, Cin, Cout)",
                 "input channels and taps are its fan-in, as for nnx.Conv")
         elif isinstance(module, nnx.Conv):
@@ -376,7 +344,7 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
             elif isinstance(node, convts):
                 taps = _spatial(node)
                 conv = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2)
-                out[full] = _conv_transpose_refusal(
+                out[full] = module_layouts.conv_transpose_refusal(
                     full, shape, conv, "an eqx.nn.ConvTranspose weight",
                     "axis 1 and the taps are its fan-in, as for eqx.nn.Conv")
             elif isinstance(node, types("Embedding")):
@@ -974,8 +942,8 @@ def route_params(
     # Globs are matched against every path, masked ones too: optax.partition routes each
     # kind's subtree with the other kinds' leaves masked.
     override_of = core.match_overrides([n for n, _ in named], overrides)
-    for name, route in override_of.items():
-        axes_lib.refuse_view(route, name)
+    for name, override in override_of.items():
+        axes_lib.refuse_view(override, name)
     shapes = {n: tuple(int(s) for s in x.shape) for n, x in named
               if not axes_lib.is_masked(x) and hasattr(x, "shape")}
     facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
@@ -1082,22 +1050,6 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
             "axis_roles={name: role} gives them one)",
             leaf=route.leaf, shape=route.shape, options=route.options)
     return route, True
-
-
-def _conv_transpose_refusal(full: str, shape: tuple[int, ...], conv: Route, what: str,
-                            when: str) -> RoutingError:
-    """The refusal of a transposed convolution's kernel, ``what``: its fan-in is a choice.
-
-    The first option, ``conv`` (right ``when``), reads it as the library's own convolution
-    reads its kernel; the other gives it the element-wise rules.
-    """
-    return RoutingError(
-        f"cannot place {full!r} of shape {shape}: {what} has no layout this router knows "
-        "(which axes are its fan-in is a modelling choice); give it, e.g. "
-        + core.override_advice(full, shape, conv),
-        leaf=full, shape=shape,
-        options=[(conv, when), ("vector", "element-wise rules are wanted")],
-    )
 
 
 def _is_nnx_state(x: Any) -> bool:
