@@ -59,6 +59,7 @@ __all__ = [
     "batches",
     "cache_dir",
     "eval_batches",
+    "fingerprint",
     "load_data",
     "read_text_source",
     "stdlib_corpus",
@@ -661,6 +662,21 @@ def load_data(
         raise ValueError("token_dtype only applies to pre-tokenized token files")
     _check_text_vocab(vocab_size)
     return _tokenize_cached(read_text_source(path, exclude), vocab_size, str(path), {})
+
+
+def fingerprint(tokens: TokenData) -> str:
+    """A short hash of the token stream, equal for the same data and read in O(1).
+
+    Covers the lengths, dtype, vocabulary and up to 64 evenly spaced 4,096-token pieces of
+    each split.
+    """
+    h = hashlib.sha256(f"vocab={tokens.vocab_size};".encode())
+    for part in (tokens.train, tokens.test):
+        n, piece = len(part), 4096
+        h.update(f"{n}:{part.dtype};".encode())
+        for i in np.unique(np.linspace(0, max(n - piece, 0), 64).astype(np.int64)):
+            h.update(np.ascontiguousarray(part[i:i + piece]).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:

@@ -45,7 +45,8 @@ from sage_train.model import (  # noqa: E402
     loss_fn,
     reference_attention,
 )
-from sage_train.train import implementations, train  # noqa: E402
+from sage_train.run import implementations  # noqa: E402
+from sage_train.train import train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -371,7 +372,7 @@ def test_attention_is_checked_on_resume_and_older_runs_continue_with_xla(
     """attention is a MATH_FIELD: a run recorded with cuDNN's attention is not continued with
     XLA's unless allowed; a run recorded before the setting existed (which computed XLA's
     attention) continues with attention="xla" and records it."""
-    from sage_train import train as train_mod
+    from sage_train import steps as train_mod
 
     assert {"attention", "sinkgd_kernel"} <= set(rundir.MATH_FIELDS)
     seen: list[str] = []

@@ -141,8 +141,8 @@ def test_loss_chunk_reaches_the_loss_is_recorded_and_older_runs_continue_unchunk
     (64 tokens of 256), recorded resolved in config.json, the losses are the unchunked
     run's; a rerun with another chunk is refused; a run recorded by a version without the
     setting continues unchunked."""
+    from sage_train import config as train_mod
     from sage_train import model as model_mod
-    from sage_train import train as train_mod
 
     monkeypatch.setattr(train_mod, "LOSS_CHUNK_AUTO_BYTES", 1 << 18)
     monkeypatch.setattr(train_mod, "LOSS_CHUNK_TARGET_BYTES", 1 << 18)  # 64 x 1024 x 4 B
