@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sage_optim.cli_args import OneLineParser, checked
+from sage_optim.cli_args import DefaultsFormatter, OneLineParser, checked
 from sage_optim.models import MODELS, get_model_config
 from sage_optim.presets import CONFIG_NAMES, KINDS, RULE_DEFAULTS, get_preset
 from sage_repro import sweep_report as report
@@ -838,16 +838,6 @@ def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], sig
 # ---------------------------------------------------------------------------
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown where an option has one and its help does not already say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
 _COUNT = checked(int, lambda v: v >= 1, "an integer >= 1")
 _SEED = checked(int, lambda v: v >= 0, "an integer >= 0")
 _RATE = checked(float, lambda v: math.isfinite(v) and v > 0, "a number > 0")
@@ -866,7 +856,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the paper's protocol (cosine schedule, 10%% warmup, 8:2 split, "
                        "sequences of 512, 130k tokens per step); then OUT/results.md and "
                        ".json and the figures.",
-                       formatter_class=_Formatter,
+                       formatter_class=DefaultsFormatter,
                        epilog="Options after -- go to every sage-train run (for example "
                        "-- --sharding none --remat dots). Exit status: 0 done (diverged runs "
                        "are results), 1 a run failed, 2 invalid options or a refused run, "
@@ -948,7 +938,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(start-up, compilation, checkpoints; default 45)")
     c = sub.add_parser("cut-data", help="cut a fixed, fingerprinted token set from a corpus, "
                        "to train on the same tokens on every machine",
-                       formatter_class=_Formatter,
+                       formatter_class=DefaultsFormatter,
                        description="Whole documents of the corpus's train and test splits, "
                        "drawn by their hash, within the token budgets, into a folder that "
                        "sage-train --data takes (see sage_train.cut and docs/reproduce.md).")
@@ -963,7 +953,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--test-tokens", type=_COUNT, default=2_000_000,
                    help="at most this many tokens of the test split")
     r = sub.add_parser("report", help="write the report of a sweep from its run directories",
-                       formatter_class=_Formatter,
+                       formatter_class=DefaultsFormatter,
                        description="Rebuild OUT/results.md, results.json and the figures "
                        "from what the runs recorded (also while a sweep is half done).")
     where = r.add_mutually_exclusive_group()

@@ -149,17 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "change is recorded in config_history.jsonl), or whose settings are "
                    "unknown; the parameters and optimizer state carry over across --layers, "
                    "the parameters across --optimizer (fresh optimizer state); another "
-                   "--model is refused")
+                   "--model is refused (default: off)")
     p.add_argument("--restart", action="store_true",
                    help="start over from step 0 where every checkpoint of a run fails "
                    "verification (they are moved aside to checkpoints/STEP.unusable, not "
-                   "deleted); without it such a run is refused")
+                   "deleted); without it such a run is refused (default: off)")
     p.add_argument("--distributed", action="store_true",
                    help="join a job of several processes (jax.distributed.initialize()): its "
                    "layout from --coordinator, --num-processes and --process-id, else from "
                    "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, else from "
                    "the cluster manager JAX detects (SLURM's srun, Open MPI's mpirun); any of "
-                   "those flags or variables implies it")
+                   "those flags or variables implies it (default: off)")
     p.add_argument("--coordinator", type=_launch_value(check_coordinator), default=None,
                    metavar="HOST:PORT", help="the address of process 0's coordination "
                    "service, which every process of the job connects to (default: "
@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 def build_export_parser() -> argparse.ArgumentParser:
     """The ``sage-train export`` parser."""
     p = OneLineParser(prog="sage-train export", formatter_class=DefaultsFormatter,
-                      allow_abbrev=False, description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
+                      allow_abbrev=False,
+                      description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
                 "directory\n(config.json, model.safetensors) with the run's tokenizer "
                 "(tokenizer.json,\ntokenizer_config.json): transformers' "
                 "AutoModelForCausalLM.from_pretrained(DIR)\nand "
@@ -212,7 +213,7 @@ def add_config_options(p: argparse.ArgumentParser) -> None:
         default = getattr(defaults, name) if o.cli_default is FIELD_DEFAULT \
             else o.cli_default
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", help=o.help)
+            p.add_argument(flag, action="store_true", help=f"{o.help} (default: off)")
             continue
         kwargs: dict[str, Any] = {"help": o.help, "metavar": o.metavar}
         if o.check is not None:
@@ -324,7 +325,8 @@ def _leave(status: int, error: BaseException) -> int:
 def build_sample_parser() -> argparse.ArgumentParser:
     """The ``sage-train sample`` parser."""
     p = OneLineParser(prog="sage-train sample", formatter_class=DefaultsFormatter,
-                      allow_abbrev=False, description="Generate text from a run's checkpoint: the prompt, "
+                      allow_abbrev=False,
+                      description="Generate text from a run's checkpoint: the prompt, "
                       "tokenized with the run's tokenizer,\ncontinued token by token by the "
                       "trained model (on one device; the run is only read).")
     p.add_argument("--run-dir", required=True, type=pathlib.Path, metavar="RUN",
@@ -472,8 +474,9 @@ def _checked_runs(cfgs: list[TrainConfig], args: argparse.Namespace,
 
 def _train_one(run: Any, args: argparse.Namespace, signals: StopSignals,
                results: list[Any]) -> tuple[int, Any]:
-    """Train ``run``: ``(0, its result)``, or ``(exit status, None)`` where the command
-    stops (a signal, or a refusal after earlier runs trained).
+    """Train ``run``: ``(0, its result)``, or ``(exit status, None)`` to stop the command.
+
+    The command stops on a signal, or on a refusal after earlier runs trained.
     """
     from sage_train.train import train
 

@@ -280,13 +280,14 @@ class TrainConfig:
         False, "write TensorBoard event files into each run directory (needs tensorboardX)")
     wandb: str | None = _setting(
         None, "log the scalars to this Weights & Biases project (needs wandb; a resumed run "
-        "continues its W&B run)", check=_text("a W&B project name (not empty)"), parse=str,
+        "continues its W&B run) (default: none)", check=_text("a W&B project name (not empty)"), parse=str,
         metavar="PROJECT")
     init_from_hf: str | None = _setting(
         None, "start from the weights of a Hugging Face LlamaForCausalLM checkpoint "
         "(config.json and safetensors, e.g. from sage-train export, or any transformers "
         "LLaMA saved with save_pretrained) of the --model's architecture, which is the "
-        "checkpoint's own when --model is not given (refused otherwise, naming the field)",
+        "checkpoint's own when --model is not given (refused otherwise, naming the field) "
+        "(default: none)",
         check=_text("a Hugging Face checkpoint directory (not empty)"), parse=str,
         metavar="DIR")
 

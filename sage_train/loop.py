@@ -82,8 +82,10 @@ def peak_memory_bytes() -> int | None:
 
 
 class Clock:
-    """Training time: wall time from the end of the first (compiling) step, less the host's
-    work (evaluation, checkpointing, logging, ``H_t`` records), plus the earlier segments'.
+    """Training time, the tokens/s clock.
+
+    Wall time from the end of the first (compiling) step, less the host's work
+    (evaluation, checkpointing, logging, ``H_t`` records), plus the earlier segments'.
 
     Read only after a host sync, so that it covers finished device work.
     """
@@ -146,12 +148,14 @@ class Hook:
 
 
 class Evaluate(Hook):
-    """The test loss, every ``eval_every`` steps and at the last step of the run."""
+    """The test loss, every ``eval_every`` steps and at the run's last step."""
 
     def due(self, t: Trainer, done: int, signal: str | None) -> bool:
+        """Every ``every`` steps and at ``cfg.steps``."""
         return done % self.every == 0 or done == t.cfg.steps
 
     def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
+        """Add the test loss and perplexity to the row (off the clock)."""
         cfg = t.cfg
         loss = t.clock.off(lambda: evaluate_loss(t.eval_step, t.state, t.eval_set, t.run.mesh,
                                                  cfg.sharding, cfg.batch_size))
@@ -161,21 +165,23 @@ class Evaluate(Hook):
 
 
 class Log(Hook):
-    """The metrics row (``metrics.jsonl``, the trackers) and the progress bar or log line,
-    every ``log_every`` steps and whenever another hook is due.
+    """The metrics row, and the progress bar or log line, with every row.
+
+    Due every ``log_every`` steps; it also writes the rows the other hooks make due.
     """
 
     every_row = True
 
     def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
+        """Write the row to ``metrics.jsonl`` and the trackers, and show it (process 0)."""
         if (peak_bytes := peak_memory_bytes()) is not None:
             record["peak_memory_bytes"] = peak_bytes
         if t.primary:
-            t.clock.off(lambda: self.write(t, done, record))
+            t.clock.off(lambda: self._write(t, done, record))
         return None
 
     @staticmethod
-    def write(t: Trainer, done: int, record: dict[str, Any]) -> None:
+    def _write(t: Trainer, done: int, record: dict[str, Any]) -> None:
         rundir.append_line(t.run.run_dir / rundir.METRICS, json.dumps(record), sync=False)
         if t.bar is not None:
             t.bar(done, record["loss"], record["tokens_per_s"])
@@ -188,14 +194,14 @@ class Log(Hook):
 
 
 class Checkpoint(Hook):
-    """A verified checkpoint, every ``checkpoint_every`` steps, at the last step of this
-    invocation and at a preemption; a state that is no longer finite stops the run.
-    """
+    """A verified checkpoint; a state that is no longer finite stops the run instead."""
 
     def due(self, t: Trainer, done: int, signal: str | None) -> bool:
+        """Every ``every`` steps, at this invocation's last step and at a preemption."""
         return done % self.every == 0 or done == t.end or signal is not None
 
     def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
+        """Save the state of step ``done`` (off the clock), or say why the run stops."""
         t0 = _clock()
         if not state_is_finite(t.state):
             return (f"the parameters or optimizer state became NaN/Inf at step {done} (the "
@@ -208,8 +214,9 @@ class Checkpoint(Hook):
 
 
 class RecordH(Hook):
-    """SAGE's ``H_t`` of the embedding, kept every ``record_h_every`` steps and written at
-    each host sync (:class:`~sage_train.diagnostics.DamperRecorder`).
+    """SAGE's ``H_t`` of the embedding (:class:`~sage_train.diagnostics.DamperRecorder`).
+
+    Kept on the device every ``record_h_every`` steps, written at each host sync.
     """
 
     def __init__(self, every: int, recorder: DamperRecorder | None) -> None:
@@ -217,9 +224,11 @@ class RecordH(Hook):
         self.recorder = recorder
 
     def due(self, t: Trainer, done: int, signal: str | None) -> bool:
+        """Whether step ``done``'s ``H_t`` is kept (every ``every`` steps, on process 0)."""
         return self.recorder is not None and done % self.every == 0
 
     def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
+        """Nothing with a row: the rows of ``H_t`` are added at each sync (:meth:`add`)."""
         return None
 
     def add(self, rows: list[tuple[int, Any]]) -> None:

@@ -237,8 +237,10 @@ class Start:
 
 def start_state(run: Run, ckpts: Checkpoints, graphdef: Any, state: Any, saved_as: Any,
                 changed: dict[str, Any], restart: bool, log: Callable[[str], None]) -> Start:
-    """The state the loop starts from: the newest checkpoint (carried over where
-    ``saved_as`` says it was saved otherwise), else ``state`` (``init_from_hf``'s weights).
+    """The state the loop starts from: the newest checkpoint, else ``state``.
+
+    The checkpoint is carried over where ``saved_as`` says it was saved otherwise; a run
+    that starts at step 0 with ``init_from_hf`` starts from that checkpoint's weights.
 
     Raises:
       RunDirError: the checkpoints cannot be restored (unless ``restart``) or carried over.

@@ -220,8 +220,9 @@ def _train_locked(run: Run, opts: _Options, log: Callable[[str], None]) -> RunRe
 
 def _open_files(run: Run, settings: dict[str, Any], changed: dict[str, Any], start: int,
                 tokens: data_lib.TokenData, cleanup: contextlib.ExitStack) -> Any:
-    """Record the segment, trim the metrics to ``start``, keep the tokenizer, and open the
-    trackers (on process 0; returned, ``None`` where there are none).
+    """Process 0's files of a segment: its record, the metrics, the tokenizer, the trackers.
+
+    Returns the trackers (``None`` where there are none, or on another process).
     """
     cfg, run_dir = run.config, run.run_dir
     if not distributed.is_primary():  # in a job of several processes, one writes

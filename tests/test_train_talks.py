@@ -22,8 +22,8 @@ from train_helpers import config, quiet  # noqa: E402
 
 import sage_optax  # noqa: E402
 from sage_optim.table import format_bytes  # noqa: E402
-from sage_train import report, rundir  # noqa: E402
 from sage_train import loop as train_mod  # noqa: E402
+from sage_train import report, rundir  # noqa: E402
 from sage_train import steps as steps_mod  # noqa: E402
 from sage_train import train as train_api  # noqa: E402
 from sage_train.cli import configs, main, parse_args  # noqa: E402
