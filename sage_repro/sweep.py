@@ -727,7 +727,7 @@ def expected_settings(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> d
     import io
 
     from sage_train.cli import configs, parse_args
-    from sage_train.train import default_hyperparameter
+    from sage_train.config import default_hyperparameter
 
     argv = protocol.trainer_argv(spec, spec.group(out))
     err = io.StringIO()

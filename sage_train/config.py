@@ -280,8 +280,8 @@ class TrainConfig:
         False, "write TensorBoard event files into each run directory (needs tensorboardX)")
     wandb: str | None = _setting(
         None, "log the scalars to this Weights & Biases project (needs wandb; a resumed run "
-        "continues its W&B run) (default: none)", check=_text("a W&B project name (not empty)"), parse=str,
-        metavar="PROJECT")
+        "continues its W&B run) (default: none)",
+        check=_text("a W&B project name (not empty)"), parse=str, metavar="PROJECT")
     init_from_hf: str | None = _setting(
         None, "start from the weights of a Hugging Face LlamaForCausalLM checkpoint "
         "(config.json and safetensors, e.g. from sage-train export, or any transformers "

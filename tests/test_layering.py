@@ -193,3 +193,41 @@ def test_the_torch_optimizer_base_knows_no_routing():
     routing = {"sage_torch.routing", "sage_torch.grouping", "sage_torch.configs",
                "sage_optim.routing"}
     assert not modules & routing, sorted(modules & routing)
+
+
+_CYCLE_OWNED_ELSEWHERE = {
+    "sage_optax": "sinkhorn <-> sinkhorn_pallas: broken on the issue32-core branch",
+}
+
+
+@pytest.mark.parametrize("package", [
+    pytest.param(p, marks=pytest.mark.xfail(reason=_CYCLE_OWNED_ELSEWHERE[p], strict=False))
+    if p in _CYCLE_OWNED_ELSEWHERE else p
+    for p in ("sage_optim", "sage_optax", "sage_torch", "sage_train", "sage_repro")])
+def test_no_package_imports_its_modules_in_a_cycle(package):
+    """No module of any package imports, through others of its package, itself (issue 32).
+
+    Every import statement counts, the lazy ones inside functions too: a lazy import only
+    hides a cycle from the interpreter, not from a reader.
+    """
+    folder = ROOT / package
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(folder.glob("*.py")):
+        edges = graph.setdefault(package if path.stem == "__init__" else
+                                 f"{package}.{path.stem}", set())
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from . import x, from .x import y
+                    base = package + (f".{base}" if base else "")
+                targets = [f"{base}.{a.name}" if base == package and a.name in modules
+                           else base for a in node.names]
+            else:
+                continue
+            edges |= {".".join(t.split(".")[:2]) for t in targets
+                      if t.split(".")[0] == package and "." in t}
+    cycle = find_cycle(graph)
+    assert cycle is None, f"{package} modules import each other in a cycle: {' -> '.join(cycle)}"
