@@ -414,7 +414,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
             "allow_config_change": args.allow_config_change, "restart": args.restart})
     with contextlib.ExitStack() as locks:
         runs = _checked_runs(cfgs, args, locks)
-        results = []
+        results: list[Any] = []
         for run in runs:
             if signals.received is not None and not distributed.joined():
                 return _stopped_by(signals.received, None)  # (a job: agreed by train)

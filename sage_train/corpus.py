@@ -573,8 +573,9 @@ def build_corpus(
     documents = "".join(
         f"{'test' if d.test else 'train'}\t{d.sha256}\t{d.nbytes}\t{d.root}/{d.path}\n"
         for d in listing.documents)
-    files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
-             "documents.tsv": documents, "meta.json": json.dumps(meta, indent=1)}
+    files: dict[str, str | np.ndarray] = {
+        "tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
+        "documents.tsv": documents, "meta.json": json.dumps(meta, indent=1)}
     # an existing entry is damaged here: it did not load above
     if (error := store.publish_entry(entry, files, damaged=lambda: True,
                                         vocab_size=vocab_size)):

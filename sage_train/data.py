@@ -88,8 +88,8 @@ STDLIB_MAX_BYTES = 8_000_000
 PRETOKENIZED_SUFFIXES = frozenset({".bin", ".u16", ".u32", ".npy"})
 """File extensions that :func:`load_data` treats as pre-tokenized token files."""
 
-_TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
-_SUFFIX_DTYPES = {".u16": np.dtype(np.uint16), ".u32": np.dtype(np.uint32)}
+_TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+_SUFFIX_DTYPES: dict[str, np.dtype] = {".u16": np.dtype(np.uint16), ".u32": np.dtype(np.uint32)}
 # Never read when scanning a folder for text (binary by construction).
 _BINARY_SUFFIXES = frozenset(
     {".bin", ".u16", ".u32", ".npy", ".npz", ".pyc", ".pyo", ".so", ".dll", ".dylib", ".o",
@@ -326,8 +326,9 @@ def _tokenize_cached(
     train, test = _split(tokens, source)
     meta = {**key_fields, "source": source, "documents": len(docs),
             "train_tokens": len(train), "test_tokens": len(test)}
-    files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
-             "meta.json": json.dumps(meta, indent=1)}
+    files: dict[str, str | np.ndarray] = {
+        "tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
+        "meta.json": json.dumps(meta, indent=1)}
     if (error := publish_entry(entry, files, vocab_size=vocab_size,
                                damaged=lambda: verify_entry(entry, vocab_size) is not None)):
         warnings.warn(f"could not write token cache under {root}: {error}", stacklevel=3)
@@ -343,7 +344,7 @@ def _load_pretokenized(path: Path, vocab_size: int, token_dtype: str | None) -> 
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    want = None
+    want: np.dtype | None = None
     if token_dtype is not None:
         if str(token_dtype) not in _TOKEN_DTYPES:
             raise ValueError(f"token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}")

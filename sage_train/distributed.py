@@ -571,7 +571,7 @@ def agreed_signal(local: str | None) -> str | None:
 class StopPoll:
     """The trainer's stop poll, agreed between the processes of a job.
 
-    Alone, ``poll(step, scheduled)`` is ``stop()`` at every step.  In a job, a SIGTERM to
+    Alone, ``poll(scheduled)`` is ``stop()`` at every step.  In a job, a SIGTERM to
     any process is JAX's preemption notice, and ``reached_preemption_sync_point``
     (called at every step, as JAX asks) stops every process at the same step; other
     signals caught by ``stop`` (SIGUSR1, SIGINT, a SIGTERM before the job was joined) are
@@ -593,8 +593,8 @@ class StopPoll:
         """The agreed signal before training starts (a collective in a job)."""
         return agreed_signal(self.local()) if self.multi else self.local()
 
-    def __call__(self, step: int, scheduled: bool) -> str | None:
-        """The signal that stops the run after ``step`` (``None``: go on)."""
+    def __call__(self, scheduled: bool) -> str | None:
+        """The signal that stops the run after this step (``None``: go on)."""
         if not self.multi:
             return self.local()
         from jax.experimental import multihost_utils

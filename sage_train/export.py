@@ -246,7 +246,7 @@ def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, 
     report.require("safetensors", "sage-train export")
     model, restored_step = _read_model(run_dir, settings, step, log)
     tokenizer, source = _tokenizer_json(run_dir, settings)
-    special = {"bos_token_id": None, "eos_token_id": None}
+    special: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     if tokenizer is not None:
         special = {"bos_token_id": data_lib.EOT_ID, "eos_token_id": data_lib.EOT_ID}
     files = hf_convert.save_pretrained(model, out, tokenizer_json=tokenizer,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import pathlib
 from collections.abc import Mapping
@@ -262,7 +263,7 @@ def save_pretrained(model: Llama, directory: os.PathLike[str] | str, *,
         files += [(out / TOKENIZER_FILE, tokenizer_json.encode()),
                   (out / TOKENIZER_CONFIG, json.dumps(tokenizer_config, indent=2).encode())]
     for path, data in files:
-        atomic_write_bytes(path, lambda f, data=data: f.write(data))
+        atomic_write_bytes(path, operator.methodcaller("write", data))
     return [path for path, _ in files]
 
 

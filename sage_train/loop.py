@@ -158,7 +158,7 @@ class Evaluate(Hook):
         """Add the test loss and perplexity to the row (off the clock)."""
         cfg = t.cfg
         loss = t.clock.off(lambda: evaluate_loss(t.eval_step, t.state, t.eval_set, t.run.mesh,
-                                                 cfg.sharding, cfg.batch_size))
+                                                 cfg.batch_size))
         t.test_ppl = math.exp(loss)
         record["test_loss"], record["test_ppl"] = loss, t.test_ppl
         return None
@@ -312,14 +312,13 @@ class Trainer:
     def step(self, step: int) -> bool:
         """Train step ``step`` and run what is due after it; ``False``: the run stops."""
         cfg, done, first = self.cfg, step + 1, step == self.start
-        inputs, targets = shard_batch(next(self.stream), self.run.mesh, cfg.sharding,
-                                      cfg.batch_size)
+        inputs, targets = shard_batch(next(self.stream), self.run.mesh, cfg.batch_size)
         self.state, out, h = self.train_step(self.state, inputs, targets)
         self.pending.append((done, out, h if self.record_h.due(self, done, None) else None))
         # the host syncs of the schedule: the same steps on every process of a job, where
         # the signals one of them received are agreed
         scheduled = first or any(hook.due(self, done, None) for hook in self.hooks)
-        signal = self.signal = self.poll(done, scheduled)
+        signal = self.signal = self.poll(scheduled)
         if signal is not None and signal not in PREEMPT_SIGNALS:
             self.interrupted = signal  # Ctrl-C: stop now (the newest checkpoint stays)
             return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -126,7 +126,7 @@ def loss_and_grads(model: Llama, inputs: jax.Array, targets: jax.Array,
     """
     if grad_accum == 1:
         return nnx.value_and_grad(loss_fn)(model, inputs, targets)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params, rest = cast(tuple[Any, Any, Any], nnx.split(model, nnx.Param, ...))
 
     def micro_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
         return loss_fn(nnx.merge(graphdef, p, rest), x, y)
@@ -178,11 +178,11 @@ def make_steps(graphdef: Any, record_h: bool, grad_accum: int = 1, mesh: Any = N
 
 
 def evaluate_loss(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh: Any,
-                  mode: str, batch_size: int | None = None) -> float:
+                  batch_size: int | None = None) -> float:
     """Test loss: the mean loss over the fixed evaluation windows.
 
     ``batches`` hold this process's rows of global batches of ``batch_size`` rows (default:
     all rows, as with one process).
     """
-    return float(np.mean([float(eval_step(state, *shard_batch(b, mesh, mode, batch_size)))
+    return float(np.mean([float(eval_step(state, *shard_batch(b, mesh, batch_size)))
                           for b in batches]))
