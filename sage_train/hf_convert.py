@@ -29,7 +29,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from sage_optim.models import LlamaConfig
+from sage_optim.models import LlamaConfig, read_json_object
 from sage_train.model import Llama, load_per_layer_params, per_layer_params
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -273,17 +273,8 @@ def read_config(directory: os.PathLike[str] | str) -> dict[str, Any]:
     Raises:
       ValueError: it is missing or not a JSON object (one line naming it).
     """
-    path = pathlib.Path(directory) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} does not exist: not a Hugging Face checkpoint "
-                         "directory") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds no JSON object")
-    return config
+    return read_json_object(pathlib.Path(directory) / CONFIG_FILE,
+                            ": not a Hugging Face checkpoint directory")
 
 
 def config_mismatches(hf: Mapping[str, Any], config: LlamaConfig, *,

@@ -138,25 +138,25 @@ class Hook:
     def __init__(self, every: int) -> None:
         self.every = every
 
-    def due(self, t: Trainer, done: int, signal: str | None) -> bool:
-        """Whether the action is due after step ``done`` (``signal``: the stop received)."""
-        return done % self.every == 0
+    def due(self, t: Trainer) -> bool:
+        """Whether the action is due after step ``t.done`` (``t.signal``: a stop received)."""
+        return t.done % self.every == 0
 
-    def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
-        """Act after step ``done`` with its metrics row; a reason to stop the run, or None."""
+    def __call__(self, t: Trainer) -> str | None:
+        """Act after step ``t.done`` with its metrics row ``t.record``; why the run stops."""
         raise NotImplementedError
 
 
 class Evaluate(Hook):
     """The test loss, every ``eval_every`` steps and at the run's last step."""
 
-    def due(self, t: Trainer, done: int, signal: str | None) -> bool:
+    def due(self, t: Trainer) -> bool:
         """Every ``every`` steps and at ``cfg.steps``."""
-        return done % self.every == 0 or done == t.cfg.steps
+        return t.done % self.every == 0 or t.done == t.cfg.steps
 
-    def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
+    def __call__(self, t: Trainer) -> str | None:
         """Add the test loss and perplexity to the row (off the clock)."""
-        cfg = t.cfg
+        cfg, record = t.cfg, t.record
         loss = t.clock.off(lambda: evaluate_loss(t.eval_step, t.state, t.eval_set, t.run.mesh,
                                                  cfg.batch_size))
         t.test_ppl = math.exp(loss)
@@ -172,8 +172,9 @@ class Log(Hook):
 
     every_row = True
 
-    def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
+    def __call__(self, t: Trainer) -> str | None:
         """Write the row to ``metrics.jsonl`` and the trackers, and show it (process 0)."""
+        done, record = t.done, t.record
         if (peak_bytes := peak_memory_bytes()) is not None:
             record["peak_memory_bytes"] = peak_bytes
         if t.primary:
@@ -196,13 +197,13 @@ class Log(Hook):
 class Checkpoint(Hook):
     """A verified checkpoint; a state that is no longer finite stops the run instead."""
 
-    def due(self, t: Trainer, done: int, signal: str | None) -> bool:
+    def due(self, t: Trainer) -> bool:
         """Every ``every`` steps, at this invocation's last step and at a preemption."""
-        return done % self.every == 0 or done == t.end or signal is not None
+        return t.done % self.every == 0 or t.done == t.end or t.signal is not None
 
-    def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
-        """Save the state of step ``done`` (off the clock), or say why the run stops."""
-        t0 = _clock()
+    def __call__(self, t: Trainer) -> str | None:
+        """Save the state of step ``t.done`` (off the clock), or say why the run stops."""
+        done, t0 = t.done, _clock()
         if not state_is_finite(t.state):
             return (f"the parameters or optimizer state became NaN/Inf at step {done} (the "
                     "loss was still finite): stopping without saving them; " + t.newest())
@@ -213,23 +214,19 @@ class Checkpoint(Hook):
         return None
 
 
-class RecordH(Hook):
+class RecordH:
     """SAGE's ``H_t`` of the embedding (:class:`~sage_train.diagnostics.DamperRecorder`).
 
-    Kept on the device every ``record_h_every`` steps, written at each host sync.
+    A periodic action of its own kind: kept on the device every ``record_h_every`` steps,
+    written at each host sync.
     """
 
     def __init__(self, every: int, recorder: DamperRecorder | None) -> None:
-        super().__init__(every)
-        self.recorder = recorder
+        self.every, self.recorder = every, recorder
 
-    def due(self, t: Trainer, done: int, signal: str | None) -> bool:
+    def keeps(self, done: int) -> bool:
         """Whether step ``done``'s ``H_t`` is kept (every ``every`` steps, on process 0)."""
         return self.recorder is not None and done % self.every == 0
-
-    def __call__(self, t: Trainer, done: int, record: dict[str, Any]) -> str | None:
-        """Nothing with a row: the rows of ``H_t`` are added at each sync (:meth:`add`)."""
-        return None
 
     def add(self, rows: list[tuple[int, Any]]) -> None:
         """Add the fetched ``H_t`` rows to the record (each add rewrites ``damper_h.npz``)."""
@@ -288,7 +285,9 @@ class Trainer:
         self.pending: list[tuple[int, Any, Any]] = []  # (step, (loss, grad norm), H_t)
         self.grad_norm = math.nan
         self.test_ppl: float | None = None
-        self.signal: str | None = None
+        self.done = self.start  # the step just trained
+        self.signal: str | None = None  # the stop received after it
+        self.record: dict[str, Any] = {}  # its metrics row, as the hooks fill it
         self.stopped: str | None = None
         self.interrupted: str | None = None
 
@@ -314,24 +313,25 @@ class Trainer:
         cfg, done, first = self.cfg, step + 1, step == self.start
         inputs, targets = shard_batch(next(self.stream), self.run.mesh, cfg.batch_size)
         self.state, out, h = self.train_step(self.state, inputs, targets)
-        self.pending.append((done, out, h if self.record_h.due(self, done, None) else None))
+        self.pending.append((done, out, h if self.record_h.keeps(done) else None))
         # the host syncs of the schedule: the same steps on every process of a job, where
         # the signals one of them received are agreed
-        scheduled = first or any(hook.due(self, done, None) for hook in self.hooks)
+        self.done, self.signal = done, None
+        scheduled = first or any(hook.due(self) for hook in self.hooks)
         signal = self.signal = self.poll(scheduled)
         if signal is not None and signal not in PREEMPT_SIGNALS:
             self.interrupted = signal  # Ctrl-C: stop now (the newest checkpoint stays)
             return False
-        row = any(hook.due(self, done, signal) for hook in self.hooks)
+        row = any(hook.due(self) for hook in self.hooks)
         if not (row or first):
             return True  # no host sync: the next step is queued behind this one
         if not self.sync(done, first):
             return False
         if row:
-            record = self.row(step, done)
+            self.record = self.row(step, done)
             for hook in self.hooks:
-                if hook.every_row or hook.due(self, done, signal):
-                    if (stopped := hook(self, done, record)) is not None:
+                if hook.every_row or hook.due(self):
+                    if (stopped := hook(self)) is not None:
                         self.stopped = stopped
                         self.log(stopped)
                         return False

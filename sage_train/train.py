@@ -37,7 +37,16 @@ from sage_train.checkpoints import Checkpoints
 from sage_train.config import TrainConfig, agreed_settings, check_config, check_init_from_hf
 from sage_train.diagnostics import DamperRecorder
 from sage_train.errors import DataError, RunDirError, UserError
-from sage_train.loop import Checkpoint, Evaluate, Log, RecordH, RunResult, Trainer, complete
+from sage_train.loop import (
+    Checkpoint,
+    Evaluate,
+    Hook,
+    Log,
+    RecordH,
+    RunResult,
+    Trainer,
+    complete,
+)
 from sage_train.resume import (
     check_carry,
     check_hf_tokenizer,
@@ -206,8 +215,8 @@ def _train_locked(run: Run, opts: _Options, log: Callable[[str], None]) -> RunRe
                                   start_step=start.step, rows=rows)  # this process's rows
         end = (cfg.steps if opts.stop_after is None
                else max(start.step, min(cfg.steps, opts.stop_after)))
-        hooks: list[Any] = [Evaluate(cfg.eval_every), Log(cfg.log_every),
-                            Checkpoint(cfg.checkpoint_every)]
+        hooks: list[Hook] = [Evaluate(cfg.eval_every), Log(cfg.log_every),
+                             Checkpoint(cfg.checkpoint_every)]
         fixed = {"opt_state_bytes": opt_bytes, "attention": run.impl.attention,
                  "sinkgd_kernel": run.impl.sinkgd_kernel}
         trainer = Trainer(run, ckpts, start.state, steps, (stream, eval_set),
