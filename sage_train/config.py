@@ -118,6 +118,7 @@ class Option:
       nargs: argparse's ``nargs`` (``"+"``: one run per value).
       negate: a ``--no-...`` switch that turns a field that defaults to ``True`` off.
       cli: whether the field has an option (``False``: set by ``sage-train`` itself).
+      step: whether the compiled train step depends on the field (:data:`STEP_FIELDS`).
     """
 
     help: str
@@ -130,6 +131,7 @@ class Option:
     nargs: str | None = None
     negate: bool = False
     cli: bool = True
+    step: bool = False
 
 
 def _setting(default: Any, help: str, **option: Any) -> Any:  # noqa: A002 - argparse's word
@@ -154,32 +156,40 @@ class TrainConfig:
         "intermediate_size, num_layers, num_heads, num_kv_heads (optional: "
         "max_position_embeddings, tie_embeddings, name), or a Hugging Face LLaMA checkpoint "
         "directory (its config.json) (default: small; with --init-from-hf, the checkpoint's "
-        "shape)", parse=parse_model, metavar="NAME|FILE", cli_default=None)
+        "shape)", parse=parse_model, metavar="NAME|FILE", cli_default=None,
+        step=True)
     optimizer: str = _setting(
         "sage-hybrid", "one or more of the paper's configurations, trained one after the "
-        f"other: {', '.join(CONFIG_NAMES)}", choices=CONFIG_NAMES, nargs="+", metavar="NAME")
+        f"other: {', '.join(CONFIG_NAMES)}", choices=CONFIG_NAMES, nargs="+", metavar="NAME",
+        step=True)
     learning_rate: float | None = _setting(
         None, "peak learning rate, > 0 (default: the configuration's paper value)",
         check=_number(lambda v: v > 0, "a number > 0", optional=True), parse=float,
-        flag="--lr")
+        flag="--lr",
+        step=True)
     schedule: str = _setting("cosine", "decay after the linear warmup (the paper: cosine)",
-                             choices=SCHEDULES)
+                             choices=SCHEDULES,
+        step=True)
     warmup_frac: float = _setting(0.1, "fraction of the steps in linear warmup, [0, 1)",
                                   check=_number(lambda v: 0 <= v < 1, "a number in [0, 1)"),
-                                  parse=float)
+                                  parse=float,
+        step=True)
     final_lr_frac: float = _setting(
         0.1, "final learning rate as a fraction of the peak, [0, 1]",
-        check=_number(lambda v: 0 <= v <= 1, "a number in [0, 1]"), parse=float)
+        check=_number(lambda v: 0 <= v <= 1, "a number in [0, 1]"), parse=float,
+        step=True)
     batch_size: int = _setting(16, "sequences per step, >= 1", check=_count(), parse=int)
     seq_len: int = _setting(128, "tokens per sequence, >= 1", check=_count(), parse=int)
     steps: int = _setting(300, "total training steps of the run, >= 1 (sets the schedule)",
-                          check=_count(), parse=int)
+                          check=_count(), parse=int,
+        step=True)
     seed: int = _setting(0, "seed of the initial weights and the batch order, >= 0",
                          check=(_int_in(0, SEED_LIMIT - 1),
                                 f"an integer in [0, {SEED_LIMIT - 1}] (2^32 - 1)"), parse=int)
     clip: float = _setting(
         1.0, "global-norm gradient clipping threshold, >= 0 (0: off)",
-        check=_number(lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"), parse=float)
+        check=_number(lambda v: v >= 0, "a number >= 0 (0 turns clipping off)"), parse=float,
+        step=True)
     eval_every: int = _setting(
         100, _INTERVAL.format("test-perplexity evaluations") + " (and at the end)",
         check=_count(), parse=int)
@@ -206,7 +216,8 @@ class TrainConfig:
         check=_count(), parse=int)
     sharding: str = _setting(
         "dp", "data parallel (dp), fully sharded (fsdp) or one device (none)",
-        choices=SHARDING_MODES)
+        choices=SHARDING_MODES,
+        step=True)
     record_h_every: int = _setting(
         10, _INTERVAL.format("records of SAGE's embedding damper H_t"), check=_count(),
         parse=int)
@@ -218,18 +229,22 @@ class TrainConfig:
         "not a terminal", flag="--no-progress", negate=True)
     dtype: str = _setting(
         "auto", "computation dtype of the matmuls (norm statistics, softmax and the loss are "
-        "float32 in any case); auto: bfloat16 on a GPU, float32 on the CPU", choices=DTYPES)
+        "float32 in any case); auto: bfloat16 on a GPU, float32 on the CPU", choices=DTYPES,
+        step=True)
     param_dtype: str = _setting(
         "float32", "storage dtype of the parameters (and of the optimizer moments)",
-        choices=PARAM_DTYPES)
+        choices=PARAM_DTYPES,
+        step=True)
     layers: str = _setting(
         "auto", "scan: the decoder layers stacked and run by one nnx.scan (fast to compile, "
         "the layout SAGE groups best); loop: one module per layer; auto: scan on a GPU, loop "
-        "on the CPU (where it is faster)", choices=LAYER_CHOICES)
+        "on the CPU (where it is faster)", choices=LAYER_CHOICES,
+        step=True)
     remat: str = _setting(
         "none", "recompute each layer's activations in the backward pass: none; dots (keep "
         "the weight matmuls' outputs); full (keep only each layer's input)",
-        choices=tuple(REMAT_POLICIES))
+        choices=tuple(REMAT_POLICIES),
+        step=True)
     deterministic: bool = _setting(
         False, "reproducible GPU runs (XLA's --xla_gpu_deterministic_ops=true; set before JAX "
         "starts; costs some GPU speed)")
@@ -244,38 +259,45 @@ class TrainConfig:
         "at most 0.5 GiB of logits: 1024 tokens of a 128,256-token vocabulary)",
         check=(lambda v: v is None or _int_in(0)(v),
                f"an integer >= 0 (0: unchunked; at most {MAX_COUNT}) or auto"),
-        parse=parse_loss_chunk, metavar="N|auto")
+        parse=parse_loss_chunk, metavar="N|auto",
+        step=True)
     attention: str = _setting(
         "auto", "the attention's implementation: cudnn (cuDNN's fused flash attention: no "
         "T x T scores in memory; a CUDA GPU, bfloat16/float16, head dim a multiple of 8 up "
         "to 128; refused elsewhere), xla (XLA's, float32 scores materialised), auto (cudnn "
         "where it can run and scripts/gpu-check has validated it on this GPU, else xla: "
         "cudnn on H100s today); the choice is printed at the start and recorded in "
-        "config.json and metrics.jsonl", choices=ATTENTIONS)
+        "config.json and metrics.jsonl", choices=ATTENTIONS,
+        step=True)
     sinkgd_kernel: str = _setting(
         "auto", "how SinkGD computes its scales (configurations with SinkGD): pallas (the "
         "Pallas kernel; interpreted off a GPU), jnp, auto (pallas on a single GPU where "
         "scripts/gpu-check has validated it, else jnp: jnp everywhere today: the kernel was "
         "slower on an H100); SAGE_KERNELS=off in the environment forces jnp (and xla "
-        "attention); recorded like --attention", choices=KERNELS)
+        "attention); recorded like --attention", choices=KERNELS,
+        step=True)
     weight_decay: float | None = _setting(
         None, "decoupled weight decay of every rule, >= 0 (default: the configuration's, "
         "0.01 for each)", check=_number(lambda v: v >= 0, "a number >= 0", optional=True),
-        parse=float)
+        parse=float,
+        step=True)
     b1: float | None = _setting(
         None, "beta1 of every rule that has one, in [0, 1) (default: the configuration's, "
         "0.9)", check=_number(lambda v: 0 <= v < 1, "a number in [0, 1)", optional=True),
-        parse=float)
+        parse=float,
+        step=True)
     b2: float | None = _setting(
         None, "beta2 of every rule that has one, in [0, 1) (default: the configuration's, "
         "0.99; APOLLO's projected moments 0.999)",
-        check=_number(lambda v: 0 <= v < 1, "a number in [0, 1)", optional=True), parse=float)
+        check=_number(lambda v: 0 <= v < 1, "a number in [0, 1)", optional=True), parse=float,
+        step=True)
     grad_accum: int = _setting(
         1, "gradient accumulation: each step's --batch-size sequences run as K micro-batches "
         "of batch-size/K (K must divide it), one update per step: the same update as one "
         "batch, with the activation memory of a micro-batch",
         check=(_int_in(1), f"an integer in [1, {MAX_COUNT}] that divides the batch size"),
-        parse=int, metavar="K")
+        parse=int, metavar="K",
+        step=True)
     tensorboard: bool = _setting(
         False, "write TensorBoard event files into each run directory (needs tensorboardX)")
     wandb: str | None = _setting(
@@ -301,6 +323,10 @@ SETTING_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     name: o.check for name, o in options().items() if o.check is not None}
 """What each :class:`TrainConfig` field that takes a number (and ``data``) must be
 (checked by :func:`check_config` and by the ``sage-train`` options)."""
+
+STEP_FIELDS: tuple[str, ...] = tuple(name for name, o in options().items() if o.step)
+"""The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
+logging do not): runs that agree on these share one compiled step in a process."""
 
 
 def check_config(cfg: TrainConfig) -> None:

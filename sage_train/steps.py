@@ -24,6 +24,7 @@ from sage_optim.models import get_model_config
 from sage_optim.presets import get_preset
 from sage_train.config import (
     SCHEDULES,
+    STEP_FIELDS,
     TrainConfig,
     compute_dtype,
     layer_layout,
@@ -81,14 +82,6 @@ def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
     model = build_model(cfg, vocab_size)
     return model, nnx.Optimizer(model, make_tx(cfg, model), wrt=nnx.Param)
 
-
-STEP_FIELDS: tuple[str, ...] = (
-    "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
-    "clip", "sharding", "dtype", "param_dtype", "layers", "remat", "loss_chunk", "attention",
-    "sinkgd_kernel", "weight_decay", "b1", "b2", "grad_accum",
-)
-"""The :class:`TrainConfig` fields the compiled step depends on (the seed, data order and
-logging do not): runs that agree on these share one compiled step in a process."""
 
 _STEP_CACHE: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {}
 

@@ -61,6 +61,8 @@ def test_the_parser_is_the_config_fields():
                                 "--loss-chunk", "auto", "--deterministic"]))[0]
     assert (given.learning_rate, given.progress, given.b1, given.loss_chunk,
             given.deterministic) == (0.5, False, 0.8, None, True)
+    fields = set(config_mod.options())
+    assert set(config_mod.STEP_FIELDS) < fields and set(rundir.MATH_FIELDS) < fields
 
 
 def test_every_checked_field_refuses_the_same_way_in_python_and_on_the_command_line(capsys):
