@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("flax")
 
 from sage_train import config as config_mod  # noqa: E402
-from sage_train import rundir  # noqa: E402
 from sage_train import run as run_mod  # noqa: E402
+from sage_train import rundir  # noqa: E402
 from sage_train.cli import build_parser, configs, main, parse_args  # noqa: E402
 
 COUNTED = {f.__code__: f.__name__ for f in (
