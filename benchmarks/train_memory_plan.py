@@ -43,9 +43,9 @@ from flax import nnx
 
 from sage_optax import placement
 from sage_train import model as model_lib
-from sage_train.cli import _loss_chunk
+from sage_train.config import TrainConfig, compute_dtype, loss_chunk_tokens, parse_loss_chunk
 from sage_train.model_shapes import get_model_config
-from sage_train.train import TrainConfig, build, compute_dtype, loss_chunk_tokens, make_steps
+from sage_train.steps import build, make_steps
 
 GIB = 1 << 30
 UNITS = {"GiB": GIB, "MiB": 1 << 20}
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--attention", nargs="+", default=["xla", "cudnn"], choices=("xla", "cudnn"),
                    help="xla: XLA's attention (score matrices materialised); cudnn: cuDNN's "
                    "flash attention (compiled where cuDNN runs, else a memory stand-in)")
-    p.add_argument("--loss-chunk", nargs="+", type=_loss_chunk, default=[0, None],
+    p.add_argument("--loss-chunk", nargs="+", type=parse_loss_chunk, default=[0, None],
                    help="tokens per loss chunk, 0 (unchunked) or auto")
     p.add_argument("--unit", default="GiB", choices=tuple(UNITS), help="unit of the table")
     args = p.parse_args(argv)

@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sage_optim.presets import CONFIG_NAMES, get_preset
-from sage_repro import sweep
+from sage_repro import spec as sweep_spec
 from sage_repro import sweep_report as report
 from sage_train.model_shapes import get_model_config
 
@@ -70,14 +70,14 @@ class Piece:
     seeds: tuple[int, ...] = (0,)
     lr_factor: float = 1.0
 
-    def plan(self) -> sweep.Plan:
-        """The :class:`~sage_repro.sweep.Plan` the sweep trains for this piece."""
-        reference = sweep.PAPER_REFERENCE if sweep.PAPER_REFERENCE in self.configs else (
+    def plan(self) -> sweep_spec.Plan:
+        """The :class:`~sage_repro.sweep_spec.Plan` the sweep trains for this piece."""
+        reference = sweep_spec.PAPER_REFERENCE if sweep_spec.PAPER_REFERENCE in self.configs else (
             "slowest")
-        return sweep.Plan(configs=self.configs, seeds=self.seeds,
+        return sweep_spec.Plan(configs=self.configs, seeds=self.seeds,
                           lr_factors=(self.lr_factor,), reference=reference, piece=self.name)
 
-    def specs(self) -> list[sweep.RunSpec]:
+    def specs(self) -> list[sweep_spec.RunSpec]:
         """The piece's runs."""
         return self.plan().grid()
 
@@ -102,10 +102,10 @@ class PiecePlan:
     """
 
     name: str
-    protocol: sweep.Protocol
+    protocol: sweep_spec.Protocol
     pieces: tuple[Piece, ...]
     fingerprint: str | None = None
-    reference: str = sweep.PAPER_REFERENCE
+    reference: str = sweep_spec.PAPER_REFERENCE
 
     def piece(self, name: str) -> Piece:
         """The piece called ``name``.
@@ -116,7 +116,7 @@ class PiecePlan:
         for piece in self.pieces:
             if piece.name == name:
                 return piece
-        raise sweep.SweepError(f"--piece {name} is not a piece of the plan {self.name}: "
+        raise sweep_spec.SweepError(f"--piece {name} is not a piece of the plan {self.name}: "
                                f"{', '.join(p.name for p in self.pieces)}")
 
     def to_json(self) -> dict[str, Any]:
@@ -138,8 +138,8 @@ class PiecePlan:
             bad = [c for c in p.configs if c not in CONFIG_NAMES]
             if bad:
                 raise ValueError(f"piece {p.name}: unknown configuration {bad[0]!r}")
-        return cls(str(data["name"]), sweep.Protocol.from_dict(data["protocol"]), pieces,
-                   data.get("fingerprint"), str(data.get("reference", sweep.PAPER_REFERENCE)))
+        return cls(str(data["name"]), sweep_spec.Protocol.from_dict(data["protocol"]), pieces,
+                   data.get("fingerprint"), str(data.get("reference", sweep_spec.PAPER_REFERENCE)))
 
 
 def load_plan(path: pathlib.Path | None) -> PiecePlan:
@@ -153,7 +153,7 @@ def load_plan(path: pathlib.Path | None) -> PiecePlan:
     try:
         return PiecePlan.from_json(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise sweep.SweepError(f"--plan {path} holds no plan of pieces ({e})") from None
+        raise sweep_spec.SweepError(f"--plan {path} holds no plan of pieces ({e})") from None
 
 
 _HALVES = (("sage-hybrid", "lion-hybrid", "adamw", "lion"),
@@ -161,8 +161,8 @@ _HALVES = (("sage-hybrid", "lion-hybrid", "adamw", "lion"),
 
 PAPER_PLAN = PiecePlan(
     name="paper-20m",
-    protocol=sweep.Protocol(model="20m", data=str(sweep.DEFAULT_CUT), steps=150,
-                            batch_size=256, seq_len=sweep.PAPER_SEQ_LEN, eval_every=15,
+    protocol=sweep_spec.Protocol(model="20m", data=str(sweep_spec.DEFAULT_CUT), steps=150,
+                            batch_size=256, seq_len=sweep_spec.PAPER_SEQ_LEN, eval_every=15,
                             eval_batches=4, log_every=5, checkpoint_every=150,
                             trainer_args=("--remat", "dots")),
     pieces=tuple(
@@ -193,16 +193,16 @@ def check_pinned(args: Any, defaults: Mapping[str, Any]) -> None:
     """
     for dest in PINNED:
         if getattr(args, dest) != defaults[dest]:
-            raise sweep.SweepError(f"--piece fixes --{dest.replace('_', '-')} (the plan's "
+            raise sweep_spec.SweepError(f"--piece fixes --{dest.replace('_', '-')} (the plan's "
                                    "protocol): leave it out")
 
 
 def piece_setup(plan: PiecePlan, name: str, trainer_args: Sequence[str]
-                ) -> tuple[sweep.Protocol, sweep.Plan]:
+                ) -> tuple[sweep_spec.Protocol, sweep_spec.Plan]:
     """The protocol and sweep plan of piece ``name`` (options after ``--`` added)."""
     for flag in trainer_args:
-        if flag.split("=", 1)[0] in sweep.MANAGED:
-            raise sweep.SweepError(f"{flag.split('=', 1)[0]} after -- is set by the plan of "
+        if flag.split("=", 1)[0] in sweep_spec.MANAGED:
+            raise sweep_spec.SweepError(f"{flag.split('=', 1)[0]} after -- is set by the plan of "
                                    "pieces itself")
     protocol = dataclasses.replace(plan.protocol, trainer_args=(
         *plan.protocol.trainer_args, *trainer_args))
@@ -225,17 +225,17 @@ def check_data(plan: PiecePlan, piece: str) -> None:
     try:
         found = json.loads((pathlib.Path(data) / MANIFEST).read_text())["fingerprint"]
     except (OSError, ValueError, KeyError, TypeError):
-        raise sweep.SweepError(
+        raise sweep_spec.SweepError(
             f"--piece {piece} trains on the cut {data}, which is missing or damaged: make it "
             f"with sage-repro cut-data --out {data} where the plan's cut was made (the pieces "
             "share its tokens) and carry the folder to this machine") from None
     if found != plan.fingerprint:
-        raise sweep.SweepError(
+        raise sweep_spec.SweepError(
             f"{data} holds the cut {str(found)[:16]}, but the pieces of {plan.name} train on "
             f"{plan.fingerprint[:16]}: carry that cut (or give --plan a plan of this one)")
 
 
-def run_flops(protocol: sweep.Protocol) -> tuple[float, float]:
+def run_flops(protocol: sweep_spec.Protocol) -> tuple[float, float]:
     """A run's training FLOPs (6·N·D) and its evaluations' (2·N per token evaluated)."""
     n = get_model_config(protocol.model).param_count()
     evaluations = math.ceil(protocol.steps / protocol.eval_every)
@@ -243,7 +243,7 @@ def run_flops(protocol: sweep.Protocol) -> tuple[float, float]:
     return 6.0 * n * protocol.steps * protocol.tokens_per_step, 2.0 * n * eval_tokens
 
 
-def estimate(protocol: sweep.Protocol, piece: Piece, tflops: float,
+def estimate(protocol: sweep_spec.Protocol, piece: Piece, tflops: float,
              overhead_s: float = RUN_OVERHEAD_S) -> float:
     """The planned seconds of ``piece`` (an estimate, not a measurement).
 
@@ -309,33 +309,33 @@ def read_piece(path: pathlib.Path, plan: PiecePlan, fingerprint: str | None) -> 
         data = json.loads(path.read_text())
         setup = data["setup"]
         name = setup["piece"]
-        protocol = sweep.Protocol.from_dict(setup)
+        protocol = sweep_spec.Protocol.from_dict(setup)
         runs = {(r["config"], r["lr"], r["seed"]): report.run_from_json(r)
                 for section in (data["rows"], data["lr_sweep"]) for row in section
                 for r in row["runs"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise sweep.SweepError(f"{path} is not a piece's results.json ({e})") from None
+        raise sweep_spec.SweepError(f"{path} is not a piece's results.json ({e})") from None
     if name is None:
-        raise sweep.SweepError(f"{path} is not a piece's results.json (it names no piece)")
+        raise sweep_spec.SweepError(f"{path} is not a piece's results.json (it names no piece)")
     try:
         piece = plan.piece(str(name))
-    except sweep.SweepError:
-        raise sweep.SweepError(f"{path} is piece {name}, which the plan {plan.name} does not "
+    except sweep_spec.SweepError:
+        raise sweep_spec.SweepError(f"{path} is piece {name}, which the plan {plan.name} does not "
                                "have") from None
-    diff = sweep.protocol_diff(dataclasses.asdict(plan.protocol), dataclasses.asdict(protocol))
+    diff = sweep_spec.protocol_diff(dataclasses.asdict(plan.protocol), dataclasses.asdict(protocol))
     if diff:
-        raise sweep.SweepError(f"{path} was trained under another protocol than the plan "
+        raise sweep_spec.SweepError(f"{path} was trained under another protocol than the plan "
                                f"{plan.name}: {diff[0]} (the plan's -> the piece's)")
     prints = list(setup.get("data_fingerprints") or [])
     if len(prints) > 1 or (fingerprint is not None and prints and prints[0] != fingerprint):
-        raise sweep.SweepError(f"{path} was trained on data of fingerprint "
+        raise sweep_spec.SweepError(f"{path} was trained on data of fingerprint "
                                f"{', '.join(p[:16] for p in prints)}, not "
                                f"{(fingerprint or '?')[:16]} (data_fingerprints)")
     planned = {(s.config, s.lr, s.seed) for s in piece.specs()}
     extra = sorted(set(runs) - planned)
     if extra:
         c, lr, seed = extra[0]
-        raise sweep.SweepError(f"{path} holds a run the plan's piece {name} has not: {c} lr "
+        raise sweep_spec.SweepError(f"{path} holds a run the plan's piece {name} has not: {c} lr "
                                f"{lr:g} seed {seed}")
     return Found(piece, path, setup, tuple(runs.values()))
 
@@ -354,7 +354,7 @@ def find_pieces(folder: pathlib.Path, plan: PiecePlan) -> list[Found]:
         piece = read_piece(path, plan, fingerprint)
         twin = next((f for f in found if f.piece.name == piece.piece.name), None)
         if twin is not None:
-            raise sweep.SweepError(f"piece {piece.piece.name} is there twice: {twin.path} "
+            raise sweep_spec.SweepError(f"piece {piece.piece.name} is there twice: {twin.path} "
                                    f"and {path}; keep one")
         if fingerprint is None and piece.setup.get("data_fingerprints"):
             fingerprint = piece.setup["data_fingerprints"][0]
@@ -395,7 +395,7 @@ def merge(folder: pathlib.Path, plan: PiecePlan) -> tuple[report.Summary, list[d
     planned = [s for piece in plan.pieces for s in piece.specs()]
     protocol = plan.protocol
 
-    def record(spec: sweep.RunSpec) -> report.RunRecord:
+    def record(spec: sweep_spec.RunSpec) -> report.RunRecord:
         return runs.get((spec.config, spec.lr, spec.seed)) or report.RunRecord(
             spec.config, spec.lr, spec.seed, pathlib.Path("-"), protocol.steps, "not started")
 
@@ -406,17 +406,17 @@ def merge(folder: pathlib.Path, plan: PiecePlan) -> tuple[report.Summary, list[d
         rates = sorted({s.lr for s in mine})
         shared = set.intersection(*({s.seed for s in mine if s.lr == lr} for lr in rates))
         for lr in rates:
-            cells[(config, lr)] = tuple(record(sweep.RunSpec(config, lr, seed))
+            cells[(config, lr)] = tuple(record(sweep_spec.RunSpec(config, lr, seed))
                                         for seed in sorted(shared))
     best = report.best_rates(cells)
     rows = []
     for config in configs:
-        lr = sweep.canonical_lr(get_preset(config).learning_rate)
+        lr = sweep_spec.canonical_lr(get_preset(config).learning_rate)
         seeds = sorted({s.seed for s in planned if s.config == config and s.lr == lr})
         remark = ""
         if best.get(config) is not None and best[config] != lr:
             remark = f"best rate of the rate pieces: {best[config]:g}"
-        rows.append(report.Row(config, lr, tuple(record(sweep.RunSpec(config, lr, s))
+        rows.append(report.Row(config, lr, tuple(record(sweep_spec.RunSpec(config, lr, s))
                                                  for s in seeds), remark=remark))
     reference = plan.reference if plan.reference in configs else "slowest"
     setup = {**protocol.setup(), "plan": plan.name,

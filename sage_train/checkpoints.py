@@ -40,7 +40,7 @@ import os
 import pathlib
 import shutil
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -449,7 +449,8 @@ class Checkpoints:
             return f"process {i}: {failures[i]}", None
         want = [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
         got = [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
-        if jax.tree.structure(abstract) != jax.tree.structure(state) or want != got:
+        same_tree = cast(Any, jax.tree.structure(abstract)) == jax.tree.structure(state)
+        if not same_tree or want != got:
             return "it holds another model or optimizer (shapes differ)", None
         if not state_is_finite(state):
             return "it holds NaN/Inf values", None

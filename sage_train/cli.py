@@ -13,24 +13,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from sage_optax.sinkhorn import IMPLS
-from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_bytes, format_table
-from sage_train.cli_args import OneLineParser, checked
+from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
+from sage_train.config import FIELD_DEFAULT, SETTING_CHECKS, TrainConfig, options
 from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
 from sage_train.errors import CheckpointError, RunDirError, RunFileError, UserError
-from sage_train.model import ATTENTIONS, REMAT_POLICIES
-from sage_train.model_shapes import MODELS, get_model_config
-from sage_train.sharding import MODES
+from sage_train.model_shapes import get_model_config
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals
-from sage_train.train import (
-    DTYPES,
-    LAYER_CHOICES,
-    PARAM_DTYPES,
-    SCHEDULES,
-    SETTING_CHECKS,
-    TrainConfig,
-)
 
 EPILOG = """\
 output: a header of the run's settings as used (learning rate, schedule, tokens per step,
@@ -114,11 +103,6 @@ def _launch_value(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def _loss_chunk(text: str) -> int | None:
-    """``--loss-chunk``: ``auto`` (``None``) or an integer."""
-    return None if text.strip().lower() == "auto" else int(text)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (defaults: ``small`` with ``sage-hybrid`` on the embedded corpus).
 
@@ -150,15 +134,6 @@ USAGE = """\
 ``sample --help``)."""
 
 
-def _model(text: str) -> str:
-    """An argparse ``type`` for ``--model``: a named size or a shape's file that reads."""
-    try:
-        get_model_config(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--model {text}: ")) from None
-    return text
-
-
 def model_label(model: str) -> str:
     """The model's name in run directories and file names: a size, or its file's ``name``."""
     return get_model_config(model).name
@@ -167,137 +142,24 @@ def model_label(model: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The ``sage-train`` parser: help text and default for every option."""
     p = OneLineParser(prog="sage-train", description=__doc__, epilog=EPILOG,
-                      formatter_class=_Formatter, usage=USAGE, allow_abbrev=False)
-    d = _DEFAULTS
-    p.add_argument("--model", type=_model, default=None, metavar="NAME|FILE",
-                   help=f"LLaMA size, one of {', '.join(MODELS)} (tiny: tests, small: CPU, 20m "
-                   "and 60m: the paper's proportions for a GPU run on --data installed, 130m, "
-                   "270m ... 1.3b: the paper's); or any LLaMA shape: a .json file of "
-                   "vocab_size, hidden_size, intermediate_size, num_layers, num_heads, "
-                   "num_kv_heads (optional: max_position_embeddings, tie_embeddings, name), "
-                   "or a Hugging Face LLaMA checkpoint directory (its config.json) "
-                   f"(default: {d.model}; with --init-from-hf, the checkpoint's shape)")
-    p.add_argument("--optimizer", nargs="+", default=[d.optimizer], choices=CONFIG_NAMES,
-                   metavar="NAME", help="one or more of the paper's configurations, trained "
-                   f"one after the other: {', '.join(CONFIG_NAMES)}")
-    p.add_argument("--lr", type=_checked("learning_rate", float), default=None,
-                   help="peak learning rate, > 0 (default: the configuration's paper value)")
-    p.add_argument("--schedule", default=d.schedule, choices=SCHEDULES,
-                   help="decay after the linear warmup (the paper: cosine)")
-    p.add_argument("--warmup-frac", type=_checked("warmup_frac", float),
-                   default=d.warmup_frac, help="fraction of the steps in linear warmup, [0, 1)")
-    p.add_argument("--final-lr-frac", type=_checked("final_lr_frac", float),
-                   default=d.final_lr_frac,
-                   help="final learning rate as a fraction of the peak, [0, 1]")
-    p.add_argument("--steps", type=_checked("steps", int), default=d.steps,
-                   help="total training steps of the run, >= 1 (sets the schedule)")
-    p.add_argument("--batch-size", type=_checked("batch_size", int), default=d.batch_size,
-                   help="sequences per step, >= 1")
-    p.add_argument("--seq-len", type=_checked("seq_len", int), default=d.seq_len,
-                   help="tokens per sequence, >= 1")
-    p.add_argument("--seed", type=_checked("seed", int), default=d.seed,
-                   help="seed of the initial weights and the batch order, >= 0")
-    p.add_argument("--clip", type=_checked("clip", float), default=d.clip,
-                   help="global-norm gradient clipping threshold, >= 0 (0: off)")
-    p.add_argument("--weight-decay", type=_checked("weight_decay", float), default=None,
-                   help="decoupled weight decay of every rule, >= 0 (default: the "
-                   "configuration's, 0.01 for each)")
-    p.add_argument("--b1", type=_checked("b1", float), default=None,
-                   help="beta1 of every rule that has one, in [0, 1) (default: the "
-                   "configuration's, 0.9)")
-    p.add_argument("--b2", type=_checked("b2", float), default=None,
-                   help="beta2 of every rule that has one, in [0, 1) (default: the "
-                   "configuration's, 0.99; APOLLO's projected moments 0.999)")
-    p.add_argument("--grad-accum", type=_checked("grad_accum", int), default=d.grad_accum,
-                   metavar="K", help="gradient accumulation: each step's --batch-size "
-                   "sequences run as K micro-batches of batch-size/K (K must divide it), "
-                   "one update per step: the same update as one batch, with the activation "
-                   "memory of a micro-batch")
-    p.add_argument("--eval-every", type=_checked("eval_every", int), default=d.eval_every,
-                   help="steps between test-perplexity evaluations, >= 1 (and at the end)")
-    p.add_argument("--eval-batches", type=_checked("eval_batches", int),
-                   default=d.eval_batches, help="batches of the fixed test windows, >= 1")
-    p.add_argument("--log-every", type=_checked("log_every", int), default=d.log_every,
-                   help="steps between rows of metrics.jsonl and log lines (TensorBoard and W&B "
-                   "scalars too), >= 1 (evaluations and checkpoints always get one)")
-    p.add_argument("--data", type=_checked("data", str), default=None,
-                   help="'installed' (the offline ~100M-token corpus of this machine's "
-                   "installed packages and documentation, split 8:2 by document, built and "
-                   "cached on first use), a cut of it (a folder holding cut.json, written "
-                   "by sage-repro cut-data: fixed tokens with their own split, checked), a "
-                   "text file or folder, or a .u16/.u32/.npy/.bin token file (default: the "
-                   "embedded standard-library corpus)")
-    p.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
-                   help="dtype of a raw .bin token file: required for .bin, checked against "
-                   "the extension of .u16/.u32/.npy (default: from the extension)")
-    p.add_argument("--run-dir", default="runs",
-                   help="runs go to RUN_DIR/MODEL-OPTIMIZER")
-    p.add_argument("--checkpoint-every", type=_checked("checkpoint_every", int),
-                   default=d.checkpoint_every,
-                   help="steps between checkpoints, >= 1 (and at the end; the newest two "
-                   "are kept)")
-    p.add_argument("--sharding", default=d.sharding, choices=MODES,
-                   help="data parallel (dp), fully sharded (fsdp) or one device (none)")
-    p.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                   help="computation dtype of the matmuls (norm statistics, softmax and the "
-                   "loss are float32 in any case); auto: bfloat16 on a GPU, float32 on the CPU")
-    p.add_argument("--param-dtype", default=d.param_dtype, choices=PARAM_DTYPES,
-                   help="storage dtype of the parameters (and of the optimizer moments)")
-    p.add_argument("--layers", default=d.layers, choices=LAYER_CHOICES,
-                   help="scan: the decoder layers stacked and run by one nnx.scan (fast to "
-                   "compile, the layout SAGE groups best); loop: one module per layer; "
-                   "auto: scan on a GPU, loop on the CPU (where it is faster)")
-    p.add_argument("--remat", default=d.remat, choices=tuple(REMAT_POLICIES),
-                   help="recompute each layer's activations in the backward pass: none; dots "
-                   "(keep the weight matmuls' outputs); full (keep only each layer's input)")
-    p.add_argument("--loss-chunk", type=_checked("loss_chunk", _loss_chunk), default=None,
-                   metavar="N|auto",
-                   help="compute the output layer, log-softmax and loss N tokens at a time, so "
-                   "that only one chunk's float32 logits (and their gradient) are alive; 0: "
-                   "all at once (default: auto, unchunked while a batch's logits take at most "
-                   "1 GiB, else chunks of at most 0.5 GiB of logits: 1024 tokens of a "
-                   "128,256-token vocabulary)")
-    p.add_argument("--attention", default=d.attention, choices=ATTENTIONS,
-                   help="the attention's implementation: cudnn (cuDNN's fused flash attention: "
-                   "no T x T scores in memory; a CUDA GPU, bfloat16/float16, head dim a "
-                   "multiple of 8 up to 128; refused elsewhere), xla (XLA's, float32 scores "
-                   "materialised), auto (cudnn where it can run and scripts/gpu-check has "
-                   "validated it on this GPU, else xla: cudnn on H100s today); the choice is "
-                   "printed at the start and recorded in config.json and metrics.jsonl")
-    p.add_argument("--sinkgd-kernel", default=d.sinkgd_kernel, choices=IMPLS,
-                   help="how SinkGD computes its scales (configurations with SinkGD): pallas "
-                   "(the Pallas kernel; interpreted off a GPU), jnp, auto (pallas on a single "
-                   "GPU where scripts/gpu-check has validated it, else jnp: jnp everywhere "
-                   "today: the kernel was slower on an H100); SAGE_KERNELS=off in the "
-                   "environment forces jnp (and xla attention); recorded like --attention")
-    p.add_argument("--deterministic", action="store_true",
-                   help="reproducible GPU runs (XLA's --xla_gpu_deterministic_ops=true; set "
-                   "before JAX starts; costs some GPU speed)")
-    p.add_argument("--peak-tflops", type=_checked("peak_tflops", float), default=None,
-                   help="the device's peak TFLOP/s for the computation dtype, for the MFU "
-                   "column (default: from the table of known GPUs; none on the CPU)")
-    p.add_argument("--record-h-every", type=_checked("record_h_every", int),
-                   default=d.record_h_every,
-                   help="steps between records of SAGE's embedding damper H_t, >= 1")
-    p.add_argument("--h-max-records", type=_checked("h_max_records", int),
-                   default=d.h_max_records,
-                   help="most H_t rows kept (the interval doubles when full), >= 2")
+                      formatter_class=DefaultsFormatter, usage=USAGE, allow_abbrev=False)
+    add_config_options(p)
     p.add_argument("--allow-config-change", action="store_true",
                    help="continue a run under settings other than its recorded ones (the "
                    "change is recorded in config_history.jsonl), or whose settings are "
                    "unknown; the parameters and optimizer state carry over across --layers, "
                    "the parameters across --optimizer (fresh optimizer state); another "
-                   "--model is refused")
+                   "--model is refused (default: off)")
     p.add_argument("--restart", action="store_true",
                    help="start over from step 0 where every checkpoint of a run fails "
                    "verification (they are moved aside to checkpoints/STEP.unusable, not "
-                   "deleted); without it such a run is refused")
+                   "deleted); without it such a run is refused (default: off)")
     p.add_argument("--distributed", action="store_true",
                    help="join a job of several processes (jax.distributed.initialize()): its "
                    "layout from --coordinator, --num-processes and --process-id, else from "
                    "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID, else from "
                    "the cluster manager JAX detects (SLURM's srun, Open MPI's mpirun); any of "
-                   "those flags or variables implies it")
+                   "those flags or variables implies it (default: off)")
     p.add_argument("--coordinator", type=_launch_value(check_coordinator), default=None,
                    metavar="HOST:PORT", help="the address of process 0's coordination "
                    "service, which every process of the job connects to (default: "
@@ -313,28 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in a job, a process silent for this long is taken for dead and "
                    "JAX stops the others (each exits non-zero with its message), so that "
                    "none waits forever on a collective")
-    p.add_argument("--init-from-hf", type=_checked("init_from_hf", str), default=None,
-                   metavar="DIR", help="start from the weights of a Hugging Face LlamaForCausalLM "
-                   "checkpoint (config.json and safetensors, e.g. from sage-train export, "
-                   "or any transformers LLaMA saved with save_pretrained) of the --model's "
-                   "architecture, which is the checkpoint's own when --model is not given "
-                   "(refused otherwise, naming the field)")
-    p.add_argument("--tensorboard", action="store_true",
-                   help="write TensorBoard event files into each run directory (needs "
-                   "tensorboardX)")
-    p.add_argument("--wandb", type=_checked("wandb", str), default=None, metavar="PROJECT",
-                   help="log the scalars to this Weights & Biases project (needs wandb; a "
-                   "resumed run continues its W&B run)")
-    p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar: plain log lines every --log-every steps, as when "
-                   "stderr is not a terminal")
     return p
 
 
 def build_export_parser() -> argparse.ArgumentParser:
     """The ``sage-train export`` parser."""
-    p = OneLineParser(prog="sage-train export", formatter_class=_Formatter, allow_abbrev=False,
-                description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
+    p = OneLineParser(prog="sage-train export", formatter_class=DefaultsFormatter,
+                      allow_abbrev=False,
+                      description="Write a run's checkpoint as a Hugging Face LlamaForCausalLM "
                 "directory\n(config.json, model.safetensors) with the run's tokenizer "
                 "(tokenizer.json,\ntokenizer_config.json): transformers' "
                 "AutoModelForCausalLM.from_pretrained(DIR)\nand "
@@ -350,38 +198,52 @@ def build_export_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown for every option; the epilog keeps its line breaks."""
+def add_config_options(p: argparse.ArgumentParser) -> None:
+    """An option for every :class:`~sage_train.config.TrainConfig` field that has one.
 
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if "(default" in text or action.default is argparse.SUPPRESS or action.required:
-            return text
-        return f"{text} (default: %(default)s)"
+    Generated from the fields' :class:`~sage_train.config.Option`: the flag, help, default,
+    choices and check (a value :func:`~sage_train.config.check_config` would refuse is
+    refused here, with the same words).
+    """
+    defaults = TrainConfig()
+    for name, o in options().items():
+        if not o.cli:
+            continue
+        flag = o.flag or "--" + name.replace("_", "-")
+        default = getattr(defaults, name) if o.cli_default is FIELD_DEFAULT \
+            else o.cli_default
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=f"{o.help} (default: off)")
+            continue
+        kwargs: dict[str, Any] = {"help": o.help, "metavar": o.metavar}
+        if o.check is not None:
+            kwargs["type"] = checked(o.parse or str, *o.check)
+        elif o.parse is not None:
+            kwargs["type"] = o.parse
+        if o.choices is not None:
+            kwargs["choices"] = tuple(c for c in o.choices if c is not None)
+        if o.nargs is not None:
+            kwargs["nargs"], default = o.nargs, [default]
+        p.add_argument(flag, default=default, **kwargs)
+
+
+def _dest(name: str) -> str:
+    o = options()[name]
+    return (o.flag or name).lstrip("-").replace("-", "_")
 
 
 def configs(args: argparse.Namespace) -> list[TrainConfig]:
-    """One :class:`TrainConfig` per configuration named on the command line."""
-    return [
-        TrainConfig(
-            model=args.model, optimizer=name, learning_rate=args.lr, schedule=args.schedule,
-            warmup_frac=args.warmup_frac, final_lr_frac=args.final_lr_frac,
-            batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
-            seed=args.seed, clip=args.clip, eval_every=args.eval_every,
-            eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
-            token_dtype=args.token_dtype,
-            run_dir=str(pathlib.Path(args.run_dir) / f"{model_label(args.model)}-{name}"),
-            checkpoint_every=args.checkpoint_every, sharding=args.sharding,
-            record_h_every=args.record_h_every, h_max_records=args.h_max_records,
-            progress=not args.no_progress, dtype=args.dtype, param_dtype=args.param_dtype,
-            layers=args.layers, remat=args.remat, deterministic=args.deterministic,
-            peak_tflops=args.peak_tflops, loss_chunk=args.loss_chunk,
-            attention=args.attention, sinkgd_kernel=args.sinkgd_kernel,
-            weight_decay=args.weight_decay, b1=args.b1, b2=args.b2, grad_accum=args.grad_accum,
-            tensorboard=args.tensorboard, wandb=args.wandb, init_from_hf=args.init_from_hf,
-        )
-        for name in args.optimizer
-    ]
+    """One :class:`TrainConfig` per configuration named on the command line.
+
+    Every field with an option takes its value (a ``--no-...`` switch negated); each
+    configuration runs in ``RUN_DIR/MODEL-OPTIMIZER``.
+    """
+    given = {name: getattr(args, _dest(name)) for name, o in options().items() if o.cli}
+    given |= {name: not given[name] for name, o in options().items() if o.negate}
+    return [TrainConfig(**given | {
+        "optimizer": name,
+        "run_dir": str(pathlib.Path(args.run_dir) / f"{model_label(args.model)}-{name}")})
+        for name in args.optimizer]
 
 
 def main(argv: list[str] | None = None, *, signals: StopSignals | None = None) -> int:
@@ -462,7 +324,8 @@ def _leave(status: int, error: BaseException) -> int:
 
 def build_sample_parser() -> argparse.ArgumentParser:
     """The ``sage-train sample`` parser."""
-    p = OneLineParser(prog="sage-train sample", formatter_class=_Formatter, allow_abbrev=False,
+    p = OneLineParser(prog="sage-train sample", formatter_class=DefaultsFormatter,
+                      allow_abbrev=False,
                       description="Generate text from a run's checkpoint: the prompt, "
                       "tokenized with the run's tokenizer,\ncontinued token by token by the "
                       "trained model (on one device; the run is only read).")
@@ -526,41 +389,22 @@ def _stopped_by(name: str, step: int | None) -> int:
 
 
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
-    from sage_train.train import (
-        check_config,
-        check_init_from_hf,
-        enable_determinism,
-        implementations,
-        preflight,
-        save_loss_curve,
-        train,
-    )
+    from sage_train import distributed
+    from sage_train.config import check_config, check_init_from_hf
+    from sage_train.run import enable_determinism
 
     cfgs = configs(args)
-    for cfg in cfgs:
+    for cfg in cfgs:  # before a job is joined: a refusal is the same on every process
         check_config(cfg)
         check_init_from_hf(cfg)
     if args.deterministic:
         enable_determinism()  # before anything starts a JAX backend
-    from sage_train import distributed
-    from sage_train.rundir import RunLock
-
     launch = distributed.launch_from(args.distributed, args.coordinator, args.num_processes,
                                      args.process_id, args.heartbeat_timeout)
     if launch is not None:
-        print(f"sage-train: joining the job as {launch.describe()} (waiting up to "
-              f"{distributed.INIT_TIMEOUT_S} s for every process)", flush=True)
-        distributed.join(launch)  # before anything starts a JAX backend
-    primary = distributed.is_primary()
-    if launch is not None and distributed.joined():
-        print(f"sage-train: joined the job as {distributed.where().rstrip(': ')} "
-              f"({distributed.describe_job()}); "
-              + ("this process writes the run's files and log" if primary else
-                 "process 0 writes the run's files and log, this one only its errors")
-              + f"; a process that dies stops the others within {launch.heartbeat_timeout} s "
-              "(--heartbeat-timeout)", flush=True)
+        _join(launch)
     if distributed.joined():  # the same settings on every process, before anything else
-        from sage_train.train import agreed_settings
+        from sage_train.config import agreed_settings
 
         distributed.same_settings({
             "optimizer": [c.optimizer for c in cfgs],
@@ -568,45 +412,95 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                if k not in ("optimizer", "run_dir")},
             "run_dir": str(pathlib.Path(args.run_dir).absolute()),
             "allow_config_change": args.allow_config_change, "restart": args.restart})
-    results: list[Any] = []
     with contextlib.ExitStack() as locks:
-        # every run directory locked and checked before any trains: exit status 2 still
-        # means that nothing was trained (in a job: on every process, or on none)
-        with distributed.together("to check the runs"):
-            for cfg in cfgs:
-                implementations(cfg)  # --attention cudnn where it cannot run: refused first
-            for cfg in cfgs:
-                run_dir = pathlib.Path(cfg.run_dir).absolute()
-                try:
-                    run_dir.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise RunDirError(f"cannot create the run directory {run_dir}: "
-                                      f"{e.strerror}") from e
-                if primary:
-                    lock = locks.enter_context(RunLock(run_dir))
-                    if lock.stale:
-                        print(lock.stale, flush=True)
-                preflight(cfg, allow_config_change=args.allow_config_change)
-        for cfg in cfgs:
+        runs = _checked_runs(cfgs, args, locks)
+        results: list[Any] = []
+        for run in runs:
             if signals.received is not None and not distributed.joined():
                 return _stopped_by(signals.received, None)  # (a job: agreed by train)
-            try:
-                result = train(cfg, allow_config_change=args.allow_config_change,
-                               restart=args.restart, stop=signals, locked=True,
-                               data_exclude=[args.run_dir])
-            except UserError as e:
-                if not results:
-                    raise
-                # refused after earlier runs trained: 2 would say that nothing was
-                done = ", ".join(r.config.optimizer for r in results)
-                print(f"sage-train: error: {_where()}{e} (trained before it: {done})",
-                      file=sys.stderr)
-                return _leave(1, e)
-            if result.interrupted is not None:
-                return _stopped_by(result.interrupted, result.steps_done)
+            status, result = _train_one(run, args, signals, results)
+            if result is None:
+                return status
             results.append(result)
-    if not primary:
+    if not distributed.is_primary():
         return 1 if any(r.stopped_reason for r in results) else 0  # process 0 reports
+    return _summary(results, args)
+
+
+def _join(launch: Any) -> None:
+    """Join the job of several processes ``launch`` describes, saying so."""
+    from sage_train import distributed
+
+    print(f"sage-train: joining the job as {launch.describe()} (waiting up to "
+          f"{distributed.INIT_TIMEOUT_S} s for every process)", flush=True)
+    distributed.join(launch)  # before anything starts a JAX backend
+    if distributed.joined():
+        print(f"sage-train: joined the job as {distributed.where().rstrip(': ')} "
+              f"({distributed.describe_job()}); "
+              + ("this process writes the run's files and log" if distributed.is_primary()
+                 else "process 0 writes the run's files and log, this one only its errors")
+              + f"; a process that dies stops the others within {launch.heartbeat_timeout} s "
+              "(--heartbeat-timeout)", flush=True)
+
+
+def _checked_runs(cfgs: list[TrainConfig], args: argparse.Namespace,
+                  locks: contextlib.ExitStack) -> list[Any]:
+    """Every configuration resolved, its run directory locked and checked, before any trains.
+
+    Exit status 2 still means that nothing was trained (in a job: on every process, or on
+    none).
+    """
+    from sage_train import distributed
+    from sage_train.resume import preflight
+    from sage_train.run import resolve
+    from sage_train.rundir import RunLock
+
+    with distributed.together("to check the runs"):
+        # --attention cudnn where it cannot run: refused before any run directory is made
+        runs = [resolve(cfg, checked=True) for cfg in cfgs]
+        for run in runs:
+            try:
+                run.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise RunDirError(f"cannot create the run directory {run.run_dir}: "
+                                  f"{e.strerror}") from e
+            if distributed.is_primary():
+                lock = locks.enter_context(RunLock(run.run_dir))
+                if lock.stale:
+                    print(lock.stale, flush=True)
+            preflight(run, allow_config_change=args.allow_config_change)
+    return runs
+
+
+def _train_one(run: Any, args: argparse.Namespace, signals: StopSignals,
+               results: list[Any]) -> tuple[int, Any]:
+    """Train ``run``: ``(0, its result)``, or ``(exit status, None)`` to stop the command.
+
+    The command stops on a signal, or on a refusal after earlier runs trained.
+    """
+    from sage_train.train import train
+
+    try:
+        result = train(run, allow_config_change=args.allow_config_change,
+                       restart=args.restart, stop=signals, locked=True,
+                       data_exclude=[args.run_dir])
+    except UserError as e:
+        if not results:
+            raise
+        # refused after earlier runs trained: 2 would say that nothing was
+        done = ", ".join(r.config.optimizer for r in results)
+        print(f"sage-train: error: {_where()}{e} (trained before it: {done})",
+              file=sys.stderr)
+        return _leave(1, e), None
+    if result.interrupted is not None:
+        return _stopped_by(result.interrupted, result.steps_done), None
+    return 0, result
+
+
+def _summary(results: list[Any], args: argparse.Namespace) -> int:
+    """Print the summary table and save the loss curve; the exit status."""
+    from sage_train.train import save_loss_curve
+
     rows = [(r.config.optimizer, r.steps_done,
              "-" if r.final_test_ppl is None else f"{r.final_test_ppl:.2f}",
              format_bytes(r.opt_state_bytes), f"{r.tokens_per_s:,.0f}",

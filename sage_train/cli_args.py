@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -28,12 +29,17 @@ def plain(text: str | None) -> str | None:
     return text if "%(" in text else text.replace("%%", "%")
 
 
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter,
-                        argparse.RawDescriptionHelpFormatter):
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default after its help (unless the help says it, or there is none).
 
-    The description and epilog keep their line breaks.
+    The description and epilog keep their line breaks; a line longer than the terminal is
+    wrapped.
     """
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(textwrap.fill(line, width, initial_indent=indent,
+                                        subsequent_indent=indent) if line.strip() else ""
+                         for line in text.splitlines())
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

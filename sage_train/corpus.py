@@ -67,7 +67,7 @@ import numpy as np
 import tokenizers
 from tokenizers import Tokenizer
 
-from sage_train import data as data_lib
+from sage_train import token_store as store
 from sage_train.report import progress_bar
 
 __all__ = [
@@ -229,7 +229,7 @@ class Corpus:
         """Tokens of both splits (``<|endoftext|>`` tokens included)."""
         return len(self.train) + len(self.test)
 
-    def token_data(self) -> data_lib.TokenData:
+    def token_data(self) -> store.TokenData:
         """The corpus as the trainer's :class:`~sage_train.data.TokenData`.
 
         Its ``info`` holds ``corpus_fingerprint`` and ``corpus_tokens``, which a run records
@@ -240,7 +240,7 @@ class Corpus:
                   f"{self.fingerprint[:16]})")
         info: dict[str, str | int] = {"corpus_fingerprint": self.fingerprint,
                                       "corpus_tokens": self.tokens}
-        return data_lib.TokenData(self.train, self.test, self.vocab_size, self.tokenizer,
+        return store.TokenData(self.train, self.test, self.vocab_size, self.tokenizer,
                                   source, info=info)
 
 
@@ -258,7 +258,7 @@ def default_roots() -> tuple[Root, ...]:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     if not stdlib.is_dir():
         raise FileNotFoundError(f"Python standard library not found at {stdlib}")
-    roots = [Root("stdlib", stdlib, python_only=True, skip_dirs=data_lib.STDLIB_SKIP_DIRS)]
+    roots = [Root("stdlib", stdlib, python_only=True, skip_dirs=store.STDLIB_SKIP_DIRS)]
     paths = sysconfig.get_paths()
     candidates = [paths["purelib"], paths["platlib"], *site.getsitepackages()]
     if site.ENABLE_USER_SITE:
@@ -289,7 +289,7 @@ def _files(root: Root) -> list[tuple[str, Path]]:
     """``(relative POSIX path, path)`` of the files of ``root`` read by name, sorted."""
     found: list[tuple[str, Path]] = []
     for dirpath, dirnames, filenames in os.walk(root.path):
-        if data_lib.RUN_MARK in filenames:  # a sage-train run: never data
+        if store.RUN_MARK in filenames:  # a sage-train run: never data
             dirnames[:] = []
             continue
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in root.skip_dirs]
@@ -402,7 +402,7 @@ def _fmt_skipped(skipped: dict[str, int]) -> str:
 
 
 def _settings(vocab_size: int, tokenizer_bytes: int) -> dict[str, Any]:
-    return {"format": CORPUS_FORMAT, "data_format": data_lib.FORMAT_VERSION,
+    return {"format": CORPUS_FORMAT, "data_format": store.FORMAT_VERSION,
             "vocab_size": int(vocab_size), "tokenizer_bytes": int(tokenizer_bytes),
             "tokenizers": tokenizers.__version__}
 
@@ -443,7 +443,7 @@ def _batches(docs: Sequence[Document]) -> Iterator[tuple[list[str], list[bool], 
     last: list[bool] = []
     nbytes = 0
     for d in docs:
-        ps = list(data_lib._pieces(d.text))
+        ps = list(store.pieces(d.text))
         pieces.extend(ps)
         last.extend([False] * (len(ps) - 1) + [True])
         nbytes += d.nbytes
@@ -456,7 +456,7 @@ def _batches(docs: Sequence[Document]) -> Iterator[tuple[list[str], list[bool], 
 
 def _encode(tok: Tokenizer, docs: Sequence[Document], dtype: np.dtype, bar: Any) -> np.ndarray:
     """One token stream of ``docs``, each followed by ``EOT_ID``; ``bar`` counts bytes."""
-    eot = np.array([data_lib.EOT_ID], dtype=dtype)
+    eot = np.array([store.EOT_ID], dtype=dtype)
     parts: list[np.ndarray] = []
     for pieces, last, nbytes in _batches(docs):
         for enc, is_last in zip(tok.encode_batch_fast(pieces, add_special_tokens=False), last,
@@ -477,7 +477,7 @@ def _load_entry(entry: Path, vocab_size: int) -> Corpus | None:
     """
     if not entry.is_dir():
         return None
-    if (problem := data_lib.verify_entry(entry, vocab_size)) is not None:
+    if (problem := store.verify_entry(entry, vocab_size)) is not None:
         warnings.warn(f"corpus cache entry {entry} is damaged ({problem}): it is rebuilt",
                       stacklevel=3)
         return None
@@ -530,7 +530,7 @@ def build_corpus(
         FileNotFoundError: a root is not a folder.
         ValueError: bad settings, no documents, or a side with no document.
     """
-    data_lib._check_text_vocab(vocab_size)
+    store.check_text_vocab(vocab_size)
     vocab_size = int(vocab_size)
     if isinstance(tokenizer_bytes, bool) or not isinstance(tokenizer_bytes, int) or (
             tokenizer_bytes < 1):
@@ -538,7 +538,7 @@ def build_corpus(
     start = time.perf_counter()
     listing = list_documents(roots, max_file_bytes=max_file_bytes, progress=progress)
     fp = fingerprint(listing.documents, vocab_size=vocab_size, tokenizer_bytes=tokenizer_bytes)
-    root = data_lib.cache_dir() / "corpus"
+    root = store.cache_dir() / "corpus"
     entry = root / fp[:32]
     if (cached := _load_entry(entry, vocab_size)) is not None:
         return cached
@@ -550,9 +550,9 @@ def build_corpus(
             f"installed corpus: {len(listing.documents)} document(s) give an empty "
             f"{'train' if not train_docs else 'test'} split; it needs more documents")
     t0 = time.perf_counter()
-    tok = data_lib.train_tokenizer(_tokenizer_sample(train_docs, tokenizer_bytes), vocab_size)
+    tok = store.train_tokenizer(_tokenizer_sample(train_docs, tokenizer_bytes), vocab_size)
     tokenizer_seconds = time.perf_counter() - t0
-    dtype = data_lib._token_dtype(vocab_size)
+    dtype = store.dtype_for_vocab(vocab_size)
     with progress_bar(total=listing.nbytes, desc="tokenizing", unit="B", unit_scale=True,
                       disable=not _progress(progress)) as bar:
         train = _encode(tok, train_docs, dtype, bar)
@@ -573,10 +573,11 @@ def build_corpus(
     documents = "".join(
         f"{'test' if d.test else 'train'}\t{d.sha256}\t{d.nbytes}\t{d.root}/{d.path}\n"
         for d in listing.documents)
-    files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
-             "documents.tsv": documents, "meta.json": json.dumps(meta, indent=1)}
+    files: dict[str, str | np.ndarray] = {
+        "tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
+        "documents.tsv": documents, "meta.json": json.dumps(meta, indent=1)}
     # an existing entry is damaged here: it did not load above
-    if (error := data_lib.publish_entry(entry, files, damaged=lambda: True,
+    if (error := store.publish_entry(entry, files, damaged=lambda: True,
                                         vocab_size=vocab_size)):
         warnings.warn(f"could not write the corpus cache under {root}: {error}", stacklevel=2)
         return Corpus(train, test, tok, vocab_size, fp, meta, entry)
@@ -584,7 +585,7 @@ def build_corpus(
                                                     entry)
 
 
-def load_installed(vocab_size: int, *, progress: bool | None = None) -> data_lib.TokenData:
+def load_installed(vocab_size: int, *, progress: bool | None = None) -> store.TokenData:
     """The ``installed`` corpus as :class:`~sage_train.data.TokenData` (built on first use).
 
     Args:

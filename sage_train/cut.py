@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from sage_train import data as data_lib
+from sage_train import token_store as store
 
 __all__ = ["CUT_FORMAT", "MANIFEST", "cut_data", "documents", "is_cut", "load_cut", "pick",
            "source_fingerprint"]
@@ -68,7 +68,7 @@ def documents(tokens: np.ndarray) -> list[tuple[int, int]]:
     Each ``tokens[start:end]`` ends in :data:`~sage_train.data.EOT_ID`; tokens after the
     last one are no document.
     """
-    ends = np.flatnonzero(np.asarray(tokens) == data_lib.EOT_ID) + 1
+    ends = np.flatnonzero(np.asarray(tokens) == store.EOT_ID) + 1
     starts = np.concatenate([[0], ends[:-1]])
     return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
@@ -104,7 +104,7 @@ def _fingerprint(manifest: dict[str, Any]) -> str:
     return _sha256(";".join(parts).encode())
 
 
-def source_fingerprint(tokens: data_lib.TokenData) -> str:
+def source_fingerprint(tokens: store.TokenData) -> str:
     """The fingerprint of the data a cut is taken from.
 
     A cut's own (``cut_fingerprint``), else a corpus's (``corpus_fingerprint``), else the
@@ -120,7 +120,7 @@ def source_fingerprint(tokens: data_lib.TokenData) -> str:
     return h.hexdigest()
 
 
-def cut_data(tokens: data_lib.TokenData, out: str | os.PathLike[str], *, train_tokens: int,
+def cut_data(tokens: store.TokenData, out: str | os.PathLike[str], *, train_tokens: int,
              test_tokens: int) -> dict[str, Any]:
     """Cut at most ``train_tokens`` and ``test_tokens`` from ``tokens`` into the folder ``out``.
 
@@ -187,7 +187,7 @@ def cut_data(tokens: data_lib.TokenData, out: str | os.PathLike[str], *, train_t
     files[MANIFEST] = json.dumps(manifest, indent=1) + "\n"
     if out.exists():
         out.rmdir()  # empty (checked above): publish_entry renames the whole folder into place
-    if (error := data_lib.publish_entry(out, files, damaged=lambda: False, integrity=False)):
+    if (error := store.publish_entry(out, files, damaged=lambda: False, integrity=False)):
         raise OSError(f"cannot write the cut --out {out}: {error}")
     return manifest
 
@@ -204,7 +204,7 @@ def _existing(out: Path) -> str | None:
         return "?"
 
 
-def load_cut(path: str | os.PathLike[str], vocab_size: int) -> data_lib.TokenData:
+def load_cut(path: str | os.PathLike[str], vocab_size: int) -> store.TokenData:
     """The cut in folder ``path`` (or its manifest ``path``), every file checked.
 
     Args:
@@ -257,5 +257,5 @@ def load_cut(path: str | os.PathLike[str], vocab_size: int) -> data_lib.TokenDat
         "cut_fingerprint": fingerprint, "cut_tokens": len(sides["train"]) + len(sides["test"]),
         "corpus_fingerprint": str(source["fingerprint"]),
         "corpus_tokens": int(source["train_tokens"]) + int(source["test_tokens"])}
-    return data_lib.TokenData(sides["train"], sides["test"], vocab_size, tokenizer,
+    return store.TokenData(sides["train"], sides["test"], vocab_size, tokenizer,
                               description, info=info)

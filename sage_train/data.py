@@ -35,18 +35,33 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import tokenizers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
+
+from sage_train.token_store import (  # noqa: F401 - the data API
+    EOT,
+    EOT_ID,
+    FORMAT_VERSION,
+    INTEGRITY,
+    MIN_VOCAB_SIZE,
+    RUN_MARK,
+    STDLIB_SKIP_DIRS,
+    TokenData,
+    cache_dir,
+    check_text_vocab,
+    dtype_for_vocab,
+    pieces,
+    publish_entry,
+    train_tokenizer,
+    verify_entry,
+)
 
 __all__ = [
     "EOT",
@@ -59,44 +74,22 @@ __all__ = [
     "batches",
     "cache_dir",
     "eval_batches",
+    "fingerprint",
     "load_data",
     "read_text_source",
     "stdlib_corpus",
     "train_tokenizer",
 ]
 
-EOT = "<|endoftext|>"
-"""Special token appended after every document; always id :data:`EOT_ID`."""
-EOT_ID = 0
-"""Token id of :data:`EOT`."""
-MIN_VOCAB_SIZE = 257
-"""Smallest vocabulary for text sources: 256 byte tokens plus :data:`EOT`."""
-RUN_MARK = ".lock"
-"""The file every ``sage-train`` run directory holds: a folder with it is never read as text."""
 STDLIB_MAX_BYTES = 8_000_000
 """Default size cap (UTF-8 bytes) of the embedded standard-library corpus."""
-FORMAT_VERSION = 1
-"""Part of the cache key; bump it whenever tokenization or the cache layout changes."""
 
-STDLIB_SKIP_DIRS = frozenset(
-    {
-        "site-packages",
-        "dist-packages",
-        "test",
-        "tests",
-        "idlelib",
-        "lib2to3",
-        "encodings",  # machine-generated codec tables, not representative code
-        "__pycache__",
-    }
-)
-"""Directory names skipped (at any depth) by :func:`stdlib_corpus`."""
 
 PRETOKENIZED_SUFFIXES = frozenset({".bin", ".u16", ".u32", ".npy"})
 """File extensions that :func:`load_data` treats as pre-tokenized token files."""
 
-_TOKEN_DTYPES = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
-_SUFFIX_DTYPES = {".u16": np.dtype(np.uint16), ".u32": np.dtype(np.uint32)}
+_TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32)}
+_SUFFIX_DTYPES: dict[str, np.dtype] = {".u16": np.dtype(np.uint16), ".u32": np.dtype(np.uint32)}
 # Never read when scanning a folder for text (binary by construction).
 _BINARY_SUFFIXES = frozenset(
     {".bin", ".u16", ".u32", ".npy", ".npz", ".pyc", ".pyo", ".so", ".dll", ".dylib", ".o",
@@ -104,45 +97,8 @@ _BINARY_SUFFIXES = frozenset(
      ".bz2", ".xz", ".zst", ".zip", ".tar", ".whl", ".pt", ".pth", ".ckpt", ".safetensors",
      ".msgpack", ".parquet", ".arrow", ".pkl", ".pickle", ".mp3", ".wav", ".mp4"}
 )
-_PIECE_CHARS = 1 << 18  # long documents are cut (at newlines) into pieces for parallel BPE
 _ENCODE_BATCH = 256  # pieces per encode_batch call (bounds peak memory)
 _MIN_TOKENS = 10
-
-
-@dataclass(frozen=True, eq=False)
-class TokenData:
-    """A tokenized corpus with its fixed 8:2 train/test split.
-
-    Attributes:
-        train: 1-D integer token array (often an ``np.memmap``): first 80% of the stream.
-        test: 1-D integer token array (often an ``np.memmap``): the remaining 20%.
-        vocab_size: size of the model vocabulary; every token id is ``< vocab_size``.
-        tokenizer: the byte-level BPE for text sources, ``None`` for pre-tokenized files.
-        source: human-readable description of where the tokens came from.
-        info: figures of the source that a run records in its ``config.json`` (the
-            ``installed`` corpus: ``corpus_fingerprint`` and ``corpus_tokens``); empty for
-            the other sources.
-    """
-
-    train: np.ndarray
-    test: np.ndarray
-    vocab_size: int
-    tokenizer: Tokenizer | None = field(repr=False)
-    source: str
-    info: Mapping[str, str | int] = field(default_factory=dict)
-
-    def __repr__(self) -> str:
-        return (
-            f"TokenData(source={self.source!r}, vocab_size={self.vocab_size}, "
-            f"train={len(self.train)} tokens, test={len(self.test)} tokens, "
-            f"dtype={self.train.dtype}, tokenizer={'yes' if self.tokenizer else 'no'})"
-        )
-
-
-def cache_dir() -> Path:
-    """Directory of the tokenizer/token cache: ``$SAGE_CACHE_DIR`` or ``~/.cache/sage-optim``."""
-    env = os.environ.get("SAGE_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "sage-optim"
 
 
 def stdlib_corpus(max_bytes: int = STDLIB_MAX_BYTES) -> list[str]:
@@ -267,84 +223,18 @@ def read_text_source(
     return docs
 
 
-def _pieces(text: str) -> Iterator[str]:
-    """Cut a long text into pieces of about ``_PIECE_CHARS`` characters at newlines."""
-    start, n = 0, len(text)
-    while start < n:
-        end = start + _PIECE_CHARS
-        if end < n:
-            nl = text.rfind("\n", start, end)
-            if nl > start:
-                end = nl + 1
-        yield text[start:end]
-        start = end
-
-
-def _check_text_vocab(vocab_size: int) -> None:
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int | np.integer):
-        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
-            f"{MIN_VOCAB_SIZE} (256 byte tokens + {EOT})"
-        )
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
-    """Train a byte-level BPE tokenizer on ``texts`` with exactly ``vocab_size`` tokens.
-
-    GPT-2 style: ``tokenizers``' ``ByteLevel`` pre-tokenizer (no prefix space), decoder and
-    post-processor, ``BpeTrainer`` seeded with the full 256-symbol byte-level alphabet (so any
-    text can be encoded and ``decode(encode(s)) == s``), ``min_frequency=2`` and the special
-    token :data:`EOT` at id 0. If the text is too small to learn ``vocab_size - 257`` merges,
-    the vocabulary is topped up with never-produced special tokens ``<|reserved_i|>`` so that
-    ``get_vocab_size() == vocab_size`` always. Training is deterministic for the same input.
-
-    Args:
-        texts: the training documents.
-        vocab_size: the exact vocabulary size, ``>= MIN_VOCAB_SIZE``.
-
-    Returns:
-        The trained tokenizer.
-    """
-    _check_text_vocab(vocab_size)
-    vocab_size = int(vocab_size)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        show_progress=False,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator((p for t in texts for p in _pieces(t)), trainer=trainer)
-    missing = vocab_size - tok.get_vocab_size()
-    if missing > 0:
-        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
-    if tok.get_vocab_size() != vocab_size or tok.token_to_id(EOT) != EOT_ID:
-        raise RuntimeError("byte-level BPE training produced an unexpected vocabulary")
-    return tok
-
-
-def _token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
-
-
 def _encode_documents(tok: Tokenizer, docs: Sequence[str], dtype: np.dtype) -> np.ndarray:
     """Encode documents into one stream, each document followed by :data:`EOT_ID`."""
-    pieces: list[str] = []
+    chunks: list[str] = []
     last: list[bool] = []  # piece is the last one of its document
     for doc in docs:
-        ps = list(_pieces(doc))
-        pieces.extend(ps)
+        ps = list(pieces(doc))
+        chunks.extend(ps)
         last.extend([False] * (len(ps) - 1) + [True])
     eot = np.array([EOT_ID], dtype=dtype)
     parts: list[np.ndarray] = []
-    for b in range(0, len(pieces), _ENCODE_BATCH):
-        encs = tok.encode_batch_fast(pieces[b : b + _ENCODE_BATCH], add_special_tokens=False)
+    for b in range(0, len(chunks), _ENCODE_BATCH):
+        encs = tok.encode_batch_fast(chunks[b : b + _ENCODE_BATCH], add_special_tokens=False)
         for enc, is_last in zip(encs, last[b : b + _ENCODE_BATCH], strict=True):
             parts.append(np.asarray(enc.ids, dtype=dtype))
             if is_last:
@@ -393,50 +283,6 @@ def _load_cached(d: Path, vocab_size: int) -> tuple[Tokenizer, np.ndarray, np.nd
     return tok, train, test
 
 
-INTEGRITY = "checksums.json"
-"""The file of a cache entry (token cache, ``installed`` corpus) that records the SHA-256
-and size of every other file, and the tokenizer's vocabulary size, when it is published."""
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def verify_entry(entry: Path, vocab_size: int | None = None) -> str | None:
-    """Why the cache ``entry`` cannot be used (``None``: it is as it was published).
-
-    Every file :data:`INTEGRITY` names must have its recorded size and SHA-256 (a full
-    read: 0.43 s for the 224 MB of a 112M-token ``uint16`` corpus, measured on a shared
-    2-core machine), and the recorded vocabulary size must be
-    ``vocab_size`` (where given).  An entry without the record (written by an older
-    version) counts as damaged: it is rebuilt once.
-    """
-    try:
-        record = json.loads((entry / INTEGRITY).read_text())
-        files = record["files"]
-        recorded_vocab = record.get("vocab_size")
-    except FileNotFoundError:
-        return f"no {INTEGRITY}: written by an older version or cut short"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{INTEGRITY} cannot be read: {e}"
-    if vocab_size is not None and recorded_vocab != vocab_size:
-        return f"its tokenizer has {recorded_vocab} tokens, not vocab_size={vocab_size}"
-    for name, want in sorted(files.items()):
-        path = entry / name
-        try:
-            size = path.stat().st_size
-            if size != want["bytes"]:
-                return f"{name} has {size} bytes, {want['bytes']} were written"
-            if _sha256(path) != want["sha256"]:
-                return f"{name} does not have the checksum it was written with"
-        except OSError as e:
-            return f"{name} cannot be read: {e.strerror or e}"
-        except (KeyError, TypeError):
-            return f"{INTEGRITY} is damaged"
-    return None
-
-
 def _check_ids(entry: Path, train: np.ndarray, test: np.ndarray, vocab_size: int) -> None:
     """Refuse a cache entry holding a token id ``>= vocab_size`` (a damaged or foreign file)."""
     for name, part in (("train.npy", train), ("test.npy", test)):
@@ -445,55 +291,6 @@ def _check_ids(entry: Path, train: np.ndarray, test: np.ndarray, vocab_size: int
                 f"token cache file {str(entry / name)!r} holds token id {top} >= "
                 f"vocab_size={vocab_size}; delete {str(entry)!r} to rebuild it"
             )
-
-
-def publish_entry(entry: Path, files: Mapping[str, str | np.ndarray], *,
-                  damaged: Callable[[], bool], vocab_size: int | None = None,
-                  integrity: bool = True) -> str | None:
-    """Write a cache entry whole or not at all; ``None``, or why it could not be written.
-
-    The ``files`` (text, or arrays saved with :func:`numpy.save`) are written into a fresh
-    directory beside ``entry`` that is then renamed to ``entry`` (atomic), so a reader sees
-    a complete entry or none.  An existing ``entry`` for which ``damaged()`` is true (it did
-    not load) is set aside first; when another process renamed its own entry in first, that
-    one is kept.  Shared by the token cache and the ``installed`` corpus
-    (:mod:`sage_train.corpus`); several processes may publish the same entry at once.
-    With ``integrity`` the entry holds :data:`INTEGRITY`: the size and SHA-256 of every
-    file and ``vocab_size`` (the tokenizer's), which :func:`verify_entry` checks on every
-    load.
-    """
-    root = entry.parent
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
-        try:
-            for name, content in files.items():
-                if isinstance(content, str):
-                    (tmp / name).write_text(content)
-                else:
-                    np.save(tmp / name, content)
-            if integrity:
-                record = {"files": {name: {"bytes": (tmp / name).stat().st_size,
-                                           "sha256": _sha256(tmp / name)} for name in files},
-                          "vocab_size": vocab_size}
-                (tmp / INTEGRITY).write_text(json.dumps(record, indent=1))
-            if entry.is_dir() and damaged():
-                aside = root / f".{entry.name}.damaged-{os.getpid()}"
-                try:
-                    os.rename(entry, aside)
-                except OSError:
-                    pass  # another process moved it first
-                shutil.rmtree(aside, ignore_errors=True)
-            try:
-                os.rename(tmp, entry)  # atomic; fails if a concurrent process won the race
-            except OSError:
-                if not entry.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as e:
-        return str(e)
-    return None
 
 
 def _tokenize_cached(
@@ -507,7 +304,7 @@ def _tokenize_cached(
     rename wins and the others use it.  A damaged entry (one that no longer loads) is
     replaced the same way.
     """
-    _check_text_vocab(vocab_size)
+    check_text_vocab(vocab_size)
     vocab_size = int(vocab_size)
     key_fields = {
         "format": FORMAT_VERSION,
@@ -525,12 +322,13 @@ def _tokenize_cached(
         return TokenData(train, test, vocab_size, tok, source)
 
     tok = train_tokenizer(docs, vocab_size)
-    tokens = _encode_documents(tok, docs, _token_dtype(vocab_size))
+    tokens = _encode_documents(tok, docs, dtype_for_vocab(vocab_size))
     train, test = _split(tokens, source)
     meta = {**key_fields, "source": source, "documents": len(docs),
             "train_tokens": len(train), "test_tokens": len(test)}
-    files = {"tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
-             "meta.json": json.dumps(meta, indent=1)}
+    files: dict[str, str | np.ndarray] = {
+        "tokenizer.json": tok.to_str(), "train.npy": train, "test.npy": test,
+        "meta.json": json.dumps(meta, indent=1)}
     if (error := publish_entry(entry, files, vocab_size=vocab_size,
                                damaged=lambda: verify_entry(entry, vocab_size) is not None)):
         warnings.warn(f"could not write token cache under {root}: {error}", stacklevel=3)
@@ -546,7 +344,7 @@ def _load_pretokenized(path: Path, vocab_size: int, token_dtype: str | None) -> 
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    want = None
+    want: np.dtype | None = None
     if token_dtype is not None:
         if str(token_dtype) not in _TOKEN_DTYPES:
             raise ValueError(f"token_dtype must be 'uint16' or 'uint32', got {token_dtype!r}")
@@ -630,7 +428,7 @@ def load_data(
     if source is None or (isinstance(source, str) and source == "stdlib"):
         if token_dtype is not None:
             raise ValueError("token_dtype only applies to pre-tokenized token files")
-        _check_text_vocab(vocab_size)
+        check_text_vocab(vocab_size)
         docs = stdlib_corpus(max_bytes)
         py = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}"
         return _tokenize_cached(docs, vocab_size, f"stdlib ({py})", {"python": py})
@@ -659,8 +457,23 @@ def load_data(
         return _load_pretokenized(path, vocab_size, token_dtype)
     if token_dtype is not None:
         raise ValueError("token_dtype only applies to pre-tokenized token files")
-    _check_text_vocab(vocab_size)
+    check_text_vocab(vocab_size)
     return _tokenize_cached(read_text_source(path, exclude), vocab_size, str(path), {})
+
+
+def fingerprint(tokens: TokenData) -> str:
+    """A short hash of the token stream, equal for the same data and read in O(1).
+
+    Covers the lengths, dtype, vocabulary and up to 64 evenly spaced 4,096-token pieces of
+    each split.
+    """
+    h = hashlib.sha256(f"vocab={tokens.vocab_size};".encode())
+    for part in (tokens.train, tokens.test):
+        n, piece = len(part), 4096
+        h.update(f"{n}:{part.dtype};".encode())
+        for i in np.unique(np.linspace(0, max(n - piece, 0), 64).astype(np.int64)):
+            h.update(np.ascontiguousarray(part[i:i + piece]).tobytes())
+    return h.hexdigest()[:16]
 
 
 def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:

@@ -276,79 +276,110 @@ def rendezvous(launch: Launch, timeout: float = INIT_TIMEOUT_S) -> None:
       ConfigError: on every process: duplicate ids, another ``--num-processes``, a busy
         port, or processes missing after ``timeout`` seconds (one line).
     """
-    import errno
-    import socket
     import time
 
     assert launch.coordinator is not None and launch.num_processes is not None
     host, _, port_text = launch.coordinator.rpartition(":")
-    port, n, me = int(port_text), launch.num_processes, launch.process_id
+    port, me = int(port_text), launch.process_id
     deadline = time.monotonic() + timeout
-    hello = f"{_HELLO} {me} {n}\n".encode()
+    hello = f"{_HELLO} {me} {launch.num_processes}\n".encode()
     if me == 0:
-        try:
-            server = socket.create_server(("", port))
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise ConfigError(f"--coordinator {launch.coordinator}: cannot serve the job "
-                                  f"on port {port} here: {e.strerror}") from None
-            # another process 0 of this job may be serving it: tell it, hear its answer
-            answer = None
-            with contextlib.suppress(OSError):
-                with socket.create_connection(("127.0.0.1", port), timeout=3) as conn:
-                    conn.sendall(hello)
-                    answer = _read_line(conn, time.monotonic() + 3)
-            if answer is not None and answer.startswith("error "):
-                raise ConfigError(answer[len("error "):]) from None
-            raise ConfigError(
-                f"--coordinator {launch.coordinator}: port {port} is already in use on this "
-                "host (another program, or another process 0 of a job): choose a free port "
-                "for process 0 to serve the job on") from None
-        clients: dict[int, Any] = {}
-        others: list[Any] = []  # connections to answer with the problem
-        problem = None
-        with server:
-            server.settimeout(1.0)
-            while len(clients) < n - 1 and problem is None:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(1, n)) - set(clients))
-                    problem = (f"cannot join the job as {launch.describe()} within "
-                               f"{int(timeout)} s: process{'es' if len(missing) > 1 else ''} "
-                               f"{', '.join(map(str, missing))} did not reach process 0")
-                    break
-                try:
-                    conn, _ = server.accept()
-                except TimeoutError:
-                    continue
-                line = _read_line(conn, time.monotonic() + 10) or ""
-                words = line.split()
-                if len(words) != 3 or words[0] != _HELLO or not (
-                        words[1].isdigit() and words[2].isdigit()):
-                    conn.close()  # not a process of a job (a port scan...)
-                    continue
-                pid, count = int(words[1]), int(words[2])
-                if count != n:
-                    problem = (f"the processes of the job were given other settings: "
-                               f"--num-processes is {n} on process 0 but {count} on "
-                               f"process {pid}")
-                elif pid == 0 or pid in clients or pid >= n:
-                    problem = (f"two processes of the job were given --process-id {pid}: "
-                               f"give each of the {n} processes its own id in [0, {n})"
-                               if pid < n else f"--process-id {pid} is not below "
-                               f"--num-processes {n}")
-                if problem is not None:
-                    others.append(conn)
-                else:
-                    clients[pid] = conn
-            reply = "ok\n" if problem is None else f"error {problem}\n"
-            for conn in [*clients.values(), *others]:
-                with contextlib.suppress(OSError):
-                    conn.sendall(reply.encode())
+        _serve(launch, port, hello, deadline, timeout)
+    else:
+        _reach(launch, host, port, hello, deadline, timeout)
+
+
+def _listen(launch: Launch, port: int, hello: bytes) -> Any:
+    """Process 0's listening socket on ``port``, or the one-line refusal of a busy port."""
+    import errno
+    import socket
+    import time
+
+    try:
+        return socket.create_server(("", port))
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise ConfigError(f"--coordinator {launch.coordinator}: cannot serve the job "
+                              f"on port {port} here: {e.strerror}") from None
+    # another process 0 of this job may be serving it: tell it, hear its answer
+    answer = None
+    with contextlib.suppress(OSError):
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as conn:
+            conn.sendall(hello)
+            answer = _read_line(conn, time.monotonic() + 3)
+    if answer is not None and answer.startswith("error "):
+        raise ConfigError(answer[len("error "):]) from None
+    raise ConfigError(
+        f"--coordinator {launch.coordinator}: port {port} is already in use on this "
+        "host (another program, or another process 0 of a job): choose a free port "
+        "for process 0 to serve the job on") from None
+
+
+def _hello_problem(line: str, n: int, clients: Mapping[int, Any]
+                   ) -> tuple[int | None, str | None]:
+    """``(process id, problem)`` of a process's hello (``(None, None)``: no process's)."""
+    words = line.split()
+    if len(words) != 3 or words[0] != _HELLO or not (
+            words[1].isdigit() and words[2].isdigit()):
+        return None, None  # not a process of a job (a port scan...)
+    pid, count = int(words[1]), int(words[2])
+    if count != n:
+        return pid, (f"the processes of the job were given other settings: "
+                     f"--num-processes is {n} on process 0 but {count} on process {pid}")
+    if pid >= n:
+        return pid, f"--process-id {pid} is not below --num-processes {n}"
+    if pid == 0 or pid in clients:
+        return pid, (f"two processes of the job were given --process-id {pid}: "
+                     f"give each of the {n} processes its own id in [0, {n})")
+    return pid, None
+
+
+def _serve(launch: Launch, port: int, hello: bytes, deadline: float, timeout: float) -> None:
+    """Process 0: hear every other process, then answer them all at once."""
+    import time
+
+    n = launch.num_processes or 1
+    server = _listen(launch, port, hello)
+    clients: dict[int, Any] = {}
+    others: list[Any] = []  # connections to answer with the problem
+    problem = None
+    with server:
+        server.settimeout(1.0)
+        while len(clients) < n - 1 and problem is None:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, n)) - set(clients))
+                problem = (f"cannot join the job as {launch.describe()} within "
+                           f"{int(timeout)} s: process{'es' if len(missing) > 1 else ''} "
+                           f"{', '.join(map(str, missing))} did not reach process 0")
+                break
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            pid, problem = _hello_problem(_read_line(conn, time.monotonic() + 10) or "", n,
+                                          clients)
+            if pid is None:
                 conn.close()
-        if problem is not None:
-            raise ConfigError(problem)
-        return
-    while True:  # a process other than 0: reach process 0, say who it is, hear the answer
+            elif problem is not None:
+                others.append(conn)
+            else:
+                clients[pid] = conn
+        reply = "ok\n" if problem is None else f"error {problem}\n"
+        for conn in [*clients.values(), *others]:
+            with contextlib.suppress(OSError):
+                conn.sendall(reply.encode())
+            conn.close()
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def _reach(launch: Launch, host: str, port: int, hello: bytes, deadline: float,
+           timeout: float) -> None:
+    """A process other than 0: reach process 0, say who it is, hear the answer."""
+    import socket
+    import time
+
+    while True:
         try:
             conn = socket.create_connection((host, port), timeout=5)
         except OSError:
@@ -571,7 +602,7 @@ def agreed_signal(local: str | None) -> str | None:
 class StopPoll:
     """The trainer's stop poll, agreed between the processes of a job.
 
-    Alone, ``poll(step, scheduled)`` is ``stop()`` at every step.  In a job, a SIGTERM to
+    Alone, ``poll(scheduled)`` is ``stop()`` at every step.  In a job, a SIGTERM to
     any process is JAX's preemption notice, and ``reached_preemption_sync_point``
     (called at every step, as JAX asks) stops every process at the same step; other
     signals caught by ``stop`` (SIGUSR1, SIGINT, a SIGTERM before the job was joined) are
@@ -593,8 +624,8 @@ class StopPoll:
         """The agreed signal before training starts (a collective in a job)."""
         return agreed_signal(self.local()) if self.multi else self.local()
 
-    def __call__(self, step: int, scheduled: bool) -> str | None:
-        """The signal that stops the run after ``step`` (``None``: go on)."""
+    def __call__(self, scheduled: bool) -> str | None:
+        """The signal that stops the run after this step (``None``: go on)."""
         if not self.multi:
             return self.local()
         from jax.experimental import multihost_utils

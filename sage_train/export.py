@@ -23,10 +23,12 @@ from flax import nnx
 from sage_train import data as data_lib
 from sage_train import hf_convert, report, rundir
 from sage_train.checkpoints import Checkpoints
+from sage_train.config import TrainConfig
 from sage_train.errors import ConfigError, RunDirError, write_error
 from sage_train.model_shapes import get_model_config
 from sage_train.sharding import make_mesh, state_shardings
-from sage_train.train import TrainConfig, _legacy, build, data_fingerprint, say
+from sage_train.steps import build
+from sage_train.train import say
 
 PROVENANCE = "sage_export.json"
 """The file of an exported directory naming the run and step it came from."""
@@ -94,7 +96,7 @@ def _config(settings: dict[str, Any], run_dir: pathlib.Path) -> TrainConfig:
     """The run's configuration, for one device and the reference implementations."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in settings.items() if k in names})
-    return dataclasses.replace(_legacy(cfg, settings), sharding="none", attention="xla",
+    return dataclasses.replace(cfg, sharding="none", attention="xla",
                                sinkgd_kernel="jnp", progress=False, tensorboard=False,
                                wandb=None, run_dir=str(run_dir))
 
@@ -120,7 +122,7 @@ def _tokenizer_json(run_dir: pathlib.Path, settings: dict[str, Any]
                                     exclude=[run_dir])
     except (OSError, ValueError) as e:
         return None, f"none: the run keeps no tokenizer and its data cannot be read ({e})"
-    if settings.get("data_fingerprint") not in (None, data_fingerprint(tokens)):
+    if settings.get("data_fingerprint") not in (None, data_lib.fingerprint(tokens)):
         return None, f"none: the run keeps no tokenizer and its data {data} has changed"
     assert tokens.tokenizer is not None
     return tokens.tokenizer.to_str(), f"retrained from the run's data {data}"
@@ -182,8 +184,7 @@ def generate(model: Any, prompt: list[int], tokens: int, *, temperature: float =
 
 
 def sample(run_dir: os.PathLike[str] | str, prompt: str, *, tokens: int = 64,
-           temperature: float = 0.8, seed: int = 0, step: int | None = None,
-           log: Callable[[str], None] = say) -> str:
+           temperature: float = 0.8, seed: int = 0, step: int | None = None) -> str:
     """The prompt and its continuation by the model of a run's checkpoint (:func:`generate`).
 
     Raises:
@@ -245,7 +246,7 @@ def export_hf(run_dir: os.PathLike[str] | str, out_dir: os.PathLike[str] | str, 
     report.require("safetensors", "sage-train export")
     model, restored_step = _read_model(run_dir, settings, step, log)
     tokenizer, source = _tokenizer_json(run_dir, settings)
-    special = {"bos_token_id": None, "eos_token_id": None}
+    special: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     if tokenizer is not None:
         special = {"bos_token_id": data_lib.EOT_ID, "eos_token_id": data_lib.EOT_ID}
     files = hf_convert.save_pretrained(model, out, tokenizer_json=tokenizer,

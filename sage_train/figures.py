@@ -150,7 +150,7 @@ def plot_perplexity_curves(curves: Mapping[str, Sequence[Curve]], path: PathLike
     if not isinstance(curves, Mapping) or not curves:
         raise ValueError("curves must be a non-empty mapping of configuration -> runs")
     series = {name: _mean_band(name, runs) for name, runs in curves.items()}
-    fig, canvas = _figure((9.0, 4.5))
+    fig, _ = _figure((9.0, 4.5))
     ax = fig.add_subplot()
     for name, (x, mean, lo, hi, n) in series.items():
         (line,) = ax.plot(x, mean, marker="o", markersize=3,
@@ -163,7 +163,7 @@ def plot_perplexity_curves(curves: Mapping[str, Sequence[Curve]], path: PathLike
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     ax.set_title(title or "test perplexity: mean over seeds, min-max band", fontsize="medium")
-    return _save(fig, canvas, path)
+    return _save(fig, path)
 
 
 def plot_damper_heatmap(steps: np.ndarray, h: np.ndarray, path: PathLike, *,
@@ -195,7 +195,7 @@ def plot_damper_heatmap(steps: np.ndarray, h: np.ndarray, path: PathLike, *,
 
     vmin = min(float(h.min()), 0.5)
     norm = LogNorm(vmin=vmin, vmax=max(float(h.max()), 1.0))
-    fig, canvas = _figure((12.0, 4.5))
+    fig, _ = _figure((12.0, 4.5))
     axes = fig.subplots(1, 2)
     panels = ((axes[0], first, f"over the first {early} steps"),
               (axes[1], np.ones_like(first), f"over the whole run ({int(steps[-1])} steps)"))
@@ -209,7 +209,7 @@ def plot_damper_heatmap(steps: np.ndarray, h: np.ndarray, path: PathLike, *,
         ax.set_title(f"H_t {label}")
     fig.colorbar(mesh, ax=list(axes), label="H_t (log scale; 1 = undamped)")
     fig.suptitle(f"SAGE damper H_t of the embedding (d = {h.shape[1]})")
-    return _save(fig, canvas, path)
+    return _save(fig, path)
 
 
 def plot_damper_pca(steps: np.ndarray, h: np.ndarray, path: PathLike) -> pathlib.Path:
@@ -228,7 +228,7 @@ def plot_damper_pca(steps: np.ndarray, h: np.ndarray, path: PathLike) -> pathlib
     if scores.shape[1] < 2:  # one component: the path runs along PC1
         scores = np.concatenate([scores, np.zeros_like(scores)], axis=1)
         ratio = np.concatenate([ratio, [0.0]])
-    fig, canvas = _figure((12.0, 4.5))
+    fig, _ = _figure((12.0, 4.5))
     left, right = fig.subplots(1, 2)
     for i in range(scores.shape[1]):
         left.plot(steps, scores[:, i], label=f"PC{i + 1} ({100 * ratio[i]:.1f}% of variance)")
@@ -247,7 +247,7 @@ def plot_damper_pca(steps: np.ndarray, h: np.ndarray, path: PathLike) -> pathlib
     fig.colorbar(points, ax=right, label="step")
     fig.suptitle(f"PCA of H_t ({len(steps)} records, d = {h.shape[1]}): "
                  f"top-3 explain {100 * float(np.sum(ratio[:3])):.1f}% of the variance")
-    return _save(fig, canvas, path)
+    return _save(fig, path)
 
 
 def _check_damper(steps: np.ndarray, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -295,7 +295,7 @@ def _figure(size: tuple[float, float]) -> tuple[Any, Any]:
     return fig, FigureCanvasAgg(fig)
 
 
-def _save(fig: Any, canvas: Any, path: PathLike) -> pathlib.Path:
+def _save(fig: Any, path: PathLike) -> pathlib.Path:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import pathlib
 from collections.abc import Mapping
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sage_train.model import Llama, load_per_layer_params, per_layer_params
-from sage_train.model_shapes import LlamaConfig
+from sage_train.model_shapes import LlamaConfig, read_json_object
 
 EMBED_KEY = "model.embed_tokens.weight"
 """HF name of the token embedding table."""
@@ -262,7 +263,7 @@ def save_pretrained(model: Llama, directory: os.PathLike[str] | str, *,
         files += [(out / TOKENIZER_FILE, tokenizer_json.encode()),
                   (out / TOKENIZER_CONFIG, json.dumps(tokenizer_config, indent=2).encode())]
     for path, data in files:
-        atomic_write_bytes(path, lambda f, data=data: f.write(data))
+        atomic_write_bytes(path, operator.methodcaller("write", data))
     return [path for path, _ in files]
 
 
@@ -272,17 +273,8 @@ def read_config(directory: os.PathLike[str] | str) -> dict[str, Any]:
     Raises:
       ValueError: it is missing or not a JSON object (one line naming it).
     """
-    path = pathlib.Path(directory) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} does not exist: not a Hugging Face checkpoint "
-                         "directory") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} holds no JSON object")
-    return config
+    return read_json_object(pathlib.Path(directory) / CONFIG_FILE,
+                            ": not a Hugging Face checkpoint directory")
 
 
 def config_mismatches(hf: Mapping[str, Any], config: LlamaConfig, *,

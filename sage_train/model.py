@@ -488,14 +488,6 @@ class Llama(nnx.Module):
         return self.head(self.hidden(tokens))
 
 
-def _split_layer_path(path: str) -> tuple[str, str] | None:
-    """``("3", "attn.q_proj.kernel")`` for ``layers.3.attn.q_proj.kernel``; else ``None``."""
-    parts = path.split(".", 2)
-    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit():
-        return parts[1], parts[2]
-    return None
-
-
 def per_layer_params(model: Llama) -> dict[str, jax.Array]:
     """Every parameter by its per-layer dotted path (``layers.<i>.<name>``), in either layout.
 

@@ -128,6 +128,24 @@ def is_model_file(model: str) -> bool:
     return model not in MODELS and (model.endswith(".json") or path.is_dir())
 
 
+def read_json_object(file: pathlib.Path, missing: str = "") -> dict[str, Any]:
+    """The JSON object in ``file`` (a model file, a checkpoint's ``config.json``).
+
+    Raises:
+      ValueError: ``{file} does not exist{missing}``, ``cannot read {file}: ...`` or
+        ``{file} holds no JSON object`` (one line).
+    """
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{file} does not exist{missing}") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} holds no JSON object")
+    return data
+
+
 def load_model_file(model: str) -> LlamaConfig:
     """The LLaMA shape of a JSON file, or of a Hugging Face checkpoint's ``config.json``.
 
@@ -146,15 +164,10 @@ def load_model_file(model: str) -> LlamaConfig:
     path = pathlib.Path(model).expanduser()
     file = path / "config.json" if path.is_dir() else path
     try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--model {model}: {file} does not exist (a model is one of "
-                         f"{', '.join(MODELS)}, a .json file of a LLaMA shape or a Hugging "
-                         "Face LLaMA checkpoint directory)") from None
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {model}: cannot read {file}: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--model {model}: {file} holds no JSON object")
+        data = read_json_object(file, f" (a model is one of {', '.join(MODELS)}, a .json file "
+                                "of a LLaMA shape or a Hugging Face LLaMA checkpoint directory)")
+    except ValueError as e:
+        raise ValueError(f"--model {model}: {e}") from None
     if data.get("model_type", "llama") != "llama":
         raise ValueError(f"--model {model}: {file} is a {data['model_type']!r} model's "
                          "config, not a LLaMA's")

@@ -261,11 +261,9 @@ def _lines(path: pathlib.Path) -> list[str]:
 
 def differences(old: Mapping[str, Any], new: Mapping[str, Any],
                 fields: tuple[str, ...] = MATH_FIELDS) -> dict[str, tuple[Any, Any]]:
-    """``{field: (old, new)}`` for every field of ``fields`` recorded in ``old`` that changed."""
+    """``{field: (old, new)}`` for every field of ``fields`` that changed (absent: ``None``)."""
     out = {}
     for f in fields:
-        if f not in old:  # not recorded (an older run): nothing to compare with
-            continue
         a, b = old.get(f), new.get(f)
         if f == "data":
             a, b = normalize_data(a), normalize_data(b)
@@ -308,13 +306,6 @@ def record_segment(run_dir: pathlib.Path, settings: Mapping[str, Any], start_ste
     """Append this segment to ``config_history.jsonl`` and make ``settings`` current."""
     history = run_dir / HISTORY
     segment = len(_lines(history))
-    if segment == 0 and (run_dir / CONFIG).exists() and start_step > 0:
-        # a run recorded before the history existed: its settings open the history
-        with contextlib.suppress(OSError, ValueError):
-            old = json.loads((run_dir / CONFIG).read_text())
-            append_line(history, json.dumps({"segment": 0, "start_step": 0, "settings": old,
-                                             "changed": {}, "note": "recorded before history"}))
-            segment = 1
     append_line(history, json.dumps({
         "segment": segment, "start_step": start_step, "started": _now(), "pid": os.getpid(),
         "settings": dict(settings), "changed": {k: list(v) for k, v in changed.items()},

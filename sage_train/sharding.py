@@ -105,7 +105,7 @@ def local_rows(mesh: Mesh, batch_size: int) -> slice:
     return slice(start, stop)
 
 
-def shard_batch(batch: tuple[np.ndarray, np.ndarray], mesh: Mesh, mode: str,
+def shard_batch(batch: tuple[np.ndarray, np.ndarray], mesh: Mesh,
                 batch_size: int | None = None) -> tuple[Any, Any]:
     """Put a batch on the mesh, split along its first (batch) axis.
 

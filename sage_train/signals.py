@@ -1,7 +1,7 @@
 """Signals that stop ``sage-train`` between steps: preemption (SIGTERM, SIGUSR1) and Ctrl-C.
 
 Imports nothing heavy (no JAX), so that ``python -m sage_train`` catches them from its
-first moment, before JAX is imported.
+first moment, before JAX is imported (:func:`sage_train.commands.launch`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import signal
 from typing import Any
-
-from sage_optim.extras import require
 
 PREEMPTED = 75
 """Exit status after SIGTERM or SIGUSR1: the checkpoint of the step reached was saved."""
@@ -71,17 +69,3 @@ class StopSignals:
     def __call__(self) -> str | None:
         """The first signal received, or ``None``."""
         return self.received
-
-
-def launch() -> int:
-    """``sage-train`` with the signals caught before JAX is imported.
-
-    The entry point of ``python -m sage_train`` (and the one to give a console script):
-    a SIGTERM, SIGUSR1 or SIGINT that arrives while JAX loads stops the run cleanly too.
-    Without the ``[train]`` extra it prints one line naming it and exits 1.
-    """
-    require("sage-train", "train")
-    with StopSignals() as signals:
-        from sage_train.cli import main
-
-        return main(signals=signals)

@@ -45,7 +45,8 @@ from sage_train.model import (  # noqa: E402
     reference_attention,
 )
 from sage_train.model_shapes import MODELS  # noqa: E402
-from sage_train.train import implementations, train  # noqa: E402
+from sage_train.run import implementations  # noqa: E402
+from sage_train.train import train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -366,12 +367,10 @@ def test_sage_kernels_off_records_jnp(train_corpus, tmp_path, monkeypatch):
         quiet(config(train_corpus, tmp_path / "bad"))
 
 
-def test_attention_is_checked_on_resume_and_older_runs_continue_with_xla(
-        train_corpus, tmp_path, monkeypatch):
+def test_attention_is_checked_on_resume(train_corpus, tmp_path, monkeypatch):
     """attention is a MATH_FIELD: a run recorded with cuDNN's attention is not continued with
-    XLA's unless allowed; a run recorded before the setting existed (which computed XLA's
-    attention) continues with attention="xla" and records it."""
-    from sage_train import train as train_mod
+    XLA's unless allowed."""
+    from sage_train import steps as train_mod
 
     assert {"attention", "sinkgd_kernel"} <= set(rundir.MATH_FIELDS)
     seen: list[str] = []
@@ -391,22 +390,6 @@ def test_attention_is_checked_on_resume_and_older_runs_continue_with_xla(
     (run / "config.json").write_text(json.dumps(settings | {"attention": "cudnn"}))
     with pytest.raises(RunDirError, match="attention 'cudnn' -> 'xla'"):
         quiet(config(train_corpus, run))
-    del settings["attention"], settings["sinkgd_kernel"]  # as a version before them wrote it
-    (run / "config.json").write_text(json.dumps(settings))
-    seen.clear()
-    result, messages = quiet(config(train_corpus, run), stop_after=2)
-    assert result.start_step == 1 and result.steps_done == 2
-    assert set(seen) == {"xla"}  # continued as it computed
-    assert "attention:       xla (requested: XLA's attention, float32 T x T scores " \
-        "materialised)" in messages
-    assert json.loads((run / "config.json").read_text())["attention"] == "xla"
-
-
-def test_rundir_differences_ignore_a_missing_attention():
-    old = {"attention": "xla", "seed": 0}
-    assert rundir.differences({"seed": 0}, {"attention": "cudnn", "seed": 0}) == {}
-    assert rundir.differences(old, {"attention": "cudnn", "seed": 0}) == {
-        "attention": ("xla", "cudnn")}
 
 
 # ---------------------------------------------------------------------------

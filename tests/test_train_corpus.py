@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from corpus_helpers import make_tree
 
-from sage_train import corpus, data
+from sage_train import corpus, data, token_store
 from sage_train.model_shapes import MODELS
 
 VOCAB = 300
@@ -87,7 +87,7 @@ def test_cache_is_memory_mapped_and_reused(tree, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("the cached corpus was trained again")
 
-    monkeypatch.setattr(data, "train_tokenizer", no_training)
+    monkeypatch.setattr(token_store, "train_tokenizer", no_training)
     b = corpus.build_corpus(roots, vocab_size=VOCAB, progress=False)
     assert b.path == a.path and np.array_equal(a.train, b.train)
 
@@ -167,7 +167,7 @@ def test_tokenizer_sees_train_documents_only(tree, monkeypatch):
         seen.extend(texts)
         return real(texts, vocab_size)
 
-    monkeypatch.setattr(data, "train_tokenizer", spy)
+    monkeypatch.setattr(token_store, "train_tokenizer", spy)
     listing = corpus.list_documents(roots)
     corpus.build_corpus(roots, vocab_size=VOCAB, tokenizer_bytes=3_000, progress=False)
     train = {d.text: d.sha256 for d in listing.documents if not d.test}

@@ -26,7 +26,7 @@ from train_helpers import config, quiet  # noqa: E402
 
 from sage_train import data as data_lib  # noqa: E402
 from sage_train import hf_convert  # noqa: E402
-from sage_train import train as train_mod  # noqa: E402
+from sage_train import steps as train_mod  # noqa: E402
 from sage_train.checkpoints import Checkpoints  # noqa: E402
 from sage_train.cli import main  # noqa: E402
 from sage_train.errors import ConfigError, DataError, RunDirError  # noqa: E402

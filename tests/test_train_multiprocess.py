@@ -228,8 +228,9 @@ def test_the_optimizer_state_across_processes_matches_one_process(jobs, sharding
     across the two processes (under FSDP over shards that live on both).
     """
     from sage_train.model_shapes import get_model_config
+    from sage_train.resume import abstract_state as _abstract_state
     from sage_train.sharding import make_mesh
-    from sage_train.train import TrainConfig, _abstract_state
+    from sage_train.train import TrainConfig
 
     cfg = TrainConfig(model="tiny", optimizer="sage-hybrid", steps=STEPS, sharding=sharding)
     like = _abstract_state(cfg, get_model_config("tiny").vocab_size, make_mesh(sharding))

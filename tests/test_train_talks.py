@@ -22,8 +22,10 @@ from train_helpers import config, quiet  # noqa: E402
 
 import sage_optax  # noqa: E402
 from sage_optim.table import format_bytes  # noqa: E402
+from sage_train import loop as train_mod  # noqa: E402
 from sage_train import report, rundir  # noqa: E402
-from sage_train import train as train_mod  # noqa: E402
+from sage_train import steps as steps_mod  # noqa: E402
+from sage_train import train as train_api  # noqa: E402
 from sage_train.cli import configs, main, parse_args  # noqa: E402
 from sage_train.errors import ConfigError, RunDirError  # noqa: E402
 from sage_train.train import TrainConfig, check_config  # noqa: E402
@@ -70,8 +72,8 @@ def test_header_shows_the_values_used(logged):
     assert settings["learning_rate"] == 0.002
     assert h["schedule"] == "1 warmup step, then cosine decay to 0.1 x the peak at step 4"
     assert h["tokens per step"] == "256 (8 x 32)"
-    model = train_mod.build_model(config("x", run), 1024)
-    n = sum(int(x.size) for x in jax.tree.leaves(train_mod.nnx.state(model, train_mod.nnx.Param)))
+    model = steps_mod.build_model(config("x", run), 1024)
+    n = sum(int(x.size) for x in jax.tree.leaves(steps_mod.nnx.state(model, steps_mod.nnx.Param)))
     assert h["model"].startswith(f"tiny, {n:,} parameters (2 layers, hidden 96, 4 heads, 2 kv")
     assert h["optimizer"] == (f"sage-hybrid, state {format_bytes(result.opt_state_bytes)} "
                               "(b1 0.9, b2 0.99, weight decay 0.01)")
@@ -195,7 +197,7 @@ def test_a_terminal_gets_the_bar_and_the_cli_lines_are_flushed(train_corpus, tmp
     assert len([m for m in messages if m.startswith("step ")]) == 2  # not a terminal: lines
     flushed = []
     monkeypatch.setattr("builtins.print", lambda *a, **k: flushed.append(k.get("flush")))
-    train_mod.say("x")
+    train_api.say("x")
     assert flushed == [True]
 
 

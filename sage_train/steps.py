@@ -1,0 +1,181 @@
+"""The model, its optimizer and the jitted steps of a run.
+
+:func:`build` makes the model and its optimizer (clipping, then the configuration under the
+run's learning-rate schedule: :func:`make_tx`); :func:`make_steps` the jitted train step
+(state donated, ``grad_accum`` micro-batches: :func:`loss_and_grads`) and eval step, which
+:func:`cached_steps` shares between the runs of a process that compile the same step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import sage_optax
+from sage_optim.presets import get_preset
+from sage_train.config import (
+    SCHEDULES,
+    STEP_FIELDS,
+    TrainConfig,
+    compute_dtype,
+    layer_layout,
+    loss_chunk_tokens,
+)
+from sage_train.diagnostics import embedding_damper
+from sage_train.model import Llama, loss_fn
+from sage_train.model_shapes import get_model_config
+from sage_train.sharding import shard_batch
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """The learning rate per step: linear warmup, then ``cfg.schedule``.
+
+    The warmup covers ``warmup_frac`` of the steps; cosine and linear then decay to
+    ``final_lr_frac`` of the peak (the paper: cosine with 10% warmup).
+    """
+    if cfg.schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
+    peak = cfg.learning_rate if cfg.learning_rate is not None else get_preset(
+        cfg.optimizer).learning_rate
+    warmup = max(1, int(cfg.warmup_frac * cfg.steps))
+    rest = max(cfg.steps - warmup, 1)
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.final_lr_frac)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(peak, peak * cfg.final_lr_frac, rest)
+    else:
+        after = optax.constant_schedule(peak)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def make_tx(cfg: TrainConfig, model: Llama | None = None) -> optax.GradientTransformation:
+    """Gradient clipping followed by the configuration, under the run's schedule.
+
+    ``model`` is the router's evidence: with scanned layers it is what lets the router read
+    a ``(L, in, out)`` kernel as ``L`` stacked matrices (without it such a leaf is refused).
+    """
+    tx = sage_optax.make_optimizer(cfg.optimizer, lr_schedule(cfg), model=model,
+                                   impl=cfg.sinkgd_kernel, weight_decay=cfg.weight_decay,
+                                   b1=cfg.b1, b2=cfg.b2)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip), tx) if cfg.clip > 0 else tx
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> Llama:
+    """The model of ``cfg`` (vocabulary from the data)."""
+    model_cfg = dataclasses.replace(get_model_config(cfg.model), vocab_size=vocab_size)
+    return Llama(model_cfg, rngs=nnx.Rngs(cfg.seed), dtype=jnp.dtype(compute_dtype(cfg)),
+                 param_dtype=jnp.dtype(cfg.param_dtype), layers=layer_layout(cfg),  # type: ignore
+                 remat=cfg.remat, loss_chunk=loss_chunk_tokens(cfg),  # type: ignore[arg-type]
+                 attention=cfg.attention)  # type: ignore[arg-type]
+
+
+def build(cfg: TrainConfig, vocab_size: int) -> tuple[Llama, nnx.Optimizer]:
+    """The model (vocabulary from the data) and its optimizer (routed with the model)."""
+    model = build_model(cfg, vocab_size)
+    return model, nnx.Optimizer(model, make_tx(cfg, model), wrt=nnx.Param)
+
+
+_STEP_CACHE: dict[tuple[Any, ...], tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def cached_steps(cfg: TrainConfig, vocab_size: int, graphdef: Any, record_h: bool,
+                 resolved: tuple[Any, ...] = (), mesh: Any = None
+                 ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """:func:`make_steps` for ``graphdef``, shared by every run with the same step fields.
+
+    Two builds of the same model and optimizer give graph definitions that compare unequal
+    (the optimizer holds fresh closures), so the cache is keyed on the configuration instead:
+    several seeds, a resumed run or the same configuration again compile once per process.
+    ``resolved`` joins the key: what the step was traced with beyond ``cfg`` (the
+    implementations, which ``SAGE_KERNELS`` can change, and the resolved loss chunk), and
+    ``mesh``.
+    """
+    key = (tuple(getattr(cfg, f) for f in STEP_FIELDS), vocab_size, record_h, tuple(resolved),
+           mesh)
+    if key not in _STEP_CACHE:
+        if len(_STEP_CACHE) >= 8:
+            _STEP_CACHE.pop(next(iter(_STEP_CACHE)))
+        _STEP_CACHE[key] = make_steps(graphdef, record_h, cfg.grad_accum, mesh)
+    return _STEP_CACHE[key]
+
+
+def loss_and_grads(model: Llama, inputs: jax.Array, targets: jax.Array,
+                   grad_accum: int = 1) -> tuple[jax.Array, Any]:
+    """The mean loss of a batch and its gradient, over ``grad_accum`` micro-batches.
+
+    With ``grad_accum`` ``K > 1`` the ``B`` sequences are split into ``K`` micro-batches of
+    ``B / K`` (micro-batch ``k``: sequences ``k, k + K, ...``, so that a batch sharded over
+    its rows stays sharded), whose losses and gradients a ``jax.lax.scan`` averages
+    (gradients summed in float32): the loss and gradient of the whole batch, up to the
+    order of the sums, with the activations of one micro-batch alive at a time.
+    """
+    if grad_accum == 1:
+        return nnx.value_and_grad(loss_fn)(model, inputs, targets)
+    graphdef, params, rest = cast(tuple[Any, Any, Any], nnx.split(model, nnx.Param, ...))
+
+    def micro_loss(p: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        return loss_fn(nnx.merge(graphdef, p, rest), x, y)
+
+    def body(carry: tuple[jax.Array, Any], batch: tuple[jax.Array, jax.Array]
+             ) -> tuple[tuple[jax.Array, Any], None]:
+        total, acc = carry
+        loss, g = jax.value_and_grad(micro_loss)(params, *batch)
+        return (total + loss, jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)), None
+
+    def micro(a: jax.Array) -> jax.Array:
+        return a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    (total, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros),
+                                   (micro(inputs), micro(targets)))
+    grads = jax.tree.map(lambda a, p: (a / grad_accum).astype(p.dtype), acc, params)
+    return total / grad_accum, grads
+
+
+def make_steps(graphdef: Any, record_h: bool, grad_accum: int = 1, mesh: Any = None
+               ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The jitted train step (state donated) and eval step over the split state.
+
+    The train step returns the new state, ``(loss, gradient norm)`` (the global norm of
+    the gradient before clipping) and SAGE's ``H_t`` of the embedding (``None`` unless
+    ``record_h``); it accumulates ``grad_accum`` micro-batches (:func:`loss_and_grads`).
+    With a ``mesh``, what the host reads (the loss, the norm, ``H_t``) is replicated on
+    its devices, so that process 0 of a job of several reads it from its own devices.
+    """
+    replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+    def host_side(x: Any) -> Any:
+        return x if replicated is None else jax.lax.with_sharding_constraint(x, replicated)
+
+    def train_step(state: Any, inputs: jax.Array, targets: jax.Array) -> Any:
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = loss_and_grads(model, inputs, targets, grad_accum)
+        optimizer.update(model, grads)
+        h = embedding_damper(optimizer, grads) if record_h else None
+        return (nnx.state((model, optimizer)), host_side((loss, optax.tree.norm(grads))),
+                host_side(h))
+
+    def eval_step(state: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        model, _ = nnx.merge(graphdef, state)
+        return host_side(loss_fn(model, inputs, targets))
+
+    return jax.jit(train_step, donate_argnums=0), jax.jit(eval_step)
+
+
+def evaluate_loss(eval_step: Callable[..., Any], state: Any, batches: list[Any], mesh: Any,
+                  batch_size: int | None = None) -> float:
+    """Test loss: the mean loss over the fixed evaluation windows.
+
+    ``batches`` hold this process's rows of global batches of ``batch_size`` rows (default:
+    all rows, as with one process).
+    """
+    return float(np.mean([float(eval_step(state, *shard_batch(b, mesh, batch_size)))
+                          for b in batches]))
