@@ -1,7 +1,7 @@
 """Sphinx configuration of the sage-optim documentation.
 
 ``make docs`` builds it as HTML into ``docs/_build/html`` with ``-W`` (a warning is an
-error); ``tests/test_docs_blocks.py`` runs the same build.  The pages are the Markdown files
+error); ``tests/docs/test_docs_blocks.py`` runs the same build.  The pages are the Markdown files
 of ``docs/`` (read by MyST) and ``docs/api/``, the reference generated from the docstrings
 (autodoc, Google-style sections read by napoleon), as optax's documentation does it.
 """

@@ -42,7 +42,7 @@ CONFIGS = ("sage-hybrid", "lion-hybrid") if FAST else (
 STEPS = 4 if FAST else 100  # optimizer steps per parity run
 MODEL_STEPS = 3 if FAST else 30  # steps of the model-level run
 # The LLaMA run costs ~15 s of imports and compilation even for one step: skipped in fast
-# mode (tests/test_parity_llama.py covers it in the test suite).
+# mode (tests/parity/test_parity_llama.py covers it in the test suite).
 LLAMA_STEPS = 0 if FAST else 10  # steps of the full LLaMA run
 torch.set_num_threads(1)  # the models are tiny: threads only add contention
 

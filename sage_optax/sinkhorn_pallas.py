@@ -34,7 +34,7 @@ the jnp path (:func:`supports`).
 Numbers: the same operations as the reference, but a different summation order (a tile's
 row of sums, then the tiles in turn, against XLA's reduction tree) and, compiled for a GPU,
 Triton's division; the scales agree with the jnp path within float32 rounding
-(``tests/test_sinkhorn_pallas.py`` states the tolerance), not bit for bit.
+(``tests/optax/test_optax_sinkhorn_pallas.py`` states the tolerance), not bit for bit.
 
 :func:`pallas_scales` is the entry point; ``interpret=True`` runs the same kernels with
 Pallas's interpreter on any backend (how the CPU tests check the kernel's math).

@@ -1,6 +1,6 @@
 """Framework-neutral pieces shared by :mod:`sage_optax` and :mod:`sage_torch`.
 
-Nothing here imports JAX or PyTorch (``tests/test_layering.py`` checks it), and everything
+Nothing here imports JAX or PyTorch (``tests/core/test_core_layering.py`` checks it), and everything
 here serves both frameworks, written once so that they build the very same optimizers from
 the very same numbers:
 

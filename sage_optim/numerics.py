@@ -5,7 +5,7 @@ gradient by scaling with powers of two (exact: a power of two changes the expone
 The scalar definitions here are the specification: :func:`mean_scale` is used by both
 frameworks as it is; :func:`pow2_floor` and :func:`pow2_sqrt_floor` are the definitions
 that each framework's one array version (``sage_optax.numerics``,
-``sage_torch.common``) computes element-wise, which ``tests/test_numerics.py`` checks.
+``sage_torch.common``) computes element-wise, which ``tests/core/test_core_numerics.py`` checks.
 
 The convention is the floor, ``m ≤ a < 2m``: the largest power of two not above ``a``.
 It exists for every finite ``a > 0`` (the ceiling ``a < m ≤ 2a`` overflows to infinity for

@@ -9,7 +9,8 @@ As ``torch.optim.Optimizer`` knows no algorithm, :class:`~sage_torch.RuleOptimiz
 module of it) is imported; a rule ``foo`` of ``RULE_DEFAULTS`` not registered yet is looked for in
 ``sage_torch/foo.py`` (:func:`make_rules` imports it), so a new rule needs no edit outside its
 module (``CONTRIBUTING.md``, "Adding an update rule"). Imports go one way
-(``tests/test_layering.py`` checks that they form no cycle): :mod:`~sage_torch.common` (the
+(``tests/core/test_core_layering.py`` checks that they form no cycle):
+:mod:`~sage_torch.common` (the
 :class:`~sage_torch.common.UpdateRule` interface) ← this module ← :mod:`~sage_torch.fused_check` ←
 :mod:`~sage_torch.optimizer` (the base) ← the algorithm modules (their rules register here, their
 optimizer classes subclass the base) ← :mod:`~sage_torch.configs` ← ``sage_torch``.

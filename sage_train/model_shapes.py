@@ -4,7 +4,7 @@ Only shapes live here (no framework code), so memory accounting, the Flax traine
 PyTorch side all agree on what "270m" means.  It lives beside the trainer, its main user,
 and imports no framework (``sage_train/__init__.py`` imports nothing), so the reproduction
 code, the benchmarks and torch-only code read it without loading JAX or Flax
-(``tests/test_layering.py`` checks it).
+(``tests/core/test_core_layering.py`` checks it).
 """
 
 from __future__ import annotations

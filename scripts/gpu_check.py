@@ -71,27 +71,29 @@ reached")."""
 # torch: foreach against single-tensor on CUDA, the fused (Triton) path against both in
 # float32 and bfloat16, CUDA-graph capture, the device guard.
 JAX_CORRECTNESS = (
-    "tests/test_sinkhorn_pallas.py", "tests/test_placement.py", "tests/test_grouping.py",
-    "tests/test_train_attention.py", "tests/test_configs.py", "tests/test_sage_range.py",
-    "tests/test_nonfinite.py",
+    "tests/optax/test_optax_sinkhorn_pallas.py", "tests/optax/test_optax_placement.py",
+    "tests/optax/test_optax_grouping.py", "tests/train/test_train_attention.py",
+    "tests/optax/test_optax_configs.py", "tests/parity/test_parity_sage_range.py",
+    "tests/parity/test_parity_nonfinite.py",
 )
 TORCH_CORRECTNESS = (
-    "tests/test_torch_fused_cuda.py", "tests/test_torch_multi_tensor.py",
-    "tests/test_torch_capturable.py", "tests/test_torch_fused_paths.py",
-    "tests/test_torch_fused_selfcheck.py", "tests/test_torch_fused_bf16.py",
+    "tests/torch/test_torch_fused_cuda.py", "tests/torch/test_torch_multi_tensor.py",
+    "tests/torch/test_torch_capturable.py", "tests/torch/test_torch_fused_paths.py",
+    "tests/torch/test_torch_fused_selfcheck.py", "tests/torch/test_torch_fused_bf16.py",
 )
 # Left to CI: the notebooks (jupytext), torch's multi-process tests, the install test (it
 # builds wheels) and the trainer's multi-process and soak tests (CPU processes, minutes).
 NOT_ON_GPU = (
-    "tests/test_notebooks.py", "tests/test_torch_distributed.py", "tests/test_install.py",
-    "tests/test_train_multiprocess.py", "tests/test_train_soak.py",
+    "tests/docs/test_docs_notebooks.py", "tests/torch/test_torch_distributed.py",
+    "tests/docs/test_docs_install.py",
+    "tests/train/test_train_multiprocess.py", "tests/train/test_train_soak.py",
 )
 
 # The updates whose compiled temporaries XLA:GPU made larger than the CPU's bounds on
 # 2026-11-26 (benchmarks/gpu/2026-11-26-h100.md): their buffer assignments go to the logs.
 MEMORY_DIAG = (
-    "tests/test_grouping.py::test_stacking_adds_no_copy_of_the_gradients",
-    "tests/test_memory.py::test_donated_step_needs_no_more_temporary_memory_than_the_largest_"
+    "tests/optax/test_optax_grouping.py::test_stacking_adds_no_copy_of_the_gradients",
+    "tests/repro/test_repro_memory.py::test_donated_step_needs_no_more_temporary_memory_than_the_largest_"
     "parameter",
 )
 
@@ -256,7 +258,8 @@ def plan(smoke: bool = False) -> list[Part]:
         )),
         Part("e", "(e) the rest, while time is left", greedy=True, steps=(
             Step("XLA's buffer assignment of the updates whose temporaries exceed the CPU's "
-                 "bounds (tests/test_grouping.py, tests/test_memory.py; dumped to the logs)",
+                 "bounds (tests/optax/test_optax_grouping.py, tests/repro/test_repro_memory.py; "
+                 "dumped to the logs)",
                  _pytest(MEMORY_DIAG, "memory-diag", 1), 30, kind="pytest",
                  needs=("jax", "optax", "pytest"), gpu=jax_gpu,
                  env=_env({**JAX_GPU_ENV, "XLA_FLAGS": JAX_GPU_ENV["XLA_FLAGS"]

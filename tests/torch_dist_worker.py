@@ -1,4 +1,4 @@
-"""Distributed runs of sage_torch optimizers, launched by tests/test_torch_distributed.py.
+"""Distributed runs of sage_torch optimizers, launched by tests/torch/test_torch_distributed.py.
 
 Usage: ``python tests/torch_dist_worker.py OUT_JSON [FILTER]``.
 
