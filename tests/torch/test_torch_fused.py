@@ -8,7 +8,7 @@ case is skipped, with the reason, where the ``triton`` package is not installed.
 
 Also here: the multi-tensor SinkGD's ``group_bytes`` chunking gives bit for bit the
 unchunked result, and every kernel variant compiles for an H100.  The other files
-``tests/test_torch_fused_*.py``: the default paths and ``SAGE_KERNELS`` (``_paths``),
+``tests/torch/test_torch_fused_*.py``: the default paths and ``SAGE_KERNELS`` (``_paths``),
 int64 offsets, the first-use check, bfloat16, and the CUDA cases (skipped without CUDA).
 """
 
