@@ -68,7 +68,7 @@ def _rms_nonneg(x: Tensor) -> Tensor:
     """
     if x.numel() == 0:
         return x.square().mean()
-    m = pow2_floor(x.amax())
+    m = pow2_floor(x.amax(), edges=False)
     return (x / m).square().mean().sqrt().mul(m)
 
 
@@ -105,7 +105,7 @@ def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
     x = torch.stack(srcs) if len(srcs) == 2 else srcs[0].unsqueeze(0)  # (k, *s.shape)
     rd = tuple(d + 1 for d in dims)
     if rd:
-        m = pow2_floor(x.amax(dim=(0, *rd), keepdim=True))
+        m = pow2_floor(x.amax(dim=(0, *rd), keepdim=True), edges=False)
         r = (x / m).square().mean(dim=rd, keepdim=True).sqrt().mul(m)  # σ and γ
     else:  # one entry per batch index: sqrt(x²) is x
         r = x

@@ -168,7 +168,7 @@ def _pytest(files: Sequence[str], name: str, workers: int, extra: Sequence[str] 
 def rest_of_suite() -> tuple[str, ...]:
     """The test files of the suite that part (a) did not run and that run on a GPU host."""
     done = set(JAX_CORRECTNESS) | set(TORCH_CORRECTNESS) | set(NOT_ON_GPU)
-    return tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+    return tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*/test_*.py")
                         if str(p.relative_to(ROOT)) not in done))
 
 
