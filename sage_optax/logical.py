@@ -208,114 +208,180 @@ def route_from_names(name: str, shape: tuple[int, ...], names: Names,
     return _matrix(name, shape, ax, batch, rest, torch_order)
 
 
+@dataclasses.dataclass(frozen=True)
+class _MatrixLeaf:
+    """What the matrix reading of one leaf works from."""
+
+    name: str
+    shape: tuple[int, ...]
+    ax: _Axes
+    batch: tuple[int, ...]
+    rest: list[int]  # the non-batch axes, in array order
+    order: list[int]  # ``rest`` in x @ W order: inputs first
+    side: dict[int, str]  # the axes whose role is a side: "in" (fan_in) or "out" (fan_out)
+
+    def axes_of(self, role: str) -> list[int]:
+        """The non-batch axes whose name has the role ``role``."""
+        return [i for i in self.rest if self.ax.roles[i] == role]
+
+    def placed(self) -> list[int]:
+        """The non-batch axes that a role or a side places, in array order."""
+        return [i for i in self.rest if self.ax.roles[i] is not None or i in self.side]
+
+    def has_unplaced_axis(self) -> bool:
+        """Whether an axis of a matrix with three or more axes has no role."""
+        return len(self.rest) > 2 and any(self.ax.roles[i] is None for i in self.rest)
+
+
 def _matrix(name: str, shape: tuple[int, ...], ax: _Axes, batch: tuple[int, ...],
             rest: list[int], torch_order: bool) -> Route | RoutingError | None:
     """The matrix route of ``rest`` (the non-batch axes), or why the names cannot give it."""
-    roles = ax.roles
-    order = rest[::-1] if torch_order else rest  # x @ W order: inputs first
-    side: dict[int, str] = {}
-    for i in rest:
-        if roles[i] in ("fan_in", "fan_out"):
-            side[i] = "in" if roles[i] == "fan_in" else "out"
-    kind = "dense"
-    vocab = [i for i in rest if roles[i] == "vocab"]
-    embed = [i for i in rest if roles[i] == "embed"]
-    free = [i for i in rest if i not in side]
-
-    def refuse(why: str, guess: dict[int, str] | None) -> RoutingError:
-        options: list[tuple[Any, str]] = []
-        if guess is not None:
-            guess = _complete(guess, [i for i in rest if i not in guess])
-            fi = tuple(i for i in rest if guess.get(i) == "in")
-            fo = tuple(i for i in rest if guess.get(i) == "out")
-            if fi and fo:
-                gb = tuple(i for i in range(len(shape)) if i not in fi + fo)
-                options.append((Route(kind, fi, fo, gb),
-                                "the named axes are read as their names say"
-                                + (" and the unnamed ones are stacked copies" if
-                                   set(gb) - set(batch) else "")))
-        options += [(Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
-                    ("vector", "element-wise rules are wanted")]
-        unknown = sorted({str(ax.names[i]) for i in rest if roles[i] is None
-                          and ax.names[i] is not None})
-        hint = (f"; name the role of {', '.join(repr(u) for u in unknown)} with "
-                f"axis_roles={{{unknown[0]!r}: 'batch' or 'fan_in' or ...}}" if unknown else "")
-        return RoutingError(
-            f"cannot place {name!r} of shape {shape} by its {ax.said}: {why}{hint}, or give "
-            "it, e.g. " + core.override_advice(name, shape, options[0][0]),
-            leaf=name, shape=shape, options=options)
-
+    side = {i: "in" if ax.roles[i] == "fan_in" else "out" for i in rest
+            if ax.roles[i] in ("fan_in", "fan_out")}
+    m = _MatrixLeaf(name, shape, ax, batch, rest, rest[::-1] if torch_order else rest, side)
+    vocab, embed = m.axes_of("vocab"), m.axes_of("embed")
     if (len(vocab) > 1 or len(embed) > 1) and len(rest) == 2:
         return None  # ("embed", "embed"): a square width matrix; the leaf name decides
     if len(vocab) > 1 or (vocab and embed and len(embed) > 1):
-        return refuse("two axes name the vocabulary or the width", None)
+        return _refuse(m, "two axes name the vocabulary or the width", None)
     if vocab:
-        kind = "embedding"
-        if any(side.get(i) == "in" for i in vocab):
-            return refuse("a vocab axis is named the fan-in", None)
-        table = {i: ("out" if i in vocab else side.get(i, "in")) for i in rest}
-        if any(roles[i] is None for i in rest) and len(rest) > 2:
-            return refuse("an axis has no role", table)
-        fo = tuple(i for i in rest if table[i] == "out")
-        fi = tuple(i for i in rest if table[i] == "in")
-        if not fi:
-            return refuse("no axis is left for the width", None)
-        return Route("embedding", fi, fo, batch, evidence=ax.said)
+        return _vocab_route(m, vocab)
     if len(embed) > 1:
-        return refuse("'embed' names two axes", None)
-    guess: dict[int, str] | None = None
-    if embed:
-        e = embed[0]
-        known = [i for i in order if roles[i] is not None or i in side]
-        if e in side:
-            own = side[e]
-        elif e == known[0]:
-            own = "in"
-        elif e == known[-1]:
-            own = "out"
-        else:
-            return refuse("the width stands between other named axes", None)
-        other = "out" if own == "in" else "in"
-        guess = {i: side.get(i, own if i == e else other) for i in known}
-        if len(rest) == 2:
-            guess = {i: guess.get(i, other) for i in rest}
+        return _refuse(m, "'embed' names two axes", None)
+    guess = _embed_sides(m, embed[0]) if embed else _group_sides(m)
+    if guess is None or isinstance(guess, RoutingError):
+        return guess
+    return _dense_route(m, guess)
+
+
+def _refuse(m: _MatrixLeaf, why: str, guess: dict[int, str] | None,
+            kind: str = "dense") -> RoutingError:
+    """The refusal of ``m`` because ``why``; ``guess`` (sides by axis) is offered first.
+
+    The reading ``guess`` suggests (:func:`_complete`) is the first remedy where it has both
+    sides, as a ``kind`` route; then a stack of ``(in, out)`` matrices, then a vector.
+    Unknown names are named with the ``axis_roles`` that would explain them.
+    """
+    roles, rest = m.ax.roles, m.rest
+    options: list[tuple[Any, str]] = []
+    if guess is not None:
+        guess = _complete(guess, [i for i in rest if i not in guess])
+        fi = tuple(i for i in rest if guess.get(i) == "in")
+        fo = tuple(i for i in rest if guess.get(i) == "out")
+        if fi and fo:
+            gb = tuple(i for i in range(len(m.shape)) if i not in fi + fo)
+            options.append((Route(kind, fi, fo, gb),
+                            "the named axes are read as their names say"
+                            + (" and the unnamed ones are stacked copies" if
+                               set(gb) - set(m.batch) else "")))
+    options += [(Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
+                ("vector", "element-wise rules are wanted")]
+    unknown = sorted({str(m.ax.names[i]) for i in rest if roles[i] is None
+                      and m.ax.names[i] is not None})
+    hint = (f"; name the role of {', '.join(repr(u) for u in unknown)} with "
+            f"axis_roles={{{unknown[0]!r}: 'batch' or 'fan_in' or ...}}" if unknown else "")
+    return RoutingError(
+        f"cannot place {m.name!r} of shape {m.shape} by its {m.ax.said}: {why}{hint}, or give "
+        "it, e.g. " + core.override_advice(m.name, m.shape, options[0][0]),
+        leaf=m.name, shape=m.shape, options=options)
+
+
+def _vocab_route(m: _MatrixLeaf, vocab: list[int]) -> Route | RoutingError:
+    """A table or head with one ``vocab`` axis: the vocab is the fan-out, the rest the width.
+
+    Refused where a side calls the vocab axis the fan-in, where an axis of three or more
+    has no role, or where no axis is left for the width.
+    """
+    if any(m.side.get(i) == "in" for i in vocab):
+        return _refuse(m, "a vocab axis is named the fan-in", None, "embedding")
+    table = {i: ("out" if i in vocab else m.side.get(i, "in")) for i in m.rest}
+    if any(m.ax.roles[i] is None for i in m.rest) and len(m.rest) > 2:
+        return _refuse(m, "an axis has no role", table, "embedding")
+    fo = tuple(i for i in m.rest if table[i] == "out")
+    fi = tuple(i for i in m.rest if table[i] == "in")
+    if not fi:
+        return _refuse(m, "no axis is left for the width", None, "embedding")
+    return Route("embedding", fi, fo, m.batch, evidence=m.ax.said)
+
+
+def _embed_sides(m: _MatrixLeaf, e: int) -> dict[int, str] | RoutingError:
+    """The sides of the placed axes when one axis ``e`` is the width (``embed``).
+
+    The width is the fan-in where it starts the matrix (x @ W order), the fan-out where it
+    ends it, its own side where a role gives one; every other placed axis is on the other
+    side, and so is the unnamed axis of a two-axis matrix.  Refused when the width stands
+    between other named axes.
+    """
+    known = [i for i in m.order if m.ax.roles[i] is not None or i in m.side]
+    if e in m.side:
+        own = m.side[e]
+    elif e == known[0]:
+        own = "in"
+    elif e == known[-1]:
+        own = "out"
     else:
-        groups: list[str] = []  # the relative roles in order, each run once
-        for i in order:
-            r = roles[i]
-            if i in side or r is None:
-                continue
-            if not groups or groups[-1] != r:
-                groups.append(r)
-        if len(groups) != len(set(groups)):
-            return refuse(f"the groups {groups} interleave", None)
-        if len(groups) == 2:
-            first = [i for i in free if roles[i] == groups[0]]
-            guess = {i: side.get(i, "in" if i in first else "out") for i in rest
-                     if roles[i] is not None or i in side}
-        elif len(groups) == 1 and side and len(set(side.values())) == 1:
-            other = "out" if next(iter(side.values())) == "in" else "in"
-            guess = {i: side.get(i, other) for i in rest if roles[i] is not None or i in side}
-        elif len(groups) > 2:
-            return refuse(f"three groups {groups} cannot be one matrix", None)
-        elif not groups and side:
-            guess = dict(side)
-        else:
-            return None  # one group, no side: the names do not say which side it is
-        unplaced = [i for i in rest if i not in guess]
-        if unplaced and len(rest) == 2:
-            both = set(guess.values())
-            if len(both) != 1:
-                return None
-            guess[unplaced[0]] = "out" if both == {"in"} else "in"
-    assert guess is not None
-    if len(rest) > 2 and any(roles[i] is None for i in rest):
-        return refuse("an axis has no role (stacked layers without their name?)", guess)
-    fi = tuple(i for i in rest if guess.get(i) == "in")
-    fo = tuple(i for i in rest if guess.get(i) == "out")
+        return _refuse(m, "the width stands between other named axes", None)
+    other = "out" if own == "in" else "in"
+    guess = {i: m.side.get(i, own if i == e else other) for i in known}
+    if len(m.rest) == 2:
+        guess = {i: guess.get(i, other) for i in m.rest}
+    return guess
+
+
+def _role_groups(m: _MatrixLeaf) -> list[str]:
+    """The roles of the axes without a side, in x @ W order, each run of a role once."""
+    groups: list[str] = []
+    for i in m.order:
+        r = m.ax.roles[i]
+        if i in m.side or r is None:
+            continue
+        if not groups or groups[-1] != r:
+            groups.append(r)
+    return groups
+
+
+def _group_sides(m: _MatrixLeaf) -> dict[int, str] | RoutingError | None:
+    """The sides of the placed axes when no axis is the width: the role groups decide.
+
+    Two groups: the first (x @ W order) is the fan-in.  One group opposite a side that the
+    roles give, or sides alone, place the axes too.  ``None`` when one group has no side
+    (the names do not say which side it is); refused when groups interleave or are three.
+    The unnamed axis of a two-axis matrix goes to the side no axis is on.
+    """
+    groups = _role_groups(m)
+    if len(groups) != len(set(groups)):
+        return _refuse(m, f"the groups {groups} interleave", None)
+    if len(groups) > 2:
+        return _refuse(m, f"three groups {groups} cannot be one matrix", None)
+    sides = set(m.side.values())
+    if len(groups) == 2:
+        first = [i for i in m.rest if i not in m.side and m.ax.roles[i] == groups[0]]
+        guess = {i: m.side.get(i, "in" if i in first else "out") for i in m.placed()}
+    elif len(groups) == 1 and len(sides) == 1:
+        other = "out" if sides == {"in"} else "in"
+        guess = {i: m.side.get(i, other) for i in m.placed()}
+    elif not groups and m.side:
+        guess = dict(m.side)
+    else:
+        return None  # one group, no side: the names do not say which side it is
+    unplaced = [i for i in m.rest if i not in guess]
+    if unplaced and len(m.rest) == 2:
+        both = set(guess.values())
+        if len(both) != 1:
+            return None
+        guess[unplaced[0]] = "out" if both == {"in"} else "in"
+    return guess
+
+
+def _dense_route(m: _MatrixLeaf, guess: dict[int, str]) -> Route | RoutingError:
+    """The dense route the sides ``guess`` give, refused where an axis is left unexplained."""
+    if m.has_unplaced_axis():
+        return _refuse(m, "an axis has no role (stacked layers without their name?)", guess)
+    fi = tuple(i for i in m.rest if guess.get(i) == "in")
+    fo = tuple(i for i in m.rest if guess.get(i) == "out")
     if not fi or not fo:
-        return refuse("every axis is on one side", None)
-    return Route("dense", fi, fo, batch, evidence=ax.said)
+        return _refuse(m, "every axis is on one side", None)
+    return Route("dense", fi, fo, m.batch, evidence=m.ax.said)
 
 
 def _complete(guess: dict[int, str], unplaced: Sequence[int]) -> dict[int, str]:

@@ -290,6 +290,34 @@ def _holds_equinox(tree: Any) -> bool:
         tree, is_leaf=is_equinox_module))
 
 
+class _EqxTypes(NamedTuple):
+    """The ``eqx.nn`` module types whose parameters :func:`equinox_routes` reads."""
+
+    matrices: tuple[type, ...]  # weight, weight_ih, weight_hh (out, in)
+    norms: tuple[type, ...]
+    convs: tuple[type, ...]
+    convts: tuple[type, ...]
+    embeddings: tuple[type, ...]
+    prelus: tuple[type, ...]
+
+    @classmethod
+    def of(cls, nn: Any) -> _EqxTypes:
+        """The types of the installed ``eqx.nn`` (a type it lacks is left out)."""
+
+        def types(*names: str) -> tuple[type, ...]:
+            return tuple(getattr(nn, n) for n in names if hasattr(nn, n))
+
+        return cls(types("Linear", "GRUCell", "LSTMCell"),
+                   types("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"),
+                   types("Conv"), types("ConvTranspose"), types("Embedding"), types("PReLU"))
+
+    @property
+    def known(self) -> tuple[type, ...]:
+        """Every type read, in the order ``isinstance`` tries them."""
+        return (*self.matrices, *self.norms, *self.convs, *self.convts, *self.embeddings,
+                *self.prelus)
+
+
 def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the Equinox modules in ``tree``, keyed by dotted path.
 
@@ -306,15 +334,8 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
     eqx = sys.modules.get("equinox")
     if eqx is None:
         return {}
-    nn = eqx.nn
-
-    def types(*names: str) -> tuple[type, ...]:
-        return tuple(getattr(nn, n) for n in names if hasattr(nn, n))
-
-    matrices = types("Linear", "GRUCell", "LSTMCell")  # weight, weight_ih, weight_hh (out, in)
-    norms = types("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm")
-    convs, convts = types("Conv"), types("ConvTranspose")
-    known = (*matrices, *norms, *convs, *convts, *types("Embedding", "PReLU"))
+    kinds = _EqxTypes.of(eqx.nn)
+    known = kinds.known
     out: dict[str, Route | RoutingError] = {}
     found, _ = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, known))
@@ -323,51 +344,76 @@ def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
         if not isinstance(node, known):
             continue
         base = axes_lib.path_str(path) if path else ""
-        ev = f"module eqx.nn.{type(node).__name__}"
         for attr, value in vars(node).items():
             shape = getattr(value, "shape", None)
             if shape is None or not hasattr(value, "dtype"):
                 continue
             full = f"{base}.{attr}" if base else attr
             shape = tuple(int(n) for n in shape)
-            ndim = len(shape)
-            if isinstance(node, norms + types("PReLU")) or attr.startswith("bias"):
-                own = 1  # a bias (out,), a norm's (d,) or its own multi-axis shape
-                norm_shape = getattr(node, "shape", None)
-                if isinstance(node, norms) and isinstance(norm_shape, tuple):
-                    own = max(len(norm_shape), 1)
-                if isinstance(node, convs + convts):
-                    own = 1 + _spatial(node)  # (Cout, 1, ..., 1)
-                out[full] = Route("vector", batch=tuple(range(max(ndim - own, 0))), evidence=ev)
-            elif ndim < 2:
-                continue
-            elif isinstance(node, convts):
-                taps = _spatial(node)
-                conv = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2)
-                out[full] = module_layouts.conv_transpose_refusal(
-                    full, shape, conv, "an eqx.nn.ConvTranspose weight",
-                    "axis 1 and the taps are its fan-in, as for eqx.nn.Conv")
-            elif isinstance(node, types("Embedding")):
-                out[full] = Route("embedding", -1, -2, evidence=ev + " (V, d)")
-            elif isinstance(node, convs):
-                taps = _spatial(node)
-                out[full] = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2,
-                                  evidence=ev + " (Cout, Cin, *taps)")
-            elif isinstance(node, matrices):
-                out[full] = Route("dense", -1, -2, evidence=ev + " (out, in)")
-            mine = _eqx_own_shape(node, attr)
-            route = out.get(full)
-            if (isinstance(route, Route) and mine is not None and len(mine) < ndim
-                    and shape[ndim - len(mine):] != mine):  # stacked off axis 0 (out_axes=1)
-                from sage_optax import linen_evidence
-
-                inner = route if route.kind != "vector" else Route(
-                    "vector", batch=(), evidence=route.evidence)
-                placed = linen_evidence.stacked_route(full, inner, mine, shape,
-                                                      "eqx.filter_vmap")
-                if placed is not None:
-                    out[full] = placed
+            route = _eqx_param_route(node, attr, full, shape, kinds)
+            if route is not None:
+                out[full] = _eqx_unstacked(node, attr, full, shape, route)
     return out
+
+
+def _eqx_param_route(node: Any, attr: str, full: str, shape: tuple[int, ...],
+                     kinds: _EqxTypes) -> Route | RoutingError | None:
+    """The route the type of the Equinox module ``node`` gives its array ``attr``.
+
+    Biases, norm and PReLU parameters are vectors (batch: the axes before the module's own);
+    matrices, tables and convolutions get their PyTorch layout; a ``ConvTranspose`` weight
+    the error it raises if used.  ``None`` for a leaf the type says nothing of (a 0-D/1-D
+    non-vector).
+    """
+    ndim = len(shape)
+    ev = f"module eqx.nn.{type(node).__name__}"
+    if isinstance(node, kinds.norms + kinds.prelus) or attr.startswith("bias"):
+        own = 1  # a bias (out,), a norm's (d,) or its own multi-axis shape
+        norm_shape = getattr(node, "shape", None)
+        if isinstance(node, kinds.norms) and isinstance(norm_shape, tuple):
+            own = max(len(norm_shape), 1)
+        if isinstance(node, kinds.convs + kinds.convts):
+            own = 1 + _spatial(node)  # (Cout, 1, ..., 1)
+        return Route("vector", batch=tuple(range(max(ndim - own, 0))), evidence=ev)
+    if ndim < 2:
+        return None
+    if isinstance(node, kinds.convts):
+        taps = _spatial(node)
+        conv = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2)
+        return module_layouts.conv_transpose_refusal(
+            full, shape, conv, "an eqx.nn.ConvTranspose weight",
+            "axis 1 and the taps are its fan-in, as for eqx.nn.Conv")
+    if isinstance(node, kinds.embeddings):
+        return Route("embedding", -1, -2, evidence=ev + " (V, d)")
+    if isinstance(node, kinds.convs):
+        taps = _spatial(node)
+        return Route("dense", tuple(range(-taps - 1, 0)), -taps - 2,
+                     evidence=ev + " (Cout, Cin, *taps)")
+    if isinstance(node, kinds.matrices):
+        return Route("dense", -1, -2, evidence=ev + " (out, in)")
+    return None
+
+
+def _eqx_unstacked(node: Any, attr: str, full: str, shape: tuple[int, ...],
+                   route: Route | RoutingError) -> Route | RoutingError:
+    """``route`` with the axes ``eqx.filter_vmap`` stacked off axis 0 made batch axes.
+
+    Where the module's own shape (:func:`_eqx_own_shape`) is not the trailing axes of
+    ``shape`` (``out_axes=1``), :func:`sage_optax.linen_evidence.stacked_route` finds it;
+    else ``route`` is kept.
+    """
+    ndim = len(shape)
+    mine = _eqx_own_shape(node, attr)
+    if (isinstance(route, Route) and mine is not None and len(mine) < ndim
+            and shape[ndim - len(mine):] != mine):  # stacked off axis 0 (out_axes=1)
+        from sage_optax import linen_evidence
+
+        inner = route if route.kind != "vector" else Route(
+            "vector", batch=(), evidence=route.evidence)
+        placed = linen_evidence.stacked_route(full, inner, mine, shape, "eqx.filter_vmap")
+        if placed is not None:
+            return placed
+    return route
 
 
 def _eqx_own_shape(node: Any, attr: str) -> tuple[int, ...] | None:
@@ -581,123 +627,209 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
         return Route("vector", evidence=f"shape: {ndim}-D")
     if sum(n > 1 for n in shape) <= 1:
         return Route("vector", evidence="shape: one non-unit axis")
-    if facts.have_model:
-        remedy = ("The model's modules do not settle it (a module type this router does not "
-                  "read, e.g. a linen module inside nnx.bridge.ToNNX); give it")
-    elif facts.nnx_tree:
-        remedy = ("Pass the model (make_optimizer(..., model=model), route_params(model)) so "
-                  "that its module types decide, or give it")
-    elif facts.flax:  # a linen (or Haiku) tree: the linen module and an input decide
-        remedy = ("A plain params tree has no module evidence: for a linen model pass "
-                  "model=sage_optax.linen_model(module, *inputs) so that its module types "
-                  "decide, or give it")
-    else:  # a state dict: no model to pass
-        remedy = "A plain params tree has no module evidence: give it"
+    remedy = _remedy(facts)
     attention = _attention_reading(name, shape, facts)
     if leaf in core.VECTOR_NAMES or leaf == "offset":
-        stacked = Route("vector", batch=tuple(range(ndim - 1)))
-        if attention is not None:
-            per_head = "one (heads, head_dim) attention bias" + (
-                " per leading index" if ndim > 2 else "")
-            return _refusal(
-                name, shape,
-                f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} "
-                "axes may be stacked layers' vectors (L, d) or, as its module's name and its "
-                f"kernel's shape say, {per_head}. {remedy}: "
-                + core.override_advice(name, shape, attention) + " for the attention bias, "
-                + core.override_advice(name, shape, stacked) + " for stacked layers",
-                [(attention, f"it is {per_head} (DenseGeneral, nn.MultiHeadDotProductAttention)"),
-                 (stacked, "it is stacked layers' vectors (L, ..., d)")],
-            )
-        return _refusal(
-            name, shape,
-            f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
-            "may be stacked layers' vectors (L, d) or one multi-axis vector (heads, head_dim). "
-            f"{remedy}: " + core.override_advice(name, shape, stacked) + " for stacked layers, "
-            + core.override_advice(name, shape, Route("vector")) + " for one vector",
-            [(stacked, "it is stacked layers' vectors (L, ..., d)"),
-             ("vector", "it is one multi-axis vector")],
-        )
+        return _vector_name_refusal(name, shape, leaf, remedy, attention)
     if _unnamed(name) and ndim > 2:
         return Route("vector", evidence=NO_EVIDENCE)  # the caller warns (or refuses: strict)
-    layout = facts.layout
-    if layout is None:
-        if leaf in TABLE_NAMES and ndim == 2:
-            return Route("embedding", -1, -2, evidence=f"name {leaf!r} ({TABLE_NAMES[leaf]} "
-                         "(V, d))")
-        if leaf in FLAX_NAMES and ndim == 2 and not core.names_table(name):
-            return Route("dense", -2, -1, evidence=f"name {leaf!r} ({FLAX_NAMES[leaf]} (in, out))")
-        if leaf in TORCH_NAMES and ndim == 2:
-            reading = core.torch_name_reading(name)
-            if facts.flax:
-                return _refusal(
-                    name, shape,
-                    f"cannot tell the layout of {name!r} of shape {shape}: 'weight' is PyTorch's "
-                    "name for an (out, in) matrix, but this is a Flax/Haiku tree, whose "
-                    f"matrices are (in, out). {remedy}: "
-                    + core.override_advice(name, shape, Route("dense", -2, -1))
-                    + " if the module computes x @ weight, or "
-                    + core.override_advice(name, shape, Route("dense", -1, -2))
-                    + " for weight @ x",
-                    [(Route("dense", -2, -1), "the module computes x @ weight (in, out)"),
-                     (Route("dense", -1, -2), "the module computes weight @ x (out, in)"),
-                     (Route("embedding", -1, -2), "it is a table (V, d)"),
-                     ("vector", "element-wise rules are wanted")],
-                )
-            if reading == "table":
-                return Route("embedding", -1, -2,
-                             evidence="name (PyTorch/Equinox table (V, d))")
-            if reading == "conv1d":  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
-                return core.conv1d_refusal(
-                    name, shape, facts.conv1d,
-                    "Route the model in PyTorch with sage_torch (its modules decide), or "
-                    "give it in route_overrides")
-            if reading in core.TORCH_WEIGHT_WHY:
-                options = core.torch_weight_options(shape, None, facts.torch_vocab)
-                return _refusal(
-                    name, shape,
-                    f"cannot place {name!r} of shape {shape}: "
-                    f"{core.TORCH_WEIGHT_WHY[reading]}; give it: "
-                    + "; ".join(f"{core.override_advice(name, shape, r)} if {w}"
-                                for r, w in options),
-                    options,
-                )
-            return Route("dense", -1, -2, evidence="name 'weight' (PyTorch/Equinox (out, in))")
-        if leaf in (*FLAX_NAMES, *TABLE_NAMES, *TORCH_NAMES) and ndim > 2:
-            return _convention_refusal(name, shape, leaf, remedy, attention)
-    elif layout == "flax":
-        if leaf in ("embedding", "embeddings") and ndim == 2:
-            return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
-        if leaf in ("kernel", "w", "weight") and ndim == 2:
-            return Route("dense", -2, -1, evidence=f"name {leaf!r}, layout flax (in, out)")
-        if leaf in ("kernel", "w", "weight", "embedding", "embeddings"):
-            return _convention_refusal(name, shape, "kernel", remedy, attention)
+    if facts.layout is None:
+        route = _default_layout_route(name, shape, facts, remedy, attention)
+    elif facts.layout == "flax":
+        route = _flax_layout_route(name, shape, remedy, attention)
     else:
-        if leaf == "weight" and ndim == 2 and (core.names_token_embedding(name)
-                                              or core.names_table(name)
-                                              or core.names_table_module(name)):
-            return Route("embedding", -1, -2, evidence="name (token table (V, d))")
-        if leaf == "weight" and ndim == 2:
-            return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
-        if leaf == "weight":
-            return _convention_refusal(name, shape, "weight", remedy)
+        route = _torch_layout_route(name, shape, remedy)
+    if route is not None:
+        return route
     if ndim == 2 and (leaf in core.TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding")):
         return Route("embedding", -1, -2, evidence=f"name {leaf!r} (token table (V, d))")
     if any("emb" in part for part in parts):
-        hits = [a for a in (-2, -1) if shape[a] == facts.vocab_size]
-        if len(hits) == 1:
-            return Route("embedding", -3 - hits[0], hits[0],
-                         evidence=f"name + vocab_size={facts.vocab_size} on axis "
-                                  f"{ndim + hits[0]}")
+        return _embedding_name_route(name, shape, facts)
+    return _shape_route(name, shape, facts)
+
+
+def _remedy(facts: _TreeFacts) -> str:
+    """The first remedy of a name-rule refusal: the module evidence this tree could get."""
+    if facts.have_model:
+        return ("The model's modules do not settle it (a module type this router does not "
+                "read, e.g. a linen module inside nnx.bridge.ToNNX); give it")
+    if facts.nnx_tree:
+        return ("Pass the model (make_optimizer(..., model=model), route_params(model)) so "
+                "that its module types decide, or give it")
+    if facts.flax:  # a linen (or Haiku) tree: the linen module and an input decide
+        return ("A plain params tree has no module evidence: for a linen model pass "
+                "model=sage_optax.linen_model(module, *inputs) so that its module types "
+                "decide, or give it")
+    return "A plain params tree has no module evidence: give it"  # a state dict: no model
+
+
+def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: str,
+                         attention: Route | None) -> RoutingError:
+    """The refusal of a vector name (``bias``, ``scale``...) on a leaf of two or more axes.
+
+    Stacked layers' vectors or one multi-axis vector; the attention bias first where the
+    module's name and its kernel's shape say one (:func:`_attention_reading`).
+    """
+    ndim = len(shape)
+    stacked = Route("vector", batch=tuple(range(ndim - 1)))
+    if attention is not None:
+        per_head = "one (heads, head_dim) attention bias" + (
+            " per leading index" if ndim > 2 else "")
         return _refusal(
             name, shape,
-            f"cannot place {name!r} of shape {shape}: its name says an embedding but not "
-            "which axis indexes the table; pass vocab_size=..., or give it, e.g. "
-            + core.override_advice(name, shape, Route("embedding", -1, -2))
-            + " for a table (rows, d), or 'vector' for element-wise rules",
-            _table_options(shape, facts.vocab_size) if ndim == 2
-            else _matrix_options(shape, "in_out"),
+            f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} "
+            "axes may be stacked layers' vectors (L, d) or, as its module's name and its "
+            f"kernel's shape say, {per_head}. {remedy}: "
+            + core.override_advice(name, shape, attention) + " for the attention bias, "
+            + core.override_advice(name, shape, stacked) + " for stacked layers",
+            [(attention, f"it is {per_head} (DenseGeneral, nn.MultiHeadDotProductAttention)"),
+             (stacked, "it is stacked layers' vectors (L, ..., d)")],
         )
+    return _refusal(
+        name, shape,
+        f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
+        "may be stacked layers' vectors (L, d) or one multi-axis vector (heads, head_dim). "
+        f"{remedy}: " + core.override_advice(name, shape, stacked) + " for stacked layers, "
+        + core.override_advice(name, shape, Route("vector")) + " for one vector",
+        [(stacked, "it is stacked layers' vectors (L, ..., d)"),
+         ("vector", "it is one multi-axis vector")],
+    )
+
+
+def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts, remedy: str,
+                          attention: Route | None) -> Route | RoutingError | None:
+    """What a conventional leaf name says when no layout is declared (each name its own).
+
+    A 2-D ``embedding``/``embeddings`` is a ``(V, d)`` table, a 2-D ``kernel``/``w`` an
+    ``(in, out)`` matrix, a 2-D ``weight`` what PyTorch's names say
+    (:func:`_torch_weight_route`); any of them with more axes is refused.  ``None`` for
+    other names.
+    """
+    leaf, ndim = core.components(name)[-1], len(shape)
+    if leaf in TABLE_NAMES and ndim == 2:
+        return Route("embedding", -1, -2, evidence=f"name {leaf!r} ({TABLE_NAMES[leaf]} "
+                     "(V, d))")
+    if leaf in FLAX_NAMES and ndim == 2 and not core.names_table(name):
+        return Route("dense", -2, -1, evidence=f"name {leaf!r} ({FLAX_NAMES[leaf]} (in, out))")
+    if leaf in TORCH_NAMES and ndim == 2:
+        return _torch_weight_route(name, shape, facts, remedy)
+    if leaf in (*FLAX_NAMES, *TABLE_NAMES, *TORCH_NAMES) and ndim > 2:
+        return _convention_refusal(name, shape, leaf, remedy, attention)
+    return None
+
+
+def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
+                        remedy: str) -> Route | RoutingError:
+    """A 2-D ``weight`` with no declared layout: PyTorch's ``(out, in)``, as its name says.
+
+    Refused in a Flax/Haiku tree (whose matrices are ``(in, out)``), for GPT-2's ``Conv1D``
+    names and for the names :data:`sage_optim.routing.TORCH_WEIGHT_WHY` lists; a table name
+    makes a ``(V, d)`` table.
+    """
+    reading = core.torch_name_reading(name)
+    if facts.flax:
+        return _refusal(
+            name, shape,
+            f"cannot tell the layout of {name!r} of shape {shape}: 'weight' is PyTorch's "
+            "name for an (out, in) matrix, but this is a Flax/Haiku tree, whose "
+            f"matrices are (in, out). {remedy}: "
+            + core.override_advice(name, shape, Route("dense", -2, -1))
+            + " if the module computes x @ weight, or "
+            + core.override_advice(name, shape, Route("dense", -1, -2))
+            + " for weight @ x",
+            [(Route("dense", -2, -1), "the module computes x @ weight (in, out)"),
+             (Route("dense", -1, -2), "the module computes weight @ x (out, in)"),
+             (Route("embedding", -1, -2), "it is a table (V, d)"),
+             ("vector", "element-wise rules are wanted")],
+        )
+    if reading == "table":
+        return Route("embedding", -1, -2,
+                     evidence="name (PyTorch/Equinox table (V, d))")
+    if reading == "conv1d":  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
+        return core.conv1d_refusal(
+            name, shape, facts.conv1d,
+            "Route the model in PyTorch with sage_torch (its modules decide), or "
+            "give it in route_overrides")
+    if reading in core.TORCH_WEIGHT_WHY:
+        options = core.torch_weight_options(shape, None, facts.torch_vocab)
+        return _refusal(
+            name, shape,
+            f"cannot place {name!r} of shape {shape}: "
+            f"{core.TORCH_WEIGHT_WHY[reading]}; give it: "
+            + "; ".join(f"{core.override_advice(name, shape, r)} if {w}"
+                        for r, w in options),
+            options,
+        )
+    return Route("dense", -1, -2, evidence="name 'weight' (PyTorch/Equinox (out, in))")
+
+
+def _flax_layout_route(name: str, shape: tuple[int, ...], remedy: str,
+                       attention: Route | None) -> Route | RoutingError | None:
+    """What a conventional leaf name says under ``layout="flax"``: matrices ``(in, out)``.
+
+    A 2-D ``embedding``/``embeddings`` is a table, a 2-D ``kernel``/``w``/``weight`` an
+    ``(in, out)`` matrix; any of them with other axes is refused.  ``None`` for other names.
+    """
+    leaf, ndim = core.components(name)[-1], len(shape)
+    if leaf in ("embedding", "embeddings") and ndim == 2:
+        return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
+    if leaf in ("kernel", "w", "weight") and ndim == 2:
+        return Route("dense", -2, -1, evidence=f"name {leaf!r}, layout flax (in, out)")
+    if leaf in ("kernel", "w", "weight", "embedding", "embeddings"):
+        return _convention_refusal(name, shape, "kernel", remedy, attention)
+    return None
+
+
+def _torch_layout_route(name: str, shape: tuple[int, ...],
+                        remedy: str) -> Route | RoutingError | None:
+    """What a ``weight`` says under ``layout="torch"``: ``(out, in)``, or a table by its name.
+
+    A 2-D ``weight`` named like a table is ``(V, d)``, any other 2-D one ``(out, in)``; one
+    with more axes is refused.  ``None`` for other names.
+    """
+    leaf, ndim = core.components(name)[-1], len(shape)
+    if leaf != "weight":
+        return None
+    if ndim == 2 and (core.names_token_embedding(name) or core.names_table(name)
+                      or core.names_table_module(name)):
+        return Route("embedding", -1, -2, evidence="name (token table (V, d))")
+    if ndim == 2:
+        return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
+    return _convention_refusal(name, shape, "weight", remedy)
+
+
+def _embedding_name_route(name: str, shape: tuple[int, ...],
+                          facts: _TreeFacts) -> Route | RoutingError:
+    """A leaf whose path names an embedding: ``vocab_size`` on one axis makes it a table.
+
+    Refused, with the table readings (2-D) or the matrix ones first, where ``vocab_size``
+    is unknown or matches neither or both of the last two axes.
+    """
+    ndim = len(shape)
+    hits = [a for a in (-2, -1) if shape[a] == facts.vocab_size]
+    if len(hits) == 1:
+        return Route("embedding", -3 - hits[0], hits[0],
+                     evidence=f"name + vocab_size={facts.vocab_size} on axis "
+                              f"{ndim + hits[0]}")
+    return _refusal(
+        name, shape,
+        f"cannot place {name!r} of shape {shape}: its name says an embedding but not "
+        "which axis indexes the table; pass vocab_size=..., or give it, e.g. "
+        + core.override_advice(name, shape, Route("embedding", -1, -2))
+        + " for a table (rows, d), or 'vector' for element-wise rules",
+        _table_options(shape, facts.vocab_size) if ndim == 2
+        else _matrix_options(shape, "in_out"),
+    )
+
+
+def _shape_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | RoutingError:
+    """A matrix whose name says nothing: the declared layout, else the tree's convention.
+
+    More than two axes are refused (stacked layers, a multi-axis kernel or a convolution),
+    with the tree's convention first; a 2-D matrix follows ``layout=``, is refused in a
+    PyTorch-named tree, and is JAX's ``x @ W`` ``(in, out)`` otherwise.
+    """
+    ndim, layout = len(shape), facts.layout
     torch_like = layout == "torch" or (layout is None and facts.torch)
     if ndim > 2:
         first = "out_in" if torch_like else "in_out"
