@@ -7,6 +7,8 @@
   start block uses ``flax.nnx``, which ``[jax]`` does not install.
 * A local multi-process command says how many steps (the default 300 took 12.7 minutes on
   2 CPU cores) and deals with Gloo's connection notices.
+* PyTorch is installed as ``make test`` installs it: the pinned CPU build first (an unpinned
+  line gave whatever torch the index held, not the one the tests ran on).
 """
 
 from __future__ import annotations
@@ -87,3 +89,16 @@ def test_local_multi_process_commands_are_short_and_quiet():
         assert "Gloo" in line, (page, line)
     readme = (ROOT / "README.md").read_text()
     assert "[Gloo]" in readme and "not errors" in readme
+
+
+def test_torch_is_installed_as_make_test_installs_it():
+    """Every line that installs torch itself pins the Makefile's version, from the CPU
+    wheel index (or before the extra that needs it), as `make test` does."""
+    pinned = re.search(r"^TORCH\s*:=\s*(torch==\S+)", (ROOT / "Makefile").read_text(),
+                       flags=re.M).group(1)
+    lines = [(p.name, line) for p, line in shell_lines()
+             if re.search(r"pip install (\S+ )*torch\b", line)]
+    assert lines, "the README shows how to install PyTorch's CPU build"
+    for page, line in lines:
+        assert pinned in line.split(), (page, line, pinned)
+        assert "--index-url https://download.pytorch.org/whl/cpu" in line, (page, line)

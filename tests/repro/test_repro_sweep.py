@@ -15,6 +15,18 @@ from sage_repro import sweep_report as report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
+
+@pytest.fixture(autouse=True)
+def session_compilation_cache(monkeypatch):
+    """The sweeps' trainers share the test session's compilation cache (conftest.py), as
+    ``JAX_COMPILATION_CACHE_DIR`` given to a sweep is (:func:`sweep.child_environment`):
+    the tests' runs repeat each other's programs (the tiny model's steps), which each
+    sweep's own cache in ``OUT`` would compile again."""
+    import jax
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
 # ---------------------------------------------------------------------------------------------
 # fake run directories
 

@@ -7,8 +7,9 @@ one process with 8 devices, to 1e-6 in float32; a checkpoint written by 2 proces
 on 1 and one written by 1 resumes on 2 (with FSDP state onto a mesh of another size), with
 the losses of the uninterrupted run.  The runs are shared by the assertions (a module
 fixture).  A process killed in the middle of a job stops the other within a minute with a
-message, and the run resumes afterwards (then stops together on a SIGTERM to one process,
-JAX's preemption sync).  Every process is a real ``python -m sage_train``.
+message (a heartbeat timeout of 10 s), and the run resumes afterwards (then stops together
+on a SIGTERM to one process, JAX's preemption sync).  Every process is a real ``python -m
+sage_train``, with the test session's persistent compilation cache.
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def environment(devices: int, cache_dir: pathlib.Path) -> dict[str, str]:
     env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",
                SAGE_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
+    # the test session's persistent compilation cache (conftest.py): a job that repeats
+    # another's programs (a resumed run, the same layout again) loads them instead of
+    # compiling them again, about 15 s of each job's 25 s on 2 loaded cores
+    cache = jax.config.jax_compilation_cache_dir
+    if cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(cache),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(
+                       jax.config.jax_persistent_cache_min_compile_time_secs))
     return env
 
 
@@ -300,7 +309,11 @@ def test_a_killed_process_stops_the_job_and_the_run_resumes(train_corpus, tmp_pa
                                                             tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "token-cache"
     runs = tmp_path / "runs"
-    argv = command(train_corpus, runs, "dp", steps=1000, checkpoint_every=4)
+    # (a heartbeat timeout of 10 s, not the default 30: the job must stop all the same, a
+    # third as long after the kill; without the coordination service's heartbeats it would
+    # wait for JAX's own 100 s and fail the 60 s below)
+    argv = [*command(train_corpus, runs, "dp", steps=1000, checkpoint_every=4),
+            "--heartbeat-timeout", "10"]
     job = Job(argv, 2, 2, cache, tmp_path / "killed")
     try:
         wait_for_row(runs / RUN, 6, job, 0)
