@@ -17,7 +17,8 @@ decoupled weight decay and the learning rate, and :func:`apollo` with
 every convention.
 
 References:
-  Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization.
+  Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+  <https://arxiv.org/abs/2604.07663>`_, 2026.
 
   Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
   <https://arxiv.org/abs/2502.06742>`_, 2025.

@@ -153,7 +153,8 @@ def make_optimizer(
       >>> tx = sage_optax.make_optimizer("sage-hybrid", vector="adamw", dense_alpha=5.0)
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 2: the eight configurations; the hybrid structure).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -415,7 +416,8 @@ def sage_hybrid(
       {'embedding': '0.0010', 'kernel': '0.0018'}
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (SAGE-Hybrid: Table 2 and the hybrid structure).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -485,7 +487,8 @@ def routing_table(
       344 name 'kernel' (Flax (in, out))
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: why the kind and the axes of each leaf matter).
     """
     if routing.is_nnx_module(params):

@@ -65,7 +65,8 @@ class LinenModel:
         ``"dropout"``).
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -119,7 +120,8 @@ def linen_model(module: Any, *args: Any, method: str | Callable[..., Any] | None
       ((0,), (1, 2))
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training

@@ -34,7 +34,8 @@ def state_bytes(opt_state: Any) -> int:
       516
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 4: optimizer-state memory).
 
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization
@@ -55,7 +56,8 @@ def state_bytes_by_leaf(opt_state: Any, params: Any) -> tuple[dict[str, int], in
       ``({dotted parameter path: bytes}, shared_bytes)``.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 4: optimizer-state memory).
 
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization

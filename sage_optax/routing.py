@@ -104,7 +104,8 @@ class ParamRouting(NamedTuple):
         and the evidence that placed it.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -455,7 +456,8 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     shape (``in_features``, ``out_features``...) says which axes are its.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -945,7 +947,8 @@ class NoLayoutEvidenceWarning(UserWarning):
     """Leaves with no layout evidence got the configuration's element-wise rule.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -1041,7 +1044,8 @@ def route_params(
         shape, and ending with a ``route_overrides = {...}`` block to paste and check.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training

@@ -44,7 +44,8 @@ class ScaleBySageState(NamedTuple):
         float32 or wider.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Algorithm 1: the states ``M`` and ``S``).
     """
 
@@ -160,7 +161,8 @@ def sage_damper(
       every finite ``s`` and ``Ŝ`` (σ and γ are computed by :func:`rms`).
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Algorithm 1, the EMA damper; Appendix "Instantaneous Stability", the instantaneous
       one).
     """
@@ -228,7 +230,8 @@ def scale_by_sage(
       (2, 2) (2,)
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Algorithm 1 and Appendix "Instantaneous Stability").
 
       Chen et al., `Symbolic Discovery of Optimization Algorithms
@@ -352,7 +355,8 @@ def sage(
       5.885 0.3
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Algorithm 1 and Appendix "Instantaneous Stability").
 
       Chen et al., `Symbolic Discovery of Optimization Algorithms

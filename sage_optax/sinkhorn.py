@@ -101,7 +101,8 @@ def sinkhorn_normalize(
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
 
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Unit-Norm SinkGD, ``"unit"``).
     """
     c, r = sinkhorn_scales(g, axes, num_iters, eps, normalization)
@@ -439,7 +440,8 @@ def scale_by_sinkhorn(
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
 
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Unit-Norm SinkGD, ``"unit"``).
     """
     validation.check_hyperparameters(
@@ -553,7 +555,8 @@ def sinkgd(
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
 
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Unit-Norm SinkGD, ``"unit"``).
 
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization

@@ -37,7 +37,8 @@ def scale_by_unit_norm(
       [0.6 0.8]
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (``sinkgd-pure``'s rule for 1-D parameters, which SinkGD cannot normalise).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -96,7 +97,8 @@ def unit_norm_descent(
       [-0.3 -0.4] 0.5
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (``sinkgd-pure``'s rule for 1-D parameters).
 
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization

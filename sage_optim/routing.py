@@ -95,7 +95,8 @@ class RoutingError(ValueError):
       problems: the per-parameter errors a combined error holds (itself for one).
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -205,7 +206,8 @@ class Route:
     Axes may be negative.  Integers are stored as one-axis groups.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -314,7 +316,8 @@ class ResolvedRoute:
     (:attr:`axes_shape`).
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training

@@ -77,7 +77,8 @@ class RoutingRow(NamedTuple):
       state_bytes: its optimizer-state bytes.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 2, the rule of each kind; Table 4, optimizer-state memory).
     """
 
@@ -101,7 +102,8 @@ class RoutingTable:
     ``shared_bytes`` counts state that belongs to no single parameter (step counts).
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 2, the rule of each kind; Table 4, optimizer-state memory).
     """
 

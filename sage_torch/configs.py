@@ -303,7 +303,8 @@ def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float 
     ``overrides`` are those of :func:`make_optimizer`.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 2: the rule of each kind).
     """
     return _plan(params, name, lr, overrides, model)[0]
@@ -395,7 +396,8 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
       ['exp_avg', 'scale_avg', 'step'] 0.001951
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Table 2: the eight configurations; the hybrid structure).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -450,7 +452,8 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
       1.bias vector sage - shape: 1-D 64
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma; Table 4, optimizer-state memory).
     """
     overrides = {k: v for k, v in overrides.items()

@@ -317,7 +317,8 @@ class RuleOptimizer(torch.optim.Optimizer):
       [['exp_avg', 'scale_avg', 'step'], ['step'], ['exp_avg', 'exp_avg_sq', 'step']]
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (one rule per parameter kind: the hybrid structure).
 
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization

@@ -137,7 +137,8 @@ class RoutedParam(NamedTuple):
         axis groups checked against its shape, and the evidence that placed it.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
@@ -1245,7 +1246,8 @@ def route_params(model: nn.Module | Iterable[Any],
         paste.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (the embedding layer dilemma: vocabulary matrices need their own rule).
 
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training

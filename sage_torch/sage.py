@@ -89,7 +89,8 @@ def sage_damper(s: Tensor, s_hat: Tensor, eps: float, damper: str = "both",
     stacked shape when it splits a long reduction over several threads.
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Algorithm 1, the EMA damper; Appendix "Instantaneous Stability", the instantaneous
       one).
     """
@@ -543,7 +544,8 @@ class SAGE(RuleOptimizer):
       torch.Size([2])
 
     References:
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Algorithm 1 and Appendix "Instantaneous Stability").
 
       Chen et al., `Symbolic Discovery of Optimization Algorithms

@@ -71,7 +71,8 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
 
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Unit-Norm SinkGD, ``"unit"``).
     """
     if not isinstance(fan_in_dim, int) or not isinstance(fan_out_dim, int):
@@ -776,7 +777,8 @@ class SinkGD(RuleOptimizer):
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD; SR-Sinkhorn, ``"sqrt"``).
 
-      Lee and Kim, SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
+      <https://arxiv.org/abs/2604.07663>`_, 2026
       (Unit-Norm SinkGD, ``"unit"``).
 
       Loshchilov and Hutter, `Decoupled Weight Decay Regularization

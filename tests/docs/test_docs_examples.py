@@ -34,6 +34,7 @@ ARXIV = {
     "2302.06675": "Symbolic Discovery of Optimization Algorithms",  # Chen et al. (Lion)
     "2412.05270": "APOLLO: SGD-like Memory, AdamW-level Performance",  # Zhu et al.
     "2502.06742": "Gradient Multi-Normalization for Stateless and Scalable LLM Training",
+    "2604.07663": "SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization",  # Lee, Kim
 }
 """The papers the docstrings may cite, by arXiv id, with their titles."""
 
@@ -135,7 +136,7 @@ def test_the_cited_papers_are_the_right_ones():
                 f"{ARXIV.get(arxiv_id, 'of no known title')!r}")
     unknown = {i: sorted(m) for i, m in cited.items() if i not in ARXIV}
     assert not unknown, f"arXiv ids cited that are not in the checked list: {unknown}"
-    assert {"1711.05101", "2302.06675", "2412.05270", "2502.06742"} <= set(cited)
+    assert {"1711.05101", "2302.06675", "2412.05270", "2502.06742", "2604.07663"} <= set(cited)
 
 
 def test_the_sage_paper_is_cited_by_its_title():
