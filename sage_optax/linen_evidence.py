@@ -313,7 +313,7 @@ def stacked_route(name: str, route: Route, inner: tuple[int, ...], outer: tuple[
     return RoutingError(
         f"cannot place {name!r} of shape {outer}: its {route.evidence} is {inner} inside a "
         f"lifted transform ({transform}), and the sizes do not say which axes the "
-        "transform inserted; give it, e.g. " + core.override_advice(name, outer, options[0][0]),
+        "transform inserted; give it, e.g. " + core.override_advice(name, options[0][0]),
         leaf=name, shape=outer, options=options)
 
 

@@ -282,7 +282,7 @@ def _refuse(m: _MatrixLeaf, why: str, guess: dict[int, str] | None,
             f"axis_roles={{{unknown[0]!r}: 'batch' or 'fan_in' or ...}}" if unknown else "")
     return RoutingError(
         f"cannot place {m.name!r} of shape {m.shape} by its {m.ax.said}: {why}{hint}, or give "
-        "it, e.g. " + core.override_advice(m.name, m.shape, options[0][0]),
+        "it, e.g. " + core.override_advice(m.name, options[0][0]),
         leaf=m.name, shape=m.shape, options=options)
 
 
@@ -427,7 +427,7 @@ def kind_conflict(module: Route, names: Route, name: str, shape: tuple[int, ...]
         f"cannot place {name!r} of shape {shape}: its {module.evidence} makes it "
         f"{_KIND_WORDS[module.kind]} but its {names.evidence} make it "
         f"{_KIND_WORDS[names.kind]}; fix the annotation or give it, e.g. "
-        + core.override_advice(name, shape, module),
+        + core.override_advice(name, module),
         leaf=name, shape=shape,
         options=[(dataclasses.replace(module, evidence="override"),
                   "the module's reading is right"),

@@ -59,7 +59,7 @@ def conv_transpose_refusal(full: str, shape: tuple[int, ...], conv: Route, what:
     return RoutingError(
         f"cannot place {full!r} of shape {shape}: {what} has no layout this router knows "
         "(which axes are its fan-in is a modelling choice); give it, e.g. "
-        + core.override_advice(full, shape, conv),
+        + core.override_advice(full, conv),
         leaf=full, shape=shape,
         options=[(conv, when), ("vector", "element-wise rules are wanted")],
     )

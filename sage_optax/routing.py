@@ -682,8 +682,8 @@ def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: s
             f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} "
             "axes may be stacked layers' vectors (L, d) or, as its module's name and its "
             f"kernel's shape say, {per_head}. {remedy}: "
-            + core.override_advice(name, shape, attention) + " for the attention bias, "
-            + core.override_advice(name, shape, stacked) + " for stacked layers",
+            + core.override_advice(name, attention) + " for the attention bias, "
+            + core.override_advice(name, stacked) + " for stacked layers",
             [(attention, f"it is {per_head} (DenseGeneral, nn.MultiHeadDotProductAttention)"),
              (stacked, "it is stacked layers' vectors (L, ..., d)")],
         )
@@ -691,8 +691,8 @@ def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: s
         name, shape,
         f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
         "may be stacked layers' vectors (L, d) or one multi-axis vector (heads, head_dim). "
-        f"{remedy}: " + core.override_advice(name, shape, stacked) + " for stacked layers, "
-        + core.override_advice(name, shape, Route("vector")) + " for one vector",
+        f"{remedy}: " + core.override_advice(name, stacked) + " for stacked layers, "
+        + core.override_advice(name, Route("vector")) + " for one vector",
         [(stacked, "it is stacked layers' vectors (L, ..., d)"),
          ("vector", "it is one multi-axis vector")],
     )
@@ -735,9 +735,9 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
             f"cannot tell the layout of {name!r} of shape {shape}: 'weight' is PyTorch's "
             "name for an (out, in) matrix, but this is a Flax/Haiku tree, whose "
             f"matrices are (in, out). {remedy}: "
-            + core.override_advice(name, shape, Route("dense", -2, -1))
+            + core.override_advice(name, Route("dense", -2, -1))
             + " if the module computes x @ weight, or "
-            + core.override_advice(name, shape, Route("dense", -1, -2))
+            + core.override_advice(name, Route("dense", -1, -2))
             + " for weight @ x",
             [(Route("dense", -2, -1), "the module computes x @ weight (in, out)"),
              (Route("dense", -1, -2), "the module computes weight @ x (out, in)"),
@@ -758,7 +758,7 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
             name, shape,
             f"cannot place {name!r} of shape {shape}: "
             f"{core.TORCH_WEIGHT_WHY[reading]}; give it: "
-            + "; ".join(f"{core.override_advice(name, shape, r)} if {w}"
+            + "; ".join(f"{core.override_advice(name, r)} if {w}"
                         for r, w in options),
             options,
         )
@@ -817,7 +817,7 @@ def _embedding_name_route(name: str, shape: tuple[int, ...],
         name, shape,
         f"cannot place {name!r} of shape {shape}: its name says an embedding but not "
         "which axis indexes the table; pass vocab_size=..., or give it, e.g. "
-        + core.override_advice(name, shape, Route("embedding", -1, -2))
+        + core.override_advice(name, Route("embedding", -1, -2))
         + " for a table (rows, d), or 'vector' for element-wise rules",
         _table_options(shape, facts.vocab_size) if ndim == 2
         else _matrix_options(shape, "in_out"),
@@ -839,7 +839,7 @@ def _shape_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route 
             name, shape,
             f"cannot tell the layout of {name!r} of shape {shape}: a matrix with {ndim} axes "
             "may be stacked layers, a multi-axis kernel or a convolution; give its axes, e.g. "
-            + core.override_advice(name, shape, _matrix_options(shape, first)[0][0])
+            + core.override_advice(name, _matrix_options(shape, first)[0][0])
             + " for stacked layers, or Route('dense', fan_in=(...), fan_out=(...)) for one "
             "matrix with merged axes",
             _matrix_options(shape, first),
@@ -880,8 +880,8 @@ def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
             name, shape,
             f"cannot place {name!r} of shape {shape}: a PyTorch-layout 'weight' with {ndim} "
             f"dims may be a convolution (out, in, *taps) or stacked layers. {remedy}: "
-            + core.override_advice(name, shape, conv) + " for a convolution, "
-            + core.override_advice(name, shape, stack) + " for stacked layers",
+            + core.override_advice(name, conv) + " for a convolution, "
+            + core.override_advice(name, stack) + " for stacked layers",
             options,
         )
     stack = Route("dense", -2, -1)
@@ -907,15 +907,15 @@ def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
                                        "(DenseGeneral, nn.MultiHeadDotProductAttention)"
                                 + (" per leading index" if ndim > 3 else "")))
         said = (f" Its module's name says {what}: "
-                + core.override_advice(name, shape, first) + ".")
+                + core.override_advice(name, first) + ".")
     return _refusal(
         name, shape,
         f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with "
         f"{ndim} axes may be stacked layers (L, ..., in, out), a multi-axis kernel "
         "(nnx.LinearGeneral, nnx.MultiHeadAttention, nnx.Einsum) or a convolution "
         f"(*taps, Cin, Cout).{said} {remedy}: "
-        + core.override_advice(name, shape, stack) + " for stacked layers, "
-        + core.override_advice(name, shape, conv) + " for a convolution",
+        + core.override_advice(name, stack) + " for stacked layers, "
+        + core.override_advice(name, conv) + " for a convolution",
         flax_options,
     )
 
@@ -938,7 +938,7 @@ def _override_refusal(e: core.Evidence, override: Route) -> RoutingError:
     return _refusal(
         e.name, e.shape,
         f"override makes {e.name!r} of shape {e.shape} {override.kind!r}, but its axes are not "
-        f"known; give them: {core.override_advice(e.name, e.shape)}",
+        f"known; give them: {core.override_advice(e.name)}",
         options,
     )
 
@@ -1159,7 +1159,7 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
                 f"cannot place {name!r} of shape {shape}: its {route.evidence} gives fan-in "
                 f"{r.fan_in}, fan-out {r.fan_out} but its {by_names.evidence} give fan-in "
                 f"{n.fan_in}, fan-out {n.fan_out}; fix the annotation or give it, e.g. "
-                + core.override_advice(name, shape, route),
+                + core.override_advice(name, route),
                 leaf=name, shape=shape,
                 options=[(dataclasses.replace(route, evidence="override"),
                           "the module's reading is right"),

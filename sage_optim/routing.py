@@ -490,7 +490,7 @@ def names_head(name: str) -> bool:
     return any(part in HEAD_MARKERS for part in components(name)[:-1])
 
 
-def override_advice(name: str, shape: Sequence[int], route: Route | None = None) -> str:
+def override_advice(name: str, route: Route | None = None) -> str:
     """The override that places ``name`` as ``route`` (or a template), for error messages."""
     if route is None:
         return (
@@ -700,7 +700,7 @@ def conv1d_refusal(name: str, shape: Sequence[int], reading: str | None, remedy:
         "but nanoGPT and GPTBigCode give these names to nn.Linear weights (out, in), so names "
         f"alone cannot tell. {remedy}; the shapes of this model's weights with these names, "
         f"against the token table's width, {says}: "
-        + "; ".join(f"{override_advice(name, shape, r)} if {w}" for r, w in options),
+        + "; ".join(f"{override_advice(name, r)} if {w}" for r, w in options),
         leaf=name, shape=shape, options=[*options, ("vector", "element-wise rules are wanted")])
 
 

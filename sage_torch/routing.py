@@ -434,12 +434,12 @@ def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool
     return [*options, _VECTOR_OPTION]
 
 
-def _advice_lines(name: str, shape: Sequence[int], options: Sequence[Option]) -> str:
+def _advice_lines(name: str, options: Sequence[Option]) -> str:
     """``  - <when>: route_overrides={name: route}`` per option, for the message."""
     lines = []
     for route, when in options:
         text = when.removeprefix("it is ") if route != "vector" else "element-wise rules only"
-        lines.append(f"  - {text}: " + (override_advice(name, shape, route)
+        lines.append(f"  - {text}: " + (override_advice(name, route)
                                          if isinstance(route, Route)
                                          else f"route_overrides={{{name!r}: {route!r}}}"))
     return "\n".join(lines)
@@ -466,7 +466,7 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
                    _VECTOR_OPTION]
         why = ("a transposed convolution's weight is (in, out/groups, *taps), and which "
                "axes are its fan-in is a modelling choice; to read input channels and taps as "
-               "the fan-in, as for nn.Conv: " + override_advice(name, shape, conv))
+               "the fan-in, as for nn.Conv: " + override_advice(name, conv))
         return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
     flattened = moe.flattened_layout(module, owners[0].attr) if module is not None else None
@@ -483,7 +483,7 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
     return RoutingError(
         f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} {where}: {what} "
         f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
-        f"e.g. if it is\n{_advice_lines(name, shape, options)}\n"
+        f"e.g. if it is\n{_advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
@@ -508,7 +508,7 @@ def _flattened_experts(name: str, p: torch.Tensor, module: nn.Module | None,
         f"{_label(module) if module is not None else '?'}: it holds every expert's matrix "
         f"stacked along axis 0 and its forward views it per expert ({reads}), so no route "
         "gives each expert its own normalisation. E.g. if\n"
-        f"{_advice_lines(name, shape, options)}\n"
+        f"{_advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
@@ -529,7 +529,7 @@ def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingEr
         f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch.moe."
         "EXPERTS). To tell, look at its forward: F.linear(x, W[e]) means (E, out, in) (the "
         "first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, out); the expert axis is a "
-        f"batch axis either way. E.g. if it is\n{_advice_lines(name, shape, options)}\n"
+        f"batch axis either way. E.g. if it is\n{_advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
@@ -590,7 +590,7 @@ class _Router:
                     f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is tied "
                     f"({seen[0]} is {pname}: one parameter, one route), and the overrides "
                     f"route its names differently: {seen[1]} and {route}; give one, e.g. "
-                    + override_advice(canonical, p.shape, seen[1]),
+                    + override_advice(canonical, seen[1]),
                     leaf=canonical, shape=p.shape, options=options,
                 )
             self.overrides[id(p)] = (pname, route)
@@ -655,7 +655,7 @@ class _Router:
             raise RoutingError(
                 f"parameter {name!r} of shape {_fmt_shape(p.shape)} is tied between modules "
                 f"that read it with different layouts: {listed}; say which is right, e.g. "
-                + override_advice(name, p.shape, routes[0][1]),
+                + override_advice(name, routes[0][1]),
                 leaf=name, shape=p.shape, options=[*options, _VECTOR_OPTION],
             )
         aliases = [o.path for o in regs if o.path != name]
@@ -773,7 +773,7 @@ def _merged_expert_factors(name: str, p: torch.Tensor, what: str) -> RoutingErro
         "reshapes it per expert, so its expert axis is merged with the rank axis and no "
         "route gives each expert's factor its own normalisation. To train it as one (out, in) "
         f"matrix, as nn.Linear reads it: route_overrides={{{name!r}: 'dense'}}; or, if "
-        f"it is\n{_advice_lines(name, shape, options)}",
+        f"it is\n{_advice_lines(name, options)}",
         leaf=name, shape=shape, options=options,
     )
 
@@ -910,7 +910,7 @@ class _NameRouter:
                     f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is given under "
                     f"several names (one tensor, one route), and the overrides route them "
                     f"differently: {before} and {route}; give one, e.g. "
-                    + override_advice(canonical, p.shape, before),
+                    + override_advice(canonical, before),
                     leaf=canonical, shape=p.shape,
                     options=[(_as_option(before), "the first override is the right one"),
                              (_as_option(route), "the second override is the right one")])
@@ -946,7 +946,7 @@ class _NameRouter:
                 f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: its param "
                 f"group gives fan_in_dim={axes[0]!r}, fan_out_dim={axes[1]!r} but no kind; add "
                 "kind='dense' or kind='embedding' to the group, or route it, e.g. if it is\n"
-                + _advice_lines(e.name, shape, options),
+                + _advice_lines(e.name, options),
                 leaf=e.name, shape=shape, options=options)
         parts = components(e.name)
         if not e.bare and p.dim() == 2 and names_conv1d(e.name):
@@ -974,7 +974,7 @@ class _NameRouter:
             f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: {what}{why}. "
             f"Pass the model itself (make_optimizer(name, model): its module types decide){names}, "
             "or route it in route_overrides (per parameter), "
-            f"e.g. if it is\n{_advice_lines(e.name, shape, options)}\n"
+            f"e.g. if it is\n{_advice_lines(e.name, options)}\n"
             "(Route is sage_optim.routing.Route, also sage_torch.Route)",
             leaf=e.name, shape=shape, options=options)
 
