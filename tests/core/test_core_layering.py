@@ -211,24 +211,7 @@ def test_no_package_imports_its_modules_in_a_cycle(package):
     Every import statement counts, the lazy ones inside functions too: a lazy import only
     hides a cycle from the interpreter, not from a reader.
     """
-    folder = ROOT / package
-    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
-    graph: dict[str, set[str]] = {}
-    for path in sorted(folder.glob("*.py")):
-        edges = graph.setdefault(package if path.stem == "__init__" else
-                                 f"{package}.{path.stem}", set())
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:  # relative: from . import x, from .x import y
-                    base = package + (f".{base}" if base else "")
-                targets = [f"{base}.{a.name}" if base == package and a.name in modules
-                           else base for a in node.names]
-            else:
-                continue
-            edges |= {".".join(t.split(".")[:2]) for t in targets
-                      if t.split(".")[0] == package and "." in t}
+    # an import of the package itself (its __init__) closes no cycle of its modules
+    graph = {m: e - {package} for m, e in import_graph(package).items()}
     cycle = find_cycle(graph)
     assert cycle is None, f"{package} modules import each other in a cycle: {' -> '.join(cycle)}"
