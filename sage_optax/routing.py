@@ -421,13 +421,13 @@ def _eqx_own_shape(node: Any, attr: str) -> tuple[int, ...] | None:
     """The shape an Equinox module gives its array ``attr`` before any stacking, or None."""
     nn = sys.modules["equinox"].nn
 
-    def dim(n: Any) -> tuple[int, ...]:
-        return () if n == "scalar" else (int(n),)
+    def dim(n: Any) -> int:
+        return 1 if n == "scalar" else int(n)  # eqx.nn.Linear stores "scalar" as size 1
 
     if hasattr(nn, "Linear") and isinstance(node, nn.Linear):
         out_f = dim(node.out_features)
-        return ((*out_f, *dim(node.in_features)) if attr == "weight" else
-                out_f if attr == "bias" else None)
+        return ((out_f, dim(node.in_features)) if attr == "weight" else
+                (out_f,) if attr == "bias" else None)
     if hasattr(nn, "Embedding") and isinstance(node, nn.Embedding) and attr == "weight":
         return (int(node.num_embeddings), int(node.embedding_size))
     norms = tuple(getattr(nn, n) for n in ("LayerNorm", "RMSNorm") if hasattr(nn, n))

@@ -543,6 +543,27 @@ def test_equinox_stacks_off_axis_0_are_batch_where_filter_vmap_put_them():
         check_updates(step(params, grads, model=experts), grads, truth)
 
 
+@pytest.mark.parametrize("sizes", [("scalar", 4), (4, "scalar"), ("scalar", "scalar")])
+def test_equinox_scalar_linear_routes_stacked_or_not(sizes):
+    """eqx.nn.Linear stores a "scalar" side as size 1 (weight (4, 1), bias (1,)); the
+    stacking step read it as absent and raised an internal error on every such layer."""
+    import equinox as eqx
+
+    def linear(key):
+        return eqx.nn.Linear(*sizes, key=key)
+
+    single = eqx.filter(linear(jax.random.key(0)), eqx.is_inexact_array)
+    assert routes_of(route_params(single)) == {"weight": ("dense", (1,), (0,), ()),
+                                               "bias": ("vector", (), (), ())}
+    stack = eqx.filter_vmap(linear, out_axes=1)(jax.random.split(jax.random.key(0), 3))
+    truth = {"weight": ("dense", (2,), (0,), (1,)), "bias": ("vector", (), (), (1,))}
+    assert routes_of(route_params(eqx.filter(stack, eqx.is_inexact_array))) == truth
+    with jax.enable_x64(True):
+        params = {"weight": jnp.zeros(stack.weight.shape), "bias": jnp.zeros(stack.bias.shape)}
+        grads = random_like(params, 6)
+        check_updates(step(params, grads, model=stack), grads, truth)
+
+
 def test_linen_einsum_and_conv_kernels_by_module_evidence():
     class Net(nn.Module):
         @nn.compact
