@@ -144,13 +144,6 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_sage_torch_imports_have_no_cycle():
-    graph = torch_import_graph()
-    assert "sage_torch.optimizer" in graph and "sage_torch.registry" in graph
-    cycle = find_cycle(graph)
-    assert cycle is None, f"sage_torch modules import each other in a cycle: {' -> '.join(cycle)}"
-
-
 def test_the_base_optimizer_imports_no_algorithm():
     """As torch.optim.Optimizer, RuleOptimizer knows no algorithm: the rules register."""
     graph = torch_import_graph()
