@@ -25,7 +25,10 @@ of 1e19 would make ``G²`` infinite) nor underflow; the first normalisation then
 ``eps/m``, since ``(G/m)/(‖G/m‖ + ε/m) = G/(‖G‖ + ε)``, and the later ones are unchanged.
 Dividing by a power of two is exact, so for gradients whose squares are in range the
 result is bit-for-bit that of the plain computation: the rescaling changes no number, it
-only keeps every finite gradient finite.  An all-zero matrix stays zero.
+only keeps every finite gradient finite.  An all-zero matrix stays zero.  Finding ``m`` is
+a pass over ``G``: for arrays on the CPU, :func:`scale_by_sinkhorn` skips it
+(:func:`checked_sinkhorn_scales`): it iterates on ``G²`` and checks on the scale vectors
+that every sum stayed in range, and only where one did not computes the above.
 
 With ``impl="pallas"``, :func:`scale_by_sinkhorn` computes the scales of arrays on a CUDA
 GPU with the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` instead: the same iteration
@@ -47,7 +50,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import placement, validation
-from sage_optax.numerics import pow2_sqrt_floor, range_scale
+from sage_optax.numerics import pow2_floor, pow2_sqrt_floor, range_scale
 from sage_optax.registry import RuleContext, register
 from sage_optim import hyperparams, kernels
 from sage_optim.presets import RULE_DEFAULTS
@@ -143,7 +146,8 @@ def sinkhorn_scales(
     wide = jnp.promote_types(g.dtype, jnp.float32)
     g = g.astype(wide) if g.dtype != wide else g
     m = range_scale(g, axes)
-    return _iterate(_squares([g / m], after), m, axes, num_iters, eps, normalization)
+    c, r, _ = _iterate(_squares([g / m], after), m, axes, num_iters, eps, normalization)
+    return c, r
 
 
 def stacked_sinkhorn_scales(
@@ -165,12 +169,18 @@ def stacked_sinkhorn_scales(
     gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
     ms = [range_scale(g, axes) for g in gs]
     k = _squares([g / m for g, m in zip(gs, ms, strict=True)], after)
-    return _iterate(k, jnp.stack(ms), axes_lib.stacked_route(axes, len(gs)), num_iters, eps,
-                    normalization)
+    c, r, _ = _iterate(k, jnp.stack(ms), axes_lib.stacked_route(axes, len(gs)), num_iters, eps,
+                       normalization)
+    return c, r
 
 
-def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
+def _squares(gms: list[jax.Array], after: jax.Array | None, floor: bool = False
+             ) -> jax.Array:
     """``K = (G/m)²`` of one leaf, or of several stacked along a new leading axis.
+
+    ``floor``: a non-zero entry's square is at least the dtype's smallest normal number
+    (where it would flush to zero), so that a slice of ``K`` sums to 0 only where ``G`` is
+    zero (:func:`checked_sinkhorn_scales`).
 
     ``after``: a data dependency (the two branches are bitwise equal) that makes this K wait
     for it, so that consecutive leaves' K are not all alive at once.  The dependency is taken
@@ -182,18 +192,83 @@ def _squares(gms: list[jax.Array], after: jax.Array | None) -> jax.Array:
         squares = [jnp.square(x) for x in gms]
     else:  # each leaf's square waits for ``after``, so a stack cannot be formed before it
         squares = [jnp.where(after >= 0, jnp.square(x), jnp.abs(x) * jnp.abs(x)) for x in gms]
+    if floor:
+        tiny = jnp.finfo(gms[0].dtype).tiny
+        squares = [jnp.where(x == 0, 0, jnp.maximum(k, tiny)) for x, k in zip(gms, squares,
+                                                                              strict=True)]
     return squares[0] if len(squares) == 1 else jnp.stack(squares)
+
+
+def checked_sinkhorn_scales(
+    gs: list[jax.Array],
+    axes: ResolvedRoute,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+    after: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The scales, without the pass over ``G`` that finds its range (on the CPU).
+
+    :func:`sinkhorn_scales`' of one leaf, or :func:`stacked_sinkhorn_scales`' of several.
+    The iteration runs on ``K = G²`` itself (the plain computation, each non-zero square
+    floored at the smallest normal number) and checks, on the scale vectors only, that
+    every one of its ``2L`` sums stayed in range (:data:`RANGE_CHECK`): finite, at most
+    ``2^100``, and large enough that what float32 flushes to zero (below ``2^-126``)
+    changes no sum by more than ``2^-26`` of itself; exactly-zero rows and columns are
+    told apart and pass.  Where a check fails (an entry whose square overflows; a matrix,
+    row or column so small that its squares underflow; a non-finite entry) the result is
+    :func:`sinkhorn_scales`' (the range-scaled computation) instead, computed then.
+
+    The range scale ``m`` is a power of two, so where no square leaves float32's normal
+    range the two computations do the same operations on numbers that differ by exact
+    powers of two: ``X`` is the same bit for bit; elsewhere the checks bound the difference
+    by float32 rounding.  What is saved is a read of every gradient matrix (one of the
+    ~14 matrix passes of a SinkGD step: on the CPU, the 270M model's matrices' step is
+    ~15% faster, ``benchmarks/RESULTS.md``).  The choice between the two is a
+    ``lax.cond``: on a GPU its predicate is read by the host before the rest of the step
+    can run, so :func:`scale_by_sinkhorn` takes this path for arrays on the CPU only.
+    """
+    wide = jnp.promote_types(gs[0].dtype, jnp.float32)
+    gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
+    route = axes if len(gs) == 1 else axes_lib.stacked_route(axes, len(gs))
+    c, r, in_range = _iterate(_squares(gs, after, floor=True), None, route, num_iters, eps,
+                              normalization, check=True)
+
+    def range_scaled(gs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        if len(gs) == 1:
+            return sinkhorn_scales(gs[0], axes, num_iters, eps, normalization, after)
+        return stacked_sinkhorn_scales(gs, axes, num_iters, eps, normalization, after)
+
+    return jax.lax.cond(in_range, lambda _: (c, r), range_scaled, gs)
+
+
+RANGE_CHECK: tuple[float, float] = (2.0**-100, 2.0**100)
+"""``(low, high)`` of :func:`checked_sinkhorn_scales`: a sum ``s`` of ``n`` terms ``K·w``
+(``w`` the other scale vector's square, at most ``w_max``) is in range when
+``n·(1 + w_max)·low ≤ s ≤ high``, or when its slice of ``G`` is exactly zero.  ``K``
+floors a non-zero square at float32's smallest normal number ``2^-126`` (where it would
+flush to zero), and a product below it flushes: each term is off by less than
+``2^-126·(1 + w_max)``, so ``s`` by less than ``2^-26·s``.  With the floor, and weights of
+at least 1 (the first iteration's: ``c = 1``, and ``r²`` lifted by an exact power of
+two), only a zero slice sums to 0.  ``s ≤ 2^100`` keeps every norm, scale and ``c·G``
+finite and every later square of a scale normal."""
 
 
 def _iterate(
     k: jax.Array,
-    m: jax.Array,
+    m: jax.Array | None,
     axes: ResolvedRoute,
     num_iters: Any,
     eps: Any,
     normalization: str,
-) -> tuple[jax.Array, jax.Array]:
-    """The ``L`` Sinkhorn iterations on ``K = (G/m)²``; the scales of :func:`sinkhorn_scales`."""
+    check: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The ``L`` Sinkhorn iterations on ``K = (G/m)²``; the scales of :func:`sinkhorn_scales`.
+
+    ``m=None``: ``K = G²`` (no range scale; the scales are those of ``G`` itself).  Returns
+    ``(c, r, in_range)``: with ``check``, whether every sum passed :data:`RANGE_CHECK`
+    (otherwise ``True``).
+    """
     wide = k.dtype
     fi, fo = axes.fan_in, axes.fan_out  # axis groups: a merged matrix needs no reshape here
     if normalization == "unit":
@@ -226,19 +301,94 @@ def _iterate(
 
     # The first half-iteration normalises G/m with eps/m (= G/(‖G‖ + eps)); from then on
     # r carries the factor m and every later half-iteration is the plain one.
-    eps_first = eps / jnp.squeeze(m, fi)
+    eps_first = eps if m is None else eps / jnp.squeeze(m, fi)
+    if check:
+        c, r, in_range = _checked_iterations(k, c, r, row_norms, col_norms, rescale, axes,
+                                             num_iters, eps, eps_first, (t_in, t_out))
+    else:
+        def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            c, r = carry
+            r = rescale(r, row_norms(k, jnp.square(c)), t_in, jnp.where(i == 0, eps_first, eps))
+            c = rescale(c, col_norms(k, jnp.square(r)), t_out, eps)
+            return c, r
 
-    def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        c, r = carry
-        r = rescale(r, row_norms(k, jnp.square(c)), t_in, jnp.where(i == 0, eps_first, eps))
-        c = rescale(c, col_norms(k, jnp.square(r)), t_out, eps)
-        return c, r
-
-    c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
+        c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
+        in_range = jnp.asarray(True)
+    if m is None:
+        return c, r, in_range
     # X = c·(G/m)·r = (c·2^-a)·G·(r·2^-b) with 2^a·2^b = m, a ≈ b: both scales and c·G
     # stay in range.
     half = pow2_sqrt_floor(m)
-    return c / jnp.squeeze(half, fo), r / jnp.squeeze(m / half, fi)
+    return c / jnp.squeeze(half, fo), r / jnp.squeeze(m / half, fi), in_range
+
+
+def _checked_iterations(
+    k: jax.Array,
+    c: jax.Array,
+    r: jax.Array,
+    row_norms: Any,
+    col_norms: Any,
+    rescale: Any,
+    axes: ResolvedRoute,
+    num_iters: Any,
+    eps: Any,
+    eps_first: Any,
+    targets: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`_iterate`'s iterations on a floored ``K = G²`` with the :data:`RANGE_CHECK`.
+
+    The first iteration also finds the exactly-zero slices, whose scales stay as they are
+    and which the checks leave out: the zero columns are the first sums' zeros (weights
+    1); for the rows, the weights ``r²`` are lifted by a power of two to at least 1 (the
+    sums are divided by it again, exactly), so that no non-zero term flushes and only a
+    zero row sums to 0.  Each half-iteration then takes one reduction, of its sums (the
+    smallest in range) and of its new scale's square (the largest and, once, smallest).
+    """
+    t_in, t_out = targets
+    wide = k.dtype
+    low, high = (jnp.asarray(b, wide) for b in RANGE_CHECK)
+
+    def reduce(norm_sq: jax.Array, zero: jax.Array, scale: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        # (smallest sum: a NaN or one above `high` counts as -1, a zero slice as +inf,
+        #  largest and smallest square of the new scale)
+        masked = jnp.where(zero, jnp.inf, jnp.where(norm_sq <= high, norm_sq, -1))
+        w = jnp.square(scale)
+        inf = jnp.asarray(jnp.inf, wide)
+        return jax.lax.reduce(
+            (masked, w, w), (inf, jnp.asarray(0, wide), inf),
+            lambda a, b: (jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1]),
+                          jnp.minimum(a[2], b[2])),
+            tuple(range(masked.ndim)))
+
+    def margin(smallest: jax.Array, n: int, w_max: jax.Array) -> jax.Array:
+        return smallest / (n * (1 + w_max))  # in range: at least `low`
+
+    n_in, n_out = axes.fan_in_size, axes.fan_out_size
+
+    def body(i: Any, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        # One loop, the first iteration included: a product outside the loop could be
+        # compiled to another kernel, with another order of summation.
+        c, r, w_c, worst, zero_cols, zero_rows = carry
+        first = i == 0
+        norm_sq = row_norms(k, jnp.square(c))
+        zero_cols = jnp.where(first, norm_sq == 0, zero_cols)  # weights c² = 1
+        r = rescale(r, norm_sq, t_in, jnp.where(first, eps_first, eps))
+        smallest, w_r, w_r_min = reduce(norm_sq, zero_cols, r)
+        worst = jnp.minimum(worst, margin(smallest, n_in, w_c))
+        # first: weights r² lifted by a power of two to at least 1, sums divided back
+        lift = jnp.where(first, 1 / pow2_floor(jnp.minimum(w_r_min, 1)), 1)
+        lifted = col_norms(k, jnp.square(r) * lift)
+        zero_rows = jnp.where(first, lifted == 0, zero_rows)
+        norm_sq = lifted / lift
+        c = rescale(c, norm_sq, t_out, eps)
+        smallest, w_c, _ = reduce(norm_sq, zero_rows, c)
+        worst = jnp.minimum(worst, margin(smallest, n_out, w_r))
+        return c, r, w_c, worst, zero_cols, zero_rows
+
+    start = (c, r, jnp.asarray(1, wide), jnp.asarray(jnp.inf, wide), r == 0, c == 0)
+    c, r, _, worst, _, _ = jax.lax.fori_loop(0, num_iters, body, start)
+    return c, r, worst >= low
 
 
 def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
@@ -333,6 +483,7 @@ def _sinkhorn_all(
     matrices: list[tuple[int, Any, ResolvedRoute]],
     on_kernel: bool,
     interpret: bool,
+    checked: bool,
     stack: bool,
     group_bytes: int,
     num_iters: Any,
@@ -343,8 +494,9 @@ def _sinkhorn_all(
     """``X`` of every matrix ``gs[k]`` (axes ``matrices[k][2]``), in the order of ``gs``.
 
     ``on_kernel``: the Pallas kernel computes the scales of the leaves it supports
-    (compiled, or in Pallas's interpreter with ``interpret``); ``stack``: same-shape
-    matrices are stacked in groups of at most ``group_bytes``.
+    (compiled, or in Pallas's interpreter with ``interpret``); ``checked``: the other
+    leaves' scales come from :func:`checked_sinkhorn_scales` (no range pass); ``stack``:
+    same-shape matrices are stacked in groups of at most ``group_bytes``.
     """
     pallas: Any = None
     if on_kernel:
@@ -366,6 +518,9 @@ def _sinkhorn_all(
         if kernel_batch:
             c, r = pallas.pallas_scales(group, resolved, num_iters, eps, normalization,
                                         after, interpret=interpret)
+        elif checked:
+            c, r = checked_sinkhorn_scales(group, resolved, num_iters, eps, normalization,
+                                           after)
         elif len(batch) == 1:
             c, r = sinkhorn_scales(group[0], resolved, num_iters, eps, normalization, after)
         else:
@@ -478,15 +633,15 @@ def scale_by_sinkhorn(
         # platform the program is compiled for is lowered.
         branches = {
             "cpu": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True,
+                _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True, True,
                 grouping == "stack", group_bytes, num_iters, eps, normalization),
             "cuda": functools.partial(
                 _sinkhorn_all, matrices,
                 use_kernel(impl, "cuda", placement.cuda_device_count(),
-                           placement.cuda_device_kind()), False,
+                           placement.cuda_device_kind()), False, False,
                 stack_off_cpu, group_bytes, num_iters, eps, normalization),
             "other": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True,
+                _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True, False,
                 stack_off_cpu, group_bytes, num_iters, eps, normalization),
         }
         results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
