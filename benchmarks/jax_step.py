@@ -38,7 +38,11 @@ the largest single parameter.
 ``scripts/gpu-check`` has validated the Pallas kernel on this GPU:
 ``sage_optim.kernels.VALIDATED_ON``); ``--compare-kernels sage-hybrid sinkgd-pure`` times
 the named configurations twice, as ``"<name> [pallas]"`` and ``"<name> [jnp]"``: the
-figures that decide whether ``auto`` takes the kernel.
+figures that decide whether ``auto`` takes the kernel.  ``--compare-range-pass
+sinkgd-hybrid`` times the named configurations twice, as ``"<name>"`` and ``"<name> [range
+pass]"``, the latter with SinkGD finding each matrix's range scale on the CPU too (the
+computation :func:`sage_optax.sinkhorn.checked_sinkhorn_scales` falls back to): the A/B of
+that pass in one process.
 
 ``--temp-only`` compiles each step from the shapes alone (nothing is allocated, nothing
 timed) and prints its compiled temporary memory: deterministic, and cheap enough for a
@@ -58,6 +62,7 @@ given differs), which only a median over processes shows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -75,6 +80,7 @@ import jax.numpy as jnp
 import optax
 
 import sage_optax
+from sage_optax import sinkhorn
 from sage_optim.presets import resolve_preset
 from sage_repro import traffic
 from sage_repro.llama_shapes import STACKED_ROUTES, llama_param_shapes
@@ -138,12 +144,38 @@ KERNEL: dict[str, str] = {"default": "auto"}
 """SinkGD's scale computation for entries that do not name one (``--kernel``)."""
 
 
+RANGE_PASS = "range pass"
+"""The tag of an entry whose SinkGD finds each matrix's range scale on the CPU too."""
+
+
 def split_entry(entry: str) -> tuple[str, str]:
-    """``(configuration, kernel)`` of a table entry: ``"sinkgd-pure [jnp]"`` or a plain name."""
+    """``(configuration, kernel)`` of a table entry: ``"sinkgd-pure [jnp]"``, ``"sinkgd-hybrid
+    [range pass]"`` or a plain name."""
     if entry.endswith("]") and " [" in entry:
         name, kernel = entry[:-1].split(" [")
-        return name, kernel
+        return name, KERNEL["default"] if kernel == RANGE_PASS else kernel
     return entry, KERNEL["default"]
+
+
+@contextlib.contextmanager
+def traced_as(entry: str) -> Any:
+    """Trace ``entry``'s step in this context: for a ``[range pass]`` entry, SinkGD's CPU path
+    is the range-scaled computation (what ``checked_sinkhorn_scales`` falls back to)."""
+    if not entry.endswith(f" [{RANGE_PASS}]"):
+        yield
+        return
+    checked = sinkhorn.checked_sinkhorn_scales
+
+    def range_scaled(gs: list[jax.Array], axes: Any, *args: Any) -> Any:
+        if len(gs) == 1:
+            return sinkhorn.sinkhorn_scales(gs[0], axes, *args)
+        return sinkhorn.stacked_sinkhorn_scales(gs, axes, *args)
+
+    sinkhorn.checked_sinkhorn_scales = range_scaled
+    try:
+        yield
+    finally:
+        sinkhorn.checked_sinkhorn_scales = checked
 
 
 def labels_of(shapes: Any) -> dict[str, str]:
@@ -189,9 +221,9 @@ class Runner:
             u, s2 = tx.update(g, s, p)
             return optax.apply_updates(p, u), s2
 
-        self.compiled = (
-            jax.jit(step, donate_argnums=(0, 1)).lower(self.params, self.state, grads).compile()
-        )
+        with traced_as(name):
+            self.compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+                self.params, self.state, grads).compile()
         self.memory = self.compiled.memory_analysis()
         self.grads = grads
         self.times: list[float] = []
@@ -296,7 +328,8 @@ def compiled_temp_bytes(entry: str, shapes: Any) -> int:
         return optax.apply_updates(p, u), s2
 
     state = jax.eval_shape(tx.init, shapes)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, state, shapes).compile()
+    with traced_as(entry):
+        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, state, shapes).compile()
     memory = compiled.memory_analysis()
     return -1 if memory is None else int(memory.temp_size_in_bytes)
 
@@ -379,6 +412,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "where scripts/gpu-check validated it, else jnp)")
     ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations with both SinkGD kernels, pallas and jnp")
+    ap.add_argument("--compare-range-pass", nargs="*", default=[], metavar="CONFIG",
+                    help="time these configurations also with SinkGD's range pass on the CPU")
     ap.add_argument("--temp-only", action="store_true",
                     help="only compile each step from the shapes (nothing allocated) and print "
                     "its compiled temporary memory: deterministic, no timing")
@@ -454,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     for n in args.configs:
         both = n in args.compare_kernels
         entries += [f"{n} [pallas]", f"{n} [jnp]"] if both else [n]
+        if n in args.compare_range_pass:
+            entries.append(f"{n} [{RANGE_PASS}]")
 
     config = get_model_config(args.model)
     shapes = llama_param_shapes(config, jnp.dtype(args.dtype), stacked=args.layout == "stacked")
