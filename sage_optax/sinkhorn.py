@@ -46,6 +46,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
@@ -228,6 +229,23 @@ def checked_sinkhorn_scales(
     ``lax.cond``: on a GPU its predicate is read by the host before the rest of the step
     can run, so :func:`scale_by_sinkhorn` takes this path for arrays on the CPU only.
     """
+    # One compiled program per shape and options, also when called eagerly: op by op, the
+    # loop would be compiled again at every call (its body a new closure each time), and
+    # XLA:CPU keeps every compiled kernel mapped (a process has 65,530 maps).
+    if isinstance(num_iters, (int, np.integer)) and not isinstance(num_iters, bool):
+        return _checked_static(gs, axes, int(num_iters), eps, normalization, after)
+    return _checked_traced(gs, axes, num_iters, eps, normalization, after)
+
+
+def _checked_scales(
+    gs: list[jax.Array],
+    axes: ResolvedRoute,
+    num_iters: Any,
+    eps: Any,
+    normalization: str,
+    after: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`checked_sinkhorn_scales`' computation (compiled once per shape and options)."""
     wide = jnp.promote_types(gs[0].dtype, jnp.float32)
     gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
     route = axes if len(gs) == 1 else axes_lib.stacked_route(axes, len(gs))
@@ -240,6 +258,10 @@ def checked_sinkhorn_scales(
         return stacked_sinkhorn_scales(gs, axes, num_iters, eps, normalization, after)
 
     return jax.lax.cond(in_range, lambda _: (c, r), range_scaled, gs)
+
+
+_checked_static = jax.jit(_checked_scales, static_argnames=("axes", "num_iters", "normalization"))
+_checked_traced = jax.jit(_checked_scales, static_argnames=("axes", "normalization"))
 
 
 RANGE_CHECK: tuple[float, float] = (2.0**-100, 2.0**100)

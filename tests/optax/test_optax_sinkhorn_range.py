@@ -216,3 +216,16 @@ def test_only_the_cpu_branch_skips_the_range_pass(monkeypatch):
     tx = sage_optax.scale_by_sinkhorn(axes=FLAX)
     jax.make_jaxpr(tx.update)(grads, tx.init(grads))
     assert calls == [1, 1, 1]  # the CPU branch's three leaves; none from the CUDA branch
+
+
+def test_eager_updates_compile_the_checked_path_once():
+    """Called eagerly (op by op), the loop used to be compiled again at every update, and
+    XLA:CPU keeps each compiled kernel mapped: a test file of eager updates ran the process
+    into its 65,530-map limit (a segfault).  Fresh transformations of one shape now share
+    one compiled program."""
+    grads = {"w": jax.device_put(jnp.asarray(_matrix((9, 5), seed=15)), CPU)}
+    before = sinkhorn._checked_static._cache_size()
+    for _ in range(3):
+        tx = sage_optax.scale_by_sinkhorn(axes=FLAX)
+        tx.update(grads, tx.init(grads))
+    assert sinkhorn._checked_static._cache_size() - before <= 1
