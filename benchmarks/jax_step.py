@@ -165,13 +165,7 @@ def traced_as(entry: str) -> Any:
         yield
         return
     checked = sinkhorn.checked_sinkhorn_scales
-
-    def range_scaled(gs: list[jax.Array], axes: Any, *args: Any) -> Any:
-        if len(gs) == 1:
-            return sinkhorn.sinkhorn_scales(gs[0], axes, *args)
-        return sinkhorn.stacked_sinkhorn_scales(gs, axes, *args)
-
-    sinkhorn.checked_sinkhorn_scales = range_scaled
+    sinkhorn.checked_sinkhorn_scales = sinkhorn.range_scaled_scales
     try:
         yield
     finally:

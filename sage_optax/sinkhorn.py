@@ -252,12 +252,26 @@ def _checked_scales(
     c, r, in_range = _iterate(_squares(gs, after, floor=True), None, route, num_iters, eps,
                               normalization, check=True)
 
-    def range_scaled(gs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-        if len(gs) == 1:
-            return sinkhorn_scales(gs[0], axes, num_iters, eps, normalization, after)
-        return stacked_sinkhorn_scales(gs, axes, num_iters, eps, normalization, after)
+    return jax.lax.cond(in_range, lambda _: (c, r), lambda gs: range_scaled_scales(
+        gs, axes, num_iters, eps, normalization, after), gs)
 
-    return jax.lax.cond(in_range, lambda _: (c, r), range_scaled, gs)
+
+def range_scaled_scales(
+    gs: list[jax.Array],
+    axes: ResolvedRoute,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+    after: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The scales by the computation that finds the range (one leaf or a stacked batch).
+
+    :func:`sinkhorn_scales` of one leaf, :func:`stacked_sinkhorn_scales` of several: what
+    :func:`checked_sinkhorn_scales` falls back to, and every non-CPU branch's computation.
+    """
+    if len(gs) == 1:
+        return sinkhorn_scales(gs[0], axes, num_iters, eps, normalization, after)
+    return stacked_sinkhorn_scales(gs, axes, num_iters, eps, normalization, after)
 
 
 _checked_static = jax.jit(_checked_scales, static_argnames=("axes", "num_iters", "normalization"))
@@ -540,14 +554,9 @@ def _sinkhorn_all(
         if kernel_batch:
             c, r = pallas.pallas_scales(group, resolved, num_iters, eps, normalization,
                                         after, interpret=interpret)
-        elif checked:
-            c, r = checked_sinkhorn_scales(group, resolved, num_iters, eps, normalization,
-                                           after)
-        elif len(batch) == 1:
-            c, r = sinkhorn_scales(group[0], resolved, num_iters, eps, normalization, after)
         else:
-            c, r = stacked_sinkhorn_scales(group, resolved, num_iters, eps, normalization,
-                                           after)
+            scales = checked_sinkhorn_scales if checked else range_scaled_scales
+            c, r = scales(group, resolved, num_iters, eps, normalization, after)
         if len(batch) == 1:
             (k, g, _), = batch
             out[k] = apply_scales(g, resolved, c, r).astype(g.dtype)
