@@ -664,7 +664,10 @@ def scale_by_sinkhorn(
         # platform the program is compiled for is lowered.
         branches = {
             "cpu": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True, True,
+                # the checked path's lax.cond only in a one-process job: its predicate
+                # must agree across processes (a multi-process job keeps the range pass)
+                _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True,
+                jax.process_count() == 1,
                 grouping == "stack", group_bytes, num_iters, eps, normalization),
             "cuda": functools.partial(
                 _sinkhorn_all, matrices,
