@@ -5,7 +5,7 @@ the three kinds, and ``optax.partition`` hands each kind's rule the params with 
 kinds' leaves replaced by ``optax.MaskedNode`` (an empty pytree node).  Where a parameter
 is boxed (an ``nnx.Param`` of ``nnx.state(model, nnx.Param)``, a linen
 ``nn.Partitioned``), the placeholder sits *inside* the parameter's box, and so does every
-state leaf a rule builds from it: ``nnx.Optimizer`` then holds ``OptVariable``\\ s whose
+state leaf a rule builds from it: ``nnx.Optimizer`` then holds ``OptVariable`` objects whose
 value is a ``MaskedNode`` (no ``shape``, ``dtype`` or ``sharding``), which
 ``nnx.to_flat_state(nnx.state(optimizer))``, sharding code and checkpointers trip on.
 

@@ -179,7 +179,7 @@ def test_the_first_whole_tree_routed_decides() -> None:
         lambda p, x: optax.MaskedNode() if _path(p) == MASKED["embedding"] else x, params)
     state = tx.init(masked)
     head = [st for st in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
-        x, sage_optax.ScaleBySageState)) if isinstance(x := st, sage_optax.ScaleBySageState)]
+        x, sage_optax.ScaleBySageState)) if isinstance(st, sage_optax.ScaleBySageState)]
     assert any(not isinstance(st.mu["lm_head"], optax.MaskedNode) for st in head)
 
 
