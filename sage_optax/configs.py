@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -485,10 +486,11 @@ def sage_hybrid(
     :func:`~sage_optax.sinkgd` with ``normalization="unit"`` (stateless), ``vector`` →
     SAGE (or ``vector_rule="adamw"``, the variant the paper found equivalent).
 
-    Works with ``optax.inject_hyperparams(sage_hybrid)(learning_rate=schedule)``; pass
-    ``model`` and a callable ``mask`` through ``static_args``
-    (``optax.inject_hyperparams(sage_hybrid, static_args=("model",))``): optax calls every
-    other callable argument with the step count, as a schedule.
+    Works with ``optax.inject_hyperparams(sage_hybrid)(learning_rate=schedule)``, also with
+    ``model=`` and a callable ``mask=``: optax calls every callable argument not in
+    ``static_args`` with the step count, as a schedule, but binding this function's
+    signature keeps those two static (naming them in ``static_args``, as the README does,
+    is the same), so the state is the uninjected optimizer's, in ``inner_state``.
 
     Every default is the ``sage-hybrid`` preset's (:data:`sage_optim.presets.PRESETS`), read
     from it, so the alias and :func:`make_optimizer` cannot drift apart.
@@ -507,8 +509,7 @@ def sage_hybrid(
       layout: ``None`` (each leaf's name says its convention), ``"flax"`` or ``"torch"``
         (:func:`~sage_optax.route_params`).
       model: the ``nnx.Module`` or Equinox model whose module types are routing evidence
-        (pass it in ``static_args`` under ``optax.inject_hyperparams``: a module is
-        callable).
+        (static under ``optax.inject_hyperparams``, ``static_args`` or not).
       mask: weight-decay mask.
       strict: refuse leaves with no layout evidence instead of the element-wise fallback.
 
@@ -536,6 +537,7 @@ def sage_hybrid(
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD).
     """
     validation.check_choice("vector_rule", vector_rule, ("sage", "adamw"))
+    model, mask = _unwrap_static(model), _unwrap_static(mask)
     return make_optimizer(
         "sage-hybrid",
         learning_rate,
@@ -553,6 +555,43 @@ def sage_hybrid(
         mask=mask,
         strict=strict,
     )
+
+
+class _Static:
+    """An argument ``optax.inject_hyperparams`` must not call: wrapped so it is not callable."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _unwrap_static(value: Any) -> Any:
+    return value.value if isinstance(value, _Static) else value
+
+
+class _StaticOptionsSignature(inspect.Signature):
+    """The signature of :func:`sage_hybrid`: binding it keeps ``model`` and ``mask`` static.
+
+    ``optax.inject_hyperparams`` binds the factory's signature and calls every callable
+    argument not in ``static_args`` with the step count, as a schedule: an ``nnx.Module``
+    given as ``model=`` (or a callable weight-decay ``mask``) would be called, and fail
+    inside its own ``__call__`` before :func:`sage_hybrid` runs.  This signature's ``bind``
+    hands such an argument on wrapped in a non-callable :class:`_Static` (which
+    :func:`sage_hybrid` unwraps), so ``inject_hyperparams(sage_hybrid)(model=model)`` builds
+    the same optimizer as ``sage_hybrid(model=model)``, with or without ``static_args``.
+    """
+
+    def bind(self, /, *args: Any, **kwargs: Any) -> inspect.BoundArguments:
+        """``inspect.Signature.bind``, with a callable ``model``/``mask`` made static."""
+        bound = super().bind(*args, **kwargs)
+        for name in ("model", "mask"):
+            value = bound.arguments.get(name)
+            if callable(value):
+                bound.arguments[name] = _Static(value)
+        return bound
+
+
+sage_hybrid.__signature__ = _StaticOptionsSignature.from_callable(  # type: ignore[attr-defined]
+    sage_hybrid)
 
 
 def routing_table(
