@@ -102,7 +102,13 @@ def make_optimizer(
           tuple, instead of giving it the element-wise rule with a
           :class:`~sage_optax.routing.NoLayoutEvidenceWarning`), ``axis_names=`` (the
           logical axis names of unboxed params) and ``axis_roles={name: role}`` (extends
-          :data:`sage_optax.logical.AXIS_ROLES`);
+          :data:`sage_optax.logical.AXIS_ROLES`), ``params=`` (the whole params tree,
+          arrays or ``jax.ShapeDtypeStruct``: the routing of a tree that reaches the
+          optimizer with ``optax.MaskedNode`` placeholders, inside ``optax.masked`` or
+          ``optax.multi_transform``, is taken from it; without it, from ``model=``'s
+          parameters or the first tree without placeholders routed, else refused: the
+          placeholders are not evidence, and an untied head is found by the token table's
+          shape);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
         * ``impl=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
           ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
@@ -478,6 +484,7 @@ def sage_hybrid(
     model: Any | None = None,
     mask: Any | None = None,
     strict: bool = False,
+    params: Any | None = None,
 ) -> optax.GradientTransformation:
     """SAGE-Hybrid, the paper's method: SAGE on embeddings and vectors, Unit-Norm SinkGD on dense.
 
@@ -512,6 +519,9 @@ def sage_hybrid(
         (static under ``optax.inject_hyperparams``, ``static_args`` or not).
       mask: weight-decay mask.
       strict: refuse leaves with no layout evidence instead of the element-wise fallback.
+      params: the whole params tree, whose routing a tree with ``optax.MaskedNode``
+        placeholders (inside ``optax.masked``, ``optax.multi_transform``) takes
+        (:func:`make_optimizer`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -554,6 +564,7 @@ def sage_hybrid(
         model=model,
         mask=mask,
         strict=strict,
+        params=params,
     )
 
 
