@@ -168,6 +168,9 @@ def test_a_tree_that_is_not_the_whole_models_is_refused() -> None:
     with pytest.raises(RoutingError, match=r"'up.bias' of shape \(11,\).* has shape "
                                            r"\(10,\) there"):
         tx.init(other)
+    # the advice: the params this optimizer trains as params=
+    state = wrapped("masked", MASKED["embedding"], params=other).init(other)
+    assert jax.tree.leaves(state)
 
 
 def test_the_first_whole_tree_routed_decides() -> None:

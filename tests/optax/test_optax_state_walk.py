@@ -154,6 +154,9 @@ def test_stale_state_is_refused_in_update(name: str, change: str) -> None:
         assert "re-run tx.init(params)" in message
         # refused by the check that runs before the arithmetic, not inside a rule
         assert err.traceback[-1].path.name == "state_tree.py", err.traceback[-1]
+    # the advice: re-run tx.init(params)
+    updates, _ = tx.update(grads, tx.init(new), new)
+    assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
 
 
 @pytest.mark.parametrize("name", ["sage-hybrid", "apollo"])
