@@ -317,10 +317,6 @@ class _Router:
     def _whole_routes(self, warn: bool) -> dict[str, tuple[tuple[int, ...], Any, Any, Any]]:
         """``{path: (shape, label, axes, route)}`` of the whole model, routed once."""
         if self.whole_routes is None:
-            if self.whole is None and self.model is not None:
-                self.whole, self.whole_from = _params_of_model(self.model), "model="
-            if self.whole is None:
-                raise RuntimeError("no whole tree")  # pragma: no cover - checked by caller
             whole = self(self.whole, warn=warn)
             self.whole_routes = {
                 path: (tuple(x.shape), label, axes, route) for (path, x), (_, label),
@@ -339,14 +335,18 @@ class _Router:
             that is not in it with the same shape.
         """
         masked = [path for path, x in _all_paths(params) if isinstance(x, optax.MaskedNode)]
-        if self.whole is None and (self.model is None or _params_of_model(self.model) is None):
+        if self.whole is None and self.model is not None:
+            self.whole = _params_of_model(self.model)
+            self.whole_from = None if self.whole is None else "model="
+        if self.whole is None:
             raise routing.RoutingError(
                 f"the params reach the optimizer with {len(masked)} placeholder(s) "
                 f"(optax.MaskedNode at {_listed(masked)}: optax.masked, optax.multi_transform "
                 "or optax.partition around it), and a leaf's route depends on the whole model "
                 "(an untied head is found by the token table's shape); pass the whole params "
                 "tree when building the optimizer: make_optimizer(name, params=params) (arrays "
-                "or jax.ShapeDtypeStruct; an nnx or Equinox model: model=model)")
+                "or jax.ShapeDtypeStruct; or model= an nnx or Equinox model, or "
+                "sage_optax.linen_model(module, *inputs))")
         routes = self._whole_routes(warn)
         with_path, treedef = jax.tree_util.tree_flatten_with_path(
             params, is_leaf=axes_lib.is_masked)
@@ -394,7 +394,11 @@ def _shapes_only(tree: Any) -> Any:
 
 
 def _params_of_model(model: Any) -> Any:
-    """The trained parameters of an nnx or Equinox ``model`` (shapes only), else ``None``."""
+    """The parameters of an nnx, Equinox or linen ``model`` (shapes only), else ``None``."""
+    from sage_optax import linen_evidence
+
+    if isinstance(model, linen_evidence.LinenModel):
+        return _shapes_only(linen_evidence.abstract_params(model))
     if routing.is_nnx_module(model):
         from flax import nnx
 
