@@ -520,6 +520,9 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
                           **hp)
         return
     key = None
+    if tables is not None and len(tables) > TABLES_KEPT and not (
+            params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        tables.clear()  # tables of tensors that will not come back
     if tables is not None and sweep_enabled(num_iters) and not torch.compiler.is_compiling():
         key = ("step", group_bytes, sweep_bytes, int(num_iters), *(
             (p.data_ptr(), g.data_ptr(), *p.shape, *p.stride(), *g.stride(), g.dtype, ax)
@@ -640,16 +643,32 @@ class _Sweep(NamedTuple):
     blocks: tuple[int, int, int]
 
 
-def _remember(tables: dict[Any, Any], key: Any, value: Any) -> None:
-    """Keep ``value`` under ``key`` (every entry is forgotten once there are 64).
+TABLES_KEPT: int = 256
+"""Entries of a SinkGD rule's launch tables kept across steps: past this many, they are
+forgotten at the start of the next fused step (never during one, so that a step being
+captured in a CUDA graph finds every table its warm-up step made)."""
 
-    Entries are keyed by addresses: those of steps that will not come back are dropped.
-    """
+
+def _remember(tables: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` under ``key`` (entries are keyed by addresses and contents)."""
     if torch.compiler.is_compiling():
         return  # a traced store would make the next step recompile
-    if len(tables) >= 64:
-        tables.clear()
     tables[key] = value
+
+
+def _upload(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` as a tensor on ``device`` (one non-blocking copy from the host).
+
+    Refused while the current CUDA stream is being captured: the graph would replay a
+    copy from host memory freed after the capture (tables the warm-up steps made, with
+    the same tensors, are found instead).
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "SinkGD's fused step met tensors it had not stepped before while a CUDA graph "
+            "was being captured: run the warm-up steps with the same parameters and "
+            "gradients (the same tensors) before capturing")
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _sweep_plan(mats: list[tuple[Tensor, Tensor, int]], anchor: Tensor,
@@ -669,8 +688,8 @@ def _sweep_plan(mats: list[tuple[Tensor, Tensor, int]], anchor: Tensor,
         # copies nothing from the host (what CUDA graph capture requires)
         found = None if tables is None else tables.get((anchor.device, *desc))
         if found is None:
-            found = (torch.tensor(desc, dtype=torch.int64).to(anchor.device, non_blocking=True),
-                     torch.tensor(progs, dtype=torch.int32).to(anchor.device, non_blocking=True))
+            found = (_upload(desc, torch.int64, anchor.device),
+                     _upload(progs, torch.int32, anchor.device))
             if tables is not None:
                 _remember(tables, (anchor.device, *desc), found)
         plan.append(_Sweep(anchor, found[0], found[1], n_r, n_c, blocks))
