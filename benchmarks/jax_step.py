@@ -329,8 +329,10 @@ def breakdown(name: str, shapes: dict[str, Any], args: argparse.Namespace, bw: f
             r.free()
 
 
-def compiled_temp_bytes(entry: str, shapes: Any) -> int:
-    """Temporary bytes of ``entry``'s donated step, compiled from the shapes alone."""
+def compiled_temp_bytes(entry: str, shapes: Any) -> tuple[int, float, float]:
+    """Temporary bytes of ``entry``'s donated step, compiled from the shapes alone, and the
+    seconds its trace and lowering, then its compilation, took (cold, unless
+    ``JAX_COMPILATION_CACHE_DIR`` holds it)."""
     tx = make_tx(entry)
 
     def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
@@ -339,19 +341,31 @@ def compiled_temp_bytes(entry: str, shapes: Any) -> int:
 
     state = jax.eval_shape(tx.init, shapes)
     with traced_as(entry):
-        compiled = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, state, shapes).compile()
+        t0 = time.perf_counter()
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(shapes, state, shapes)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
     memory = compiled.memory_analysis()
-    return -1 if memory is None else int(memory.temp_size_in_bytes)
+    return (-1 if memory is None else int(memory.temp_size_in_bytes)), t1 - t0, t2 - t1
 
 
 def print_temps(entries: list[str], shapes: Any, largest: int) -> None:
-    """``--temp-only``: a table of each step's compiled temporary memory."""
+    """``--temp-only``: each step's compiled temporary memory and its cold compile time.
+
+    The first entry is the baseline; its trace-and-compile seconds are the ratios' base
+    (one process, one compile each: a figure to compare within a run, as every timing).
+    """
     print()
-    print("| configuration | temp (MiB) | temp / largest param |")
-    print("|---|---:|---:|")
+    print("| configuration | temp (MiB) | temp / largest param | trace + lower (s) | "
+          "compile (s) | trace + compile vs baseline |")
+    print("|---|---:|---:|---:|---:|---:|")
+    base = None
     for entry in entries:
-        temp = compiled_temp_bytes(entry, shapes)
-        print(f"| {entry} | {temp / MIB:.1f} | {temp / largest:.2f} |", flush=True)
+        temp, lower_s, compile_s = compiled_temp_bytes(entry, shapes)
+        base = lower_s + compile_s if base is None else base
+        print(f"| {entry} | {temp / MIB:.1f} | {temp / largest:.2f} | {lower_s:.2f} | "
+              f"{compile_s:.2f} | {(lower_s + compile_s) / base:.2f}x |", flush=True)
 
 
 def across_processes(argv: list[str], processes: int) -> None:
