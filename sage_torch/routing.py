@@ -1085,7 +1085,7 @@ class Routing:
     def placed(self) -> list[RoutedParam]:
         """The routed parameters, in order (raises the combined error if any is not placed)."""
         if self.errors:
-            raise RoutingError.combine(self.errors)
+            raise RoutingError.combine(self.errors, names=[n for n, _, _ in self.order])
         return [RoutedParam(n, p, self.routes[id(p)])  # type: ignore[arg-type]
                 for n, p, _ in self.order]
 
