@@ -166,7 +166,7 @@ def _train_locked(run: Run, opts: _Options, log: Callable[[str], None]) -> RunRe
         changed = rundir.check_settings(run_dir, recorded, settings, opts.allow_change)
         rows = local_rows(run.mesh, cfg.batch_size)  # this process's rows of every batch
         ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
-        check_carry(run_dir, changed, ckpts)
+        check_carry(run_dir, changed, ckpts, cfg)
         ckpts.prepare()
     ckpts.check_shared()
     tokens, eval_set = load_tokens_once(cfg, opts.data_exclude, rows)

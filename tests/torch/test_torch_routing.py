@@ -895,7 +895,7 @@ def test_routing_table_allocates_nothing_and_prints():
     model = LM(tied=True)
     table = routing_table("sage-hybrid", model)
     text = str(table)
-    assert text.splitlines()[0].split() == ["path", "shape", "kind", "rule", "fan-in",
+    assert text.splitlines()[0].split() == ["path", "shape", "kind", "rule", "step", "fan-in",
                                             "fan-out", "evidence", "state", "bytes"]
     assert [r.path for r in table.rows].count("embed.weight") == 1
     assert "lm_head.weight" not in [r.path for r in table.rows]  # tied: one row
@@ -1406,7 +1406,9 @@ def test_every_unplaceable_parameter_in_one_error_first_options_give_the_math():
         make_optimizer("sage-hybrid", model)
     err = info.value
     message = str(err)
-    assert message.startswith("cannot place 4 parameters:"), message
+    first = message.splitlines()[0]  # the fix first (issue 45), within 200 characters
+    assert first.startswith("Fix: paste the route_overrides block") and len(first) <= 200
+    assert "cannot place 4 parameters" in first, message
     for name, shape in [("pos_emb", (6, D)), ("w", (D, D)), ("experts", (3, D, D)),
                         ("unembed_w", (D, V))]:
         assert f"{name!r} of shape {shape}" in message
