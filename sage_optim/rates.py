@@ -62,8 +62,10 @@ def pop_kind_learning_rates(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def step_scale(rule: RuleSpec) -> float:
-    """The factor between a rule's learning rate and its step: SinkGD's ``alpha``,
-    APOLLO's ``sqrt(scale)``, 1 for the others."""
+    """The factor between a rule's learning rate and its step.
+
+    SinkGD's ``alpha``, APOLLO's ``sqrt(scale)``, 1 for the others.
+    """
     hp = rule.hyperparams
     if rule.name == "sinkgd":
         return float(hp["alpha"])
@@ -94,9 +96,10 @@ def describe_step(rule: RuleSpec, rate: Any) -> str:
 
 
 def far_rate_message(name: str, preset: Preset, rates: Mapping[str, Any]) -> str | None:
-    """The notice for ``rates`` (``{kind: rate}``) under the resolved ``preset`` of
-    configuration ``name``, or ``None`` when every kind's step is within
-    :data:`NOTICE_FACTOR` of the configuration's own.
+    """The notice for ``rates`` (``{kind: rate}``), or ``None`` if every step is usual.
+
+    ``preset`` is configuration ``name`` as resolved (overrides applied); a kind's step is
+    usual within :data:`NOTICE_FACTOR` of the configuration's own.
 
     A kind whose rule was swapped (``vector="adamw"``) has no usual step and is not judged;
     a schedule is not judged either.
@@ -133,8 +136,9 @@ _NOTED: set[tuple[str, tuple[tuple[str, float], ...]]] = set()
 
 def notice_far_rates(name: str, preset: Preset, rates: Mapping[str, Any],
                      per_kind: bool = False, stacklevel: int = 3) -> None:
-    """Warn once (:class:`LearningRateNotice`) per configuration and rates when
-    :func:`far_rate_message` has something to say.
+    """Warn once per configuration and rates when :func:`far_rate_message` has a notice.
+
+    The warning is a :class:`LearningRateNotice`.
 
     ``per_kind``: some kind was given its own rate (``<kind>_learning_rate=``): the caller
     has chosen rates per kind, and no notice is given.  ``stacklevel``: as

@@ -14,15 +14,12 @@ import dataclasses
 import jax
 import pytest
 from routing_checks import paste_block
+from test_optax_routing_nanodo import TOKENS, DoConfig, TransformerDo
 
-pytest.importorskip("flax")
-
-import sage_optax  # noqa: E402
-from sage_optax import RoutingError, route_params  # noqa: E402
-from sage_optax.routing import iter_leaves  # noqa: E402
-from sage_optim.routing import HEADLINE_LIMIT  # noqa: E402
-
-from test_optax_routing_nanodo import TOKENS, DoConfig, TransformerDo  # noqa: E402
+import sage_optax
+from sage_optax import RoutingError, route_params
+from sage_optax.routing import iter_leaves
+from sage_optim.routing import HEADLINE_LIMIT
 
 ROLES = ("query", "key", "value", "attn_out_proj")  # the 3-D kernels: refused without model=
 
