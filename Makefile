@@ -14,6 +14,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0+cpu
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# setuptools' boxed "Editable installation" notice (an InformationOnly UserWarning of the
+# build backend) says nothing a user of `make` can act on
+QUIET_BUILD := PYTHONWARNINGS=ignore::UserWarning
 
 .PHONY: demo test lint docs clean
 
@@ -25,7 +28,7 @@ $(BIN)/python:
 # [train] brings JAX, Optax and Flax: what `make demo` runs (no PyTorch).
 $(VENV)/.core-installed: pyproject.toml | $(BIN)/python
 	@echo "[setup] installing sage-optim with its [train] extra (JAX, Optax, Flax ...; a minute or two, pip's progress follows)"
-	$(BIN)/python -m pip install --progress-bar on -e '.[train]'
+	$(QUIET_BUILD) $(BIN)/python -m pip install --progress-bar on -e '.[train]'
 	@echo "[setup] done"
 	touch $@
 
@@ -34,7 +37,7 @@ $(VENV)/.dev-installed: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet $(TORCH) 2>/dev/null || \
 		$(BIN)/python -m pip install --quiet $(TORCH) --index-url $(TORCH_CPU_INDEX)
 	@echo "[setup] installing sage-optim with its [all,dev] extras (a few minutes, pip's progress follows)"
-	$(BIN)/python -m pip install --progress-bar on -e '.[all,dev]'
+	$(QUIET_BUILD) $(BIN)/python -m pip install --progress-bar on -e '.[all,dev]'
 	@echo "[setup] done"
 	touch $@ $(VENV)/.core-installed
 

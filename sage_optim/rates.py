@@ -113,6 +113,8 @@ def far_rate_message(name: str, preset: Preset, rates: Mapping[str, Any]) -> str
             continue
         step = value * step_scale(rule)
         expected = usual.learning_rate * step_scale(own)
+        if not step > 0 or not expected > 0:  # a scale of 0 (refused by the rule's checks)
+            continue
         ratio = step / expected
         if ratio > NOTICE_FACTOR * (1 + 1e-9) or ratio < 1 / (NOTICE_FACTOR * (1 + 1e-9)):
             how = f"{ratio:.3g}x above" if ratio > 1 else f"{1 / ratio:.3g}x below"

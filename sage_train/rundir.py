@@ -302,10 +302,10 @@ def check_settings(run_dir: pathlib.Path, recorded: Mapping[str, Any] | None,
             f"settings: {format_differences(diff)}; or use another --run-dir for a new run")
     if diff and not allow_change:
         raise RunDirError(
+            "use another --run-dir for a new run, or pass --allow-config-change to continue "
+            f"this one under the new settings (recorded as a new segment in {HISTORY}): "
             f"run directory {run_dir} was trained with other settings: "
-            f"{format_differences(diff)}; use another --run-dir for a new run, or pass "
-            "--allow-config-change to continue this one under the new settings (recorded "
-            f"as a new segment in {HISTORY})")
+            f"{format_differences(diff)}")
     return diff
 
 

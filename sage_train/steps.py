@@ -67,7 +67,8 @@ def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
     if cfg.tail_from is not None and cfg.tail_from < cfg.steps:
         at = cfg.tail_from
         base = lr_schedule(dataclasses.replace(cfg, steps=at, tail_from=None, tail=None))
-        start = float(base(at))
+        with jax.ensure_compile_time_eval():  # a number, also when built inside a trace
+            start = float(base(at))
         if (cfg.tail or "constant") == "constant":
             tail = optax.constant_schedule(start)
         else:

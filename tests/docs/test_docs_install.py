@@ -387,6 +387,22 @@ def test_the_installed_torch_is_the_makefiles_cpu_wheel():
     assert torch.version.cuda is None, torch.version.cuda
 
 
+def test_make_demo_shows_progress_while_it_installs():
+    """No silent minute (issue 45): each install step is announced, the long ones show pip's
+    progress (not --quiet), and setuptools' boxed editable-install notice is filtered."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    for target in (".venv/.core-installed", ".venv/.dev-installed"):
+        out = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), target],
+                             capture_output=True, text=True, check=True).stdout
+        lines = out.splitlines()
+        editable = next(i for i, line in enumerate(lines) if " -e " in line)
+        assert "--quiet" not in lines[editable] and " -q " not in lines[editable], out
+        assert "--progress-bar on" in lines[editable], out
+        assert "PYTHONWARNINGS=ignore::UserWarning" in lines[editable], out
+        assert lines[editable - 1].startswith("echo "), out
+
+
 def test_the_cuda_extra_matches_jax_current_gpu_wheels():
     """``[cuda]`` installs the CUDA 13 wheels (jax 0.11.2's GPU machines run CUDA 13)."""
     assert PROJECT["optional-dependencies"]["cuda"] == ["jax[cuda13]"]
