@@ -324,12 +324,12 @@ def _tokenize_cached(
     if (cached := _load_cached(entry, vocab_size)) is not None:
         tok, train, test = cached
         _check_ids(entry, train, test, vocab_size)
-        say(f"tokens of {source}: read from the cache {entry}")
+        say(f"tokens: {source}, read from the cache {entry}")
         return TokenData(train, test, vocab_size, tok, source)
 
     size = sum(len(d) for d in docs)
-    say(f"training a {vocab_size:,}-token BPE tokenizer on {source} ({len(docs):,} documents, "
-        f"{size / 2**20:.1f} MiB of text; once: its tokens are cached in {entry})")
+    say(f"tokenizer: training a {vocab_size:,}-token BPE on {source} ({len(docs):,} "
+        f"documents, {size / 2**20:.1f} MiB of text; once: the tokens are cached in {entry})")
     tok = train_tokenizer(docs, vocab_size)
     tokens = _encode_documents(tok, docs, dtype_for_vocab(vocab_size))
     train, test = _split(tokens, source)
@@ -344,7 +344,7 @@ def _tokenize_cached(
         return TokenData(train, test, vocab_size, tok, source)
     if (cached := _load_cached(entry, vocab_size)) is not None:
         tok, train, test = cached
-    say(f"tokens of {source}: {len(train):,} train and {len(test):,} test, cached in {entry}")
+    say(f"tokens: {source}, {len(train):,} train and {len(test):,} test, cached in {entry}")
     return TokenData(train, test, vocab_size, tok, source)
 
 

@@ -13,11 +13,11 @@ def test_a_new_text_says_it_trains_a_tokenizer_and_where_it_caches(tmp_path, mon
     said: list[str] = []
     first = data_lib.load_data(text, vocab_size=300, log=said.append)
     assert len(said) == 2, said
-    assert said[0].startswith("training a 300-token BPE tokenizer on ")
+    assert said[0].startswith("tokenizer: training a 300-token BPE on ")
     entry = tmp_path / "cache" / "tokens"
     assert str(entry) in said[0] and str(entry) in said[1] and "cached in" in said[1]
     said.clear()
     again = data_lib.load_data(text, vocab_size=300, log=said.append)
-    assert len(said) == 1 and said[0].startswith(f"tokens of {text}: read from the cache ")
+    assert len(said) == 1 and said[0].startswith(f"tokens: {text}, read from the cache ")
     assert str(entry) in said[0]
     assert (first.train == again.train).all()
