@@ -879,9 +879,12 @@ def test_routing_table_matches_sage_optax(name):
         flax_shape = shape[::-1] if len(shape) == 2 and not path.startswith("embed.") else shape
         mapped[torch_to_flax_name(model, path)] = (flax_shape, row.kind, row.rule,
                                                    row.state_bytes)
-    # kind, rule and bytes: the first fields and the last of both row forms
-    expected = {r[0]: (tuple(r[1]), r[2], r[3], r[-1]) for r in theirs.rows}
+    # kind, rule and bytes: the first fields and the eighth of both row forms
+    expected = {r[0]: (tuple(r[1]), r[2], r[3], r[7]) for r in theirs.rows}
     assert mapped == expected
+    # each kind's effective step (issue 45): the same in both frameworks
+    assert {torch_to_flax_name(model, r.path): r.step for r in ours.rows} == {
+        r.path: r.step for r in theirs.rows}
     assert ours.config == theirs.config == name
     assert str(ours).splitlines()[-1].startswith(f"{name}: optimizer state ")
     if all(isinstance(r, sage_torch.RoutingRow) for r in theirs.rows):  # the axes columns
