@@ -134,10 +134,12 @@ class RoutingError(ValueError):
                 names: Sequence[str] | None = None) -> RoutingError:
         """One error for every parameter in ``errors``, with one paste block for all.
 
-        The message's first line is the fix (at most :data:`HEADLINE_LIMIT` characters):
-        ``fix`` where the caller knows one (pass the model), else the paste block; the
-        details follow, one bullet per layer role (the parameters of other layers with the
-        same remedy are counted, not repeated), then the ``route_overrides = {...}`` block.
+        With several refusals, the message's first line is the fix (at most
+        :data:`HEADLINE_LIMIT` characters): ``fix`` where the caller knows one (pass the
+        model), else the paste block; the details follow, one bullet per layer role (the
+        parameters of other layers with the same remedy are counted, not repeated), then the
+        ``route_overrides = {...}`` block.  One refusal keeps its own message, which gives
+        its remedy first, then the block.
 
         Args:
           errors: the per-parameter refusals.
@@ -162,15 +164,15 @@ class RoutingError(ValueError):
             details.append(text)
         block = paste_block(problems, known)
         count = f"cannot place {len(errors)} parameter{'s' if len(errors) != 1 else ''}"
-        if block:
+        if len(errors) == 1:  # one refusal: its own message says the remedy first
+            lines = [str(errors[0])]
+        elif block:
             paste = "paste the route_overrides block at the end (err.overrides)"
             headline = f"Fix: {fix}, or {paste}; {count}, details below"
             if not fix or len(headline) > HEADLINE_LIMIT:
                 headline = (f"Fix: {paste} into make_optimizer, checked against the model's "
                             f"forward code; {count}, details below")
             lines = [headline, *("* " + d for d in details)]
-        elif len(errors) == 1:
-            lines = [str(errors[0])]
         else:
             lines = [f"{count}:", *("* " + d for d in details)]
         out = cls("\n".join(lines + ([block] if block else [])))
