@@ -19,6 +19,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import logical, memory, registry, routing, state_tree, validation
 from sage_optax.sinkhorn import IMPLS
+from sage_optim import rates
 from sage_optim.presets import CONFIG_NAMES, KINDS, PRESETS, RuleSpec, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
@@ -88,6 +89,11 @@ def make_optimizer(
           :class:`sage_optim.RuleSpec` to swap, e.g. ``vector="adamw"`` for the paper's
           SAGE-Hybrid variant with AdamW on 1-D parameters;
         * ``<kind>_<hp>=``: one hyperparameter of one kind's rule, e.g. ``dense_alpha=5.0``;
+        * ``<kind>_learning_rate=``: one kind's own learning rate (a float or a schedule),
+          e.g. ``dense_learning_rate=2e-2`` when swapping from AdamW keeps the program's
+          rate for the others (:mod:`sage_optim.rates`; a rate whose effective step is far
+          from the configuration's gets a one-time
+          :class:`~sage_optim.rates.LearningRateNotice`);
         * ``<hp>=``: any other hyperparameter for every rule that has it, e.g.
           ``num_iters=3``; a kind's own ``<kind>_<hp>`` wins over a global ``<hp>``
           (``weight_decay=0.1, vector_weight_decay=0.0`` decays all but the vectors;
@@ -179,9 +185,14 @@ def make_optimizer(
     overrides = _merge_injected(overrides)
     named = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "alpha": alpha}
     overrides.update({k: v for k, v in named.items() if v is not None})
+    kind_rates = rates.pop_kind_learning_rates(overrides)
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     lr = preset.learning_rate if learning_rate is None else learning_rate
     validation.check_learning_rate(lr)
+    for rate in kind_rates.values():
+        validation.check_learning_rate(rate)
+    by_kind = {kind: kind_rates.get(kind, lr) for kind in KINDS}
+    rates.notice_far_rates(name, preset, by_kind, per_kind=bool(kind_rates))
     router = _Router(overrides)
     mask = overrides.pop("mask", None)
     impl = overrides.pop("impl", "auto")
@@ -197,7 +208,8 @@ def make_optimizer(
 
     tx = optax.partition(
         {kind: state_tree.without_boxed_placeholders(
-            build_rule(preset.rule(kind), lr, axes_fn, mask, impl)) for kind in KINDS},
+            build_rule(preset.rule(kind), by_kind[kind], axes_fn, mask, impl))
+         for kind in KINDS},
         labels_fn,
     )
     if skip_nonfinite:
@@ -628,7 +640,8 @@ def routing_table(
         (default ``nnx.Param``; ``jax.Array`` for a model holding plain arrays) or to
         ``eqx.filter`` (default ``eqx.is_inexact_array``).  For a tree of parameters,
         leave it out (the tree is what is routed).
-      **overrides: as for :func:`make_optimizer` (rule swaps, router options...).
+      **overrides: as for :func:`make_optimizer` (``learning_rate``,
+        ``<kind>_learning_rate``, rule swaps, router options...).
 
     Returns:
       A :class:`RoutingTable`; ``print`` it.
@@ -685,8 +698,12 @@ def routing_table(
             if what.startswith("nnx") else ""
         )
         raise ValueError(f"routing_table: {what} holds no arrays to route{hint}")
+    learning_rate = overrides.pop("learning_rate", None)
+    kind_rates = rates.pop_kind_learning_rates(overrides)
     resolved = resolve_preset(name, dict(overrides), OPTION_KEYS)
-    tx = make_optimizer(name, **overrides)
+    tx = make_optimizer(name, learning_rate, **overrides, **{
+        f"{kind}_learning_rate": rate for kind, rate in kind_rates.items()})
+    lr = resolved.learning_rate if learning_rate is None else learning_rate
     route = _Router(dict(overrides))(params)
     state = jax.eval_shape(tx.init, params)
     per_leaf, shared = memory.state_bytes_by_leaf(state, params)
@@ -697,6 +714,7 @@ def routing_table(
         rows.append(RoutingRow(
             path, tuple(leaf.shape), r.kind, resolved.rule(r.kind).describe(),
             r.describe_fan_in(), r.describe_fan_out(), r.evidence, per_leaf[path],
+            rates.describe_step(resolved.rule(r.kind), kind_rates.get(r.kind, lr)),
         ))
     return RoutingTable(name, tuple(rows), shared)
 

@@ -665,6 +665,17 @@ def _remedy(facts: _TreeFacts) -> str:
     return "A plain params tree has no module evidence: give it"  # a state dict: no model
 
 
+def _fix(facts: _TreeFacts) -> str | None:
+    """The first line's fix of a routing refusal: the module evidence this tree could get."""
+    if facts.have_model:
+        return None
+    if facts.nnx_tree:
+        return "pass model=model to make_optimizer so that its module types decide"
+    if facts.flax:
+        return "pass model=sage_optax.linen_model(module, *inputs) to make_optimizer"
+    return None
+
+
 def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: str,
                          attention: Route | None) -> RoutingError:
     """The refusal of a vector name (``bias``, ``scale``...) on a leaf of two or more axes.
@@ -1123,7 +1134,7 @@ def route_params(
     errors = list({id(x.route): x.route for x in leaves
                    if isinstance(x.route, RoutingError)}.values())  # a head error: once
     if errors:
-        raise RoutingError.combine(errors)
+        raise RoutingError.combine(errors, fix=_fix(facts), names=[e.name for e in records])
     resolved: dict[str, tuple[Route, ResolvedRoute]] = {}
     for x in leaves:
         assert isinstance(x.route, Route)

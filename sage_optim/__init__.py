@@ -14,6 +14,8 @@ the very same numbers:
 * :mod:`sage_optim.numerics`: the numeric helpers both use (the power-of-two range scale, the
   mean scale);
 * :mod:`sage_optim.table`: the routing table both ``routing_table`` functions return;
+* :mod:`sage_optim.rates`: each kind's effective step (the rate times the rule's scale),
+  ``<kind>_learning_rate=``, and the notice for a rate far from a configuration's;
 * :mod:`sage_optim.kernels`: ``SAGE_KERNELS``, the one switch of every GPU kernel;
 * :mod:`sage_optim.extras`: the optional extras and the one-line message naming the extra a
   missing framework needs.

@@ -117,26 +117,67 @@ class RoutingError(ValueError):
     def overrides(self) -> dict[str, Any]:
         """The suggested ``route_overrides``: the first remedy of every parameter named.
 
-        The same dict the message's paste block prints; check it against the model's
+        The same dict the message's paste block prints: one glob per layer role where the
+        parameters of several layers take the same remedy (``'blocks_*.attn.query.kernel'``),
+        so the overrides do not depend on the layer count; check it against the model's
         forward code before training with it.
         """
-        return {p.leaf: p.options[0][0] for p in self.problems
-                if p.leaf is not None and p.options}
+        return {pattern: rows[0].options[0][0]
+                for pattern, rows in override_patterns(self.problems, self.names).items()}
+
+    #: Every parameter name of the tree the error is about (``None``: unknown); the paste
+    #: block's globs are checked against it, so that none reaches a parameter it is not for.
+    names: tuple[str, ...] | None = None
 
     @classmethod
-    def combine(cls, errors: Sequence[RoutingError]) -> RoutingError:
-        """One error for every parameter in ``errors``, with one paste block for all."""
+    def combine(cls, errors: Sequence[RoutingError], *, fix: str | None = None,
+                names: Sequence[str] | None = None) -> RoutingError:
+        """One error for every parameter in ``errors``, with one paste block for all.
+
+        With several refusals, the message's first line is the fix (at most
+        :data:`HEADLINE_LIMIT` characters): ``fix`` where the caller knows one (pass the
+        model), else the paste block; the details follow, one bullet per layer role (the
+        parameters of other layers with the same remedy are counted, not repeated), then the
+        ``route_overrides = {...}`` block.  One refusal keeps its own message, which gives
+        its remedy first, then the block.
+
+        Args:
+          errors: the per-parameter refusals.
+          fix: the caller's first remedy, e.g. ``"pass model=model to make_optimizer"``.
+          names: every parameter name of the tree, to check the block's globs against.
+        """
         errors = list(errors)
-        if len(errors) == 1:
+        problems = tuple(p for e in errors for p in (e.problems or (e,)))
+        known = None if names is None else tuple(names)
+        groups = override_patterns(problems, known)
+        grouped = {id(rows[0]): (pattern, len(rows) - 1) for pattern, rows in groups.items()}
+        in_group = {id(r) for rows in groups.values() for r in rows[1:]}
+        details = []
+        for e in errors:
+            if id(e) in in_group:
+                continue
+            text = str(e).replace("\n", "\n  ")
+            if id(e) in grouped and grouped[id(e)][1]:
+                pattern, more = grouped[id(e)]
+                text += f" (the same for {more} more parameter{'s' if more > 1 else ''} " \
+                        f"matching {pattern!r})"
+            details.append(text)
+        block = paste_block(problems, known)
+        count = f"cannot place {len(errors)} parameter{'s' if len(errors) != 1 else ''}"
+        if len(errors) == 1:  # one refusal: its own message says the remedy first
             lines = [str(errors[0])]
+        elif block:
+            paste = "paste the route_overrides block at the end (err.overrides)"
+            headline = f"Fix: {fix}, or {paste}; {count}, details below"
+            if not fix or len(headline) > HEADLINE_LIMIT:
+                headline = (f"Fix: {paste} into make_optimizer, checked against the model's "
+                            f"forward code; {count}, details below")
+            lines = [headline, *("* " + d for d in details)]
         else:
-            lines = [f"cannot place {len(errors)} parameters:"]
-            lines += ["* " + str(e).replace("\n", "\n  ") for e in errors]
-        out = cls("\n".join(lines))
-        out.problems = tuple(p for e in errors for p in (e.problems or (e,)))
-        block = paste_block(out.problems)
-        if block:
-            out.args = ("\n".join(lines) + "\n" + block,)
+            lines = [f"{count}:", *("* " + d for d in details)]
+        out = cls("\n".join(lines + ([block] if block else [])))
+        out.problems = problems
+        out.names = known
         return out
 
 
@@ -518,22 +559,62 @@ def route_literal(route: Any) -> str:
     return f"Route({', '.join(args)})"
 
 
-def paste_block(problems: Sequence[RoutingError]) -> str:
-    """The ``route_overrides = {...}`` block of a routing error (``""`` if nothing to paste).
+HEADLINE_LIMIT = 200
+"""The most characters of a routing refusal's first line, which says the fix."""
 
-    One line per parameter: its first remedy, and as a comment when that remedy is right
-    and what the others are.  It is Python: ``Route`` is ``sage_optim.routing.Route``
-    (also ``sage_optax.Route`` and ``sage_torch.Route``).
+_DIGITS = re.compile(r"\d+")
+
+
+def override_patterns(problems: Sequence[RoutingError], names: Sequence[str] | None = None
+                      ) -> dict[str, list[RoutingError]]:
+    """The refused parameters with a remedy, grouped under one glob per layer role.
+
+    Parameters whose names differ only in their numbers (``blocks_0.attn.query.kernel``,
+    ``blocks_5.attn.query.kernel``) and whose first remedy is the same share one glob, with
+    ``*`` where their numbers differ (``blocks_*.attn.query.kernel``).  A glob that would
+    also match a parameter outside its group (of ``names``, every parameter of the tree)
+    is not used: its parameters are listed one by one.  In the order of ``problems``.
     """
     rows = [p for p in problems if p.leaf is not None and p.options]
-    if not rows:
+    by_role: dict[tuple[Any, ...], list[RoutingError]] = {}
+    for p in rows:
+        leaf = str(p.leaf)
+        key = (tuple(_DIGITS.split(leaf)), route_literal(p.options[0][0]))
+        by_role.setdefault(key, []).append(p)
+    out: dict[str, list[RoutingError]] = {}
+    for (parts, _), members in by_role.items():
+        numbers = [_DIGITS.findall(str(m.leaf)) for m in members]
+        pattern = parts[0]
+        for i, part in enumerate(parts[1:]):
+            values = {n[i] for n in numbers}
+            pattern += (values.pop() if len(values) == 1 else "*") + part
+        leaves = {str(m.leaf) for m in members}
+        stray = names is not None and any(
+            fnmatch.fnmatchcase(n, pattern) and n not in leaves for n in names)
+        if len(members) == 1 or stray or any(c in pattern for c in "?["):
+            for m in members:
+                out[str(m.leaf)] = [m]
+        else:
+            out[pattern] = members
+    return out
+
+
+def paste_block(problems: Sequence[RoutingError], names: Sequence[str] | None = None) -> str:
+    """The ``route_overrides = {...}`` block of a routing error (``""`` if nothing to paste).
+
+    One line per layer role (:func:`override_patterns`): its first remedy, and as a comment
+    when that remedy is right and what the others are.  It is Python: ``Route`` is
+    ``sage_optim.routing.Route`` (also ``sage_optax.Route`` and ``sage_torch.Route``).
+    """
+    groups = override_patterns(problems, names)
+    if not groups:
         return ""
     lines = ["Paste and check against the model's forward code (first remedy of each; "
              "the others are in the comments):", "route_overrides = {"]
-    for p in rows:
-        (first, when), *rest = p.options
+    for pattern, members in groups.items():
+        (first, when), *rest = members[0].options
         note = f"if {when}" + "".join(f"; or {route_literal(r)} if {w}" for r, w in rest)
-        lines.append(f"    {p.leaf!r}: {route_literal(first)},  # {note}")
+        lines.append(f"    {pattern!r}: {route_literal(first)},  # {note}")
     lines.append("}")
     return "\n".join(lines)
 

@@ -75,6 +75,8 @@ class RoutingRow(NamedTuple):
       fan_out: the fan-out axes with sizes (the vocab axis of a vocabulary matrix).
       evidence: what placed it (``override``, ``model API: ...``, ``module nn.Linear``, ...).
       state_bytes: its optimizer-state bytes.
+      step: its kind's effective step, the learning rate times the rule's scale
+        (``"0.02 (0.002 x 10)"`` for SinkGD with ``alpha=10``: :mod:`sage_optim.rates`).
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
@@ -90,6 +92,7 @@ class RoutingRow(NamedTuple):
     fan_out: str
     evidence: str
     state_bytes: int
+    step: str = "-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +100,9 @@ class RoutingTable:
     """Printable routing of a model's parameters under one configuration.
 
     Both frameworks return this (``sage_optax.routing_table``, ``sage_torch.routing_table``),
-    so their printouts have one form: per parameter its kind, rule, fan-in and fan-out axes
-    (with sizes), the evidence that placed it and its state bytes (:class:`RoutingRow`);
+    so their printouts have one form: per parameter its kind, rule, effective step (the
+    learning rate times the rule's scale), fan-in and fan-out axes (with sizes), the
+    evidence that placed it and its state bytes (:class:`RoutingRow`);
     ``shared_bytes`` counts state that belongs to no single parameter (step counts).
 
     References:
@@ -112,7 +116,7 @@ class RoutingTable:
     shared_bytes: int
 
     HEADERS: ClassVar[tuple[str, ...]] = (
-        "path", "shape", "kind", "rule", "fan-in", "fan-out", "evidence", "state bytes"
+        "path", "shape", "kind", "rule", "step", "fan-in", "fan-out", "evidence", "state bytes"
     )
 
     @property
@@ -129,8 +133,9 @@ class RoutingTable:
 
     def __str__(self) -> str:
         body: list[tuple[Any, ...]] = [
-            (r.path, "x".join(map(str, r.shape)) or "()", *r[2:]) for r in self.rows
+            (r.path, "x".join(map(str, r.shape)) or "()", r.kind, r.rule, r.step, r.fan_in,
+             r.fan_out, r.evidence, r.state_bytes) for r in self.rows
         ]
-        body.append(("(shared: step counts)", "", "", "", "", "", "", self.shared_bytes))
+        body.append(("(shared: step counts)", "", "", "", "", "", "", "", self.shared_bytes))
         footer = f"{self.config}: optimizer state {format_bytes(self.total_bytes)}"
         return format_table(self.HEADERS, body) + "\n" + footer

@@ -697,10 +697,10 @@ def build_parser() -> argparse.ArgumentParser:
     length.add_argument("--tokens", type=_COUNT,
                         help="training tokens of every run (rounded down to whole steps)")
     batch = s.add_mutually_exclusive_group()
-    batch.add_argument("--tokens-per-step", type=_COUNT,
+    batch.add_argument("--tokens-per-step", type=_COUNT, metavar="N",
                        default=PAPER_TOKENS_PER_STEP,
                        help="tokens per step, a multiple of --seq-len (the paper: 130k)")
-    batch.add_argument("--batch-size", type=_COUNT,
+    batch.add_argument("--batch-size", type=_COUNT, metavar="N",
                        help="sequences per step (instead of --tokens-per-step)")
     s.add_argument("--seq-len", type=_COUNT, default=None,
                    help=f"tokens per sequence (default: {PAPER_SEQ_LEN}, or the model's "

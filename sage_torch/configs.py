@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sage_optim import rates
 from sage_optim.hyperparams import check_skip_nonfinite
 from sage_optim.presets import KINDS, Preset, RuleSpec, resolve_preset
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
@@ -218,14 +219,17 @@ def _leave_out_frozen(result: Routing) -> None:
 
 def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
           overrides: dict[str, Any], model: nn.Module | None = None,
-          frozen: bool = True) -> tuple[list[dict[str, Any]], list[RoutedParam],
-                                        dict[str, dict[str, Any]], Preset]:
+          frozen: bool = True, notice: bool = True
+          ) -> tuple[list[dict[str, Any]], list[RoutedParam], dict[str, dict[str, Any]], Preset]:
     """Route ``params`` and group it: ``(groups, routed, kind options, preset)``.
 
     A parameter the router cannot place is placed anyway when every reading of it gets the
     same update under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
     gives a table and a dense matrix with the same axes the same SAGE step), and refused
     otherwise.  ``frozen``: route the frozen parameters too (kept, to train once unfrozen).
+    ``notice``: note once a learning rate far from the configuration's
+    (:func:`sage_optim.rates.notice_far_rates`).  ``<kind>_learning_rate=`` sets one kind's
+    ``lr``.
     """
     overrides = dict(overrides)
     axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
@@ -236,12 +240,17 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
             "per glob, e.g. route_overrides={'*.c_attn.weight': Route('dense', fan_in=0, "
             "fan_out=1)} (Route is sage_torch.Route)"
         )
+    kind_rates = rates.pop_kind_learning_rates(overrides)
     preset = resolve_preset(name, overrides, OPTION_KEYS)
     extra: dict[str, Any] = {
         k: overrides.pop(k) for k in ("maximize", "foreach", "fused", "capturable")
         if k in overrides
     }
-    kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
+    kinds = {kind: _kind_options(preset, kind, kind_rates.get(kind, lr), extra)
+             for kind in KINDS}
+    if notice:
+        rates.notice_far_rates(name, preset, {kind: kinds[kind]["lr"] for kind in KINDS},
+                               per_kind=bool(kind_rates), stacklevel=4)
     if params is None and model is None:
         raise TypeError("make_optimizer needs the model or its params (tensors, (name, "
                         "tensor) pairs or param groups, with model= for their evidence)")
@@ -347,7 +356,11 @@ def make_optimizer(name: str, params: nn.Module | Iterable[Any] | None = None,
         is not the model's raises a ``ValueError``.  The optimizer keeps the model
         (:attr:`~sage_torch.grouping.ConfiguredOptimizer.model`) to route groups added later.
       lr: learning rate of every group (default: the configuration's paper value).
-        Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.
+        Schedulers from ``torch.optim.lr_scheduler`` scale every group's ``lr``.  A kind's
+        own rate is one keyword, ``<kind>_learning_rate=`` (``dense_learning_rate=2e-2``);
+        a rate whose effective step (rate x the rule's scale, e.g. SinkGD's ``alpha``) is
+        far from the configuration's gets a one-time
+        :class:`~sage_optim.rates.LearningRateNotice`.
       **overrides: as :func:`sage_optax.make_optimizer`: ``vector="adamw"``,
         ``dense_alpha=5.0``, ``b1=0.891``, ``route_overrides={glob: kind | Route(kind,
         fan_in=..., fan_out=...) | (kind, {"fan_in": ..., "fan_out": ...})}``, plus
@@ -458,7 +471,9 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
     """
     overrides = {k: v for k, v in overrides.items()
                  if not k.endswith("projection") and k not in ("skip_nonfinite", "cpu_threads")}
-    groups, routed, _, preset = _plan(params, name, None, overrides, model, frozen=False)
+    lr = overrides.pop("lr", None)
+    groups, routed, kinds, preset = _plan(params, name, lr, overrides, model, frozen=False,
+                                          notice=False)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})
     nbytes: dict[str, int] = {}
@@ -476,5 +491,6 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
             rule=preset.rule(route.kind).describe(), fan_in=route.describe_fan_in(),
             fan_out=route.describe_fan_out(), evidence=route.evidence,
             state_bytes=nbytes[r.name],
+            step=rates.describe_step(preset.rule(route.kind), kinds[route.kind]["lr"]),
         ))
     return RoutingTable(name, tuple(rows), 4 * len(rows))  # a float32 step counter each

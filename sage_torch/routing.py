@@ -1075,17 +1075,21 @@ class Routing:
       errors: one :class:`RoutingError` per problem (an ambiguous head: one for all its
         candidates).
       groups: the options of the param groups given (``None`` for a model or a flat list).
+      fix: the refusal's first remedy where it is not the paste block (tensors or names
+        routed without their model: pass the model).
     """
 
     order: list[tuple[str, torch.Tensor, int | None]]
     routes: dict[int, ResolvedRoute]
     errors: list[RoutingError]
     groups: list[dict[str, Any]] | None = None
+    fix: str | None = None
 
     def placed(self) -> list[RoutedParam]:
         """The routed parameters, in order (raises the combined error if any is not placed)."""
         if self.errors:
-            raise RoutingError.combine(self.errors)
+            raise RoutingError.combine(self.errors, fix=self.fix,
+                                       names=[n for n, _, _ in self.order])
         return [RoutedParam(n, p, self.routes[id(p)])  # type: ignore[arg-type]
                 for n, p, _ in self.order]
 
@@ -1214,7 +1218,9 @@ def routing(params: Any, overrides: Mapping[str, Any] | None = None, *,
         [(e.name, e.param, e.group) for e in names.entries],
         lambda name, p: names.evidence(names.names[name]), names.decide,
         skip_frozen=not frozen)
-    return Routing(order, routes, errors, groups or None)
+    return Routing(order, routes, errors, groups or None,
+                   fix="pass the model itself, make_optimizer(name, model), so its module "
+                   "types decide")
 
 
 def route_params(model: nn.Module | Iterable[Any],

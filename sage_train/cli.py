@@ -127,9 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 USAGE = """\
-%(prog)s [--model NAME|FILE] [--optimizer NAME ...] [--steps N] [--run-dir DIR] [options below]
+%(prog)s [--model NAME] [--optimizer NAME ...] [--steps N] [options]
        %(prog)s export --hf DIR --run-dir RUN_DIR/MODEL-OPTIMIZER [--step N]
-       %(prog)s sample --run-dir RUN_DIR/MODEL-OPTIMIZER --prompt TEXT [--tokens N]"""
+       %(prog)s sample --run-dir RUN_DIR/MODEL-OPTIMIZER --prompt TEXT"""
 """``sage-train``'s usage line: training, and its subcommands (``export --help``,
 ``sample --help``)."""
 

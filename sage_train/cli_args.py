@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DefaultsFormatter", "OneLineParser", "checked", "plain"]
+__all__ = ["DefaultsFormatter", "OneLineParser", "checked", "paragraphs", "plain"]
 
 _ROLE = re.compile(r":(?:mod|func|class|data|attr|meth|obj|exc|doc|ref):`~?([^`<]+?)(?: <[^>]*>)?`")
 
@@ -29,17 +29,57 @@ def plain(text: str | None) -> str | None:
     return text if "%(" in text else text.replace("%%", "%")
 
 
+_ITEM = re.compile(r"^(?:[-*] |\d+[.)] |[a-z][\w -]*: )")
+
+
+def paragraphs(text: str) -> list[tuple[str, bool]]:
+    """``text`` as ``(block, verbatim)`` pairs: paragraphs to fill, and lines kept as written.
+
+    Paragraphs are separated by blank lines; a line that starts a list item (``- ``,
+    ``1. ``) or a labelled paragraph (``output: ...``) starts a new one.  An indented line
+    (an example command, a sample of output) is kept as it is, and a blank line stays one.
+    """
+    out: list[tuple[str, bool]] = []
+    current: list[str] = []
+
+    def flush() -> None:
+        if current:
+            out.append((" ".join(current), False))
+            current.clear()
+
+    for line in text.splitlines():
+        if not line.strip():
+            flush()
+            out.append(("", True))
+        elif line[0].isspace():
+            flush()
+            out.append((line, True))
+        else:
+            if _ITEM.match(line):
+                flush()
+            current.append(line.strip())
+    flush()
+    return out
+
+
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Each option's default after its help (unless the help says it, or there is none).
 
-    The description and epilog keep their line breaks; a line longer than the terminal is
-    wrapped.
+    The description and epilog are filled once to the terminal's width, paragraph by
+    paragraph (:func:`paragraphs`): their source line breaks are not kept, so no line is
+    broken twice (at the source's width, then at the terminal's); indented lines stay as
+    written.
     """
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        return "\n".join(textwrap.fill(line, width, initial_indent=indent,
-                                        subsequent_indent=indent) if line.strip() else ""
-                         for line in text.splitlines())
+        return "\n".join(
+            block if verbatim else textwrap.fill(block, width, initial_indent=indent,
+                                                 subsequent_indent=indent,
+                                                 break_on_hyphens=False)
+            for block, verbatim in paragraphs(text))
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

@@ -32,6 +32,10 @@ from sage_train.sharding import MODES as SHARDING_MODES
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 """``--schedule`` choices: the decay after the linear warmup."""
 
+TAILS: tuple[str, ...] = ("constant", "rewarm")
+"""``--tail`` choices: how the rate continues after ``--tail-from`` (``docs/training.md``,
+"Training a finished run longer")."""
+
 DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32")
 """``--dtype`` choices (``auto``: bfloat16 on a GPU or TPU, float32 on the CPU)."""
 
@@ -178,6 +182,17 @@ class TrainConfig:
         0.1, "final learning rate as a fraction of the peak, [0, 1]",
         check=_number(lambda v: 0 <= v <= 1, "a number in [0, 1]"), parse=float,
         step=True)
+    tail_from: int | None = _setting(
+        None, "train a finished run longer: up to this step the rate follows the schedule "
+        "of --steps TAIL_FROM (as the run was trained), after it the --tail; pass the "
+        "run's old --steps with a larger --steps and --allow-config-change (default: no "
+        "tail)", check=(lambda v: v is None or _int_in(1)(v), f"an integer in [1, {MAX_COUNT}]"),
+        parse=int, metavar="STEP", step=True)
+    tail: str | None = _setting(
+        None, "the rate after --tail-from: constant (the rate reached at --tail-from, held) "
+        "or rewarm (from that rate back to the peak over --warmup-frac of the added steps, "
+        "then --schedule's decay to --final-lr-frac at --steps) (default: constant with "
+        "--tail-from)", choices=(None, *TAILS), step=True)
     batch_size: int = _setting(16, "sequences per step, >= 1", check=_count(), parse=int)
     seq_len: int = _setting(128, "tokens per sequence, >= 1", check=_count(), parse=int)
     steps: int = _setting(300, "total training steps of the run, >= 1 (sets the schedule)",
@@ -353,6 +368,12 @@ def check_config(cfg: TrainConfig) -> None:
         raise ConfigError(f"seq_len (--seq-len) {cfg.seq_len} is longer than the {model.name} "
                           f"model's context of {context} positions: use --seq-len {context} "
                           f"or less, or a model with a longer context")
+    if cfg.tail_from is not None and cfg.tail_from >= cfg.steps:
+        raise ConfigError(f"tail_from (--tail-from) {cfg.tail_from} must be below steps "
+                          f"(--steps) {cfg.steps}: the tail runs from --tail-from to --steps")
+    if cfg.tail is not None and cfg.tail_from is None:
+        raise ConfigError(f"tail (--tail) {cfg.tail} needs --tail-from STEP: the step where "
+                          "the tail starts (the run's old --steps)")
     if cfg.batch_size % cfg.grad_accum:
         raise ConfigError(f"grad_accum (--grad-accum) {cfg.grad_accum} does not divide "
                           f"batch_size (--batch-size) {cfg.batch_size}: each step's batch is "

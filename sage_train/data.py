@@ -38,7 +38,7 @@ import os
 import sys
 import sysconfig
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -294,9 +294,13 @@ def _check_ids(entry: Path, train: np.ndarray, test: np.ndarray, vocab_size: int
 
 
 def _tokenize_cached(
-    docs: Sequence[str], vocab_size: int, source: str, key_extra: dict[str, str]
+    docs: Sequence[str], vocab_size: int, source: str, key_extra: dict[str, str],
+    log: Callable[[str], None] | None = None,
 ) -> TokenData:
     """Train/encode text (or load both from the cache) and split it 8:2.
+
+    ``log`` is told where the tokens come from: the cache entry read, or that a tokenizer
+    is being trained (a minute or more for a large text) and where its tokens are cached.
 
     The cache entry is written to a temporary folder that is renamed into place when
     complete, so processes that build the same entry at once (the processes of a job on
@@ -316,11 +320,16 @@ def _tokenize_cached(
     key = hashlib.sha256(json.dumps(key_fields, sort_keys=True).encode()).hexdigest()[:32]
     root = cache_dir() / "tokens"
     entry = root / key
+    say = log or (lambda _: None)
     if (cached := _load_cached(entry, vocab_size)) is not None:
         tok, train, test = cached
         _check_ids(entry, train, test, vocab_size)
+        say(f"tokens: {source}, read from the cache {entry}")
         return TokenData(train, test, vocab_size, tok, source)
 
+    size = sum(len(d) for d in docs)
+    say(f"tokenizer: training a {vocab_size:,}-token BPE on {source} ({len(docs):,} "
+        f"documents, {size / 2**20:.1f} MiB of text; once: the tokens are cached in {entry})")
     tok = train_tokenizer(docs, vocab_size)
     tokens = _encode_documents(tok, docs, dtype_for_vocab(vocab_size))
     train, test = _split(tokens, source)
@@ -335,6 +344,7 @@ def _tokenize_cached(
         return TokenData(train, test, vocab_size, tok, source)
     if (cached := _load_cached(entry, vocab_size)) is not None:
         tok, train, test = cached
+    say(f"tokens: {source}, {len(train):,} train and {len(test):,} test, cached in {entry}")
     return TokenData(train, test, vocab_size, tok, source)
 
 
@@ -396,6 +406,7 @@ def load_data(
     token_dtype: str | None = None,
     max_bytes: int = STDLIB_MAX_BYTES,
     exclude: Sequence[str | os.PathLike[str]] = (),
+    log: Callable[[str], None] | None = None,
 ) -> TokenData:
     """Load a corpus as tokens with the fixed 8:2 train/test split (see the module docstring).
 
@@ -416,6 +427,8 @@ def load_data(
         max_bytes: size cap of the ``"stdlib"`` corpus (ignored for other sources).
         exclude: folders a text folder's documents are never read from
             (:func:`read_text_source`).
+        log: told, for a text source, where its tokens come from: the cache entry read,
+            or that a tokenizer is being trained and where its tokens are cached.
 
     Returns:
         The :class:`TokenData`. Text sources are cached under :func:`cache_dir` (tokenizer
@@ -431,7 +444,7 @@ def load_data(
         check_text_vocab(vocab_size)
         docs = stdlib_corpus(max_bytes)
         py = f"{sys.implementation.name}{sys.version_info[0]}.{sys.version_info[1]}"
-        return _tokenize_cached(docs, vocab_size, f"stdlib ({py})", {"python": py})
+        return _tokenize_cached(docs, vocab_size, f"stdlib ({py})", {"python": py}, log)
     if isinstance(source, str) and source == "installed":
         if token_dtype is not None:
             raise ValueError("token_dtype only applies to pre-tokenized token files")
@@ -458,7 +471,7 @@ def load_data(
     if token_dtype is not None:
         raise ValueError("token_dtype only applies to pre-tokenized token files")
     check_text_vocab(vocab_size)
-    return _tokenize_cached(read_text_source(path, exclude), vocab_size, str(path), {})
+    return _tokenize_cached(read_text_source(path, exclude), vocab_size, str(path), {}, log)
 
 
 def fingerprint(tokens: TokenData) -> str:

@@ -68,13 +68,49 @@ def recorded_settings(run_dir: pathlib.Path, allow_change: bool,
     return None
 
 
-def check_carry(run_dir: pathlib.Path, changed: dict[str, Any], ckpts: Checkpoints) -> None:
-    """Refuse an allowed change that nothing in the checkpoints could carry over to."""
+SCHEDULE_FIELDS: tuple[str, ...] = ("schedule", "warmup_frac", "final_lr_frac", "steps",
+                                    "tail_from", "tail")
+"""Settings whose change reshapes the learning-rate schedule (``--lr`` and ``--optimizer``
+change the rate on purpose, and are not among them)."""
+
+
+def check_carry(run_dir: pathlib.Path, changed: dict[str, Any], ckpts: Checkpoints,
+                cfg: TrainConfig | None = None) -> None:
+    """Refuse an allowed change that nothing in the checkpoints could carry over to.
+
+    With ``cfg`` (the new settings), also a change of the schedule's shape (``--steps``,
+    ``--schedule``, the warmup, the tail...) that would move the learning rate at the step
+    the run resumes from: a finished run trained longer continues on a defined schedule
+    (``--tail-from``, ``--tail``), never with a silent jump of its rate.
+    """
     if "model" in changed and ckpts.steps():
         old, new = changed["model"]
         raise RunDirError(
             f"the checkpoints of {run_dir} hold the {old!r} model, not {new!r}: parameters "
             "cannot carry over to another model size; use another --run-dir for a new run")
+    if cfg is None or not ckpts.steps() or "learning_rate" in changed or "optimizer" in changed:
+        return
+    reshaped = {f: v for f, v in changed.items() if f in SCHEDULE_FIELDS}
+    if not reshaped:
+        return
+    from sage_train.steps import lr_schedule
+
+    at = max(ckpts.steps())
+    old_cfg = dataclasses.replace(cfg, **{f: old for f, (old, _) in reshaped.items()})
+    before, after = float(lr_schedule(old_cfg)(at)), float(lr_schedule(cfg)(at))
+    if abs(after - before) <= 1e-6 * max(abs(before), abs(after)):
+        return
+    old_steps = old_cfg.steps
+    if cfg.steps > old_steps and cfg.tail_from is None:
+        held = float(lr_schedule(old_cfg)(old_steps))
+        ways = (f"to train longer, add --tail-from {old_steps} --tail constant (holds "
+                f"{held:.3g}) or --tail rewarm (back to the peak, then decay)")
+    else:
+        ways = "to train on, keep the schedule's settings, or use another --run-dir"
+    raise RunDirError(
+        f"{ways}: {rundir.format_differences(reshaped)} would move the learning rate of "
+        f"{run_dir} at step {at} from {before:.3g} to {after:.3g} (docs/training.md, "
+        "\"Training a finished run longer\")")
 
 
 def preflight(run: Run, *, allow_config_change: bool = False) -> None:
@@ -93,7 +129,7 @@ def preflight(run: Run, *, allow_config_change: bool = False) -> None:
     if recorded is None:
         return
     changed = rundir.check_settings(run.run_dir, recorded, run.settings(), allow_config_change)
-    check_carry(run.run_dir, changed, Checkpoints(run.run_dir / "checkpoints"))
+    check_carry(run.run_dir, changed, Checkpoints(run.run_dir / "checkpoints"), run.config)
 
 
 def saved_layout(run: Run, recorded: dict[str, Any] | None, changed: dict[str, Any],

@@ -38,6 +38,7 @@ from sage_train.errors import ConfigError
 from sage_train.model import attention_choice, cudnn_present, cudnn_problem
 from sage_train.model_shapes import LlamaConfig, get_model_config, is_model_file
 from sage_train.sharding import make_mesh, mesh_platform
+from sage_train.steps import describe_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,9 +216,6 @@ def header(run: Run, settings: dict[str, Any], tokens: data_lib.TokenData, n_par
     the configuration, every ``auto`` resolved).
     """
     cfg, m, impl = run.config, run.model, run.impl
-    warmup = max(1, int(cfg.warmup_frac * cfg.steps))
-    decay = ("constant" if cfg.schedule == "constant" else
-             f"{cfg.schedule} decay to {cfg.final_lr_frac:g} x the peak at step {cfg.steps}")
     hps = ", ".join(f"{name} {settings[hp]:g}" if settings[hp] is not None else
                     f"{name} per rule" for hp, name in
                     (("b1", "b1"), ("b2", "b2"), ("weight_decay", "weight decay"))
@@ -242,7 +240,7 @@ def header(run: Run, settings: dict[str, Any], tokens: data_lib.TokenData, n_par
         ("learning rate", f"{settings['learning_rate']:.3g} peak ("
                           + ("--lr" if cfg.learning_rate is not None else
                              f"{cfg.optimizer}'s default") + ")"),
-        ("schedule", f"{warmup} warmup step{'' if warmup == 1 else 's'}, then {decay}"),
+        ("schedule", describe_schedule(cfg)),
         ("clipping", f"global norm {cfg.clip:g}" if cfg.clip > 0 else "off"),
         ("tokens per step", f"{cfg.batch_size * cfg.seq_len:,} ({batch})"),
         ("dtype", f"{run.dtype} compute, {cfg.param_dtype} parameters"),

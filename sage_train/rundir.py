@@ -31,6 +31,7 @@ from sage_train.errors import RunDirError, write_error
 
 MATH_FIELDS: tuple[str, ...] = (
     "model", "optimizer", "learning_rate", "schedule", "warmup_frac", "final_lr_frac", "steps",
+    "tail_from", "tail",  # the schedule's tail after a finished run's old --steps
     "batch_size", "seq_len", "seed", "clip", "data", "token_dtype", "eval_batches",
     "dtype", "param_dtype", "layers",  # the arithmetic, and the layout of the checkpoints
     "loss_chunk",  # the loss's summation order (float32 rounding of the gradients)
@@ -292,12 +293,19 @@ def check_settings(run_dir: pathlib.Path, recorded: Mapping[str, Any] | None,
     if recorded is None:
         return {}
     diff = differences(recorded, current, fields)
+    longer = diff.get("steps")
+    if diff and not allow_change and longer is not None and isinstance(longer[0], int) and \
+            isinstance(longer[1], int) and longer[1] > longer[0]:
+        raise RunDirError(
+            f"to train {run_dir} longer, add --allow-config-change --tail-from {longer[0]} "
+            "(--tail constant or rewarm: docs/training.md): it was trained with other "
+            f"settings: {format_differences(diff)}; or use another --run-dir for a new run")
     if diff and not allow_change:
         raise RunDirError(
+            "use another --run-dir for a new run, or pass --allow-config-change to continue "
+            f"this one under the new settings (recorded as a new segment in {HISTORY}): "
             f"run directory {run_dir} was trained with other settings: "
-            f"{format_differences(diff)}; use another --run-dir for a new run, or pass "
-            "--allow-config-change to continue this one under the new settings (recorded "
-            f"as a new segment in {HISTORY})")
+            f"{format_differences(diff)}")
     return diff
 
 

@@ -35,25 +35,78 @@ from sage_train.model_shapes import get_model_config
 from sage_train.sharding import shard_batch
 
 
+def peak_rate(cfg: TrainConfig) -> float:
+    """The run's peak learning rate: ``--lr``, else the configuration's paper value."""
+    return cfg.learning_rate if cfg.learning_rate is not None else get_preset(
+        cfg.optimizer).learning_rate
+
+
+def _decay(cfg: TrainConfig, peak: float, steps: int) -> optax.Schedule:
+    """``cfg.schedule``'s decay from ``peak`` over ``steps`` steps."""
+    if cfg.schedule == "cosine":
+        return optax.cosine_decay_schedule(peak, steps, alpha=cfg.final_lr_frac)
+    if cfg.schedule == "linear":
+        return optax.linear_schedule(peak, peak * cfg.final_lr_frac, steps)
+    return optax.constant_schedule(peak)
+
+
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """The learning rate per step: linear warmup, then ``cfg.schedule``.
+    """The learning rate per step: linear warmup, then ``cfg.schedule``; then the tail.
 
     The warmup covers ``warmup_frac`` of the steps; cosine and linear then decay to
-    ``final_lr_frac`` of the peak (the paper: cosine with 10% warmup).
+    ``final_lr_frac`` of the peak (the paper: cosine with 10% warmup).  With
+    ``cfg.tail_from`` (a finished run trained longer), the steps before it follow the
+    schedule of ``steps=tail_from``, exactly as the run was trained, and the steps from it
+    the tail, which starts at the rate that schedule reached (no jump): ``constant`` holds
+    it, ``rewarm`` climbs from it back to the peak over ``warmup_frac`` of the added steps,
+    then decays as ``cfg.schedule`` to ``final_lr_frac`` of the peak at ``cfg.steps``.
     """
     if cfg.schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {cfg.schedule!r}")
-    peak = cfg.learning_rate if cfg.learning_rate is not None else get_preset(
-        cfg.optimizer).learning_rate
+    peak = peak_rate(cfg)
+    if cfg.tail_from is not None and cfg.tail_from < cfg.steps:
+        at = cfg.tail_from
+        base = lr_schedule(dataclasses.replace(cfg, steps=at, tail_from=None, tail=None))
+        with jax.ensure_compile_time_eval():  # a number, also when built inside a trace
+            start = float(base(at))
+        if (cfg.tail or "constant") == "constant":
+            tail = optax.constant_schedule(start)
+        else:
+            added = cfg.steps - at
+            warm = max(1, int(cfg.warmup_frac * added))
+
+            def climb(count: Any) -> Any:  # exactly ``start`` at the tail's first step
+                frac = jnp.minimum(jnp.asarray(count, jnp.float32), warm) / warm
+                return jnp.asarray(start, jnp.float32) + (peak - start) * frac
+
+            tail = optax.join_schedules([climb, _decay(cfg, peak, max(added - warm, 1))],
+                                        [warm])
+        return optax.join_schedules([base, tail], [at])
     warmup = max(1, int(cfg.warmup_frac * cfg.steps))
     rest = max(cfg.steps - warmup, 1)
-    if cfg.schedule == "cosine":
-        after = optax.cosine_decay_schedule(peak, rest, alpha=cfg.final_lr_frac)
-    elif cfg.schedule == "linear":
-        after = optax.linear_schedule(peak, peak * cfg.final_lr_frac, rest)
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup),
+                                 _decay(cfg, peak, rest)], [warmup])
+
+
+def describe_schedule(cfg: TrainConfig) -> str:
+    """The schedule in words, as the run's header prints it (the tail's rates included)."""
+    warmup = max(1, int(cfg.warmup_frac * cfg.steps))
+    decay = ("constant" if cfg.schedule == "constant" else
+             f"{cfg.schedule} decay to {cfg.final_lr_frac:g} x the peak at step {cfg.steps}")
+    if cfg.tail_from is None or cfg.tail_from >= cfg.steps:
+        return f"{warmup} warmup step{'' if warmup == 1 else 's'}, then {decay}"
+    at = cfg.tail_from
+    base = describe_schedule(dataclasses.replace(cfg, steps=at, tail_from=None, tail=None))
+    lr = lr_schedule(cfg)
+    start = float(lr(at))
+    if (cfg.tail or "constant") == "constant":
+        tail = f"constant {start:.3g} to step {cfg.steps}"
     else:
-        after = optax.constant_schedule(peak)
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+        added = cfg.steps - at
+        warm = max(1, int(cfg.warmup_frac * added))
+        tail = (f"rewarm from {start:.3g} to the peak {peak_rate(cfg):.3g} by step {at + warm}, "
+                f"then {decay}")
+    return f"{base}; from step {at} (--tail-from): {tail}"
 
 
 def make_tx(cfg: TrainConfig, model: Llama | None = None) -> optax.GradientTransformation:

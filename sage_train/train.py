@@ -166,10 +166,10 @@ def _train_locked(run: Run, opts: _Options, log: Callable[[str], None]) -> RunRe
         changed = rundir.check_settings(run_dir, recorded, settings, opts.allow_change)
         rows = local_rows(run.mesh, cfg.batch_size)  # this process's rows of every batch
         ckpts = Checkpoints(run_dir / "checkpoints", keep=2, log=log)
-        check_carry(run_dir, changed, ckpts)
+        check_carry(run_dir, changed, ckpts, cfg)
         ckpts.prepare()
     ckpts.check_shared()
-    tokens, eval_set = load_tokens_once(cfg, opts.data_exclude, rows)
+    tokens, eval_set = load_tokens_once(cfg, opts.data_exclude, rows, log)
     with distributed.together("to check the data"):
         settings["data_fingerprint"] = data_lib.fingerprint(tokens)
         settings.update(tokens.info)  # --data installed: corpus_fingerprint, corpus_tokens
@@ -247,16 +247,18 @@ def _open_files(run: Run, settings: dict[str, Any], changed: dict[str, Any], sta
         settings=settings, name=run_dir.name)))
 
 
-def _load_tokens(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | None = None
+def _load_tokens(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | None = None,
+                 log: Callable[[str], None] | None = None
                  ) -> tuple[data_lib.TokenData, list[Any]]:
     """The tokens and the evaluation batches; every data problem as a :class:`DataError`.
 
     Folders in ``exclude`` (the run directories) are never read as part of a text corpus.
-    ``rows``: this process's rows of each evaluation batch (default: all).
+    ``rows``: this process's rows of each evaluation batch (default: all).  ``log`` hears
+    where a text's tokens come from (the cache, or a tokenizer trained now).
     """
     try:
         tokens = data_lib.load_data(cfg.data, vocab_size=get_model_config(cfg.model).vocab_size,
-                                    token_dtype=cfg.token_dtype, exclude=exclude)
+                                    token_dtype=cfg.token_dtype, exclude=exclude, log=log)
         data_lib.batches(tokens.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rows=rows)
         eval_set = data_lib.eval_batches(tokens.test, cfg.batch_size, cfg.seq_len,
                                          cfg.eval_batches, rows=rows)
@@ -265,7 +267,8 @@ def _load_tokens(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | No
     return tokens, eval_set
 
 
-def load_tokens_once(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | None = None
+def load_tokens_once(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice | None = None,
+                     log: Callable[[str], None] | None = None
                      ) -> tuple[data_lib.TokenData, list[Any]]:
     """The tokens and evaluation batches for every process of a job, the cache built once.
 
@@ -276,13 +279,13 @@ def load_tokens_once(cfg: TrainConfig, exclude: Sequence[Any] = (), rows: slice 
     and so does data that differs between them (the fingerprints are compared).
     """
     if distributed.process_count() == 1:
-        return _load_tokens(cfg, exclude, rows)
+        return _load_tokens(cfg, exclude, rows, log)
     loaded: tuple[data_lib.TokenData, list[Any]] | None = None
     problem: UserError | None = None
     for turn in ("primary", "others"):
         if (turn == "primary") == distributed.is_primary():
             try:
-                loaded = _load_tokens(cfg, exclude, rows)
+                loaded = _load_tokens(cfg, exclude, rows, log)
             except UserError as e:
                 problem = e
         if turn == "primary":

@@ -102,3 +102,57 @@ def test_report_names_the_files_it_wrote(tmp_path):
         '{"figures": ["%s"]}' % (tmp_path / "loss_vs_tokens.png"))
     line = sweep_report.files_line(tmp_path)
     assert str(tmp_path / "results.md") in line and str(tmp_path / "loss_vs_tokens.png") in line
+
+
+# --------------------------------------------------------------------------------------------
+# Help wrapped once, at the terminal's width (issue 45)
+
+COLUMNS = 80
+
+
+def premature_breaks(text: str, width: int) -> list[str]:
+    """Lines of ``text`` broken before they had to be: the next line, a continuation of the
+    same paragraph (same indentation, not a new item or option), starts with a word that
+    would have fitted (``writes a\\nHugging Face\\nLlamaForCausalLM`` from a text wrapped at
+    its source's width, then again at the terminal's)."""
+    lines = text.splitlines()
+    found = []
+    for line, after in zip(lines, lines[1:], strict=False):
+        if not line.strip() or not after.strip() or line.rstrip().endswith(":"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        if len(after) - len(after.lstrip()) != indent or indent not in (0, 24):
+            continue  # a new option, an example, or help after an option's own line
+        word = after.split()[0]
+        if word.startswith(("-", "*", "usage:")) or re.match(r"\d+[.)]$", word):
+            continue
+        if line.lstrip().startswith("-") and indent == 0:
+            continue
+        if len(line.rstrip()) + 1 + len(word) <= width:
+            found.append(f"{line!r} + {word!r}")
+    return found
+
+
+def test_premature_breaks_finds_a_double_wrap():
+    import textwrap
+
+    source = textwrap.fill("sage-train export writes a run's checkpoint as a Hugging Face "
+                           "LlamaForCausalLM directory with its tokenizer, offline.", 60)
+    twice = "\n".join(textwrap.fill(line, 40) for line in source.splitlines())
+    assert premature_breaks(twice, 40)
+    assert not premature_breaks(textwrap.fill(" ".join(source.split()), 40), 40)
+
+
+def test_help_is_wrapped_once_at_the_terminal_width(monkeypatch):
+    """Every command's ``--help`` at ``COLUMNS=80``: no line wider than the terminal, and
+    no line broken mid-phrase (argparse fills to ``COLUMNS - 2``)."""
+    monkeypatch.setenv("COLUMNS", str(COLUMNS))
+    found = parsers()
+    assert {"sage-train", "sage-repro", "sage-memory"} <= set(found)
+    for name, p in found.items():
+        text = p.format_help()
+        wide = [line for line in text.splitlines() if len(line) > COLUMNS]
+        assert not wide, (name, wide)
+        body = text.split("\n\n", 1)[1]  # argparse wraps the usage by whole option groups
+        assert not premature_breaks(body, COLUMNS - 2), (name, premature_breaks(body,
+                                                                                COLUMNS - 2))

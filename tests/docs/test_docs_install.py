@@ -359,6 +359,55 @@ def test_make_test_pins_cpu_torch_before_the_editable_install():
     assert "'.[all,dev]'" in lines[editable], lines[editable]
 
 
+def _makefile_torch_pin() -> str:
+    return re.search(r"^TORCH\s*:=\s*torch==(\S+)", (ROOT / "Makefile").read_text(),
+                     flags=re.M).group(1)
+
+
+def test_the_makefile_pins_a_cpu_only_torch_wheel():
+    """The pin names the CPU build's own version (local segment ``+cpu``): no index can
+    resolve it to a CUDA wheel, as a plain ``torch==2.13.0`` resolves on PyPI (issue 45)."""
+    version = _makefile_torch_pin()
+    assert version.endswith("+cpu"), version
+    text = (ROOT / "Makefile").read_text()
+    assert "--index-url $(TORCH_CPU_INDEX)" in text
+    assert "TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu" in text
+
+
+def test_the_installed_torch_is_the_makefiles_cpu_wheel():
+    """What ``make test`` resolved: the installed distribution's version carries the pin's
+    local segment and the build has no CUDA (``torch.version.cuda is None``)."""
+    pytest.importorskip("torch")
+    import torch
+
+    installed = importlib.metadata.version("torch")
+    if installed.partition("+")[0] != _makefile_torch_pin().partition("+")[0]:
+        pytest.skip(f"torch {installed} was not installed by the Makefile's pin")
+    assert installed == _makefile_torch_pin(), installed
+    assert torch.version.cuda is None, torch.version.cuda
+
+
+def test_make_demo_shows_progress_while_it_installs():
+    """No silent minute (issue 45): each install step is announced, the long ones show pip's
+    progress (not --quiet), and setuptools' boxed editable-install notice is filtered."""
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    for target in (".venv/.core-installed", ".venv/.dev-installed"):
+        out = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), target],
+                             capture_output=True, text=True, check=True).stdout
+        lines = out.splitlines()
+        editable = next(i for i, line in enumerate(lines) if " -e " in line)
+        assert "--quiet" not in lines[editable] and " -q " not in lines[editable], out
+        assert "--progress-bar on" in lines[editable], out
+        assert "PYTHONWARNINGS=ignore::UserWarning" in lines[editable], out
+        assert lines[editable - 1].startswith("echo "), out
+
+
+def test_the_cuda_extra_matches_jax_current_gpu_wheels():
+    """``[cuda]`` installs the CUDA 13 wheels (jax 0.11.2's GPU machines run CUDA 13)."""
+    assert PROJECT["optional-dependencies"]["cuda"] == ["jax[cuda13]"]
+
+
 # --------------------------------------------------------------------------------------------
 # sdist and wheel
 

@@ -87,8 +87,9 @@ def test_local_multi_process_commands_are_short_and_quiet():
     for page, line in local:
         assert "--steps" in line, (page, line)
         assert "Gloo" in line, (page, line)
-    readme = (ROOT / "README.md").read_text()
-    assert "[Gloo]" in readme and "not errors" in readme
+    for page in {p for p, _ in local}:
+        text = next(q for q in ALL_PAGES if q.name == page).read_text()
+        assert "[Gloo]" in text and "not errors" in text, page
 
 
 def test_torch_is_installed_as_make_test_installs_it():
@@ -102,3 +103,76 @@ def test_torch_is_installed_as_make_test_installs_it():
     for page, line in lines:
         assert pinned in line.split(), (page, line, pinned)
         assert "--index-url https://download.pytorch.org/whl/cpu" in line, (page, line)
+
+
+# --------------------------------------------------------------------------------------------
+# The README is a page a newcomer finishes (issue 45)
+
+README_LIMIT = 250
+
+
+def test_the_readme_is_a_page():
+    """At most 250 lines: what it is, the two commands, install, a Quick start per entry
+    point, the configurations, links into docs/ for everything else."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_LIMIT, len(text.splitlines())
+    headings = re.findall(r"^## (.*)$", text, flags=re.M)
+    for heading in ("Install", "Quick start: Optax", "Quick start: PyTorch",
+                    "Quick start: `sage-train`", "The eight configurations", "Documentation",
+                    "Citation"):
+        assert heading in headings, heading
+    assert "make demo" in text and "make test" in text
+    from sage_optim.presets import CONFIG_NAMES
+
+    table = text.split("## The eight configurations")[1].split("\n## ")[0]
+    for name in CONFIG_NAMES:
+        assert f"| `{name}` |" in table, name
+
+
+def test_the_readme_names_what_ci_runs():
+    """The README's test command is what `.ci/run` and the Makefile's `test` target run."""
+    assert "make test" in (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^test:", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert "`make test` is exactly what CI runs (`.ci/run`)" in (ROOT / "README.md").read_text()
+
+
+def test_the_readme_links_resolve_and_reach_every_doc_page():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, missing
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md")
+                   if p.name not in ("README.md", "index.md"))
+    unlinked = [page for page in pages if f"docs/{page}" not in local]
+    assert not unlinked, f"README.md links to no docs/{unlinked}"
+
+
+def test_the_readme_says_the_package_is_not_published():
+    text = " ".join((ROOT / "README.md").read_text().split())
+    assert "not published on PyPI" in text
+    for page in ALL_PAGES:
+        for line in page.read_text().splitlines():
+            assert not re.search(r"pip install ['\"]?sage[-_]optim\b(?!\.|-)", line) or \
+                "not published" in line or "finds nothing" in line, (page.name, line)
+
+
+def test_the_gpu_install_line_installs_what_its_commands_need():
+    """The GPU line names the trainer's extra with the CUDA one: `.[cuda]` alone gives no
+    sage-train (issue 45)."""
+    lines = [(p.name, line) for p, line in shell_lines()
+             if re.search(r"pip install .*cuda", line)]
+    assert lines
+    for page, line in lines:
+        assert "[train,cuda]" in line or ("[train]" in line and "jax[cuda" in line), (page, line)
+
+
+def test_docs_index_lists_every_page():
+    """The Sphinx index's table of contents holds every page of docs/."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    trees = "\n".join(re.findall(r"```\{toctree\}(.*?)```", index, flags=re.S))
+    listed = {line.strip() for line in trees.splitlines() if line.strip()
+              and not line.strip().startswith(":")}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        if page.name not in ("README.md", "index.md"):
+            assert page.stem in listed, page.name

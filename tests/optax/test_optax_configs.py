@@ -125,7 +125,8 @@ def test_routing_table_rows_and_print():
     text = str(table)
     assert "embed.embedding" in text and "sinkgd(unit, alpha=10)" in text
     assert text.splitlines()[0].split() == [
-        "path", "shape", "kind", "rule", "fan-in", "fan-out", "evidence", "state", "bytes"]
+        "path", "shape", "kind", "rule", "step", "fan-in", "fan-out", "evidence", "state",
+        "bytes"]
 
 
 def test_unknown_name_lists_valid_ones():

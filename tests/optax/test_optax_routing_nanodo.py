@@ -240,9 +240,8 @@ def test_real_nanodo_routes_by_its_module_types_with_no_override():
     with pytest.raises(RoutingError) as info:
         route_params(params)
     assert "model=sage_optax.linen_model(module, *inputs)" in str(info.value)
-    assert set(info.value.overrides) == {
-        f"blocks_{i}.CausalAttn_0.{m}.kernel" for i in range(CFG.N)
-        for m in ("query", "key", "value", "attn_out_proj")}
+    assert set(info.value.overrides) == {  # one glob per layer role (issue 45)
+        f"blocks_*.CausalAttn_0.{m}.kernel" for m in ("query", "key", "value", "attn_out_proj")}
     got = routes_of(route_params(params, model=linen_nanodo()))
     assert got == TRUTH
     # the first remedies the refusal pastes are right: the same routes as the modules give

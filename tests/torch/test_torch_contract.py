@@ -10,7 +10,7 @@ few hyperparameter sets each), every ``make_optimizer`` configuration and a
 on every entry (CPU, float64, tiny tensors).
 
 Where sage_torch differs from ``torch.optim`` on purpose, the entry records it
-(:data:`DIFFERENCES`, stated in README's PyTorch section) and a check asserts the
+(:data:`DIFFERENCES`, stated in docs/pytorch.md) and a check asserts the
 difference holds, so that it stays deliberate.
 """
 
@@ -48,7 +48,7 @@ DIFFERENCES: dict[str, str] = {
     "complex": "refuse complex parameters",
     "dtype": "keeps its saved dtype",
 }
-"""How sage_torch deliberately differs from ``torch.optim``, as README's PyTorch section
+"""How sage_torch deliberately differs from ``torch.optim``, as docs/pytorch.md
 words it (each phrase appears there): ``groups``: ``make_optimizer`` (and
 ``add_param_group`` with a module) makes one param group per kind and layout, not one per
 group given; ``evidence``: ``make_optimizer`` refuses a bare matrix nothing places;
@@ -724,10 +724,9 @@ def test_add_param_group_routes_by_a_module_or_the_model():
 
 
 def test_recorded_differences_hold_and_the_readme_states_them():
-    section = (ROOT / "README.md").read_text().split("## PyTorch: `sage_torch`")[1]
-    section = " ".join(section.split("\n## ")[0].split())  # lines joined
+    section = " ".join((ROOT / "docs" / "pytorch.md").read_text().split())  # lines joined
     for key, phrase in DIFFERENCES.items():
-        assert phrase in section, f"README's PyTorch section does not say: {phrase!r} ({key})"
+        assert phrase in section, f"docs/pytorch.md does not say: {phrase!r} ({key})"
     recorded = {d for e in ENTRIES for d in e.differs}
     assert recorded == set(DIFFERENCES)
     model = Net()

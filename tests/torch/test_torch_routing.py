@@ -879,9 +879,12 @@ def test_routing_table_matches_sage_optax(name):
         flax_shape = shape[::-1] if len(shape) == 2 and not path.startswith("embed.") else shape
         mapped[torch_to_flax_name(model, path)] = (flax_shape, row.kind, row.rule,
                                                    row.state_bytes)
-    # kind, rule and bytes: the first fields and the last of both row forms
-    expected = {r[0]: (tuple(r[1]), r[2], r[3], r[-1]) for r in theirs.rows}
+    # kind, rule and bytes: the first fields and the eighth of both row forms
+    expected = {r[0]: (tuple(r[1]), r[2], r[3], r[7]) for r in theirs.rows}
     assert mapped == expected
+    # each kind's effective step (issue 45): the same in both frameworks
+    assert {torch_to_flax_name(model, r.path): r.step for r in ours.rows} == {
+        r.path: r.step for r in theirs.rows}
     assert ours.config == theirs.config == name
     assert str(ours).splitlines()[-1].startswith(f"{name}: optimizer state ")
     if all(isinstance(r, sage_torch.RoutingRow) for r in theirs.rows):  # the axes columns
@@ -895,7 +898,7 @@ def test_routing_table_allocates_nothing_and_prints():
     model = LM(tied=True)
     table = routing_table("sage-hybrid", model)
     text = str(table)
-    assert text.splitlines()[0].split() == ["path", "shape", "kind", "rule", "fan-in",
+    assert text.splitlines()[0].split() == ["path", "shape", "kind", "rule", "step", "fan-in",
                                             "fan-out", "evidence", "state", "bytes"]
     assert [r.path for r in table.rows].count("embed.weight") == 1
     assert "lm_head.weight" not in [r.path for r in table.rows]  # tied: one row
@@ -1406,7 +1409,9 @@ def test_every_unplaceable_parameter_in_one_error_first_options_give_the_math():
         make_optimizer("sage-hybrid", model)
     err = info.value
     message = str(err)
-    assert message.startswith("cannot place 4 parameters:"), message
+    first = message.splitlines()[0]  # the fix first (issue 45), within 200 characters
+    assert first.startswith("Fix: paste the route_overrides block") and len(first) <= 200
+    assert "cannot place 4 parameters" in first, message
     for name, shape in [("pos_emb", (6, D)), ("w", (D, D)), ("experts", (3, D, D)),
                         ("unembed_w", (D, V))]:
         assert f"{name!r} of shape {shape}" in message

@@ -107,7 +107,7 @@ def test_checkpoints_that_all_fail_are_refused_unless_restart(train_corpus, tmp_
     run = runs / "tiny-sage-hybrid"
     corrupt_all(run)
     capsys.readouterr()
-    assert main(args + ["--allow-config-change"]) == 2
+    assert main(args + ["--allow-config-change", "--tail-from", "8"]) == 2
     err = capsys.readouterr().err
     assert one_line(err) and "step 8" in err and "step 4" in err and "--restart" in err
     assert Checkpoints(run / "checkpoints").steps() == [8, 4]  # nothing moved or lost
@@ -132,7 +132,7 @@ def test_loop_to_scan_continues_from_the_same_parameters(train_corpus, tmp_path,
     # the loss of step 5 is that of the parameters after step 4: the same numbers
     np.testing.assert_allclose(result.losses, full_losses[4:], rtol=2e-4)
     assert not any(p.name.endswith("unusable") for p in (run / "checkpoints").iterdir())
-    back, _ = quiet(config(train_corpus, run, layers="loop", steps=10),
+    back, _ = quiet(config(train_corpus, run, layers="loop", steps=10, tail_from=8),
                     allow_config_change=True)
     assert back.start_step == 8 and len(back.losses) == 2
 
@@ -185,7 +185,7 @@ def test_the_run_dir_is_never_part_of_the_corpus(train_corpus, tmp_path, monkeyp
     capsys.readouterr()
     assert main(args) == 0  # the same command: the run is complete, its logs no data
     assert "is complete" in capsys.readouterr().out
-    assert main([*args[:3], "12", *args[4:]] + ["--allow-config-change"]) == 0
+    assert main([*args[:3], "12", *args[4:]] + ["--allow-config-change", "--tail-from", "8"]) == 0
     out = capsys.readouterr()
     assert "data_fingerprint" not in out.out + out.err
     docs = data_lib.read_text_source(work)
