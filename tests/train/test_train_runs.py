@@ -182,6 +182,50 @@ def test_changed_data_under_the_same_path_is_refused(tmp_path):
         quiet(cfg)
 
 
+def test_a_change_between_the_sampled_pieces_is_refused(tmp_path):
+    """Tokens 4096-6096 of 500,000 lie between the pieces ``data_fingerprint`` samples."""
+    tokens = np.random.default_rng(1).integers(0, 1024, 500_000).astype(np.uint16)
+    data = tmp_path / "tokens.u16"
+    tokens.tofile(data)
+    cfg = config(None, tmp_path / "run", data=str(data), steps=4, checkpoint_every=2,
+                 eval_every=2)
+    quiet(cfg, stop_after=2)
+    from sage_train import data as data_lib
+
+    before = data_lib.load_data(str(data), vocab_size=1024)
+    sampled, full = data_lib.fingerprint(before), data_lib.content_hash(before)
+    tokens[4096:6096] = (tokens[4096:6096] + 1) % 1024
+    tokens.tofile(data)
+    after = data_lib.load_data(str(data), vocab_size=1024)
+    assert data_lib.fingerprint(after) == sampled  # the sampled pieces cannot see it
+    assert data_lib.content_hash(after) != full
+    with pytest.raises(RunDirError, match="data_sha256") as e:
+        quiet(cfg)
+    assert "tokens.u16" in str(e.value) and "\n" not in str(e.value)
+    result, _ = quiet(cfg, allow_config_change=True)
+    assert result.start_step == 2
+
+
+def test_the_content_hash_is_cached_by_size_and_times(tmp_path, monkeypatch):
+    from sage_train import data as data_lib
+
+    path = tmp_path / "tokens.u16"
+    np.arange(5000, dtype=np.uint16).tofile(path)
+    first = data_lib.file_sha256(path)
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: (reads.append(f), real_open(
+        f, *a, **k))[1])
+    assert data_lib.file_sha256(path) == first and str(path) not in map(str, reads)
+    monkeypatch.undo()
+    raw = bytearray(path.read_bytes())
+    raw[7000] ^= 1
+    stat = path.stat()
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the old mtime, a new ctime
+    assert data_lib.file_sha256(path) != first
+
+
 # ---------------------------------------------------------------------------
 # 3. the lock
 # ---------------------------------------------------------------------------
