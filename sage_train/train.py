@@ -131,21 +131,22 @@ def train(cfg: TrainConfig | Run, *, stop_after: int | None = None,
                 "deterministic GPU reductions apply only if XLA_FLAGS held "
                 "--xla_gpu_deterministic_ops=true before it did")
         run = resolve(cfg, checked=True)  # refuses what cannot run before anything is written
-    try:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunDirError(f"cannot create the run directory {run.run_dir}: {e.strerror}") from e
+    made = rundir.make_run_dir(run.run_dir)
     primary = distributed.is_primary()
     if not primary:
         log = _quiet  # process 0 logs the run; the others log their own errors (raised)
     lock: Any = (rundir.RunLock(run.run_dir) if primary and not locked
                  else contextlib.nullcontext())
-    with lock:
-        if getattr(lock, "stale", None):
-            log(lock.stale)
-        opts = _Options(stop_after, allow_config_change, restart, stop,
-                        (run.run_dir, *data_exclude))
-        return _train_locked(run, opts, log)
+    try:
+        with lock:
+            if getattr(lock, "stale", None):
+                log(lock.stale)
+            opts = _Options(stop_after, allow_config_change, restart, stop,
+                            (run.run_dir, *data_exclude))
+            return _train_locked(run, opts, log)
+    except BaseException:
+        rundir.remove_unused(made)  # a refused start leaves nothing behind
+        raise
 
 
 @dataclasses.dataclass(frozen=True)

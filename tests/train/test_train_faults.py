@@ -28,7 +28,7 @@ from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 from sage_train.cli import build_parser, main  # noqa: E402
 from sage_train.errors import ConfigError, DataError, RunDirError, RunFileError  # noqa: E402
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals  # noqa: E402
-from sage_train.train import TrainConfig, check_config  # noqa: E402
+from sage_train.train import TrainConfig, check_config, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -172,6 +172,21 @@ def test_empty_data_is_refused(tmp_path, capsys):
         check_config(TrainConfig(data=" "))
     with pytest.raises(ValueError, match="empty"):
         data_lib.load_data("", vocab_size=512)
+
+
+@pytest.mark.parametrize("make", ["missing", "empty.npy", "empty.u16", "empty.txt"])
+def test_a_refused_start_is_one_line_and_leaves_nothing_behind(tmp_path, capsys, make):
+    data = tmp_path / ("gone.u16" if make == "missing" else make)
+    if make != "missing":
+        data.write_bytes(b"")
+    runs = tmp_path / "out" / "runs"
+    assert main(cli_base(data, runs)) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and str(data) in err
+    assert not (tmp_path / "out").exists()  # no run directory, .lock or checkpoints/
+    with pytest.raises(DataError):  # the library's train() too
+        train(config(data, tmp_path / "lib" / "run"))
+    assert not (tmp_path / "lib").exists()
 
 
 def test_the_run_dir_is_never_part_of_the_corpus(train_corpus, tmp_path, monkeypatch, capsys):
