@@ -482,13 +482,12 @@ def fingerprint(tokens: TokenData) -> str:
 _HASH_CHUNK = 1 << 24  # bytes hashed at a time: memory stays bounded on any corpus
 
 
-def _stream_sha256(data: np.ndarray | memoryview) -> str:
+def _stream_sha256(data: np.ndarray) -> str:
     """The SHA-256 of ``data``'s bytes, read ``_HASH_CHUNK`` bytes at a time."""
-    raw = memoryview(np.ascontiguousarray(data)).cast("B") if isinstance(data, np.ndarray) \
-        else data
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # chunks copied: bounded
     h = hashlib.sha256()
     for start in range(0, len(raw), _HASH_CHUNK):
-        h.update(raw[start:start + _HASH_CHUNK])
+        h.update(raw[start:start + _HASH_CHUNK].tobytes())
     return h.hexdigest()
 
 

@@ -238,7 +238,7 @@ def _check_data(run_dir: pathlib.Path, cfg: TrainConfig, recorded: dict[str, Any
     Raises:
       RunDirError: the data changed and changes are not allowed: one line naming the file.
     """
-    fields = ("data_fingerprint", "data_sha256")
+    fields: tuple[str, ...] = ("data_fingerprint", "data_sha256")
     if recorded is not None and "data_sha256" not in recorded:
         fields = ("data_fingerprint",)
     diff = rundir.differences(recorded or {}, settings, fields) if recorded else {}
