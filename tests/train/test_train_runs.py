@@ -226,6 +226,37 @@ def test_the_content_hash_is_cached_by_size_and_times(tmp_path, monkeypatch):
     assert data_lib.file_sha256(path) != first
 
 
+def test_rotation_keeps_the_last_verified_checkpoint_behind_an_unverified_one(tmp_path):
+    import jax.numpy as jnp
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, log=lambda m: None)
+    ckpts.prepare()
+    state = {"w": jnp.arange(4.0)}
+    for step in (4, 8):
+        ckpts.save(step, state, {})
+    (ckpts.path(8) / MANIFEST).unlink()  # resumed from an unverified newest checkpoint
+    ckpts.save(12, state, {})
+    assert ckpts.steps() == [12, 8, 4]  # 4: the last verified one before 12
+    ckpts.save(16, state, {})
+    assert ckpts.steps() == [16, 12]
+    ckpts.close()
+
+
+def test_start_up_removes_a_manifest_write_killed_before_its_rename(tmp_path):
+    import jax.numpy as jnp
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, log=lambda m: None)
+    ckpts.prepare()
+    ckpts.save(4, {"w": jnp.arange(4.0)}, {})
+    ckpts.close()
+    stray = ckpts.path(4) / f".{MANIFEST}.tmp-12345"  # SIGKILL between write and rename
+    stray.write_text("{")
+    messages: list[str] = []
+    Checkpoints(tmp_path / "checkpoints", log=messages.append).prepare()
+    assert not stray.exists() and (ckpts.path(4) / MANIFEST).exists()
+    assert any("interrupted" in m for m in messages)
+
+
 # ---------------------------------------------------------------------------
 # 3. the lock
 # ---------------------------------------------------------------------------
