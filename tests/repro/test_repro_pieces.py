@@ -141,12 +141,56 @@ def test_a_piece_on_another_cut_is_refused_before_it_trains(tmp_path, capsys):
     (["--piece", "p1", "--configs", "adamw"], "--piece fixes --configs"),
     (["--piece", "p99", "--dry-run"], "--piece p99 is not a piece of the plan paper-20m: p1,"),
     (["--plan", "x.json", "--steps", "5"], "--plan goes with --piece"),
-    (["--piece", "p1", "--plan", "nope.json"], "--plan nope.json holds no plan of pieces"),
+    (["--piece", "p1", "--plan", "nope.json"], "--plan nope.json cannot be read"),
 ])
 def test_bad_piece_options_are_one_line(tmp_path, capsys, args, message):
     assert sweep.main(["sweep", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def _p1_twice(d):
+    d["pieces"][1]["name"] = "a"
+
+
+def _edit(part, **fields):
+    def edit(d):
+        (d["protocol"] if part == "protocol" else d["pieces"][0]).update(fields)
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_p1_twice, "pieces[1].name 'a' is the name of pieces[0] too"),
+    (_edit("protocol", model="huge"), "protocol.model: "),
+    (_edit("protocol", steps="2"), "protocol.steps must be an integer in [1, "),
+    (_edit("protocol", steps=0), "protocol.steps must be an integer in [1, "),
+    (_edit("protocol", eval_every=0), "protocol.eval_every must be an integer in [1, "),
+    (_edit("protocol", trainer_args="--remat dots"),
+     "protocol.trainer_args must be a list of strings"),
+    (_edit("protocol", trainer_args=["--steps", "9"]), "protocol.trainer_args sets --steps"),
+    (_edit("protocol", schedule="wsd"), "protocol.schedule must be one of cosine, linear"),
+    (_edit("protocol", seq_len=4096), "protocol.seq_len 4096 is longer than the tiny model"),
+    (_edit("protocol", warmup_frac=1.5), "protocol.warmup_frac must be a number in [0, 1)"),
+    (_edit("protocol", stpes=4), "protocol.stpes is not a protocol field"),
+    (_edit("piece", lr_factor=-1), "pieces[0].lr_factor (piece a) must be a finite number > 0"),
+    (_edit("piece", configs=["sage"]), "pieces[0].configs (piece a): unknown configuration"),
+    (_edit("piece", seeds=[0, 0]), "pieces[0].seeds (piece a) must be a non-empty list of "
+     "distinct integers"),
+    (_edit("piece", seeds="0"), "pieces[0].seeds (piece a) must be"),
+])
+def test_a_bad_plan_is_refused_before_anything_runs(tmp_path, capsys, edit, message):
+    """The dry run too: one line naming the plan file and the field, exit status 2."""
+    data = tiny_plan(tmp_path / "cut", "e" * 64).to_json()
+    edit(data)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(data))
+    for argv in (["sweep", "--piece", "all", "--dry-run"],
+                 ["sweep", "--piece", "a", "--out", str(tmp_path / "o")],
+                 ["report", "--pieces", str(tmp_path)]):
+        assert sweep.main([*argv, "--plan", str(plan_file)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--plan {plan_file}: " in err and message in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_paper_plan():
