@@ -465,6 +465,10 @@ def read_piece(path: pathlib.Path, plan: PiecePlan, fingerprint: str | None) -> 
                 for r in row["runs"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise sweep_spec.SweepError(f"{path} is not a piece's results.json ({e})") from None
+    try:
+        report.verify_results(data)  # its records, their summary and its digest agree
+    except (ValueError, KeyError, TypeError) as e:
+        raise sweep_spec.SweepError(f"{path}: {e}") from None
     if name is None:
         raise sweep_spec.SweepError(f"{path} is not a piece's results.json (it names no piece)")
     try:
