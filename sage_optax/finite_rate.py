@@ -86,8 +86,17 @@ def skip_nonfinite_rate(
                ) -> tuple[optax.Updates, SkipNonFiniteRateState]:
         skipped = state.notfinite_lr_count
         rate = schedule(state.steps)
-        inner = optax.with_extra_args_support(
-            build(lambda count: schedule(count + skipped)))  # the same step's rate
+
+        def shifted(count: Any) -> Any:
+            """The rate of the inner step ``count``: the schedule's at the same step.
+
+            Read as a number where not finite: the builders check ``shifted(0)``, and a
+            step whose rate is not finite is skipped before its rate is used.
+            """
+            value = schedule(count + skipped)
+            return jnp.where(jnp.isfinite(value), value, 0.0)
+
+        inner = optax.with_extra_args_support(build(shifted))
         finite = jnp.all(jnp.isfinite(jnp.asarray(rate)))
         new_updates, inner_state = jax.lax.cond(
             finite,

@@ -633,6 +633,17 @@ def test_a_schedule_that_returns_nan_skips_that_step_only(jit):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_a_nan_rate_right_after_the_first_step_is_skipped_eagerly():
+    """After a skipped step the inner optimizer is rebuilt with the schedule shifted by one:
+    its builders' check of the first rate must not see the NaN of the step skipped."""
+    params = _finite_rate_params()
+    tx = sage_optax.make_optimizer("sinkgd-pure", lambda t: jnp.where(t == 1, jnp.nan, 1e-3))
+    grads = [jax.tree.map(jnp.ones_like, params)] * 3
+    got, state, _ = _run(tx, params, grads, 3, jit=False)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(got))
+    assert int(state.notfinite_lr_count) == 1
+
+
 def test_an_injected_nan_rate_is_skipped():
     params = _finite_rate_params()
     tx = optax.inject_hyperparams(sage_optax.make_optimizer, static_args="name")(
