@@ -191,17 +191,20 @@ class _ThreadOutput:
         return getattr(self.terminal, name)
 
 
-class _ThreadLogs(logging.Filter):
-    """Send the ``absl`` records (orbax logs through absl) of other threads to a file."""
+_ORBAX_LOGGERS = ("absl", "asyncio")
+"""The loggers of orbax's messages: its own (through absl), and asyncio's about the futures
+of its failed writes ("exception was never retrieved", logged when they are collected)."""
+
+
+class _ToFile(logging.Filter):
+    """Send every record of the logger it filters to a file instead of its handlers."""
 
     def __init__(self, path: pathlib.Path) -> None:
         super().__init__()
         self.path = path
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """``False`` (and the record appended to the file) where another thread logs it."""
-        if record.thread == threading.main_thread().ident:
-            return True
+        """``False``, after appending the record (with its traceback) to the file."""
         text = logging.Formatter("%(levelname)s:%(name)s:%(threadName)s: %(message)s")
         with contextlib.suppress(OSError), open(self.path, "a") as f:
             f.write(text.format(record) + "\n")
@@ -210,20 +213,23 @@ class _ThreadLogs(logging.Filter):
 
 @contextlib.contextmanager
 def _orbax_threads_to(path: pathlib.Path) -> Iterator[None]:
-    """What orbax's threads print or log goes to ``path`` (:class:`_ThreadOutput`).
+    """What orbax's threads print, and orbax and asyncio log, goes to ``path``.
+
+    (:class:`_ThreadOutput`, :class:`_ToFile`.)
 
     On success the terminal is given back at the end; after a failure it is kept for the
     rest of the process, because orbax's threads keep printing after the save failed
     (the last line on the terminal stays the error's).
     """
-    stderr, logs = _ThreadOutput(sys.stderr, path), _ThreadLogs(path)
+    stderr, logs = _ThreadOutput(sys.stderr, path), _ToFile(path)
     sys.stderr = stderr
-    absl = logging.getLogger("absl")
-    absl.addFilter(logs)
+    for name in _ORBAX_LOGGERS:
+        logging.getLogger(name).addFilter(logs)
     yield
     if sys.stderr is stderr:
         sys.stderr = stderr.terminal
-    absl.removeFilter(logs)
+    for name in _ORBAX_LOGGERS:
+        logging.getLogger(name).removeFilter(logs)
 
 
 @dataclasses.dataclass
