@@ -153,14 +153,30 @@ def split_entry(entry: str) -> tuple[str, str]:
     [range pass]"`` or a plain name."""
     if entry.endswith("]") and " [" in entry:
         name, kernel = entry[:-1].split(" [")
-        return name, KERNEL["default"] if kernel == RANGE_PASS else kernel
+        return name, KERNEL["default"] if kernel == RANGE_PASS else kernel.split(" ")[0]
     return entry, KERNEL["default"]
+
+
+def stream_bytes(entry: str) -> int | None:
+    """The batch size of a ``"<name> [stream N MiB]"`` entry, in bytes (else ``None``)."""
+    if not entry.endswith(" MiB]") or " [stream " not in entry:
+        return None
+    return int(float(entry.split(" [stream ")[1].split(" ")[0]) * MIB)
 
 
 @contextlib.contextmanager
 def traced_as(entry: str) -> Any:
     """Trace ``entry``'s step in this context: for a ``[range pass]`` entry, SinkGD's CPU path
     is the range-scaled computation (what ``checked_sinkhorn_scales`` falls back to)."""
+    batch = stream_bytes(entry)
+    if batch is not None:
+        default = sinkhorn.STREAM_GROUP_BYTES
+        sinkhorn.STREAM_GROUP_BYTES = batch
+        try:
+            yield
+        finally:
+            sinkhorn.STREAM_GROUP_BYTES = default
+        return
     if not entry.endswith(f" [{RANGE_PASS}]"):
         yield
         return
@@ -406,6 +422,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "where scripts/gpu-check validated it, else jnp)")
     ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations with both SinkGD kernels, pallas and jnp")
+    ap.add_argument("--kernels", nargs="+", default=["pallas", "jnp"], metavar="IMPL",
+                    help="the computations --compare-kernels times: pallas, jnp, stream, or "
+                         "'stream N MiB' (streamed batches of at most N MiB; default pallas "
+                         "jnp)")
     ap.add_argument("--compare-range-pass", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations also with SinkGD's range pass on the CPU")
     ap.add_argument("--temp-only", action="store_true",
@@ -482,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     entries = []
     for n in args.configs:
         both = n in args.compare_kernels
-        entries += [f"{n} [pallas]", f"{n} [jnp]"] if both else [n]
+        entries += [f"{n} [{k}]" for k in args.kernels] if both else [n]
         if n in args.compare_range_pass:
             entries.append(f"{n} [{RANGE_PASS}]")
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -16,15 +17,15 @@ import numpy as np
 import optax
 
 from sage_optax import axes as axes_lib
-from sage_optax import logical, memory, registry, routing, validation
+from sage_optax import logical, memory, registry, routing, state_tree, validation
 from sage_optax.finite_rate import skip_nonfinite_rate
 from sage_optax.sinkhorn import IMPLS
 from sage_optim.presets import CONFIG_NAMES, KINDS, PRESETS, RuleSpec, resolve_preset
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
-    "route_overrides", "vocab_size", "layout", "model", "mask", "skip_nonfinite", "impl",
-    "strict", "axis_names", "axis_roles",
+    "route_overrides", "vocab_size", "layout", "model", "params", "mask", "skip_nonfinite",
+    "impl", "strict", "axis_names", "axis_roles",
 )
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
@@ -102,7 +103,13 @@ def make_optimizer(
           tuple, instead of giving it the element-wise rule with a
           :class:`~sage_optax.routing.NoLayoutEvidenceWarning`), ``axis_names=`` (the
           logical axis names of unboxed params) and ``axis_roles={name: role}`` (extends
-          :data:`sage_optax.logical.AXIS_ROLES`);
+          :data:`sage_optax.logical.AXIS_ROLES`), ``params=`` (the whole params tree,
+          arrays or ``jax.ShapeDtypeStruct``: the routing of a tree that reaches the
+          optimizer with ``optax.MaskedNode`` placeholders, inside ``optax.masked`` or
+          ``optax.multi_transform``, is taken from it; without it, from ``model=``'s
+          parameters or the first tree without placeholders routed, else refused: the
+          placeholders are not evidence, and an untied head is found by the token table's
+          shape);
         * ``mask=``: weight-decay mask (pytree of bools or callable);
         * ``impl=``: how SinkGD computes its scales, ``"auto"`` (default: jnp, until
           ``scripts/gpu-check`` validates the Pallas kernel on a GPU), ``"pallas"`` (the
@@ -195,7 +202,8 @@ def make_optimizer(
 
     def build(rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
         return optax.partition(
-            {kind: build_rule(preset.rule(kind), rate, axes_fn, mask, impl) for kind in KINDS},
+            {kind: state_tree.without_boxed_placeholders(
+                build_rule(preset.rule(kind), rate, axes_fn, mask, impl)) for kind in KINDS},
             labels_fn,
         )
 
@@ -276,12 +284,27 @@ class _Router:
         self.names.update(self.given_names)
         self.routed: dict[Any, routing.ParamRouting] = {}
         self.last: dict[str, tuple[tuple[int, ...], Any]] = {}  # path -> (shape, axes)
+        # The whole model, whose routing decides the leaves of a tree that arrives with
+        # placeholders (optax.masked, multi_transform): params= given, else model=, else
+        # the first tree without placeholders routed here.
+        given = overrides.pop("params", None)
+        self.model = model
+        self.whole: Any = None if given is None else _shapes_only(given)
+        self.whole_from = "params=" if given is not None else None
+        self.whole_routes: dict[str, tuple[tuple[int, ...], Any, Any, Any]] | None = None
 
     def __call__(self, params: Any, warn: bool = False) -> routing.ParamRouting:
-        """The routing of ``params`` (a full tree), computed at its first call."""
+        """The routing of ``params`` (a full tree), computed at its first call.
+
+        A tree with ``optax.MaskedNode`` placeholders (the optimizer inside
+        ``optax.masked``/``optax.multi_transform``) takes each leaf's route from the
+        routing of the whole model (:meth:`_from_whole`): the placeholders are not evidence.
+        """
         leaves, treedef = jax.tree.flatten(params, is_leaf=axes_lib.is_masked)
         key = (treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", "")))
                               for x in leaves))
+        if key not in self.routed and any(isinstance(x, optax.MaskedNode) for x in leaves):
+            self.routed[key] = self._from_whole(params, warn)
         if key not in self.routed:
             paths = {p for p, _ in _all_paths(params)}  # masked leaves too: optax.partition
             logical.check_matched(self.given_names, sorted(paths))  # axis_names= name them
@@ -292,10 +315,68 @@ class _Router:
                 axis_names={k: v for k, v in self.names.items() if k in paths},
                 axis_roles=self.axis_roles,
             )
+            if self.whole is None and self.whole_from is None:
+                self.whole, self.whole_from = _shapes_only(params), "the first tree routed"
         result = self.routed[key]
         self.last = {path: (tuple(x.shape), axes) for (path, x), (_, axes) in zip(
             routing.iter_leaves(params), routing.iter_leaves(result.axes), strict=True)}
         return result
+
+    def _whole_routes(self, warn: bool) -> dict[str, tuple[tuple[int, ...], Any, Any, Any]]:
+        """``{path: (shape, label, axes, route)}`` of the whole model, routed once."""
+        if self.whole_routes is None:
+            whole = self(self.whole, warn=warn)
+            self.whole_routes = {
+                path: (tuple(x.shape), label, axes, route) for (path, x), (_, label),
+                (_, axes), (_, route) in zip(
+                    routing.iter_leaves(self.whole), routing.iter_leaves(whole.labels),
+                    routing.iter_leaves(whole.axes), routing.iter_leaves(whole.routes),
+                    strict=True)}
+        return self.whole_routes
+
+    def _from_whole(self, params: Any, warn: bool) -> routing.ParamRouting:
+        """The routing of a tree with placeholders: each leaf's, in the whole model.
+
+        Raises:
+          RoutingError: no whole model to take the routes from (neither ``params=`` nor
+            ``model=`` given, nor a tree without placeholders routed before), or a leaf
+            that is not in it with the same shape.
+        """
+        masked = [path for path, x in _all_paths(params) if isinstance(x, optax.MaskedNode)]
+        if self.whole is None and self.model is not None:
+            self.whole = _params_of_model(self.model)
+            self.whole_from = None if self.whole is None else "model="
+        if self.whole is None:
+            raise routing.RoutingError(
+                f"the params reach the optimizer with {len(masked)} placeholder(s) "
+                f"(optax.MaskedNode at {_listed(masked)}: optax.masked, optax.multi_transform "
+                "or optax.partition around it), and a leaf's route depends on the whole model "
+                "(an untied head is found by the token table's shape); pass the whole params "
+                "tree when building the optimizer: make_optimizer(name, params=params) (arrays "
+                "or jax.ShapeDtypeStruct; or model= an nnx or Equinox model, or "
+                "sage_optax.linen_model(module, *inputs))")
+        routes = self._whole_routes(warn)
+        with_path, treedef = jax.tree_util.tree_flatten_with_path(
+            params, is_leaf=axes_lib.is_masked)
+        out: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+        for p, x in with_path:
+            path = routing.leaf_name_path(p)
+            if axes_lib.is_masked(x):
+                for part in out:
+                    part.append(x)
+                continue
+            hit = routes.get(path)
+            shape = tuple(getattr(x, "shape", ()))
+            if hit is None or hit[0] != shape:
+                said = "is not in it" if hit is None else f"has shape {hit[0]} there"
+                raise routing.RoutingError(
+                    f"parameter {path!r} of shape {shape} (in a tree with placeholders, routed "
+                    f"as part of the whole model given by {self.whole_from}) {said}; pass "
+                    "the params this optimizer trains as make_optimizer(name, params=params)")
+            for part, value in zip(out, hit[1:], strict=True):
+                part.append(value)
+        unflat = jax.tree_util.tree_unflatten
+        return routing.ParamRouting(*(unflat(treedef, part) for part in out))
 
     def axes_of(self, params: Any) -> Any:
         """The axes of ``params``, a kind's subtree, from the last full tree routed."""
@@ -313,6 +394,36 @@ class _Router:
         return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def _shapes_only(tree: Any) -> Any:
+    """``tree`` with every array a ``jax.ShapeDtypeStruct`` (boxes and metadata kept)."""
+    return jax.tree.map(
+        lambda x: x if axes_lib.is_masked(x) or not hasattr(x, "shape")
+        else jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), tree, is_leaf=axes_lib.is_masked)
+
+
+def _params_of_model(model: Any) -> Any:
+    """The parameters of an nnx, Equinox or linen ``model`` (shapes only), else ``None``."""
+    from sage_optax import linen_evidence
+
+    if isinstance(model, linen_evidence.LinenModel):
+        return _shapes_only(linen_evidence.abstract_params(model))
+    if routing.is_nnx_module(model):
+        from flax import nnx
+
+        return _shapes_only(nnx.state(model, nnx.Param))
+    if routing.is_equinox_module(model):
+        import equinox as eqx
+
+        return _shapes_only(eqx.filter(model, eqx.is_inexact_array))
+    return None
+
+
+def _listed(paths: list[str], most: int = 3) -> str:
+    """``'a', 'b', 'c' and 2 more``."""
+    shown = ", ".join(repr(p) for p in paths[:most])
+    return shown + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
 def _all_paths(params: Any) -> list[tuple[str, Any]]:
     """``(dotted path, leaf)`` of every leaf of ``params``, masked ones included."""
     with_path, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
@@ -320,18 +431,30 @@ def _all_paths(params: Any) -> list[tuple[str, Any]]:
 
 
 def with_tree_checks(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Wrap ``tx`` so gradients that do not match the params fail with a readable error.
+    """Wrap ``tx`` so gradients or a state that do not match the params fail readably.
 
-    The check runs at trace time only (structure and shapes are static), adds no state and
-    no runtime cost: the wrapped transformation's state is ``tx``'s own.
+    ``update`` refuses gradients whose tree or shapes differ from the params', and a state
+    that ``tx.init`` built for other params (:func:`sage_optax.state_tree.check_state`:
+    one line naming the parameter and the two shapes), before any arithmetic.  The checks
+    run at trace time only (structure and shapes are static; the state ``init`` would
+    build is found with ``jax.eval_shape``), add no state and no runtime cost: the wrapped
+    transformation's state is ``tx``'s own.
     """
     inner = optax.with_extra_args_support(tx)
+    expected: dict[Any, Any] = {}  # the state init builds, per tree structure and shapes
 
     def update_fn(
         updates: optax.Updates, state: Any, params: optax.Params | None = None, **extra: Any
     ) -> tuple[optax.Updates, Any]:
         if params is not None:
             check_matching_trees(updates, params)
+        tree = updates if params is None else params
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=axes_lib.is_masked)
+        key = (treedef, tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in leaves))
+        if key not in expected:
+            expected.clear()  # one entry: a new structure is a new model
+            expected[key] = jax.eval_shape(inner.init, tree)
+        state_tree.check_state(state, expected[key], tree)
         return inner.update(updates, state, params, **extra)
 
     return optax.GradientTransformationExtraArgs(inner.init, update_fn)
@@ -373,6 +496,7 @@ def sage_hybrid(
     model: Any | None = None,
     mask: Any | None = None,
     strict: bool = False,
+    params: Any | None = None,
 ) -> optax.GradientTransformation:
     """SAGE-Hybrid, the paper's method: SAGE on embeddings and vectors, Unit-Norm SinkGD on dense.
 
@@ -381,10 +505,11 @@ def sage_hybrid(
     :func:`~sage_optax.sinkgd` with ``normalization="unit"`` (stateless), ``vector`` →
     SAGE (or ``vector_rule="adamw"``, the variant the paper found equivalent).
 
-    Works with ``optax.inject_hyperparams(sage_hybrid)(learning_rate=schedule)``; pass
-    ``model`` and a callable ``mask`` through ``static_args``
-    (``optax.inject_hyperparams(sage_hybrid, static_args=("model",))``): optax calls every
-    other callable argument with the step count, as a schedule.
+    Works with ``optax.inject_hyperparams(sage_hybrid)(learning_rate=schedule)``, also with
+    ``model=`` and a callable ``mask=``: optax calls every callable argument not in
+    ``static_args`` with the step count, as a schedule, but binding this function's
+    signature keeps those two static (naming them in ``static_args``, as the README does,
+    is the same), so the state is the uninjected optimizer's, in ``inner_state``.
 
     Every default is the ``sage-hybrid`` preset's (:data:`sage_optim.presets.PRESETS`), read
     from it, so the alias and :func:`make_optimizer` cannot drift apart.
@@ -403,10 +528,12 @@ def sage_hybrid(
       layout: ``None`` (each leaf's name says its convention), ``"flax"`` or ``"torch"``
         (:func:`~sage_optax.route_params`).
       model: the ``nnx.Module`` or Equinox model whose module types are routing evidence
-        (pass it in ``static_args`` under ``optax.inject_hyperparams``: a module is
-        callable).
+        (static under ``optax.inject_hyperparams``, ``static_args`` or not).
       mask: weight-decay mask.
       strict: refuse leaves with no layout evidence instead of the element-wise fallback.
+      params: the whole params tree, whose routing a tree with ``optax.MaskedNode``
+        placeholders (inside ``optax.masked``, ``optax.multi_transform``) takes
+        (:func:`make_optimizer`).
 
     Returns:
       An ``optax.GradientTransformation``.
@@ -432,6 +559,7 @@ def sage_hybrid(
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD).
     """
     validation.check_choice("vector_rule", vector_rule, ("sage", "adamw"))
+    model, mask = _unwrap_static(model), _unwrap_static(mask)
     return make_optimizer(
         "sage-hybrid",
         learning_rate,
@@ -448,11 +576,49 @@ def sage_hybrid(
         model=model,
         mask=mask,
         strict=strict,
+        params=params,
     )
 
 
+class _Static:
+    """An argument ``optax.inject_hyperparams`` must not call: wrapped so it is not callable."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _unwrap_static(value: Any) -> Any:
+    return value.value if isinstance(value, _Static) else value
+
+
+class _StaticOptionsSignature(inspect.Signature):
+    """The signature of :func:`sage_hybrid`: binding it keeps ``model`` and ``mask`` static.
+
+    ``optax.inject_hyperparams`` binds the factory's signature and calls every callable
+    argument not in ``static_args`` with the step count, as a schedule: an ``nnx.Module``
+    given as ``model=`` (or a callable weight-decay ``mask``) would be called, and fail
+    inside its own ``__call__`` before :func:`sage_hybrid` runs.  This signature's ``bind``
+    hands such an argument on wrapped in a non-callable :class:`_Static` (which
+    :func:`sage_hybrid` unwraps), so ``inject_hyperparams(sage_hybrid)(model=model)`` builds
+    the same optimizer as ``sage_hybrid(model=model)``, with or without ``static_args``.
+    """
+
+    def bind(self, /, *args: Any, **kwargs: Any) -> inspect.BoundArguments:
+        """``inspect.Signature.bind``, with a callable ``model``/``mask`` made static."""
+        bound = super().bind(*args, **kwargs)
+        for name in ("model", "mask"):
+            value = bound.arguments.get(name)
+            if callable(value):
+                bound.arguments[name] = _Static(value)
+        return bound
+
+
+sage_hybrid.__signature__ = _StaticOptionsSignature.from_callable(  # type: ignore[attr-defined]
+    sage_hybrid)
+
+
 def routing_table(
-    name: str, params: Any, *, wrt: Any = None, **overrides: Any
+    name: str, params: Any, /, *, wrt: Any = None, **overrides: Any
 ) -> RoutingTable:
     """Route ``params`` as configuration ``name`` would and count each leaf's state bytes.
 

@@ -204,11 +204,13 @@ class _Seen:
     einsum_str: str | None
 
 
-def _run(model: LinenModel) -> tuple[dict[tuple[str, ...], _Seen], dict[str, tuple[int, ...]]]:
-    """The known modules ``model`` calls and the stored shape of every parameter.
+def _run(model: LinenModel) -> tuple[dict[tuple[str, ...], _Seen], dict[str, tuple[int, ...]],
+                                     Any]:
+    """The known modules ``model`` calls, the stored shape of every parameter, the params.
 
     Modules are keyed by path, with their own parameters' shapes as they see them (inside a
-    lifted transform: one copy); stored shapes by dotted path under ``params``.
+    lifted transform: one copy); stored shapes by dotted path under ``params``; the params
+    are ``init``'s, abstract (``jax.ShapeDtypeStruct``, boxes kept).
     """
     from flax import linen as nn
 
@@ -268,7 +270,16 @@ def _run(model: LinenModel) -> tuple[dict[tuple[str, ...], _Seen], dict[str, tup
     leaves, _ = jax.tree_util.tree_flatten_with_path(nn.unbox(variables.get("params", {})))
     for path, x in leaves:
         stored[axes_lib.path_str(path)] = tuple(int(n) for n in x.shape)
-    return seen, stored
+    return seen, stored, variables.get("params", {})
+
+
+def abstract_params(model: LinenModel) -> Any:
+    """The params ``model``'s module ``init`` builds on its inputs, abstract.
+
+    ``jax.ShapeDtypeStruct`` leaves, boxes kept: the whole tree against which
+    ``make_optimizer(..., model=model)`` routes a tree with ``optax.MaskedNode`` placeholders.
+    """
+    return _run(model)[2]
 
 
 def _placed(route: Route, inner: tuple[int, ...], at: tuple[int, ...], ndim: int) -> Route:
@@ -333,7 +344,7 @@ def linen_routes(model: LinenModel) -> dict[str, Route | RoutingError]:
     if not isinstance(model, LinenModel):
         raise TypeError(f"linen_routes takes a LinenModel (linen_model(...)), got "
                         f"{type(model).__name__}")
-    seen, stored = _run(model)
+    seen, stored, _ = _run(model)
     out: dict[str, Route | RoutingError] = {}
     for path, entry in seen.items():
         for attr, inner in entry.shapes.items():

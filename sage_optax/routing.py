@@ -813,12 +813,19 @@ def _embedding_name_route(name: str, shape: tuple[int, ...],
         return Route("embedding", -3 - hits[0], hits[0],
                      evidence=f"name + vocab_size={facts.vocab_size} on axis "
                               f"{ndim + hits[0]}")
+    if facts.vocab_size is None:  # vocab_size= places a token table only: advised last
+        token = ("; if it is the token table (its rows the vocabulary), vocab_size=V places "
+                 "it too")
+    else:
+        token = (f"; vocab_size={facts.vocab_size} matches "
+                 + ("both axes" if len(hits) == 2 else "neither axis")
+                 + " (it places the token table, not a table of positions or types)")
     return _refusal(
         name, shape,
         f"cannot place {name!r} of shape {shape}: its name says an embedding but not "
-        "which axis indexes the table; pass vocab_size=..., or give it, e.g. "
+        "which axis indexes the table; give it, e.g. "
         + core.override_advice(name, Route("embedding", -1, -2))
-        + " for a table (rows, d), or 'vector' for element-wise rules",
+        + f" for a table of rows (rows, d), or 'vector' for element-wise rules{token}",
         _table_options(shape, facts.vocab_size) if ndim == 2
         else _matrix_options(shape, "in_out"),
     )

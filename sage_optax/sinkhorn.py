@@ -70,15 +70,23 @@ GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
 """Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
 with :mod:`sage_torch`: :data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`)."""
 
-IMPLS: tuple[str, ...] = ("auto", "pallas", "jnp")
+IMPLS: tuple[str, ...] = ("auto", "pallas", "jnp", "stream")
 """Which code computes the scales in :func:`scale_by_sinkhorn`: ``"jnp"`` this module (the
 reference), ``"pallas"`` the Pallas kernel of :mod:`sage_optax.sinkhorn_pallas` (compiled
 with Triton for arrays on a CUDA GPU, run by Pallas's interpreter for arrays elsewhere),
-``"auto"`` the kernel on a single GPU where ``scripts/gpu-check`` has validated it and this
-module everywhere else (:func:`use_kernel`; today: everywhere).  Leaves the kernel does not
+``"stream"`` this module without ``K`` (:func:`streamed_sinkhorn_scales`: every pass reads
+``G`` itself, in batches of at most :data:`STREAM_GROUP_BYTES` so that a GPU's L2 holds a
+batch across its passes), ``"auto"`` the kernel or the streamed computation on a single GPU
+where ``scripts/gpu-check`` has validated it (:func:`use_kernel`, :func:`use_stream`) and
+``"jnp"`` everywhere else.  Leaves the kernel does not
 support (:func:`sage_optax.sinkhorn_pallas.supports`: float64, other layouts, zero-size,
 explicit sharding) use this module whatever the choice; ``SAGE_KERNELS=off`` in the
 environment makes every choice this module."""
+
+STREAM_GROUP_BYTES: int = 24 * 2**20
+"""Default size limit of one stacked batch of the streamed computation (``impl="stream"``,
+:func:`streamed_sinkhorn_scales`): its ``2L + 1`` passes over ``G/m`` then stay in the
+50 MB L2 of an H100 or H200 (an explicit ``group_bytes`` overrides it)."""
 _KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
 
 
@@ -274,6 +282,39 @@ def range_scaled_scales(
     return stacked_sinkhorn_scales(gs, axes, num_iters, eps, normalization, after)
 
 
+def streamed_sinkhorn_scales(
+    gs: list[jax.Array],
+    axes: ResolvedRoute,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+    after: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The scales of one leaf or a stacked batch without ``K``: ``G`` is read every pass.
+
+    :func:`range_scaled_scales`' scales (the same range scale ``m``, first-iteration
+    ``ε/m`` and final split of ``1/m``), but each half-iteration is one reduction of
+    ``(G/m)²`` weighted by the other vector's square, the square formed inside it (XLA
+    fuses it), so no matrix temporary is written but a stacked batch's copy of ``G/m``,
+    and a batch small enough for the GPU's L2 is read from there by its ``2L`` passes.
+    The iterations are unrolled (a GPU ``while`` loop reads its predicate back to the host
+    at every iteration).  Float32 within rounding of :func:`range_scaled_scales` (another
+    order of summation than its matrix-vector products), not bit for bit.
+    """
+    wide = jnp.promote_types(gs[0].dtype, jnp.float32)
+    gs = [g.astype(wide) if g.dtype != wide else g for g in gs]
+    ms = [range_scale(g, axes) for g in gs]
+    xs = [g / m for g, m in zip(gs, ms, strict=True)]
+    if after is not None:  # wait for the previous batch (x and -x have the same squares)
+        xs = [jnp.where(after >= 0, x, -x) for x in xs]
+    if len(gs) == 1:
+        c, r, _ = _iterate(xs[0], ms[0], axes, num_iters, eps, normalization, streamed=True)
+    else:
+        c, r, _ = _iterate(jnp.stack(xs), jnp.stack(ms), axes_lib.stacked_route(axes, len(gs)),
+                           num_iters, eps, normalization, streamed=True)
+    return c, r
+
+
 _checked_static = jax.jit(_checked_scales, static_argnames=("axes", "num_iters", "normalization"))
 _checked_traced = jax.jit(_checked_scales, static_argnames=("axes", "normalization"))
 
@@ -298,12 +339,15 @@ def _iterate(
     eps: Any,
     normalization: str,
     check: bool = False,
+    streamed: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The ``L`` Sinkhorn iterations on ``K = (G/m)²``; the scales of :func:`sinkhorn_scales`.
 
     ``m=None``: ``K = G²`` (no range scale; the scales are those of ``G`` itself).  Returns
     ``(c, r, in_range)``: with ``check``, whether every sum passed :data:`RANGE_CHECK`
-    (otherwise ``True``).
+    (otherwise ``True``).  ``streamed``: ``k`` is ``G/m`` itself, and every half-iteration
+    squares it on the fly in the reduction that weights it (:func:`streamed_sinkhorn_scales`:
+    no ``K``), the iterations unrolled when ``num_iters`` is a Python int.
     """
     wide = k.dtype
     fi, fo = axes.fan_in, axes.fan_out  # axis groups: a merged matrix needs no reshape here
@@ -321,12 +365,18 @@ def _iterate(
     c = jnp.ones_like(jnp.sum(k, axis=fo))  # one scale per fan-in index
     r = jnp.ones_like(jnp.sum(k, axis=fi))  # one scale per output unit
     hi = jax.lax.Precision.HIGHEST
-    row_norms = functools.partial(  # one squared norm per output unit (over the fan-in axis)
+    row_norms: Any = functools.partial(  # one squared norm per output unit (over the fan-in)
         jnp.einsum, f"{sub},{c_sub}->{r_sub}", precision=hi, out_sharding=axes_lib.sharding_of(r)
     )
-    col_norms = functools.partial(
+    col_norms: Any = functools.partial(
         jnp.einsum, f"{sub},{r_sub}->{c_sub}", precision=hi, out_sharding=axes_lib.sharding_of(c)
     )
+    if streamed:  # k is G/m: square it inside each weighted reduction (one read, no K)
+        def row_norms(x: jax.Array, w: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.square(x) * jnp.expand_dims(w, fo), axis=fi)
+
+        def col_norms(x: jax.Array, w: jax.Array) -> jax.Array:
+            return jnp.sum(jnp.square(x) * jnp.expand_dims(w, fi), axis=fo)
 
     def rescale(scale: jax.Array, norm_sq: jax.Array, target: jax.Array, eps: Any
                 ) -> jax.Array:
@@ -348,7 +398,12 @@ def _iterate(
             c = rescale(c, col_norms(k, jnp.square(r)), t_out, eps)
             return c, r
 
-        c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
+        static = isinstance(num_iters, (int, np.integer)) and not isinstance(num_iters, bool)
+        if streamed and static:  # straight-line code: no loop, no predicate for the host
+            for i in range(int(num_iters)):
+                c, r = body(i, (c, r))
+        else:
+            c, r = jax.lax.fori_loop(0, num_iters, body, (c, r))
         in_range = jnp.asarray(True)
     if m is None:
         return c, r, in_range
@@ -503,16 +558,34 @@ def use_kernel(impl: str, platform: str, device_count: int,
     return impl == "pallas"
 
 
+def use_stream(impl: str, platform: str, device_count: int,
+               device_kind: str | None = None) -> bool:
+    """Whether ``impl`` computes the scales without ``K`` (:func:`streamed_sinkhorn_scales`).
+
+    ``impl="stream"`` on every platform; ``"auto"`` on a single CUDA device of a kind on
+    which ``scripts/gpu-check`` has shown it correct and faster than the ``K`` path
+    (:func:`sage_optim.kernels.validated`, path ``"sinkgd-stream"``), and never where
+    :func:`use_kernel` takes the Pallas kernel.  Arguments as :func:`use_kernel`.
+    """
+    if impl == "stream":
+        return True
+    return (impl == "auto" and platform in ("cuda", "gpu") and device_count == 1
+            and not use_kernel(impl, platform, device_count, device_kind)
+            and kernels.validated("sinkgd-stream", device_kind))
+
+
 def resolved_impl(impl: str, platform: str, device_count: int,
                     device_kind: str | None = None) -> str:
-    """``"pallas"`` or ``"jnp"``: what ``impl`` computes SinkGD's scales with there.
+    """``"pallas"``, ``"stream"`` or ``"jnp"``: what ``impl`` computes SinkGD's scales with.
 
     For a record of a run (``sage-train`` writes it into ``config.json``); the update itself
     decides per compiled program, by where its arrays are (:mod:`sage_optax.placement`).
     Arguments as :func:`use_kernel`.
     """
     validation.check_choice("impl", impl, IMPLS)
-    return "pallas" if use_kernel(impl, platform, device_count, device_kind) else "jnp"
+    if use_kernel(impl, platform, device_count, device_kind):
+        return "pallas"
+    return "stream" if use_stream(impl, platform, device_count, device_kind) else "jnp"
 
 
 def _sinkhorn_all(
@@ -520,6 +593,7 @@ def _sinkhorn_all(
     on_kernel: bool,
     interpret: bool,
     checked: bool,
+    streamed: bool,
     stack: bool,
     group_bytes: int,
     num_iters: Any,
@@ -531,8 +605,9 @@ def _sinkhorn_all(
 
     ``on_kernel``: the Pallas kernel computes the scales of the leaves it supports
     (compiled, or in Pallas's interpreter with ``interpret``); ``checked``: the other
-    leaves' scales come from :func:`checked_sinkhorn_scales` (no range pass); ``stack``:
-    same-shape matrices are stacked in groups of at most ``group_bytes``.
+    leaves' scales come from :func:`checked_sinkhorn_scales` (no range pass); ``streamed``:
+    from :func:`streamed_sinkhorn_scales` (no ``K``); ``stack``: same-shape matrices are
+    stacked in groups of at most ``group_bytes``.
     """
     pallas: Any = None
     if on_kernel:
@@ -555,7 +630,8 @@ def _sinkhorn_all(
             c, r = pallas.pallas_scales(group, resolved, num_iters, eps, normalization,
                                         after, interpret=interpret)
         else:
-            scales = checked_sinkhorn_scales if checked else range_scaled_scales
+            scales = (checked_sinkhorn_scales if checked else
+                      streamed_sinkhorn_scales if streamed else range_scaled_scales)
             c, r = scales(group, resolved, num_iters, eps, normalization, after)
         if len(batch) == 1:
             (k, g, _), = batch
@@ -634,6 +710,7 @@ def scale_by_sinkhorn(
         "sinkgd", num_iters=num_iters, eps=eps, normalization=normalization
     )
     validation.check_choice("grouping", grouping, GROUPINGS)
+    explicit_bytes = group_bytes
     group_bytes = _layout_bytes(group_bytes)
     validation.check_choice("impl", impl, IMPLS)
 
@@ -662,21 +739,27 @@ def scale_by_sinkhorn(
         # the compiled kernel (impl="auto": on a single GPU only), the CPU branch the jnp
         # path (impl="pallas": the interpreted kernel); under jit only the branch of the
         # platform the program is compiled for is lowered.
+        cuda = (placement.cuda_device_count(), placement.cuda_device_kind())
+        stream_cpu, stream_cuda = use_stream(impl, "cpu", 1), use_stream(impl, "cuda", *cuda)
+
+        def batch_bytes(streamed: bool) -> int:  # the streamed path's own default
+            return STREAM_GROUP_BYTES if streamed and explicit_bytes is None else group_bytes
+
         branches = {
             "cpu": functools.partial(
                 # the checked path's lax.cond only in a one-process job: its predicate
                 # must agree across processes (a multi-process job keeps the range pass)
                 _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True,
-                jax.process_count() == 1,
-                grouping == "stack", group_bytes, num_iters, eps, normalization),
+                jax.process_count() == 1 and not stream_cpu, stream_cpu,
+                grouping == "stack", batch_bytes(stream_cpu), num_iters, eps, normalization),
             "cuda": functools.partial(
-                _sinkhorn_all, matrices,
-                use_kernel(impl, "cuda", placement.cuda_device_count(),
-                           placement.cuda_device_kind()), False, False,
-                stack_off_cpu, group_bytes, num_iters, eps, normalization),
+                _sinkhorn_all, matrices, use_kernel(impl, "cuda", *cuda), False, False,
+                stream_cuda, stack_off_cpu, batch_bytes(stream_cuda), num_iters, eps,
+                normalization),
             "other": functools.partial(
                 _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True, False,
-                stack_off_cpu, group_bytes, num_iters, eps, normalization),
+                use_stream(impl, "other", 1), stack_off_cpu, group_bytes, num_iters, eps,
+                normalization),
         }
         results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
         for (i, _, _), x in zip(matrices, results, strict=True):

@@ -35,7 +35,7 @@ ENV_VAR = "SAGE_KERNELS"
 CHOICES: tuple[str, ...] = ("auto", "off")
 """Its valid values (case and surrounding spaces ignored; unset or empty is ``auto``)."""
 
-PATHS: tuple[str, ...] = ("sinkgd-pallas", "torch-fused", "cudnn-attention")
+PATHS: tuple[str, ...] = ("sinkgd-pallas", "sinkgd-stream", "torch-fused", "cudnn-attention")
 """The GPU paths whose default is decided by measurement: SinkGD's Pallas kernel
 (:mod:`sage_optax.sinkhorn_pallas`, ``impl="pallas"``), sage_torch's Triton kernels
 (``fused=True``), and cuDNN's flash attention in ``sage-train`` (``--attention cudnn``)."""
@@ -44,6 +44,11 @@ VALIDATED_ON: Mapping[str, tuple[str, ...]] = types.MappingProxyType({
     # H100, 2026-11-26: correct (its tests pass) but slower than the jnp path (270M float32:
     # sinkgd-pure 10.1 ms against 8.1, sage-hybrid 7.0 against 6.9).
     "sinkgd-pallas": (),
+    # H200, 2026-11-28: SinkGD's scales without K (sage_optax impl="stream") agree with the
+    # K path to 3.4e-7; 1.3B stacked bfloat16 sage-hybrid 9.6 ms against 14.8 (temporaries
+    # 48.5 MiB against 1,069), 270M per layer within noise of it (7.6 against 7.2 ms,
+    # temporaries 44 MiB against 209).
+    "sinkgd-stream": ("H200",),
     # H100, 2026-11-26: correct, faster in 6 of 8 configurations in float32 but slower for
     # SinkGD's rule (sinkgd-pure 2.05x foreach's time; bfloat16 lion-hybrid 1.09x,
     # sinkgd-hybrid 1.12x); and sage_torch's default never takes it (torch.optim's rule).

@@ -14,8 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sage_torch import chunked
-from sage_torch.common import UpdateRule, bias_correction, decayed_step, lr_of, wide
+from sage_torch import chunked, fused_check
+from sage_torch.common import (
+    UpdateRule,
+    bias_correction,
+    by_device_dtype,
+    decayed_step,
+    lr_of,
+    wide,
+)
 from sage_torch.registry import register
 
 
@@ -61,6 +68,37 @@ def _multi_tensor_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: lis
     decayed_step(params, updates, lr, weight_decay, True)
 
 
+def _fused_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                 exp_avg_sqs: list[Tensor], state_steps: list[Tensor], *,
+                 lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                 weight_decay: float) -> None:
+    """One AdamW step by ``torch._fused_adamw_`` (``torch.optim.AdamW(fused=True)``'s kernel).
+
+    One launch for all the tensors of a device and dtype (torch's multi-tensor kernel); the
+    same math as :func:`_single_tensor_adamw` (``θ(1 − ηw) − η·m̂/(√v̂ + ε)``), rounded as
+    torch's kernel rounds it.  Step counts kept on the CPU (``capturable=False``) reach the
+    device in one non-blocking copy.  bfloat16 parameters take :func:`_multi_tensor_adamw`
+    (torch's kernel does not round the update to bfloat16 where the other paths do).
+    """
+    for idx in by_device_dtype(params):
+        ps = [params[i] for i in idx]
+        device = ps[0].device
+        if ps[0].dtype == torch.bfloat16:
+            _multi_tensor_adamw(ps, *([xs[i] for i in idx] for xs in (grads, exp_avgs,
+                                                                       exp_avg_sqs, state_steps)),
+                                lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                weight_decay=weight_decay)
+            continue
+        steps = [state_steps[i] for i in idx]
+        if any(t.device != device for t in steps):
+            steps = list(torch.stack([t.to(torch.float32) for t in steps]).to(
+                device, non_blocking=True).unbind(0))
+        torch._fused_adamw_(ps, [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+                            [exp_avg_sqs[i] for i in idx], [], steps, amsgrad=False,
+                            lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                            eps=eps, maximize=False, grad_scale=None, found_inf=None)
+
+
 def _chunked_adamw(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *, lr: float,
                    beta1: float, beta2: float, eps: float, weight_decay: float,
                    threads: int = 1) -> None:
@@ -93,6 +131,24 @@ class AdamWRule(UpdateRule):
 
     checked = ("eps",)
 
+    has_fused = True
+
+    @classmethod
+    def check_fused(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """AdamW's fused path (``torch._fused_adamw_``): a vector and a matrix, two steps."""
+        ps, gs, _ = fused_check.problem([(1100,), (24, 40)], device, dtype, 4)
+        kw: dict[str, Any] = {"lr": fused_check.LR, "beta1": 0.9, "beta2": 0.99,
+                              "eps": 1e-8, "weight_decay": fused_check.WD}
+        out: dict[str, tuple[list[Tensor], ...]] = {}
+        for path, fn in (("fused", _fused_adamw), ("single", _single_tensor_adamw)):
+            p = fused_check.clones(ps)
+            m, v = [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p]
+            for t in (1.0, 2.0):
+                steps = [torch.tensor(t, device=device) for _ in p]
+                fn(p, gs, m, v, steps, **kw)
+            out[path] = (p, m, v)
+        return fused_check.first_error(ps, out, ("parameter", "exp_avg", "exp_avg_sq"), dtype)
+
     def init_state(self, p, group, name, index=0):  # noqa: D102
         return {
             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
@@ -103,6 +159,11 @@ class AdamWRule(UpdateRule):
         b1, b2 = group["betas"]
         hp: dict[str, Any] = {"lr": lr_of(group), "beta1": b1, "beta2": b2,
                               "eps": group["eps"], "weight_decay": group["weight_decay"]}
+        if fused:
+            _fused_adamw(params, grads, [st["exp_avg"] for st in states],
+                         [st["exp_avg_sq"] for st in states], [st["step"] for st in states],
+                         **hp)
+            return
         if not group.get("capturable", False):
             params, grads, states = chunked.split_fast(
                 params, grads, states, ("exp_avg", "exp_avg_sq"),

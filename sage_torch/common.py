@@ -265,7 +265,7 @@ def copy_all(dst: list[Tensor], src: list[Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
-FUSED_RULES: tuple[str, ...] = ("sage", "sinkgd", "lion")
+FUSED_RULES: tuple[str, ...] = ("sage", "sinkgd", "lion", "adamw")
 """The rules with a fused (Triton) path, ``fused=True`` (:mod:`sage_torch.triton_kernels`)."""
 
 FUSED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float64, torch.bfloat16)
@@ -354,7 +354,21 @@ class ConstCache:
     """
 
     def __init__(self) -> None:
-        self._tensors: dict[tuple[Any, ...], Tensor] = {}
+        self._tensors: dict[Any, Tensor] = {}
+
+    def anchor(self, like: Tensor) -> Tensor:
+        """A one-element tensor of ``like``'s dtype and device, made once.
+
+        The base pointer from which the SinkGD sweep kernel reaches every matrix by
+        element offsets (a tensor of the optimizer's own, so its tables hold no gradient).
+        """
+        key = ("anchor", like.dtype, str(like.device))
+        t = self._tensors.get(key)
+        if t is None:
+            t = torch.zeros(1, dtype=like.dtype, device=like.device)
+            if not torch.compiler.is_compiling():
+                self._tensors[key] = t
+        return t
 
     def get(self, values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
         """The 1-D tensor of ``values`` (rounded to ``dtype`` as torch rounds a scalar)."""

@@ -196,7 +196,9 @@ def _dampers(params: list[Tensor], g32: list[Tensor], scale_avgs: list[Tensor],
         torch._foreach_mul_(S_list, beta2)
         s_parts = list(s.to(s_dtype).unbind(0))
         torch._foreach_add_(S_list, s_parts, alpha=1 - beta2)
-        bc = _stack([bias2[i] for i in idx]).to(device=s.device)
+        # (steps on the CPU unless capturable: a non-blocking copy, so that the host does
+        # not wait here for the GPU to finish the work queued before it)
+        bc = _stack([bias2[i] for i in idx]).to(device=s.device, non_blocking=True)
         bc = bc.view([len(idx)] + [1] * (s.dim() - 1))
         s_hat = _stack(S_list).to(s.dtype) / bc
         dims = (tuple(range(1, s.dim())) if rdims is None

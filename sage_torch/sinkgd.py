@@ -13,7 +13,7 @@ CPU path of :mod:`sage_torch.chunked`).  ``docs/algorithms.md`` states the math.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -436,11 +436,50 @@ def _fused_view(t: Tensor, mv: MatrixView) -> Tensor | None:
         return None
 
 
+def _fused_views(params: list[Tensor], grads: list[Tensor], axes: list[AxisGroups],
+                 use_sweep: bool) -> tuple[list[tuple[Tensor, Tensor]], dict[Any, _Bucket],
+                                           list[tuple[Tensor, Tensor, int]], list[int]]:
+    """The fused step's parameters by path: ``(mats, buckets, sweep, rest)``.
+
+    ``sweep``: ``(θ, G, b)`` for the sweep kernel (matrix ``b`` of ``(B, OUT, IN)`` views);
+    ``mats`` and ``buckets``: the views and same-shape buckets of the two-launch kernels
+    (wider matrices, or every matrix without ``use_sweep``); ``rest``: the indices of
+    parameters with no such view (the multi-tensor path).
+    """
+    from sage_torch import triton_kernels as tk
+
+    mats: list[tuple[Tensor, Tensor]] = []  # (p view, g view)
+    sweep: list[tuple[Tensor, Tensor, int]] = []  # (p, g, b): matrix b of the views
+    rest: list[int] = []
+    buckets: dict[tuple[Any, ...], _Bucket] = {}
+    for i, (p, g, (fan_in, fan_out)) in enumerate(zip(params, grads, axes, strict=True)):
+        if p.numel() == 0:
+            continue  # nothing to update
+        mv = MatrixView(p.shape, fan_in, fan_out)
+        pv = None if is_dtensor(p) or is_dtensor(g) or g.dtype != p.dtype else _fused_view(p, mv)
+        gv = None if pv is None else _fused_view(g, mv)
+        if pv is None or gv is None:
+            rest.append(i)
+            continue
+        out, inp = gv.shape[1], gv.shape[2]
+        if use_sweep and inp <= tk.SWEEP_MAX_COLS:
+            sweep += [(pv, gv, k) for k in range(gv.shape[0])]
+            continue
+        b = buckets.setdefault((p.device, p.dtype, out, inp), _Bucket(False, out, inp))
+        b.members.append(len(mats))
+        b.views.append(None)
+        b.sizes.append(gv.shape[0])
+        mats.append((pv, gv))
+    return mats, buckets, sweep, rest
+
+
 def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisGroups],
                   lr: float | Tensor, alpha: float, num_iters: int, eps: float,
                   normalization: str, weight_decay: float,
                   consts: ConstCache | None = None,
-                  group_bytes: int = SINKHORN_GROUP_BYTES) -> None:
+                  group_bytes: int = SINKHORN_GROUP_BYTES,
+                  sweep_bytes: int | None = None,
+                  tables: dict[Any, Any] | None = None) -> None:
     """One SinkGD step with the Triton kernels of :mod:`sage_torch.triton_kernels`.
 
     Each matrix is a ``(B, OUT, IN)`` strided view of its gradient and parameter
@@ -477,29 +516,31 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
         for idx in parts:
             _fused_sinkgd([params[i] for i in idx], [grads[i] for i in idx],
                           axes=[axes[i] for i in idx], consts=consts,
-                          group_bytes=group_bytes, **hp)
+                          group_bytes=group_bytes, sweep_bytes=sweep_bytes, tables=tables,
+                          **hp)
         return
-    mats: list[tuple[Tensor, Tensor]] = []  # (p view, g view)
-    rest: list[int] = []
-    buckets: dict[tuple[Any, ...], _Bucket] = {}
-    for i, (p, g, (fan_in, fan_out)) in enumerate(zip(params, grads, axes, strict=True)):
-        if p.numel() == 0:
-            continue  # nothing to update
-        mv = MatrixView(p.shape, fan_in, fan_out)
-        pv = None if is_dtensor(p) or is_dtensor(g) or g.dtype != p.dtype else _fused_view(p, mv)
-        gv = None if pv is None else _fused_view(g, mv)
-        if pv is None or gv is None:
-            rest.append(i)
-            continue
-        out, inp = gv.shape[1], gv.shape[2]
-        b = buckets.setdefault((p.device, p.dtype, out, inp), _Bucket(False, out, inp))
-        b.members.append(len(mats))
-        b.views.append(None)
-        b.sizes.append(gv.shape[0])
-        mats.append((pv, gv))
+    key = None
+    if tables is not None and len(tables) > TABLES_KEPT and not (
+            params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        tables.clear()  # tables of tensors that will not come back
+    if tables is not None and sweep_enabled(num_iters) and not torch.compiler.is_compiling():
+        key = ("step", group_bytes, sweep_bytes, int(num_iters), *(
+            (p.data_ptr(), g.data_ptr(), *p.shape, *p.stride(), *g.stride(), g.dtype, ax)
+            for p, g, ax in zip(params, grads, axes, strict=True)))
+        plan = tables.get(key)
+        if plan is not None:  # the same tensors as a step before: its launches as they were
+            _run_sweeps(plan, consts=consts, **hp)
+            return
+    mats, buckets, sweep, rest = _fused_views(params, grads, axes, sweep_enabled(num_iters))
     if rest:
         _multi_tensor_sinkgd([params[i] for i in rest], [grads[i] for i in rest],
                              axes=[axes[i] for i in rest], group_bytes=group_bytes, **hp)
+    if sweep:
+        plan = _sweep_plan(sweep, consts.anchor(sweep[0][0]), tables,
+                           SWEEP_GROUP_BYTES if sweep_bytes is None else sweep_bytes)
+        _run_sweeps(plan, consts=consts, **hp)
+        if key is not None and not rest and not mats:
+            _remember(tables, key, plan)  # type: ignore[arg-type]
     if not mats:
         return
     chunks = [ch for (_, dtype, _, _), b in buckets.items()
@@ -541,6 +582,142 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
             tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t,
                              lr_is_tensor=isinstance(lr, Tensor))
         del g, gs  # the chunk's stack (if any) is freed before the next chunk's
+
+
+FUSED_SWEEP: bool = True
+"""Whether the fused path steps matrices with the sweep kernel (:func:`_run_sweeps`);
+``False`` gives the two-launch-per-iteration kernels of before (benchmarks' A/B only)."""
+
+SWEEP_GROUP_BYTES: int = 2**30
+"""Gradient bytes of one sweep group (:func:`_run_sweeps`): the matrices whose ``L + 1``
+sweeps are launched together.  Large, because on an H200 the step was bound by launches
+(about 40 us of host time each), not by bytes: 270M, float32, sage-hybrid fused 22.2 /
+13.4 / 12.1 / 11.7 ms with groups of 8 / 24 / 64 / 512 MiB (``benchmarks/RESULTS.md``)."""
+
+
+def sweep_enabled(num_iters: int) -> bool:
+    """Whether the fused path steps matrices with the sweep kernel (:func:`_run_sweeps`).
+
+    Not under ``torch.use_deterministic_algorithms(True)``: its column sums are added with
+    atomics, so on a GPU their order, and the last bits of a step, may change from run to
+    run; the two-launch kernels (:func:`~sage_torch.triton_kernels.sinkhorn_iterations`)
+    then run instead, which are deterministic.
+    """
+    return (FUSED_SWEEP and int(num_iters) >= 1
+            and not torch.are_deterministic_algorithms_enabled())
+
+
+def _sweep_groups(mats: list[tuple[Tensor, Tensor, int]], group_bytes: int
+                  ) -> list[list[tuple[Tensor, Tensor, int]]]:
+    """``mats`` grouped by tile shape, cut into groups of at most ``group_bytes``.
+
+    Tile shape: :func:`~sage_torch.triton_kernels.sweep_blocks`; the groups of a class are
+    cut in order, at least one matrix each, by the bytes of their gradients.
+    """
+    from sage_torch import triton_kernels as tk
+
+    classes: dict[tuple[int, int, int], list[tuple[Tensor, Tensor, int]]] = {}
+    for m in mats:
+        classes.setdefault(tk.sweep_blocks(m[1].shape[2]), []).append(m)
+    groups: list[list[tuple[Tensor, Tensor, int]]] = []
+    for members in classes.values():
+        used = group_bytes
+        for m in members:
+            size = m[1].shape[1] * m[1].shape[2] * m[1].element_size()
+            if used + size > group_bytes:
+                groups.append([])
+                used = 0
+            groups[-1].append(m)
+            used += size
+    return groups
+
+
+class _Sweep(NamedTuple):
+    """One sweep group's launches: the anchor, the tables, buffer sizes and tile."""
+
+    anchor: Tensor
+    desc: Tensor
+    progs: Tensor
+    n_r: int
+    n_c: int
+    blocks: tuple[int, int, int]
+
+
+TABLES_KEPT: int = 256
+"""Entries of a SinkGD rule's launch tables kept across steps: past this many, they are
+forgotten at the start of the next fused step (never during one, so that a step being
+captured in a CUDA graph finds every table its warm-up step made)."""
+
+
+def _remember(tables: dict[Any, Any], key: Any, value: Any) -> None:
+    """Keep ``value`` under ``key`` (entries are keyed by addresses and contents)."""
+    if torch.compiler.is_compiling():
+        return  # a traced store would make the next step recompile
+    tables[key] = value
+
+
+def _upload(values: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` as a tensor on ``device`` (one non-blocking copy from the host).
+
+    Refused while the current CUDA stream is being captured: the graph would replay a
+    copy from host memory freed after the capture (tables the warm-up steps made, with
+    the same tensors, are found instead).
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "SinkGD's fused step met tensors it had not stepped before while a CUDA graph "
+            "was being captured: run the warm-up steps with the same parameters and "
+            "gradients (the same tensors) before capturing")
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def _sweep_plan(mats: list[tuple[Tensor, Tensor, int]], anchor: Tensor,
+                tables: dict[Any, Any] | None, group_bytes: int) -> list[_Sweep]:
+    """The sweep groups of ``mats`` and their device tables.
+
+    ``mats``: ``(θ, G, b)``, matrix ``b`` of ``(B, OUT, IN)`` views.  The tables are kept in
+    ``tables`` by their contents.
+    """
+    from sage_torch import triton_kernels as tk
+
+    plan = []
+    for group in _sweep_groups(mats, group_bytes):
+        blocks = tk.sweep_blocks(max(g.shape[2] for _, g, _ in group))
+        desc, progs, n_r, n_c = tk.sweep_tables(anchor, group, blocks[0])
+        # device copies of the tables, kept by their contents: a step on the same tensors
+        # copies nothing from the host (what CUDA graph capture requires)
+        found = None if tables is None else tables.get((anchor.device, *desc))
+        if found is None:
+            found = (_upload(desc, torch.int64, anchor.device),
+                     _upload(progs, torch.int32, anchor.device))
+            if tables is not None:
+                _remember(tables, (anchor.device, *desc), found)
+        plan.append(_Sweep(anchor, found[0], found[1], n_r, n_c, blocks))
+    return plan
+
+
+def _run_sweeps(plan: list[_Sweep], *, lr: float | Tensor, alpha: float, num_iters: int,
+                eps: float, normalization: str, weight_decay: float,
+                consts: ConstCache) -> None:
+    """SinkGD's fused step of the matrices of ``plan`` by their scale vectors.
+
+    Neither ``K = G²`` nor ``X`` is formed: per group of matrices (:func:`_sweep_groups`),
+    ``L`` sweeps of :func:`~sage_torch.triton_kernels.sinkgd_sweeps` each read ``G`` once
+    (the row step of the iteration and the next column sums), and a last one applies
+    ``θ ← θ − η·(α·r·G·c + w·θ)``: ``L + 1`` launches per group.  Column sums are added
+    with atomics: on a GPU the order of summation, and so the last bits, may differ from
+    run to run.
+    """
+    from sage_torch import triton_kernels as tk
+
+    anchor = plan[0].anchor
+    w = wide(anchor.dtype)
+    lr_t = lr_tensor(lr, anchor)
+    hpt = consts.get((eps, alpha, weight_decay), w, anchor.device)
+    for sw in plan:
+        tk.sinkgd_sweeps(sw.anchor, sw.desc, sw.progs, sw.n_r, sw.n_c, hpt, lr_t, num_iters,
+                         normalization != "unit", sw.blocks,
+                         lr_is_tensor=isinstance(lr, Tensor))
 
 
 def _fused_scalars(amax: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -623,6 +800,7 @@ class SinkGDRule(UpdateRule):
     def __init__(self) -> None:
         self._layouts: dict[Any, tuple[Tensor, ...]] = {}  # _multi_tensor_sinkgd's cache
         self._consts = ConstCache()  # _fused_sinkgd's hyperparameter tensors
+        self._sweep_tables: dict[Any, Any] = {}  # _fused_sinkgd's plans and program tables
 
     @classmethod
     def check_fused(cls, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -676,6 +854,7 @@ class SinkGDRule(UpdateRule):
         if fused:
             _fused_sinkgd(params, grads, consts=self._consts, **hp,
                           group_bytes=self.group_bytes(group, True),
+                          sweep_bytes=group.get("group_bytes"), tables=self._sweep_tables,
                           axes=[matrix_axes(p, group, "SinkGD", n)
                                 for p, n in zip(params, names, strict=True)])
             return

@@ -302,8 +302,147 @@ def _lion_update(p_ptr, g_ptr, m_ptr, hp_ptr, lr_ptr, N, BF16: tl.constexpr,
     tl.store(p_ptr + idx, _decayed(p, u, wd, lr, BF16, LR_TENSOR), mask=ok)
 
 
+SWEEP_TILE = 4096
+"""Elements of ``G`` one program of :func:`_sinkgd_sweep` holds in registers (a block of
+whole rows: ``BLOCK_ROWS · BLOCK_COLS``)."""
+
+SWEEP_MAX_COLS = 32768
+"""Widest matrix (fan-in size) the sweep kernel takes: one program holds at least one whole
+row.  Wider matrices take the two-launch-per-iteration kernels (:func:`_sinkhorn_half`)."""
+
+SWEEP_DESC = 10
+"""int64 fields per matrix of a sweep launch: ``G``'s and ``θ``'s element offsets from the
+base pointer, ``R``, ``C``, ``G``'s and ``θ``'s row and column strides, and the matrix's
+offsets into the row buffers and the column buffers (:func:`sweep_tables`)."""
+
+
+def _pow2_floor_fn(x, IS_F32: tl.constexpr):  # pragma: no cover - Triton
+    """The largest power of two ``<= x`` for a positive normal ``x`` (its exponent bits)."""
+    if IS_F32:
+        out = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    else:
+        out = (x.to(tl.int64, bitcast=True) & 0x7FF0000000000000).to(tl.float64, bitcast=True)
+    return out
+
+
+_pow2_floor = _DeviceFunction(_pow2_floor_fn)
+
+
+def _sinkgd_sweep(base_ptr, desc_ptr, prog_ptr, r_ptr, ia_ptr, c_ptr, cs_ptr, hp_ptr, lr_ptr,
+                  it, n_c, FIRST: tl.constexpr, APPLY: tl.constexpr, SQRT: tl.constexpr,
+                  IS_F32: tl.constexpr, BF16: tl.constexpr, LR_TENSOR: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):  # pragma: no cover
+    """One sweep of SinkGD by its scale vectors over a block of whole rows of one matrix.
+
+    ``X = diag(r)·G·diag(c)`` is never formed: a program holds ``BLOCK_ROWS`` whole rows of
+    ``G`` (fan-out units of the ``(OUT, IN)`` view) in registers.  Sweep ``it < L`` (one
+    launch for every matrix of a group, ``prog_ptr`` mapping programs to ``(matrix, first
+    row)``): ``c`` of this iteration from the previous sweep's column sums (``c_ptr`` slot
+    ``it``, written by each matrix's first block), the row step ``r ← r·t/(r·‖G_i c‖ + ε)``
+    on its rows, and the next column sums ``Σ_i (G_ij r_i)²`` of its rows added atomically
+    into ``cs_ptr`` slot ``it``.  The apply sweep (``APPLY``, ``it = L``): the last ``c``
+    and the decayed step ``θ ← θ − η·(α·r_i·G_ij·c_j + w·θ)`` (:func:`_decayed`).
+
+    Range: the first sweep finds each row's largest magnitude ``a_i`` (a power of two,
+    kept as ``1/a_i`` in ``ia_ptr``) and runs on ``G_ij/a_i`` with ``r`` carrying
+    ``a_i`` (``ε/a_i`` in the first row step, as the reference's ``ε/m``): every square
+    the kernel forms is of an entry of ``X`` or of ``G/a`` (at most 4), so no finite
+    gradient overflows.  ``hp = (ε, α, w)``.
+    """
+    pid = tl.program_id(0)
+    mat = tl.load(prog_ptr + 2 * pid)
+    row0 = tl.load(prog_ptr + 2 * pid + 1)
+    d = desc_ptr + mat * 10
+    g_off = tl.load(d)
+    p_off = tl.load(d + 1)
+    n_rows = tl.load(d + 2)
+    n_cols = tl.load(d + 3)
+    s_gr = tl.load(d + 4)
+    s_gc = tl.load(d + 5)
+    s_pr = tl.load(d + 6)
+    s_pc = tl.load(d + 7)
+    r_off = tl.load(d + 8)
+    c_off = tl.load(d + 9)
+    rows = row0 + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_COLS)
+    row_ok = rows < n_rows
+    col_ok = cols < n_cols
+    ok = row_ok[:, None] & col_ok[None, :]
+    cdt = hp_ptr.dtype.element_ty
+    g = tl.load(base_ptr + g_off + rows[:, None] * s_gr + cols[None, :] * s_gc, mask=ok,
+                other=0.0).to(cdt)
+    eps = tl.load(hp_ptr)
+    one = tl.full((BLOCK_ROWS,), 1.0, cdt)
+    if SQRT:
+        if IS_F32:
+            t_in = tl.sqrt_rn(n_cols.to(cdt))
+            t_out = tl.sqrt_rn(n_rows.to(cdt))
+        else:
+            t_in = tl.sqrt(n_cols.to(cdt))
+            t_out = tl.sqrt(n_rows.to(cdt))
+    else:
+        t_in = 1.0
+        t_out = 1.0
+    if FIRST:
+        amax = tl.reduce(tl.abs(g), 1, tl.standard._elementwise_max)
+        if IS_F32:
+            finite = (amax > 0) & (amax <= 3.4028234663852886e38)
+            a = _pow2_floor(tl.maximum(amax, 1.1754943508222875e-38), IS_F32)
+        else:
+            finite = (amax > 0) & (amax <= 1.7976931348623157e308)
+            a = _pow2_floor(tl.maximum(amax, 2.2250738585072014e-308), IS_F32)
+        ia = tl.where(finite, 1.0 / a, one)
+        tl.store(ia_ptr + r_off + rows, ia, mask=row_ok)
+        x = g * ia[:, None]
+        xc = x
+        r_old = one
+        eps_r = eps * ia
+    else:
+        ia = tl.load(ia_ptr + r_off + rows, mask=row_ok, other=1.0)
+        x = g * ia[:, None]
+        c_prev = tl.load(c_ptr + (it - 1) * n_c + c_off + cols, mask=col_ok & (it > 1),
+                         other=1.0)
+        c_sq = tl.load(cs_ptr + (it - 1) * n_c + c_off + cols, mask=col_ok, other=0.0)
+        c_norm = tl.sqrt_rn(c_sq) if IS_F32 else tl.sqrt(c_sq)
+        c_den = tl.where(c_norm > 0, c_prev * c_norm + eps, 1.0)
+        if IS_F32:
+            c_new = tl.div_rn(c_prev * t_out, c_den)
+        else:
+            c_new = (c_prev * t_out) / c_den
+        c = tl.where(c_norm > 0, c_new, c_prev)
+        tl.store(c_ptr + it * n_c + c_off + cols, c, mask=col_ok & (row0 == 0))
+        xc = x * c[None, :]
+        r_old = tl.load(r_ptr + r_off + rows, mask=row_ok, other=1.0)
+        eps_r = tl.full((BLOCK_ROWS,), 0.0, cdt) + eps
+    if APPLY:
+        xu = xc * r_old[:, None]
+        alpha = tl.load(hp_ptr + 1)
+        wd = tl.load(hp_ptr + 2)
+        lr = tl.load(lr_ptr).to(cdt)
+        if BF16:
+            u = _round_bf16(_round_bf16(xu) * alpha)
+        else:
+            u = xu * alpha
+        p_ptrs = base_ptr + p_off + rows[:, None] * s_pr + cols[None, :] * s_pc
+        p = tl.load(p_ptrs, mask=ok, other=0.0).to(cdt)
+        tl.store(p_ptrs, _decayed(p, u, wd, lr, BF16, LR_TENSOR), mask=ok)
+    else:
+        s = tl.reduce(xc * xc, 1, tl.standard._sum_combine)
+        q = tl.sqrt_rn(s) if IS_F32 else tl.sqrt(s)
+        den = tl.where(q > 0, r_old * q + eps_r, 1.0)
+        if IS_F32:
+            r_new = tl.div_rn(r_old * t_in, den)
+        else:
+            r_new = (r_old * t_in) / den
+        r = tl.where(q > 0, r_new, r_old)
+        tl.store(r_ptr + r_off + rows, r, mask=row_ok)
+        y = x * r[:, None]
+        col = tl.reduce(y * y, 0, tl.standard._sum_combine)
+        tl.atomic_add(cs_ptr + it * n_c + c_off + cols, col, mask=col_ok)
+
+
 KERNELS: tuple[Callable[..., Any], ...] = (_sinkhorn_half, _sinkgd_update, _sage_update,
-                                           _lion_update)
+                                           _lion_update, _sinkgd_sweep)
 """Every kernel body (the fused step of each rule launches some of them)."""
 
 _LOOP_BOUNDS: dict[str, tuple[str, ...]] = {"_sinkhorn_half": ("N_OUT", "N_RED")}
@@ -498,3 +637,71 @@ def lion_update(p: Tensor, g: Tensor, m: Tensor, hp: Tensor, lr: Tensor,
     _launch(_lion_update, p.device, (_cdiv(n, ELEMENTWISE_BLOCK),), p, g, m, hp, lr, n,
             BF16=bf16, LR_TENSOR=bf16 and lr_is_tensor, INT64=elementwise_int64(n),
             BLOCK=ELEMENTWISE_BLOCK)
+
+
+def sweep_blocks(cols: int) -> tuple[int, int, int]:
+    """``(BLOCK_ROWS, BLOCK_COLS, num_warps)`` of :func:`_sinkgd_sweep` for ``cols`` columns.
+
+    A program holds whole rows: ``BLOCK_COLS`` is the power of two at least ``cols`` (at
+    least 16) and ``BLOCK_ROWS`` as many rows as fit :data:`SWEEP_TILE` elements (at least
+    one); the warps grow with the tile so that each thread holds at most 32 elements.
+    """
+    block_cols = 1 << (max(cols, 16) - 1).bit_length()
+    block_rows = max(1, SWEEP_TILE // block_cols)
+    warps = min(16, max(4, block_rows * block_cols // 1024))
+    return block_rows, block_cols, warps
+
+
+def sweep_tables(anchor: Tensor, mats: list[tuple[Tensor, Tensor, int]], block_rows: int
+                 ) -> tuple[list[int], list[int], int, int]:
+    """The descriptor and program tables of one sweep group (host lists of ints).
+
+    ``mats``: ``(θ, G, b)``: matrix ``b`` of ``(B, OUT, IN)`` views (any strides) of
+    ``anchor``'s dtype.  Offsets are in elements from ``anchor``'s address: the kernel
+    reaches every matrix from that one pointer (a tensor of the optimizer's own, so that the
+    tables keep no gradient alive).  Returns ``(desc, progs, n_r, n_c)``: :data:`SWEEP_DESC`
+    int64 fields per matrix, a ``(matrix, first row)`` pair per program, and the sizes of
+    the row and column buffers.
+    """
+    size = anchor.element_size()
+    origin = anchor.data_ptr()
+    desc: list[int] = []
+    progs: list[int] = []
+    n_r = n_c = 0
+    for k, (p, g, b) in enumerate(mats):
+        _, rows, cols = g.shape
+        desc += [(g.data_ptr() - origin) // size + b * g.stride(0),
+                 (p.data_ptr() - origin) // size + b * p.stride(0), rows, cols,
+                 g.stride(1), g.stride(2), p.stride(1), p.stride(2), n_r, n_c]
+        for row0 in range(0, rows, block_rows):
+            progs += [k, row0]
+        n_r += rows
+        n_c += cols
+    return desc, progs, n_r, n_c
+
+
+def sinkgd_sweeps(base: Tensor, desc: Tensor, progs: Tensor, n_r: int, n_c: int, hp: Tensor,
+                  lr: Tensor, num_iters: int, sqrt: bool, blocks: tuple[int, int, int],
+                  lr_is_tensor: bool = False) -> None:
+    """SinkGD's step of one group of matrices: ``num_iters`` sweeps, then the apply sweep.
+
+    ``base``: the anchor of :func:`sweep_tables` (its dtype is the matrices');
+    ``desc``, ``progs``: :func:`sweep_tables`' tables as device tensors (int64, int32);
+    ``hp = (ε, α, w)`` in the arithmetic dtype; ``blocks``: :func:`sweep_blocks` of the
+    group's widest matrix.  ``num_iters + 1`` launches over the same programs; the scale
+    vectors and column sums live in one zeroed buffer (``n_r`` rows and ``(2·L + 1)·n_c``
+    columns' worth), the only memory the step allocates.
+    """
+    block_rows, block_cols, warps = blocks
+    w = hp.dtype
+    buf = torch.zeros(2 * n_r + (2 * num_iters + 1) * n_c, dtype=w, device=base.device)
+    r, ia = buf[:n_r], buf[n_r:2 * n_r]
+    c = buf[2 * n_r:2 * n_r + (num_iters + 1) * n_c]
+    cs = buf[2 * n_r + (num_iters + 1) * n_c:]
+    grid = (progs.numel() // 2,)
+    bf16 = base.dtype == torch.bfloat16
+    for it in range(int(num_iters) + 1):
+        _launch(_sinkgd_sweep, base.device, grid, base, desc, progs, r, ia, c, cs, hp, lr, it,
+                n_c, FIRST=it == 0, APPLY=it == num_iters, SQRT=sqrt,
+                IS_F32=w == torch.float32, BF16=bf16, LR_TENSOR=bf16 and lr_is_tensor,
+                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps)

@@ -445,7 +445,7 @@ class Runner:
         """Run ``part``'s steps (together or in turn) within ``deadline``."""
         label = f"{part.key}: {part.title}"
         if part.concurrent:
-            self._run_together(label, part.steps, deadline)
+            self._run_together(label, part.steps, deadline, first=True)
             return
         for i, step in enumerate(part.steps):
             rest = sum(s.share for s in part.steps[i:])
@@ -453,9 +453,19 @@ class Runner:
             left = min(deadline, self.deadline) - now
             limit = (min(step.share, left) if part.greedy
                      else left * step.share / rest if rest else 0)
-            self._run_together(label, (step,), now + limit)
+            self._run_together(label, (step,), now + limit, first=i == 0)
 
-    def _run_together(self, label: str, steps: Sequence[Step], deadline: float) -> None:
+    def _run_together(self, label: str, steps: Sequence[Step], deadline: float,
+                      first: bool = False) -> None:
+        """Run ``steps`` together until ``deadline``.
+
+        ``first``: the part's first step(s), always started while the whole budget lasts:
+        with at least :data:`MIN_STEP` seconds (or what is left of the budget), even where
+        the time before (the script's own start-up, an earlier part) used up the part's
+        share.
+        """
+        if first:
+            deadline = max(deadline, time.monotonic() + MIN_STEP)
         deadline = min(deadline, self.deadline)
         running: list[tuple[Step, Outcome, subprocess.Popen, Path, float]] = []
         for step in steps:
@@ -465,7 +475,7 @@ class Runner:
             if (why := self._skip_reason(step)) is not None:
                 o.why = why
                 continue
-            if deadline - time.monotonic() < min(MIN_STEP, step.share / 2):
+            if deadline - time.monotonic() < (1 if first else min(MIN_STEP, step.share / 2)):
                 o.status, o.why = "not reached", "the budget is spent"
                 continue
             log = self.work / f"{len(self.outcomes):02d}-{_slug(step.title)}.log"

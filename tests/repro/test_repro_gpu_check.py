@@ -123,6 +123,21 @@ def test_a_step_past_its_deadline_is_cut_and_the_next_is_not_started(tmp_path):
     assert doc["counts"]["timed out"] == 1 and doc["counts"]["not reached"] == 1
 
 
+def test_a_part_whose_share_is_spent_still_starts_its_first_step(tmp_path):
+    """A part given a share is started even when the time before it used the share up (the
+    script's start-up once starved ``--only env a --budget 165``'s env part): its first
+    step runs with MIN_STEP seconds; the next is not reached."""
+    r = run_part(tmp_path, 0, gc.Step("prints", py("print('ran')"), 10),
+                 gc.Step("second", py("print('late')"), 30))
+    first, second = r.outcomes
+    assert first.status == "ok", (first.status, first.why)
+    assert second.status == "not reached"
+    (tmp_path / "together").mkdir()
+    r = run_part(tmp_path / "together", -1, gc.Step("a", py("print(1)"), 5),
+                 gc.Step("b", py("print(2)"), 5), concurrent=True)
+    assert [o.status for o in r.outcomes] == ["ok", "ok"]
+
+
 def test_steps_together_have_their_own_times_and_status(tmp_path):
     r = run_part(tmp_path, 4, gc.Step("fails at once", py("raise SystemExit(3)"), 6),
                  gc.Step("sleeps", SLEEPS, 6), concurrent=True)

@@ -138,8 +138,10 @@ def test_sinkgd_fused_falls_back_where_no_view():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_sinkgd_fused_batches_same_shape_matrices(monkeypatch, dtype):
-    """Same-shape matrices share their Sinkhorn launches, chunked by ``group_bytes``.
+def test_sinkgd_two_launch_batches_same_shape_matrices(monkeypatch, dtype):
+    """The two-launch kernels (without the sweep kernel: ``FUSED_SWEEP=False``, or
+    deterministic algorithms): same-shape matrices share their Sinkhorn launches, chunked
+    by ``group_bytes``.
 
     Counts the Triton launches of one step (``2·num_iters`` per chunk, one update per
     parameter), so that the batching cannot silently regress, and checks that the
@@ -147,9 +149,10 @@ def test_sinkgd_fused_batches_same_shape_matrices(monkeypatch, dtype):
     """
     from collections import Counter
 
-    from sage_torch import fused_check
+    from sage_torch import fused_check, sinkgd
     from sage_torch import triton_kernels as tk
 
+    monkeypatch.setattr(sinkgd, "FUSED_SWEEP", False)
     assert fused_check.fused_ready(torch.device("cpu"), dtype)  # its launches are not counted
     counts: Counter[str] = Counter()
     launch = tk._launch
@@ -193,12 +196,15 @@ def test_sinkgd_fused_batches_same_shape_matrices(monkeypatch, dtype):
 
 
 @needs_triton
-def test_sinkgd_fused_keeps_one_stack_alive(monkeypatch):
-    """A chunk's stacked gradient is freed before the next chunk's is made (meta tensors)."""
+def test_sinkgd_two_launch_keeps_one_stack_alive(monkeypatch):
+    """A chunk's stacked gradient is freed before the next chunk's is made (meta tensors;
+    the two-launch kernels, under deterministic algorithms)."""
     import weakref
 
     from sage_torch import triton_kernels as tk
     from sage_torch.sinkgd import _fused_sinkgd
+
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
 
     stacks: list[weakref.ref] = []
     iterations = tk.sinkhorn_iterations
@@ -217,6 +223,184 @@ def test_sinkgd_fused_keeps_one_stack_alive(monkeypatch):
                   lr=0.1, alpha=10.0, num_iters=2, eps=1e-8, normalization="unit",
                   weight_decay=0.0, group_bytes=64 * 32 * 4 * 2)
     assert len(stacks) == 3  # (64, 32): {0, 1} {2, 3} {4}; (32, 64): {5, 6} {7}; (16, 16)
+
+
+def _sweep_step(shapes_axes, grads, dtype, **kw):
+    """One fused SinkGD step of fresh parameters (zeros) with ``grads``; the updates."""
+    ps = [nn.Parameter(torch.zeros(g.shape, dtype=dtype)) for g in grads]
+    for p, g in zip(ps, grads, strict=True):
+        p.grad = g.to(dtype)
+    opt = SinkGD([{"params": [p], "fan_in_dim": fi, "fan_out_dim": fo}
+                  for p, (fi, fo) in zip(ps, shapes_axes, strict=True)],
+                 lr=1.0, alpha=1.0, weight_decay=0.0, fused=True, **kw)
+    opt.step()
+    return [-p.detach() for p in ps]
+
+
+def _oracle(g, fi, fo, normalization):
+    """The float64 direct Sinkhorn (tests/reference_np.py) of a 2-D, stacked or grouped leaf."""
+    x = g.double().numpy()
+    fi = fi if isinstance(fi, tuple) else (fi % x.ndim,)
+    fo = fo if isinstance(fo, tuple) else (fo % x.ndim,)
+    batch = [d for d in range(x.ndim) if d not in fi + fo]
+    perm = batch + list(fo) + list(fi)
+    xt = x.transpose(perm)
+    lead = xt.shape[:len(batch)]
+    m = xt.reshape(-1, math.prod(x.shape[d] for d in fo), math.prod(x.shape[d] for d in fi))
+    out = np.stack([sinkhorn_ref(mi, normalization=normalization, fan_in_axis=1,
+                                 fan_out_axis=0) for mi in m])
+    out = out.reshape(*lead, *[x.shape[d] for d in fo], *[x.shape[d] for d in fi])
+    return torch.from_numpy(out.transpose(np.argsort(perm)))
+
+
+@needs_triton
+@pytest.mark.parametrize("normalization", ["unit", "sqrt"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sinkgd_sweep_against_the_float64_oracle(normalization, dtype):
+    """The sweep kernel's ``X`` against the float64 direct Sinkhorn: torch ``(out, in)``,
+    ``(in, out)``, a Conv2d kernel (grouped fan-in), stacked experts ``(E, out, in)``,
+    rows of 1e-30 and of 1e30 (each row's own range scale), a zero row and column.
+
+    float32 within 2e-6 of the largest entry, float64 within 1e-12, bfloat16 gradients
+    and parameters (float32 arithmetic, ``X`` rounded to bfloat16) within two bfloat16
+    units."""
+    gen = torch.Generator().manual_seed(21)
+    cases = [((37, 50), (1, 0)), ((50, 37), (0, 1)), ((6, 3, 2, 2), ((1, 2, 3), 0)),
+             ((4, 9, 20), (2, 1)), ((33, 300), (1, 0))]
+    grads = [torch.randn(shape, generator=gen, dtype=torch.float64) for shape, _ in cases]
+    # (the oracle squares the matrix itself: 1e150 is as far as float64 squares go)
+    big, small = (1e30, 1e-30) if dtype != torch.float64 else (1e150, 1e-150)
+    grads[0][3] *= big
+    grads[0][5] *= small
+    grads[0][7].zero_()
+    grads[0][:, 11] = 0.0
+    grads[3][1] *= 1e-3
+    grads = [g.to(dtype) for g in grads]
+    got = _sweep_step([ax for _, ax in cases], grads, dtype, normalization=normalization)
+    tol = {torch.float32: 2e-6, torch.float64: 1e-12, torch.bfloat16: 2 * 2.0**-8}[dtype]
+    for (shape, (fi, fo)), g, x in zip(cases, grads, got, strict=True):
+        want = _oracle(g.double(), fi, fo, normalization)
+        scale = float(want.abs().max())
+        err = float((x.double() - want).abs().max())
+        assert err <= tol * scale, (shape, err / scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sinkgd_sweep_groups_change_no_bit(monkeypatch, dtype):
+    """``L + 1`` launches per sweep group, whatever the groups, and the same bits.
+
+    Groups: every matrix of a tile class together (one class here: widths 5 and 7 both
+    take 16-wide tiles), three ``(6, 5)`` matrices at most, or one matrix each; a stacked
+    parameter's matrices may be split between groups.  Each matrix's sums are its own
+    programs' (added in program order under the interpreter), so the grouping changes no
+    bit; the steps agree with the single-tensor path.
+    """
+    from collections import Counter
+
+    from sage_torch import fused_check
+    from sage_torch import triton_kernels as tk
+
+    assert fused_check.fused_ready(torch.device("cpu"), dtype)  # its launches are not counted
+    counts: Counter[str] = Counter()
+    launch = tk._launch
+
+    def counting(fn, *args, **kw):
+        counts[fn.__name__] += 1
+        return launch(fn, *args, **kw)
+
+    monkeypatch.setattr(tk, "_launch", counting)
+    gen = torch.Generator().manual_seed(10)
+    shapes = [(6, 5)] * 4 + [(3, 6, 5), (4, 7)]  # eight matrices
+    params = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    grads[1][2].zero_()  # a zero row
+    grads[2] *= 1e30 if dtype == torch.float32 else 1e250
+    iters, item = 3, dtype.itemsize
+    results = {}
+    for group_bytes, groups in [(1 << 30, 1), (6 * 5 * item * 3, 3), (1, 8)]:
+        ps = [nn.Parameter(p.clone()) for p in params]
+        for p, g in zip(ps, grads, strict=True):
+            p.grad = g.clone()
+        opt = SinkGD(ps, lr=0.05, weight_decay=0.1, num_iters=iters, fused=True,
+                     group_bytes=group_bytes)
+        counts.clear()
+        opt.step()
+        assert counts == {"_sinkgd_sweep": (iters + 1) * groups}, (group_bytes, counts)
+        results[group_bytes] = [p.detach() for p in ps]
+    for other in (6 * 5 * item * 3, 1):
+        for a, b in zip(results[1 << 30], results[other], strict=True):
+            assert torch.equal(a, b)
+    ref = [nn.Parameter(p.clone()) for p in params]
+    for p, g in zip(ref, grads, strict=True):
+        p.grad = g.clone()
+    SinkGD(ref, lr=0.05, weight_decay=0.1, num_iters=iters, foreach=False).step()
+    for a, b in zip(results[1 << 30], ref, strict=True):
+        assert rel(a, b.detach()) <= TOL[dtype]
+
+
+@needs_triton
+def test_sinkgd_sweep_plan_follows_the_tensors(monkeypatch):
+    """A step on the same tensors reuses its launches (no table is rebuilt); new gradient
+    tensors (other addresses) get new tables, and every step equals the single-tensor one."""
+    from sage_torch import triton_kernels as tk
+
+    built = []
+    tables = tk.sweep_tables
+
+    def recording(*args, **kw):
+        built.append(1)
+        return tables(*args, **kw)
+
+    monkeypatch.setattr(tk, "sweep_tables", recording)
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(9, 6), (9, 6), (5, 30)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    fused = [nn.Parameter(p.clone()) for p in start]
+    single = [nn.Parameter(p.clone()) for p in start]
+    opt_f = SinkGD(fused, lr=0.05, weight_decay=0.1, fused=True)
+    opt_s = SinkGD(single, lr=0.05, weight_decay=0.1, foreach=False)
+    for p in fused:
+        p.grad = torch.zeros_like(p)
+    rebuilt = []
+    for t, gs in enumerate(grads):
+        for p, q, g in zip(fused, single, gs, strict=True):
+            if t < 2:
+                p.grad.copy_(g)  # the same gradient tensors: the plan of step 0 again
+            else:
+                p.grad = g.clone()  # new tensors: new tables
+            q.grad = g.clone()
+        built.clear()
+        opt_f.step()
+        opt_s.step()
+        rebuilt.append(len(built))
+        for a, b in zip(fused, single, strict=True):
+            assert rel(a.detach(), b.detach()) <= 1e-5
+    assert rebuilt[0] > 0 and rebuilt[1] == 0 and rebuilt[2] > 0, rebuilt
+
+
+@needs_triton
+def test_deterministic_algorithms_take_the_two_launch_kernels(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms`` the fused path does not run the sweep
+    kernel (its atomics may add in any order on a GPU) but the deterministic kernels."""
+    from collections import Counter
+
+    from sage_torch import triton_kernels as tk
+
+    counts: Counter[str] = Counter()
+    launch = tk._launch
+    monkeypatch.setattr(tk, "_launch", lambda fn, *a, **k: (counts.update([fn.__name__]),
+                                                            launch(fn, *a, **k)))
+    p = nn.Parameter(torch.randn(6, 5))
+    p.grad = torch.randn(6, 5)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        SinkGD([p], lr=0.05, num_iters=2, fused=True).step()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert "_sinkgd_sweep" not in counts and counts["_sinkhorn_half"] == 4, counts
 
 
 @needs_triton
@@ -299,14 +483,14 @@ def test_fused_capturable_tensor_lr(cls):
 
 @needs_triton
 def test_make_optimizer_fused_runs_the_rules_that_have_it():
-    """fused=True reaches SAGE and SinkGD groups; AdamW (vectors) keeps its default path."""
+    """fused=True reaches the SinkGD groups and AdamW's (``torch._fused_adamw_``)."""
     torch.manual_seed(8)
     model = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.LayerNorm(5)).double()
     ref = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 5), nn.LayerNorm(5)).double()
     ref.load_state_dict(model.state_dict())
     opt = sage_torch.make_optimizer("sinkgd-hybrid", model, lr=1e-2, fused=True)
     assert {g["rule"]: g["fused"] for g in opt.param_groups}["sinkgd"] is True
-    assert all(g["fused"] is None for g in opt.param_groups if g["rule"] == "adamw")
+    assert all(g["fused"] is True for g in opt.param_groups if g["rule"] == "adamw")
     opt_ref = sage_torch.make_optimizer("sinkgd-hybrid", ref, lr=1e-2, foreach=False)
     for _ in range(2):
         for m in (model, ref):
@@ -323,8 +507,9 @@ def test_fused_errors_name_the_problem(monkeypatch):
     p = nn.Parameter(torch.randn(3, 4))
     with pytest.raises(ValueError, match="fused=True and foreach=True"):
         SinkGD([p], fused=True, foreach=True)
-    with pytest.raises(ValueError, match="adamw rule .* has no fused path"):
-        sage_torch.RuleOptimizer([{"params": [p], "rule": "adamw"}], {"lr": 1e-3, "fused": True})
+    with pytest.raises(ValueError, match="unit_norm rule .* has no fused path"):
+        sage_torch.RuleOptimizer([{"params": [p], "rule": "unit_norm"}],
+                                 {"lr": 1e-3, "fused": True})
     with pytest.raises(ValueError, match=r"float32, float64 and bfloat16 .* torch.float16"):
         Lion([nn.Parameter(torch.randn(3, dtype=torch.float16))], fused=True)
     with pytest.raises(ValueError, match="fused must be True, False or None"):
@@ -413,6 +598,10 @@ SIGNATURES = {
                      ("B2_ZERO", "BF16", "LR_TENSOR", "INT64", "BLOCK")),
     "_lion_update": ("p_ptr:p g_ptr:p m_ptr:p hp_ptr:w lr_ptr:w N",
                      ("BF16", "LR_TENSOR", "INT64", "BLOCK")),
+    "_sinkgd_sweep": ("base_ptr:p desc_ptr:i64 prog_ptr:i32 r_ptr:w ia_ptr:w c_ptr:w cs_ptr:w "
+                      "hp_ptr:w lr_ptr:w it n_c",
+                      ("FIRST", "APPLY", "SQRT", "IS_F32", "BF16", "LR_TENSOR", "BLOCK_ROWS",
+                       "BLOCK_COLS")),
 }
 """Each kernel's arguments (``:p`` a pointer of the parameters' dtype, ``:w`` of the
 arithmetic dtype, else an int) and its ``constexpr`` flags, for the compile test."""
@@ -451,19 +640,29 @@ for name, (args, consts) in signatures.items():
             sig = {}
             for a in args.split():
                 arg, _, kind = a.partition(":")
-                sig[arg] = {"p": f"*{dtype}", "w": f"*{wide}", "": "i64" if int64 else "i32"}[kind]
+                sig[arg] = {"p": f"*{dtype}", "w": f"*{wide}", "i64": "*i64", "i32": "*i32",
+                            "": "i64" if int64 else "i32"}[kind]
             values = {"IS_F32": wide == "fp32", "BF16": dtype == "bf16",
                       "LR_TENSOR": dtype == "bf16", "B2_ZERO": False, "INT64": int64,
                       "BLOCK": 1024, "BLOCK_O": tk.SINKHORN_BLOCKS["rows"][0],
-                      "BLOCK_R": tk.SINKHORN_BLOCKS["rows"][1]}
+                      "BLOCK_R": tk.SINKHORN_BLOCKS["rows"][1], "SQRT": int64,
+                      "BLOCK_ROWS": tk.sweep_blocks(1024)[0],
+                      "BLOCK_COLS": tk.sweep_blocks(1024)[1]}
             sig.update(dict.fromkeys(consts, "constexpr"))
-            src = ASTSource(fn=JITFunction(getattr(tk, name)), signature=sig,
-                            constexprs={c: values[c] for c in consts})
+            # the sweep kernel's three sweeps: the first, a middle one, the apply sweep
+            sweeps = ([(True, False), (False, False), (False, True)]
+                      if "FIRST" in consts else [(False, False)])
             key = f"{name}-{dtype}-{'int64' if int64 else 'int32'}"
             try:
-                compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                          options=dict(tk._COMPILE_OPTIONS))
-                out[key] = "ok" if compiled.asm["cubin"] else "error: no cubin"
+                for first, apply in sweeps:
+                    values.update(FIRST=first, APPLY=apply)
+                    src = ASTSource(fn=JITFunction(getattr(tk, name)), signature=sig,
+                                    constexprs={c: values[c] for c in consts})
+                    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                              options=dict(tk._COMPILE_OPTIONS))
+                    if not compiled.asm["cubin"]:
+                        raise RuntimeError("no cubin")
+                out[key] = "ok"
             except RuntimeError as e:
                 out[key] = ("skip: " if "ptxas" in str(e).lower() else "error: ") \
                     + str(e)[:2000]

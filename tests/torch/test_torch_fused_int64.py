@@ -124,10 +124,15 @@ MAKERS = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(MAKERS))
 def test_int64_variant_is_bitwise_the_int32_variant(name, dtype, monkeypatch):
-    """Every kernel with ``INT64`` forced on: the same bits, over steps (interpreter)."""
-    from sage_torch import fused_check
+    """Every kernel with ``INT64`` forced on: the same bits, over steps (interpreter).
+
+    SinkGD on its two-launch kernels: the sweep kernel (the fused default) forms every
+    offset in int64 from its descriptor table, with no int32 variant.
+    """
+    from sage_torch import fused_check, sinkgd
     from sage_torch import triton_kernels as tk
 
+    monkeypatch.setattr(sinkgd, "FUSED_SWEEP", False)
     assert fused_check.fused_ready(torch.device("cpu"), dtype)
     flags: list[bool] = []
     launch = tk._launch

@@ -67,10 +67,16 @@ def _raise(*args, **kwargs):
 
 
 def _wrong(name):
-    """The launcher ``name``, then one wrong value where it wrote."""
+    """The launcher ``name``, then one wrong value where it wrote (the sweep kernel: a step
+    with the learning rate doubled, its tables reaching the parameters from an anchor)."""
     from sage_torch import triton_kernels as tk
 
     launcher = getattr(tk, name)
+    if name == "sinkgd_sweeps":
+        def wrong_sweep(base, desc, progs, n_r, n_c, hp, lr, *args, **kwargs):
+            launcher(base, desc, progs, n_r, n_c, hp, lr * 2, *args, **kwargs)
+
+        return wrong_sweep
 
     def wrong(*args, **kwargs):
         launcher(*args, **kwargs)
@@ -99,7 +105,11 @@ CASES = {  # launcher -> the rule whose check it fails, an optimizer of that rul
     "sinkgd_update": ("sinkgd", lambda ps, kw: SinkGD(ps, lr=1e-2, weight_decay=0.1, **kw)),
     "sinkhorn_iterations": ("sinkgd",
                             lambda ps, kw: SinkGD(ps, lr=1e-2, weight_decay=0.1, **kw)),
+    "sinkgd_sweeps": ("sinkgd", lambda ps, kw: SinkGD(ps, lr=1e-2, weight_decay=0.1, **kw)),
 }
+TWO_LAUNCH = ("sinkgd_update", "sinkhorn_iterations")
+"""Launchers of SinkGD's two-launch kernels, which the fused path runs only without the
+sweep kernel (``sage_torch.sinkgd.FUSED_SWEEP``)."""
 
 
 @pytest.mark.parametrize("fault", ["raises", "wrong numbers"])
@@ -109,6 +119,10 @@ def test_a_failing_kernel_warns_once_and_steps_as_single_tensor(launcher, fault,
     from sage_torch import triton_kernels as tk
 
     dtype = torch.float32
+    if launcher in TWO_LAUNCH:
+        from sage_torch import sinkgd
+
+        monkeypatch.setattr(sinkgd, "FUSED_SWEEP", False)
     monkeypatch.setattr(tk, launcher, _raise if fault == "raises" else _wrong(launcher))
     rule, make = CASES[launcher]
     shapes = [(6, 5), (4, 7)]

@@ -225,3 +225,26 @@ def test_bfloat16_run_on_the_cpu(capsys):
     assert [r["path"] for r in rows] == ["single-tensor", "foreach", "foreach"]
     model = torch_step.build_model(torch_step.get_model_config("tiny"), dtype=torch.bfloat16)
     assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_fused_step_benchmark_runs_on_the_tiny_model(capsys, monkeypatch):
+    """benchmarks/torch_fused_step.py end to end on the CPU (Triton's interpreter): every
+    row, and the fused sweep's step as close to the single-tensor path as foreach's."""
+    from sage_torch.common import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not installed: the fused path cannot run")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path = PATH.parent / "torch_fused_step.py"
+    spec2 = importlib.util.spec_from_file_location("torch_fused_step", path)
+    bench = importlib.util.module_from_spec(spec2)
+    spec2.loader.exec_module(bench)
+    assert bench.main(["--model", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                       "--configs", "sinkgd-hybrid", "--group-mib", "1024"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+            if line.startswith("| ") and "---" not in line}
+    assert {"AdamW(fused=True)", "AdamW(foreach=True)", "sinkgd-hybrid foreach",
+            "sinkgd-hybrid fused sweep 1024 MiB"} <= set(rows)
+    err = {k: float(v[6]) for k, v in rows.items() if k.startswith("sinkgd-hybrid")}
+    assert max(err.values()) <= 2 * err["sinkgd-hybrid foreach"] + 1e-6, err
