@@ -18,6 +18,7 @@ import optax
 
 from sage_optax import axes as axes_lib
 from sage_optax import logical, memory, registry, routing, state_tree, validation
+from sage_optax.finite_rate import skip_nonfinite_rate
 from sage_optax.sinkhorn import IMPLS
 from sage_optim import rates
 from sage_optim.presets import CONFIG_NAMES, KINDS, PRESETS, RuleSpec, resolve_preset
@@ -127,6 +128,10 @@ def make_optimizer(
           ``(N + 1)``-th consecutive non-finite step (and any after it) is applied, so a
           persistent failure surfaces; a finite step resets the run; 0 (default): off.
 
+    A learning rate that is a schedule (or an array) is checked at every step: a step whose
+    rate is NaN or Inf is skipped (zero update, state untouched) and counted in the
+    state's ``notfinite_lr_count`` (:func:`~sage_optax.finite_rate.skip_nonfinite_rate`).
+
     ``optax.inject_hyperparams(make_optimizer, static_args="name")(name="sage-hybrid",
     learning_rate=schedule, b1=0.9)`` injects the learning rate and the named numeric
     hyperparameters (:data:`INJECTABLE`); options and ``<kind>_<hp>`` overrides stay static.
@@ -206,12 +211,16 @@ def make_optimizer(
     def labels_fn(params: Any) -> Any:
         return router(params, warn=True).labels  # the full tree: routed (and warned) once
 
-    tx = optax.partition(
-        {kind: state_tree.without_boxed_placeholders(
-            build_rule(preset.rule(kind), by_kind[kind], axes_fn, mask, impl))
-         for kind in KINDS},
-        labels_fn,
-    )
+    def build(rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
+        # a kind given its own rate (<kind>_learning_rate=) keeps it; the others take `rate`
+        return optax.partition(
+            {kind: state_tree.without_boxed_placeholders(
+                build_rule(preset.rule(kind), kind_rates.get(kind, rate), axes_fn, mask, impl))
+             for kind in KINDS},
+            labels_fn,
+        )
+
+    tx: optax.GradientTransformation = skip_nonfinite_rate(build, lr)  # a NaN rate: skipped
     if skip_nonfinite:
         tx = optax.apply_if_finite(tx, max_consecutive_errors=skip_nonfinite)
     return with_tree_checks(tx)

@@ -18,7 +18,9 @@ the very same numbers:
   ``<kind>_learning_rate=``, and the notice for a rate far from a configuration's;
 * :mod:`sage_optim.kernels`: ``SAGE_KERNELS``, the one switch of every GPU kernel;
 * :mod:`sage_optim.extras`: the optional extras and the one-line message naming the extra a
-  missing framework needs.
+  missing framework needs;
+* :mod:`sage_optim.console`: what every console script shares (a closed output pipe ends
+  it quietly).
 
 The paper's model shapes and the command-line helpers live with their users, in
 :mod:`sage_train` (``sage_train.model_shapes``, ``sage_train.cli_args``).  The

@@ -13,8 +13,12 @@ computed), so that ``sage-memory`` without it says so in one line.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
+import sys
 from typing import Any
 
+from sage_optim.console import console_script
 from sage_optim.extras import require
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
@@ -115,7 +119,7 @@ def hf_memory_rows(config: Any, configs: tuple[str, ...] = CONFIG_NAMES) -> list
     import sage_torch
 
     if not isinstance(config, transformers.PretrainedConfig):
-        config = transformers.AutoConfig.from_pretrained(str(config))
+        config = transformers.AutoConfig.from_pretrained(str(config), local_files_only=True)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     param_bytes = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -138,16 +142,66 @@ def format_hf_memory_table(config: Any) -> str:
     return title + "\n" + format_table(("configuration", "opt", "total"), body)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point (``sage-memory``): print the memory table."""
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "moe_intermediate_size", "num_experts", "num_local_experts")
+"""Fields of a transformers ``config.json`` that must be positive integers where given."""
+
+
+def check_hf_config(path: str | pathlib.Path) -> pathlib.Path:
+    """The folder of the ``config.json`` at ``path`` (the file or its folder), checked.
+
+    Read here, without transformers (which would look a missing path up on the Hub):
+    it must exist, be a JSON object, and give positive integers for the sizes of
+    :data:`_POSITIVE_SIZES` (``vocab_size: -64`` fails in PyTorch, deep in the model).
+
+    Raises:
+      ValueError: one line saying what is wrong with the file.
+    """
+    p = pathlib.Path(path).expanduser()
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ValueError(f"{file} does not exist (give a transformers config.json or the "
+                         "folder holding it)")
+    try:
+        config = json.loads(file.read_text())
+    except OSError as e:
+        raise ValueError(f"{file} cannot be read: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object")
+    for section in (config, *(v for v in config.values() if isinstance(v, dict))):
+        for key in _POSITIVE_SIZES:
+            value = section.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return file.parent
+
+
+@console_script
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point (``sage-memory``): print the memory table.
+
+    Returns 0, or 2 after one line on stderr naming an ``--hf-config`` file that cannot be
+    used.
+    """
     args = build_parser().parse_args(argv)
     if args.hf_config:
         require("sage-memory --hf-config", "torch", packages=("transformers",))
         for path in args.hf_config:
-            print(format_hf_memory_table(path))
-        return
+            try:
+                table = format_hf_memory_table(check_hf_config(path))
+            except (ValueError, OSError, KeyError, TypeError, RuntimeError) as e:
+                text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"sage-memory: error: --hf-config {path}: {text}", file=sys.stderr)
+                return 2
+            print(table)
+        return 0
     require("sage-memory", "jax")
     print(format_memory_table(tuple(args.models)))
+    return 0
 
 
 def build_parser() -> OneLineParser:
@@ -170,4 +224,4 @@ def build_parser() -> OneLineParser:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

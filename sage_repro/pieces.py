@@ -127,19 +127,163 @@ class PiecePlan:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PiecePlan:
-        """The plan of :meth:`to_json`'s data.
+        """The plan of :meth:`to_json`'s data, every field checked (:func:`check_plan_data`).
 
         Raises:
-          KeyError, TypeError, ValueError: the data is not a plan.
+          ValueError: the data is not a valid plan (one line naming the field).
         """
+        check_plan_data(data)
         pieces = tuple(Piece(str(p["name"]), tuple(p["configs"]), tuple(p["seeds"]),
                              float(p["lr_factor"])) for p in data["pieces"])
-        for p in pieces:
-            bad = [c for c in p.configs if c not in CONFIG_NAMES]
-            if bad:
-                raise ValueError(f"piece {p.name}: unknown configuration {bad[0]!r}")
         return cls(str(data["name"]), sweep_spec.Protocol.from_dict(data["protocol"]), pieces,
                    data.get("fingerprint"), str(data.get("reference", sweep_spec.PAPER_REFERENCE)))
+
+
+_PLAN_KEYS = frozenset({"name", "protocol", "pieces", "fingerprint", "reference"})
+_PIECE_KEYS = frozenset({"name", "configs", "seeds", "lr_factor"})
+_PROTOCOL_REQUIRED = ("model", "data", "steps", "batch_size", "seq_len", "eval_every",
+                      "eval_batches", "log_every", "checkpoint_every")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_protocol(protocol: Any) -> None:
+    """Refuse a protocol field of the wrong type or range, as ``sage-train`` would."""
+    from sage_train.config import SETTING_CHECKS, options  # the trainer's own checks
+
+    if not isinstance(protocol, Mapping):
+        raise ValueError(f"protocol must be an object, got {type(protocol).__name__}")
+    fields = {f.name for f in dataclasses.fields(sweep_spec.Protocol)}
+    unknown = sorted(set(protocol) - fields)
+    if unknown:
+        raise ValueError(f"protocol.{unknown[0]} is not a protocol field (fields: "
+                         f"{', '.join(sorted(fields))})")
+    for key in _PROTOCOL_REQUIRED:
+        if key not in protocol:
+            raise ValueError(f"protocol.{key} is missing")
+    for key, value in protocol.items():
+        if key == "data":
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"protocol.data must be a path (a string) or null, got "
+                                 f"{value!r}")
+        elif key in SETTING_CHECKS and value is not None:
+            ok, what = SETTING_CHECKS[key]
+            if not ok(value):
+                raise ValueError(f"protocol.{key} must be {what}, got {value!r}")
+    choices = options()["schedule"].choices or ()
+    if protocol.get("schedule", "cosine") not in choices:
+        raise ValueError(f"protocol.schedule must be one of {', '.join(choices)}, got "
+                         f"{protocol['schedule']!r}")
+    _check_model_and_args(protocol)
+
+
+def _check_model_and_args(protocol: Mapping[str, Any]) -> None:
+    """Refuse an unknown model, a sequence beyond its context, ``trainer_args`` not a list."""
+    if not isinstance(protocol["model"], str):
+        raise ValueError(f"protocol.model must be a model name, got {protocol['model']!r}")
+    try:
+        model = get_model_config(protocol["model"])
+    except ValueError as e:
+        raise ValueError(f"protocol.model: {e}") from None
+    if protocol["seq_len"] > model.max_position_embeddings:
+        raise ValueError(f"protocol.seq_len {protocol['seq_len']} is longer than the "
+                         f"{protocol['model']} model's context of "
+                         f"{model.max_position_embeddings} positions")
+    args = protocol.get("trainer_args", [])
+    if not isinstance(args, list | tuple) or not all(isinstance(a, str) for a in args):
+        raise ValueError(f"protocol.trainer_args must be a list of strings (one per "
+                         f"sage-train argument, [\"--remat\", \"dots\"]), got {args!r}")
+    for flag in args:
+        if flag.split("=", 1)[0] in sweep_spec.MANAGED:
+            raise ValueError(f"protocol.trainer_args sets {flag.split('=', 1)[0]}, which the "
+                             "protocol's own fields set")
+
+
+def _check_piece(i: int, piece: Any) -> str:
+    """Refuse a piece of the wrong shape; its name."""
+    where = f"pieces[{i}]"
+    if not isinstance(piece, Mapping):
+        raise ValueError(f"{where} must be an object, got {type(piece).__name__}")
+    unknown = sorted(set(piece) - _PIECE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]} is not a piece field (fields: "
+                         f"{', '.join(sorted(_PIECE_KEYS))})")
+    for key in sorted(_PIECE_KEYS):
+        if key not in piece:
+            raise ValueError(f"{where}.{key} is missing")
+    name = piece["name"]
+    if not isinstance(name, str) or not name.strip() or "/" in name:
+        raise ValueError(f"{where}.name must be a non-empty name (no '/'), got {name!r}")
+    configs = piece["configs"]
+    if not isinstance(configs, list | tuple) or not configs:
+        raise ValueError(f"{where}.configs (piece {name}) must be a non-empty list of "
+                         f"configurations, got {configs!r}")
+    for c in configs:
+        if c not in CONFIG_NAMES:
+            raise ValueError(f"{where}.configs (piece {name}): unknown configuration {c!r} "
+                             f"(the configurations: {', '.join(CONFIG_NAMES)})")
+    if len(set(configs)) != len(configs):
+        raise ValueError(f"{where}.configs (piece {name}) names a configuration twice")
+    seeds = piece["seeds"]
+    if (not isinstance(seeds, list | tuple) or not seeds
+            or not all(_is_int(x) and 0 <= x < 2**32 for x in seeds)
+            or len(set(seeds)) != len(seeds)):
+        raise ValueError(f"{where}.seeds (piece {name}) must be a non-empty list of distinct "
+                         f"integers in [0, 2^32), got {seeds!r}")
+    factor = piece["lr_factor"]
+    if not _is_number(factor) or factor <= 0:
+        raise ValueError(f"{where}.lr_factor (piece {name}) must be a finite number > 0, got "
+                         f"{factor!r}")
+    return name
+
+
+def check_plan_data(data: Any) -> None:
+    """Refuse plan data (a ``--plan`` file's JSON) that is not a valid plan of pieces.
+
+    Checked before anything runs, the dry run included: the fields and their types, the
+    protocol's values against the trainer's own ranges (``steps`` a positive integer,
+    ``eval_every`` >= 1, a known ``model`` and ``schedule``, ``trainer_args`` a list of
+    strings), each piece's known configurations, distinct seeds and a positive
+    ``lr_factor``, and piece names that are unique.
+
+    Raises:
+      ValueError: one line naming the first field that is wrong.
+    """
+    if not isinstance(data, Mapping):
+        raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
+    unknown = sorted(set(data) - _PLAN_KEYS)
+    if unknown:
+        raise ValueError(f"{unknown[0]} is not a plan field (fields: "
+                         f"{', '.join(sorted(_PLAN_KEYS))})")
+    for key in ("name", "protocol", "pieces"):
+        if key not in data:
+            raise ValueError(f"{key} is missing")
+    if not isinstance(data["name"], str) or not data["name"].strip():
+        raise ValueError(f"name must be a non-empty string, got {data['name']!r}")
+    _check_protocol(data["protocol"])
+    pieces = data["pieces"]
+    if not isinstance(pieces, list) or not pieces:
+        raise ValueError(f"pieces must be a non-empty list, got {pieces!r}")
+    seen: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        name = _check_piece(i, piece)
+        if name in seen:
+            raise ValueError(f"pieces[{i}].name {name!r} is the name of pieces[{seen[name]}] "
+                             "too: every piece needs a name of its own")
+        seen[name] = i
+    fingerprint = data.get("fingerprint")
+    if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+        raise ValueError(f"fingerprint must be a cut's fingerprint (a string) or null, got "
+                         f"{fingerprint!r}")
+    reference = data.get("reference", sweep_spec.PAPER_REFERENCE)
+    if reference not in (*CONFIG_NAMES, "slowest"):
+        raise ValueError(f"reference must be a configuration or 'slowest', got {reference!r}")
 
 
 def load_plan(path: pathlib.Path | None) -> PiecePlan:
@@ -151,9 +295,15 @@ def load_plan(path: pathlib.Path | None) -> PiecePlan:
     if path is None:
         return PAPER_PLAN
     try:
-        return PiecePlan.from_json(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise sweep_spec.SweepError(f"--plan {path} holds no plan of pieces ({e})") from None
+        data = json.loads(path.read_text())
+    except OSError as e:
+        raise sweep_spec.SweepError(f"--plan {path} cannot be read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise sweep_spec.SweepError(f"--plan {path} is not JSON ({e})") from None
+    try:
+        return PiecePlan.from_json(data)
+    except (ValueError, KeyError, TypeError) as e:
+        raise sweep_spec.SweepError(f"--plan {path}: {e}") from None
 
 
 _HALVES = (("sage-hybrid", "lion-hybrid", "adamw", "lion"),
@@ -315,6 +465,10 @@ def read_piece(path: pathlib.Path, plan: PiecePlan, fingerprint: str | None) -> 
                 for r in row["runs"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise sweep_spec.SweepError(f"{path} is not a piece's results.json ({e})") from None
+    try:
+        report.verify_results(data)  # its records, their summary and its digest agree
+    except (ValueError, KeyError, TypeError) as e:
+        raise sweep_spec.SweepError(f"{path}: {e}") from None
     if name is None:
         raise sweep_spec.SweepError(f"{path} is not a piece's results.json (it names no piece)")
     try:

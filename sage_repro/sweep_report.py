@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import math
 import pathlib
@@ -711,7 +712,7 @@ def to_json(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> dict[str,
                 **stats(eff.values), "step": eff.step, "values": list(eff.values)},
             "runs": [run_to_json(r) for r in row.runs],
         })
-    return {
+    data: dict[str, Any] = {
         "generated": _now(),
         "setup": dict(summary.setup),
         "header": setup_lines(summary),
@@ -724,6 +725,126 @@ def to_json(summary: Summary, figures: Sequence[pathlib.Path] = ()) -> dict[str,
         "best_lr": dict(summary.best),
         "figures": [str(p) for p in figures],
     }
+    data["digest"] = records_digest(data)
+    return data
+
+
+def _sections(data: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """``(where, entry)`` for every row and cell of a report's data: what holds runs."""
+    return [(f"{key}[{i}]", entry) for key in ("rows", "lr_sweep")
+            for i, entry in enumerate(data[key])]
+
+
+def records_digest(data: Mapping[str, Any]) -> str:
+    """The SHA-256 of every run record of a report's data (:func:`to_json`), in order.
+
+    ``results.json`` carries it as ``digest``; :func:`verify_results` recomputes it, so a
+    record edited by hand no longer matches.
+    """
+    runs = [entry["runs"] for _, entry in _sections(data)]
+    text = json.dumps(runs, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def impossible(run: RunRecord) -> str | None:
+    """What a run's record holds that no run can have (``None``: nothing).
+
+    An unknown status, a step reached beyond the planned steps, a "finished" run that
+    stopped before its last step or has no final perplexity, a perplexity below 1 (it is
+    the exponential of a cross-entropy, which is never negative), and evaluations out of
+    order or beyond the step reached.
+    """
+    if run.status not in STATUSES:
+        return f"status {run.status!r} is none of {', '.join(STATUSES)}"
+    if not 0 <= run.step_reached <= run.steps:
+        return f"step_reached {run.step_reached} is not within the run's {run.steps} steps"
+    steps = run.evals.steps
+    if list(steps) != sorted(set(steps)) or any(not 1 <= s <= run.steps for s in steps):
+        return f"evals.steps {list(steps)} are not increasing steps within 1..{run.steps}"
+    if len(run.evals.ppl) != len(steps):
+        return f"evals.ppl has {len(run.evals.ppl)} values for {len(steps)} evaluations"
+    bad = next((x for x in run.evals.ppl if math.isfinite(x) and x < 1), None)
+    if bad is not None:
+        return f"evals.ppl holds {bad}: a perplexity is at least 1"
+    if run.status == "finished":
+        if run.step_reached != run.steps:
+            return (f"status 'finished' at step {run.step_reached} of {run.steps} (step_reached): "
+                    "a finished run reached its last step")
+        if not steps or steps[-1] != run.steps or not math.isfinite(run.evals.ppl[-1]):
+            return "status 'finished' without a finite test perplexity at its last step (evals)"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return math.isclose(a, b, rel_tol=1e-12) or (math.isnan(a) and math.isnan(b))
+    return bool(a == b)
+
+
+def verify_results(data: Mapping[str, Any]) -> None:
+    """Refuse a report's data (``results.json``) that does not follow from its own runs.
+
+    Every run record is checked for :func:`impossible` values and against what follows
+    from it (its ``final_test_ppl``, ``outcome``, ``peak_memory_bytes``...); each row's
+    figures (``test_ppl``, ``tokens_per_s``, ``peak_memory_bytes``) and each cell of the
+    learning-rate table are recomputed from its runs; a run listed twice must be the same
+    record; and the ``digest`` of the records must match (:func:`records_digest`).
+
+    Raises:
+      ValueError: one line naming the field (``rows[0].runs[1].status``...) and the problem.
+    """
+    seen: dict[tuple[Any, ...], tuple[str, Any]] = {}
+    for where, entry in _sections(data):
+        records = []
+        for i, raw in enumerate(entry["runs"]):
+            field = f"{where}.runs[{i}]"
+            try:
+                run = run_from_json(raw)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{field} is not a run's record ({type(e).__name__}: {e})"
+                                 ) from None
+            label = f"{run.config} lr {run.lr:g} seed {run.seed}"
+            problem = impossible(run)
+            if problem is not None:
+                raise ValueError(f"{field} ({label}): {problem}")
+            derived = run_to_json(run)
+            for name, value in derived.items():
+                if not _same(raw.get(name), value):
+                    raise ValueError(f"{field}.{name} ({label}) is {raw.get(name)!r}, but the "
+                                     f"run's record gives {value!r}")
+            key = (run.config, run.lr, run.seed)
+            if key in seen and seen[key][1] != raw:
+                raise ValueError(f"{field} ({label}) differs from the same run in "
+                                 f"{seen[key][0]}")
+            seen.setdefault(key, (field, raw))
+            records.append(run)
+        row = Row(str(entry["config"]), entry["lr"], tuple(records))
+        if where.startswith("lr_sweep"):
+            if entry.get("cell") != row.ppl_cell():
+                raise ValueError(f"{where}.cell ({row.config} lr {row.lr}) is "
+                                 f"{entry.get('cell')!r}, but its runs give {row.ppl_cell()!r}")
+            continue
+        finished = row.finished
+        figures = {
+            "test_ppl": [r.final_ppl for r in finished if r.final_ppl is not None],
+            "tokens_per_s": [r.tokens_per_s for r in finished if r.tokens_per_s is not None],
+            "peak_memory_bytes": [float(p) for p, _ in map(peak_memory, finished)
+                                  if p is not None]}
+        for name, values in figures.items():
+            mean, sd = mean_sd(values)
+            want = {"mean": _num(mean), "sd": _num(sd), "n": len(values)}
+            got = entry.get(name)
+            if not isinstance(got, Mapping) or any(not _same(got.get(k), v)
+                                                   for k, v in want.items()):
+                raise ValueError(f"{where}.{name} ({row.config}) is {got!r}, but its runs give "
+                                 f"{want!r}")
+    digest = data.get("digest")
+    if digest is None:
+        raise ValueError("digest is missing (written before results carried one): rewrite "
+                         "the file with sage-repro report --out on its runs")
+    if digest != records_digest(data):
+        raise ValueError("digest does not match the runs' records: a record was changed "
+                         "after it was written")
 
 
 def to_markdown(summary: Summary, figures: Sequence[pathlib.Path] = (), *,

@@ -628,7 +628,12 @@ class RuleOptimizer(torch.optim.Optimizer):
     def step(  # type: ignore[override]  # one signature for torch.optim's two overloads
         self, closure: Callable[[], float] | None = None
     ) -> float | None:
-        """Perform one optimization step (``closure`` re-evaluates the model, as usual)."""
+        """Perform one optimization step (``closure`` re-evaluates the model, as usual).
+
+        A group whose ``lr`` is a Python number that is not finite (a schedule such as
+        ``LambdaLR`` returned NaN) is refused with a ``ValueError`` before any parameter
+        or state changes; ``torch.optim`` would step every parameter to NaN.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -642,6 +647,13 @@ class RuleOptimizer(torch.optim.Optimizer):
         A subclass whose ``step`` decides whether to update (``SkipNonFinite``) calls this,
         not ``super().step()``, which would run the step hooks a second time.
         """
+        for index, group in enumerate(self.param_groups):  # before anything moves
+            lr = group["lr"]
+            if isinstance(lr, int | float) and not math.isfinite(lr):
+                raise ValueError(
+                    f"lr is {lr} in param group {index} (set by a learning-rate schedule, or "
+                    "by hand, after the optimizer was built): a step with it would make every "
+                    "parameter NaN, so none was taken; fix the schedule")
         sizes = [p.numel() * p.element_size() for group in self.param_groups
                  for p in group["params"]]
         largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))

@@ -10,7 +10,14 @@ complete.  So:
   calling thread (orbax's synchronous ``Checkpointer``: no background thread is left
   waiting on a signal that never comes, which is what made a failed asynchronous save hang
   for the orbax timeout of 300 s), and earlier checkpoints are untouched;
+* what orbax's own threads print or log while a save fails (a traceback each, some after
+  the save failed) goes to ``checkpoints/orbax.log``, not the terminal, which shows the
+  one error line;
 * a state with a NaN/Inf is never saved (:func:`state_is_finite` is checked first);
+* rotation keeps the ``keep`` newest checkpoints with a manifest: one without (not
+  verifiable) does not count, so the last verified checkpoint is never deleted while the
+  newest is unverified; start-up (:meth:`Checkpoints.prepare`) removes the temporary
+  files of a save that was interrupted (orbax's directory, a manifest not yet renamed);
 * :meth:`Checkpoints.restore_latest` verifies the newest checkpoint (checksums, then
   orbax's restore, the shapes against the model, finiteness) and falls back to the next
   one when it fails, reporting each unusable checkpoint in one line and moving it aside
@@ -36,10 +43,13 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import shutil
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import jax
@@ -149,6 +159,79 @@ def verify_files(directory: pathlib.Path,
     return None, manifest
 
 
+NOISE_LOG = "orbax.log"
+"""The file in ``checkpoints/`` that takes what orbax's threads print during a save."""
+
+
+class _ThreadOutput:
+    """``sys.stderr`` for the main thread; for every other thread, a file.
+
+    Orbax writes a checkpoint from threads of its own; when a write fails (a full disk)
+    each of them prints its traceback, some after the save has already failed in the
+    main thread.  With this in place they land in :data:`NOISE_LOG`, and the terminal
+    keeps the one error line of the main thread.
+    """
+
+    def __init__(self, terminal: Any, path: pathlib.Path) -> None:
+        self.terminal, self.path = terminal, path
+
+    def write(self, text: str) -> int:
+        """Write ``text`` to the terminal (main thread) or append it to the file."""
+        if threading.current_thread() is threading.main_thread():
+            return int(self.terminal.write(text))
+        with contextlib.suppress(OSError), open(self.path, "a") as f:  # a full disk: lost
+            f.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        """Flush the terminal's stream."""
+        self.terminal.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.terminal, name)
+
+
+_ORBAX_LOGGERS = ("absl", "asyncio")
+"""The loggers of orbax's messages: its own (through absl), and asyncio's about the futures
+of its failed writes ("exception was never retrieved", logged when they are collected)."""
+
+
+class _ToFile(logging.Filter):
+    """Send every record of the logger it filters to a file instead of its handlers."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """``False``, after appending the record (with its traceback) to the file."""
+        text = logging.Formatter("%(levelname)s:%(name)s:%(threadName)s: %(message)s")
+        with contextlib.suppress(OSError), open(self.path, "a") as f:
+            f.write(text.format(record) + "\n")
+        return False
+
+
+@contextlib.contextmanager
+def _orbax_threads_to(path: pathlib.Path) -> Iterator[None]:
+    """What orbax's threads print, and orbax and asyncio log, goes to ``path``.
+
+    (:class:`_ThreadOutput`, :class:`_ToFile`.)
+
+    On success the terminal is given back at the end; after a failure it is kept for the
+    rest of the process, because orbax's threads keep printing after the save failed
+    (the last line on the terminal stays the error's).
+    """
+    stderr, logs = _ThreadOutput(sys.stderr, path), _ToFile(path)
+    sys.stderr = stderr
+    for name in _ORBAX_LOGGERS:
+        logging.getLogger(name).addFilter(logs)
+    yield
+    if sys.stderr is stderr:
+        sys.stderr = stderr.terminal
+    for name in _ORBAX_LOGGERS:
+        logging.getLogger(name).removeFilter(logs)
+
+
 @dataclasses.dataclass
 class Restored:
     """A verified checkpoint, restored."""
@@ -211,6 +294,11 @@ class Checkpoints:
         for tmp in sorted(self.root.glob(f"*{_TMP_MARK}*")):
             shutil.rmtree(tmp, ignore_errors=True)
             self.log(f"removed {tmp.name}, a checkpoint write that was interrupted")
+        for tmp in sorted(self.root.glob(f"*/.{MANIFEST}.tmp-*")):  # killed before its rename
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                self.log(f"removed {tmp.relative_to(self.root)}, a manifest write that was "
+                         "interrupted")
 
     def check_shared(self) -> None:
         """Check that every process of a job sees this directory (nothing alone).
@@ -282,7 +370,8 @@ class Checkpoints:
                 dest = self._move_aside(step)
                 self.log(f"{target} was in the way of a new checkpoint; moved to {dest}")
             distributed.barrier(f"sage-train: checkpoint {step} can be written")
-            self._orbax().save(target, args=ocp.args.StandardSave(state))
+            with _orbax_threads_to(self.root / NOISE_LOG):
+                self._orbax().save(target, args=ocp.args.StandardSave(state))
             files = shared_digests(target)
             if primary:
                 manifest = {"format": FORMAT, "step": step, "progress": progress,
@@ -295,7 +384,7 @@ class Checkpoints:
             self._discard_partial(step)
             raise CheckpointError(
                 f"could not save the checkpoint of step {step} to {target}: {_first_line(e)}"
-            ) from e
+                f" (orbax's own messages: {self.root / NOISE_LOG})") from e
         if primary:
             self._rotate()
 
@@ -317,12 +406,25 @@ class Checkpoints:
                 tmp.unlink()
 
     def _rotate(self) -> None:
-        ours = [s for s in self.steps() if self._is_checkpoint(self.path(s))]
-        for s in ours[self.keep:]:
+        """Delete the checkpoints older than the ``keep`` newest verified ones.
+
+        Verified: with a manifest (its checksums were recorded when it was saved).  A
+        checkpoint without one (an older version's, or a save cut short before it) does
+        not count towards ``keep``, so the last verified checkpoint is never deleted while
+        a newer one is unverified.
+        """
+        verified = 0
+        for s in self.steps():  # newest first
+            path = self.path(s)
+            if not self._is_checkpoint(path):
+                continue
+            if verified < self.keep:
+                verified += (path / MANIFEST).exists()
+                continue
             try:
-                shutil.rmtree(self.path(s))
+                shutil.rmtree(path)
             except OSError as e:
-                self.log(f"could not delete the old checkpoint {self.path(s)}: {e.strerror}")
+                self.log(f"could not delete the old checkpoint {path}: {e.strerror}")
 
     @staticmethod
     def _is_checkpoint(path: pathlib.Path) -> bool:

@@ -17,7 +17,7 @@ from sage_optim.table import format_bytes, format_table
 from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
 from sage_train.config import FIELD_DEFAULT, SETTING_CHECKS, TrainConfig, options
 from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
-from sage_train.errors import CheckpointError, RunDirError, RunFileError, UserError
+from sage_train.errors import CheckpointError, RunFileError, UserError
 from sage_train.model_shapes import get_model_config
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals
 
@@ -412,16 +412,23 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                if k not in ("optimizer", "run_dir")},
             "run_dir": str(pathlib.Path(args.run_dir).absolute()),
             "allow_config_change": args.allow_config_change, "restart": args.restart})
-    with contextlib.ExitStack() as locks:
-        runs = _checked_runs(cfgs, args, locks)
-        results: list[Any] = []
-        for run in runs:
-            if signals.received is not None and not distributed.joined():
-                return _stopped_by(signals.received, None)  # (a job: agreed by train)
-            status, result = _train_one(run, args, signals, results)
-            if result is None:
-                return status
-            results.append(result)
+    made: list[pathlib.Path | None] = []
+    try:
+        with contextlib.ExitStack() as locks:
+            runs = _checked_runs(cfgs, args, locks, made)
+            results: list[Any] = []
+            for run in runs:
+                if signals.received is not None and not distributed.joined():
+                    return _stopped_by(signals.received, None)  # (a job: agreed by train)
+                status, result = _train_one(run, args, signals, results)
+                if result is None:
+                    return status
+                results.append(result)
+    finally:
+        from sage_train.rundir import remove_unused
+
+        for folder in reversed(made):  # a refused start leaves nothing behind
+            remove_unused(folder)
     if not distributed.is_primary():
         return 1 if any(r.stopped_reason for r in results) else 0  # process 0 reports
     return _summary(results, args)
@@ -444,26 +451,23 @@ def _join(launch: Any) -> None:
 
 
 def _checked_runs(cfgs: list[TrainConfig], args: argparse.Namespace,
-                  locks: contextlib.ExitStack) -> list[Any]:
+                  locks: contextlib.ExitStack, made: list[pathlib.Path | None]) -> list[Any]:
     """Every configuration resolved, its run directory locked and checked, before any trains.
 
     Exit status 2 still means that nothing was trained (in a job: on every process, or on
-    none).
+    none).  ``made`` receives the folders created (:func:`~sage_train.rundir.make_run_dir`),
+    which a refused start removes again.
     """
     from sage_train import distributed
     from sage_train.resume import preflight
     from sage_train.run import resolve
-    from sage_train.rundir import RunLock
+    from sage_train.rundir import RunLock, make_run_dir
 
     with distributed.together("to check the runs"):
         # --attention cudnn where it cannot run: refused before any run directory is made
         runs = [resolve(cfg, checked=True) for cfg in cfgs]
         for run in runs:
-            try:
-                run.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise RunDirError(f"cannot create the run directory {run.run_dir}: "
-                                  f"{e.strerror}") from e
+            made.append(make_run_dir(run.run_dir))
             if distributed.is_primary():
                 lock = locks.enter_context(RunLock(run.run_dir))
                 if lock.stale:

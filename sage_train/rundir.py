@@ -22,6 +22,7 @@ import errno
 import json
 import os
 import pathlib
+import shutil
 import socket
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -95,6 +96,45 @@ def append_line(path: pathlib.Path, line: str, *, sync: bool = True) -> None:
                 os.fsync(f.fileno())
     except OSError as e:
         raise write_error(path, e) from e
+
+
+def make_run_dir(run_dir: pathlib.Path) -> pathlib.Path | None:
+    """Create ``run_dir`` and its missing parents; the topmost folder created (``None``: none).
+
+    What it returns is what :func:`remove_unused` takes away again when the start is
+    refused, so that a refused start leaves nothing behind.
+
+    Raises:
+      RunDirError: the folder cannot be created (one line naming it).
+    """
+    run_dir = pathlib.Path(run_dir)
+    top = None
+    for folder in (run_dir, *run_dir.absolute().parents):
+        if folder.exists():
+            break
+        top = folder
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create the run directory {run_dir}: {e.strerror}") from e
+    return top
+
+
+def remove_unused(made: pathlib.Path | None) -> None:
+    """Remove ``made`` (from :func:`make_run_dir`) where no run wrote anything into it.
+
+    Nothing written: it holds folders and empty ``.lock`` files only (a refused start,
+    or a stop before the first file of the run was written).  Anything else keeps it.
+    """
+    if made is None or not made.is_dir():
+        return
+    for dirpath, _, filenames in os.walk(made):
+        for name in filenames:
+            path = pathlib.Path(dirpath) / name
+            with contextlib.suppress(OSError):
+                if name != LOCK or path.stat().st_size:
+                    return
+    shutil.rmtree(made, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------

@@ -131,21 +131,22 @@ def train(cfg: TrainConfig | Run, *, stop_after: int | None = None,
                 "deterministic GPU reductions apply only if XLA_FLAGS held "
                 "--xla_gpu_deterministic_ops=true before it did")
         run = resolve(cfg, checked=True)  # refuses what cannot run before anything is written
-    try:
-        run.run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunDirError(f"cannot create the run directory {run.run_dir}: {e.strerror}") from e
+    made = rundir.make_run_dir(run.run_dir)
     primary = distributed.is_primary()
     if not primary:
         log = _quiet  # process 0 logs the run; the others log their own errors (raised)
     lock: Any = (rundir.RunLock(run.run_dir) if primary and not locked
                  else contextlib.nullcontext())
-    with lock:
-        if getattr(lock, "stale", None):
-            log(lock.stale)
-        opts = _Options(stop_after, allow_config_change, restart, stop,
-                        (run.run_dir, *data_exclude))
-        return _train_locked(run, opts, log)
+    try:
+        with lock:
+            if getattr(lock, "stale", None):
+                log(lock.stale)
+            opts = _Options(stop_after, allow_config_change, restart, stop,
+                            (run.run_dir, *data_exclude))
+            return _train_locked(run, opts, log)
+    except BaseException:
+        rundir.remove_unused(made)  # a refused start leaves nothing behind
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +173,9 @@ def _train_locked(run: Run, opts: _Options, log: Callable[[str], None]) -> RunRe
     tokens, eval_set = load_tokens_once(cfg, opts.data_exclude, rows, log)
     with distributed.together("to check the data"):
         settings["data_fingerprint"] = data_lib.fingerprint(tokens)
+        settings["data_sha256"] = data_lib.content_hash(tokens)  # every token
         settings.update(tokens.info)  # --data installed: corpus_fingerprint, corpus_tokens
-        changed |= rundir.check_settings(run_dir, recorded, settings, opts.allow_change,
-                                         ("data_fingerprint",))
+        changed |= _check_data(run_dir, cfg, recorded, settings, opts.allow_change)
         ckpts.settings = settings
         if cfg.init_from_hf is not None:
             check_hf_tokenizer(cfg, tokens)
@@ -225,6 +226,30 @@ def _train_locked(run: Run, opts: _Options, log: Callable[[str], None]) -> RunRe
                           tokens.vocab_size, poll, trackers,
                           start.step if start.resumed else None, log)
         return trainer.fit()
+
+
+def _check_data(run_dir: pathlib.Path, cfg: TrainConfig, recorded: dict[str, Any] | None,
+                settings: dict[str, Any], allow_change: bool) -> dict[str, Any]:
+    """The change of the data's identity since ``recorded``; refused unless allowed.
+
+    ``data_sha256`` covers every token (:func:`~sage_train.data.content_hash`); a run
+    recorded before it existed is checked by its ``data_fingerprint`` alone.
+
+    Raises:
+      RunDirError: the data changed and changes are not allowed: one line naming the file.
+    """
+    fields: tuple[str, ...] = ("data_fingerprint", "data_sha256")
+    if recorded is not None and "data_sha256" not in recorded:
+        fields = ("data_fingerprint",)
+    diff = rundir.differences(recorded or {}, settings, fields) if recorded else {}
+    if diff and not allow_change:
+        hashes = ", ".join(f"{k} {a!s:.16} -> {b!s:.16}" for k, (a, b) in diff.items())
+        raise RunDirError(
+            f"data {cfg.data or 'stdlib'!r} changed since run directory {run_dir} was "
+            f"trained on it ({hashes}): restore the data it was trained on, use another "
+            "--run-dir for a new run, or "
+            f"pass --allow-config-change to continue on this data (recorded in {rundir.HISTORY})")
+    return diff
 
 
 def _open_files(run: Run, settings: dict[str, Any], changed: dict[str, Any], start: int,

@@ -196,7 +196,9 @@ def test_inject_hyperparams_sage_hybrid_matches_make_optimizer():
     assert sage_optax.state_bytes(s_inj.inner_state) == (
         sage_optax.routing_table("sage-hybrid", params).total_bytes
     )
-    assert sage_optax.state_bytes(s_ref) == sage_optax.state_bytes(s_const) + 3 * 4
+    # a schedule adds a step count per partition, and the skip of a non-finite rate its
+    # step count and count of skipped steps (sage_optax.finite_rate)
+    assert sage_optax.state_bytes(s_ref) == sage_optax.state_bytes(s_const) + 5 * 4
     np.testing.assert_allclose(s_inj.hyperparams["learning_rate"], schedule(0), rtol=1e-7)
 
     step_inj, step_ref = jax.jit(injected.update), jax.jit(plain.update)
@@ -588,3 +590,65 @@ def test_nnx_optimizer_sharded_params():
         params = nnx.as_pure(nnx.state(model, nnx.Param))
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     assert_trees_close(params, ref_params, what="nnx params after sharded steps")
+
+
+def _finite_rate_params():
+    return {"embed": {"embedding": jnp.linspace(-1.0, 1.0, 64).reshape(16, 4)},
+            "dense": {"kernel": jnp.linspace(0.5, -0.5, 32).reshape(4, 8)},
+            "norm": {"scale": jnp.ones(4)}}
+
+
+def _run(tx, params, grads, steps, jit):
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(params)
+    seen = []
+    for t in range(steps):
+        before = state
+        updates, state = update(grads[t], state, params)
+        params = optax.apply_updates(params, updates)
+        seen.append((before, state, updates))
+    return params, state, seen
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_schedule_that_returns_nan_skips_that_step_only(jit):
+    """The step whose scheduled rate is NaN changes nothing and is counted; the others
+    take the rates of their own steps, as a run without that step would (a reference
+    built from a plain list of those rates)."""
+    params = _finite_rate_params()
+    grads = [jax.tree.map(lambda x, k=k: jnp.sin(x * (k + 1)), params) for k in range(4)]
+    rates = jnp.array([1e-3, 2e-3, jnp.nan, 4e-3])
+    tx = sage_optax.make_optimizer("sage-hybrid", lambda t: rates[t])
+    got, state, seen = _run(tx, params, grads, 4, jit)
+    before, after, updates = seen[2]
+    assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(updates))
+    inner = lambda s: jax.tree.leaves(s.inner_state)  # noqa: E731
+    assert all(np.array_equal(a, b) for a, b in zip(inner(before), inner(after), strict=True))
+    assert int(state.notfinite_lr_count) == 1 and int(state.steps) == 4
+    kept = jnp.array([1e-3, 2e-3, 4e-3])
+    ref_tx = sage_optax.make_optimizer("sage-hybrid", lambda t: kept[t])
+    want, _, _ = _run(ref_tx, params, [grads[0], grads[1], grads[3]], 3, jit)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert bool(jnp.all(jnp.isfinite(a)))
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_nan_rate_right_after_the_first_step_is_skipped_eagerly():
+    """After a skipped step the inner optimizer is rebuilt with the schedule shifted by one:
+    its builders' check of the first rate must not see the NaN of the step skipped."""
+    params = _finite_rate_params()
+    tx = sage_optax.make_optimizer("sinkgd-pure", lambda t: jnp.where(t == 1, jnp.nan, 1e-3))
+    grads = [jax.tree.map(jnp.ones_like, params)] * 3
+    got, state, _ = _run(tx, params, grads, 3, jit=False)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(got))
+    assert int(state.notfinite_lr_count) == 1
+
+
+def test_an_injected_nan_rate_is_skipped():
+    params = _finite_rate_params()
+    tx = optax.inject_hyperparams(sage_optax.make_optimizer, static_args="name")(
+        name="sage-hybrid", learning_rate=lambda t: jnp.where(t == 1, jnp.nan, 1e-3))
+    grads = [jax.tree.map(jnp.ones_like, params)] * 3
+    got, _, seen = _run(tx, params, grads, 3, jit=True)
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(got))
+    assert all(float(jnp.abs(u).max()) == 0.0 for u in jax.tree.leaves(seen[1][2]))

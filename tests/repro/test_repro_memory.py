@@ -169,3 +169,29 @@ def test_hf_moe_config_prints_the_state_of_every_configuration(tmp_path, capsys)
     # m and v of every parameter, and torch's float32 step per tensor
     assert rows["adamw"].state_bytes == 2 * 4 * n + 4 * len(tensors)
     assert rows["sage-hybrid"].state_bytes < rows["adamw"].state_bytes / 4
+
+
+@pytest.mark.parametrize("case", ["truncated", "negative vocabulary", "missing", "a list"])
+def test_a_bad_hf_config_is_one_line(tmp_path, capsys, case):
+    """A truncated config.json, ``vocab_size: -64`` or a missing path: one line naming the
+    file, exit status 2 (never a traceback, nor a look-up on the Hub)."""
+    pytest.importorskip("transformers")
+    import json
+
+    good = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1}
+    path = tmp_path / "model"
+    path.mkdir()
+    text = {"truncated": json.dumps(good)[:40],
+            "negative vocabulary": json.dumps({**good, "vocab_size": -64}),
+            "missing": None, "a list": "[1, 2]"}[case]
+    if text is not None:
+        (path / "config.json").write_text(text)
+    code = main(["--hf-config", str(path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("sage-memory: error: --hf-config") and str(path) in err
+    expected = {"truncated": "not valid JSON", "negative vocabulary": "vocab_size must be",
+                "missing": "does not exist", "a list": "not an object"}[case]
+    assert expected in err

@@ -119,6 +119,86 @@ def test_two_pieces_end_to_end_and_merged(tmp_path, monkeypatch, capsys):
     assert "piece a is there twice" in capsys.readouterr().err
 
 
+def _write_piece(folder, plan, name="a", runs=None):
+    """A piece's results.json as the sweep writes it, from run records made by hand."""
+    run = report.RunRecord(
+        "sage-hybrid", 0.002, 0, pathlib.Path("/runs/a"), 4, "finished", step_reached=4,
+        evals=report.EvalCurve((2, 4), (1100.0, 1024.0), (1.0, 2.0), (100.0, 110.0)),
+        losses=((1, 7.0), (2, 6.9), (3, 6.95), (4, 6.93)), tokens_per_s=105.0,
+        opt_state_bytes=4096, peak_rss_bytes=2**30)
+    runs = runs or (run,)
+    setup = {**plan.protocol.setup(), "piece": name, "data_fingerprints": [plan.fingerprint],
+             "data_tokens": None}
+    summary = report.summarize([report.Row("sage-hybrid", 0.002, runs)],
+                               {("sage-hybrid", 0.002): runs}, "slowest", setup)
+    path = folder / name / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(summary), indent=2))
+    return path
+
+
+def _every_run(d):
+    return [r for section in ("rows", "lr_sweep") for entry in d[section] for r in entry["runs"]]
+
+
+def _set_ppl(value):
+    def edit(d):
+        for r in _every_run(d):
+            r["evals"]["ppl"] = [value] * len(r["evals"]["ppl"])
+    return edit
+
+
+def _set(**fields):
+    def edit(d):
+        for r in _every_run(d):
+            r.update(fields)
+    return edit
+
+
+def _consistent(d):
+    """Every derived field edited to agree with a made-up perplexity: the digest tells."""
+    for r in _every_run(d):
+        r["evals"]["ppl"][-1] = r["final_test_ppl"] = 5.0
+    for row in d["rows"]:
+        row["test_ppl"]["mean"] = 5.0
+    for cell in d["lr_sweep"]:
+        cell["cell"] = "5.00"
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set_ppl(5.0), "rows[0].runs[0].final_test_ppl (sage-hybrid lr 0.002 seed 0) is 1024.0, "
+     "but the run's record gives 5.0"),
+    (_set_ppl(-3.0), "rows[0].runs[0] (sage-hybrid lr 0.002 seed 0): evals.ppl holds -3.0"),
+    (_set(step_reached=1), "status 'finished' at step 1 of 4 (step_reached)"),
+    (_set(status="great"), "status 'great' is none of finished, diverged"),
+    (lambda d: d["rows"][0]["test_ppl"].update(mean=5.0),
+     "rows[0].test_ppl (sage-hybrid) is {'mean': 5.0"),
+    (lambda d: d["lr_sweep"][0]["runs"][0].update(tokens_per_s=1.0),
+     "lr_sweep[0].runs[0] (sage-hybrid lr 0.002 seed 0) differs from the same run in "
+     "rows[0].runs[0]"),
+    (_consistent, "digest does not match the runs' records"),
+    (lambda d: d.pop("digest"), "digest is missing"),
+])
+def test_an_edited_piece_is_refused_when_merged(tmp_path, capsys, edit, message):
+    plan = tiny_plan(tmp_path / "cut", "e" * 64)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan.to_json()))
+    path = _write_piece(tmp_path / "pieces", plan)
+    argv = ["report", "--pieces", str(tmp_path / "pieces"), "--plan", str(plan_file)]
+    assert sweep.main(argv) == 0  # as written: merged
+    merged = json.loads((tmp_path / "pieces" / "results.json").read_text())
+    assert merged["rows"][0]["test_ppl"]["mean"] == 1024.0
+    assert merged["digest"] == report.records_digest(merged)
+    capsys.readouterr()
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    assert sweep.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"sage-repro report: error: {path}: ")
+    assert message in err, err
+
+
 def test_a_piece_on_another_cut_is_refused_before_it_trains(tmp_path, capsys):
     (tmp_path / "cut").mkdir()
     (tmp_path / "cut" / cut.MANIFEST).write_text(json.dumps({"fingerprint": "f" * 64}))
@@ -141,12 +221,56 @@ def test_a_piece_on_another_cut_is_refused_before_it_trains(tmp_path, capsys):
     (["--piece", "p1", "--configs", "adamw"], "--piece fixes --configs"),
     (["--piece", "p99", "--dry-run"], "--piece p99 is not a piece of the plan paper-20m: p1,"),
     (["--plan", "x.json", "--steps", "5"], "--plan goes with --piece"),
-    (["--piece", "p1", "--plan", "nope.json"], "--plan nope.json holds no plan of pieces"),
+    (["--piece", "p1", "--plan", "nope.json"], "--plan nope.json cannot be read"),
 ])
 def test_bad_piece_options_are_one_line(tmp_path, capsys, args, message):
     assert sweep.main(["sweep", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def _p1_twice(d):
+    d["pieces"][1]["name"] = "a"
+
+
+def _edit(part, **fields):
+    def edit(d):
+        (d["protocol"] if part == "protocol" else d["pieces"][0]).update(fields)
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_p1_twice, "pieces[1].name 'a' is the name of pieces[0] too"),
+    (_edit("protocol", model="huge"), "protocol.model: "),
+    (_edit("protocol", steps="2"), "protocol.steps must be an integer in [1, "),
+    (_edit("protocol", steps=0), "protocol.steps must be an integer in [1, "),
+    (_edit("protocol", eval_every=0), "protocol.eval_every must be an integer in [1, "),
+    (_edit("protocol", trainer_args="--remat dots"),
+     "protocol.trainer_args must be a list of strings"),
+    (_edit("protocol", trainer_args=["--steps", "9"]), "protocol.trainer_args sets --steps"),
+    (_edit("protocol", schedule="wsd"), "protocol.schedule must be one of cosine, linear"),
+    (_edit("protocol", seq_len=4096), "protocol.seq_len 4096 is longer than the tiny model"),
+    (_edit("protocol", warmup_frac=1.5), "protocol.warmup_frac must be a number in [0, 1)"),
+    (_edit("protocol", stpes=4), "protocol.stpes is not a protocol field"),
+    (_edit("piece", lr_factor=-1), "pieces[0].lr_factor (piece a) must be a finite number > 0"),
+    (_edit("piece", configs=["sage"]), "pieces[0].configs (piece a): unknown configuration"),
+    (_edit("piece", seeds=[0, 0]), "pieces[0].seeds (piece a) must be a non-empty list of "
+     "distinct integers"),
+    (_edit("piece", seeds="0"), "pieces[0].seeds (piece a) must be"),
+])
+def test_a_bad_plan_is_refused_before_anything_runs(tmp_path, capsys, edit, message):
+    """The dry run too: one line naming the plan file and the field, exit status 2."""
+    data = tiny_plan(tmp_path / "cut", "e" * 64).to_json()
+    edit(data)
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(data))
+    for argv in (["sweep", "--piece", "all", "--dry-run"],
+                 ["sweep", "--piece", "a", "--out", str(tmp_path / "o")],
+                 ["report", "--pieces", str(tmp_path)]):
+        assert sweep.main([*argv, "--plan", str(plan_file)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"--plan {plan_file}: " in err and message in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_paper_plan():

@@ -787,6 +787,27 @@ def test_scheduled_lr_is_the_one_used():
         assert torch.equal(value, before[key]), key
 
 
+def test_a_schedule_that_returns_nan_is_refused_before_anything_moves():
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = sage_torch.make_optimizer("sage-hybrid", model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: math.nan if epoch == 2 else 1.0)
+    for _ in range(2):
+        _loss_step(model, opt)
+        sched.step()
+    assert all(math.isnan(g["lr"]) for g in opt.param_groups)
+    params = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"^lr is nan in param group 0 .*schedule") as e:
+        _loss_step(model, opt)
+    assert "\n" not in str(e.value)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    after = opt.state_dict()["state"]
+    for i, st in state["state"].items():
+        assert all(torch.equal(v, after[i][k]) for k, v in st.items() if torch.is_tensor(v))
+
+
 def test_cosine_annealing_scales_every_group():
     torch.manual_seed(0)
     model = TinyLM()

@@ -28,7 +28,7 @@ from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 from sage_train.cli import build_parser, main  # noqa: E402
 from sage_train.errors import ConfigError, DataError, RunDirError, RunFileError  # noqa: E402
 from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals  # noqa: E402
-from sage_train.train import TrainConfig, check_config  # noqa: E402
+from sage_train.train import TrainConfig, check_config, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -174,6 +174,21 @@ def test_empty_data_is_refused(tmp_path, capsys):
         data_lib.load_data("", vocab_size=512)
 
 
+@pytest.mark.parametrize("make", ["missing", "empty.npy", "empty.u16", "empty.txt"])
+def test_a_refused_start_is_one_line_and_leaves_nothing_behind(tmp_path, capsys, make):
+    data = tmp_path / ("gone.u16" if make == "missing" else make)
+    if make != "missing":
+        data.write_bytes(b"")
+    runs = tmp_path / "out" / "runs"
+    assert main(cli_base(data, runs)) == 2
+    err = capsys.readouterr().err
+    assert one_line(err) and str(data) in err
+    assert not (tmp_path / "out").exists()  # no run directory, .lock or checkpoints/
+    with pytest.raises(DataError):  # the library's train() too
+        train(config(data, tmp_path / "lib" / "run"))
+    assert not (tmp_path / "lib").exists()
+
+
 def test_the_run_dir_is_never_part_of_the_corpus(train_corpus, tmp_path, monkeypatch, capsys):
     work = tmp_path / "work"
     work.mkdir()
@@ -308,6 +323,41 @@ def test_stop_signals_are_flags_and_exit_codes_documented():
 # ---------------------------------------------------------------------------
 # every file error is one line
 # ---------------------------------------------------------------------------
+
+
+FULL_DISK = """
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # a checkpoint file is larger
+from sage_train.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_last_one_resumes(tmp_path, capsys):
+    """Orbax's threads print tracebacks when their writes fail: they go to orbax.log."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "tokens.u16"
+    np.random.default_rng(0).integers(0, 1024, 200_000).astype(np.uint16).tofile(data)
+    runs = tmp_path / "runs"
+    assert main(cli_base(data, runs, steps=4)) == 0
+    ckpts = runs / "tiny-sage-hybrid" / "checkpoints"
+    assert Checkpoints(ckpts).steps() == [4]
+    root = pathlib.Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, *cli_base(data, runs), "--allow-config-change"],
+        capture_output=True, text=True, timeout=600, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line: nothing from orbax's threads
+    assert proc.stderr.startswith("sage-train: error: could not save the checkpoint of step 8")
+    assert "orbax.log" in proc.stderr and "Traceback" in (ckpts / "orbax.log").read_text()
+    assert Checkpoints(ckpts).steps() == [4] and not leftovers(ckpts)
+    capsys.readouterr()
+    assert main(cli_base(data, runs)) == 0  # the previous checkpoint resumes
+    assert "resum" in capsys.readouterr().out
 
 
 def test_a_full_disk_while_h_t_is_written_is_one_line(train_corpus, tmp_path, monkeypatch,

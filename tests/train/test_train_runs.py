@@ -182,6 +182,81 @@ def test_changed_data_under_the_same_path_is_refused(tmp_path):
         quiet(cfg)
 
 
+def test_a_change_between_the_sampled_pieces_is_refused(tmp_path):
+    """Tokens 4096-6096 of 500,000 lie between the pieces ``data_fingerprint`` samples."""
+    tokens = np.random.default_rng(1).integers(0, 1024, 500_000).astype(np.uint16)
+    data = tmp_path / "tokens.u16"
+    tokens.tofile(data)
+    cfg = config(None, tmp_path / "run", data=str(data), steps=4, checkpoint_every=2,
+                 eval_every=2)
+    quiet(cfg, stop_after=2)
+    from sage_train import data as data_lib
+
+    before = data_lib.load_data(str(data), vocab_size=1024)
+    sampled, full = data_lib.fingerprint(before), data_lib.content_hash(before)
+    tokens[4096:6096] = (tokens[4096:6096] + 1) % 1024
+    tokens.tofile(data)
+    after = data_lib.load_data(str(data), vocab_size=1024)
+    assert data_lib.fingerprint(after) == sampled  # the sampled pieces cannot see it
+    assert data_lib.content_hash(after) != full
+    with pytest.raises(RunDirError, match="data_sha256") as e:
+        quiet(cfg)
+    assert "tokens.u16" in str(e.value) and "\n" not in str(e.value)
+    result, _ = quiet(cfg, allow_config_change=True)
+    assert result.start_step == 2
+
+
+def test_the_content_hash_is_cached_by_size_and_times(tmp_path, monkeypatch):
+    from sage_train import data as data_lib
+
+    path = tmp_path / "tokens.u16"
+    np.arange(5000, dtype=np.uint16).tofile(path)
+    first = data_lib.file_sha256(path)
+    reads = []
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda f, *a, **k: (reads.append(f), real_open(
+        f, *a, **k))[1])
+    assert data_lib.file_sha256(path) == first and str(path) not in map(str, reads)
+    monkeypatch.undo()
+    raw = bytearray(path.read_bytes())
+    raw[7000] ^= 1
+    stat = path.stat()
+    path.write_bytes(bytes(raw))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the old mtime, a new ctime
+    assert data_lib.file_sha256(path) != first
+
+
+def test_rotation_keeps_the_last_verified_checkpoint_behind_an_unverified_one(tmp_path):
+    import jax.numpy as jnp
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, log=lambda m: None)
+    ckpts.prepare()
+    state = {"w": jnp.arange(4.0)}
+    for step in (4, 8):
+        ckpts.save(step, state, {})
+    (ckpts.path(8) / MANIFEST).unlink()  # resumed from an unverified newest checkpoint
+    ckpts.save(12, state, {})
+    assert ckpts.steps() == [12, 8, 4]  # 4: the last verified one before 12
+    ckpts.save(16, state, {})
+    assert ckpts.steps() == [16, 12]
+    ckpts.close()
+
+
+def test_start_up_removes_a_manifest_write_killed_before_its_rename(tmp_path):
+    import jax.numpy as jnp
+
+    ckpts = Checkpoints(tmp_path / "checkpoints", keep=2, log=lambda m: None)
+    ckpts.prepare()
+    ckpts.save(4, {"w": jnp.arange(4.0)}, {})
+    ckpts.close()
+    stray = ckpts.path(4) / f".{MANIFEST}.tmp-12345"  # SIGKILL between write and rename
+    stray.write_text("{")
+    messages: list[str] = []
+    Checkpoints(tmp_path / "checkpoints", log=messages.append).prepare()
+    assert not stray.exists() and (ckpts.path(4) / MANIFEST).exists()
+    assert any("interrupted" in m for m in messages)
+
+
 # ---------------------------------------------------------------------------
 # 3. the lock
 # ---------------------------------------------------------------------------
