@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sage_optim.hyperparams import check_skip_nonfinite
+from sage_optim.hyperparams import check, check_skip_nonfinite
 from sage_optim.presets import KINDS, Preset, RuleSpec, resolve_preset
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
@@ -242,6 +242,8 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
         if k in overrides
     }
     kinds = {kind: _kind_options(preset, kind, lr, extra) for kind in KINDS}
+    if lr is not None and not isinstance(lr, torch.Tensor):
+        check("lr", lr)  # before params, as torch.optim checks lr first
     if params is None and model is None:
         raise TypeError("make_optimizer needs the model or its params (tensors, (name, "
                         "tensor) pairs or param groups, with model= for their evidence)")
@@ -259,6 +261,7 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
     if result.errors:
         result.accept_equivalent(
             update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
+    had_params = bool(result.order)
     _leave_out_frozen(result)
     routed = result.placed()
     group_of = {id(p): g for _, p, g in result.order}
@@ -283,6 +286,11 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
             "fan_out_dim": fan_out,
             **({"view": view} if view is not None else {}),
         })
+    if not groups and had_params:
+        # Every parameter frozen and left out: as torch.optim, an optimizer whose step is a
+        # no-op (one empty group), not "empty parameter list".
+        groups.append({"params": [], "param_names": [], **kinds["vector"],
+                       "fan_in_dim": None, "fan_out_dim": None})
     return groups, routed, kinds, preset
 
 
