@@ -435,7 +435,7 @@ def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
     hf = LlamaForCausalLM(_hf_config(cfg)).float()
     flax_model = Llama(cfg, rngs=nnx.Rngs(seed))
     from_hf_state_dict(flax_model, hf.state_dict())
-    template = nnx.state(flax_model, nnx.Param).to_pure_dict()
+    template = nnx.to_pure_dict(nnx.state(flax_model, nnx.Param))
     paths = [(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p), hf_name(
         ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in p)))
         for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
