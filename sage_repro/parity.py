@@ -325,8 +325,8 @@ def _mixed_pair(mode: str, steps: int, seed: int) -> _Pair:
         return model
 
     def to_jax(arrays: dict[str, np.ndarray], dtype: Any) -> Any:
-        return jax.tree.map(lambda x: jnp.asarray(x, dtype),
-                            to_flax({n: torch.from_numpy(np.asarray(v)) for n, v in arrays.items()}))
+        tensors = {n: torch.from_numpy(np.asarray(v)) for n, v in arrays.items()}
+        return jax.tree.map(lambda x: jnp.asarray(x, dtype), to_flax(tensors))
 
     if mode == "gradients":
         seq = hard_gradients(make_model(torch.float64), steps, seed)  # type: ignore[arg-type]
@@ -362,10 +362,28 @@ def _mixed_pair(mode: str, steps: int, seed: int) -> _Pair:
     return _Pair(make_model, to_jax, from_flax, torch_grads, jax_grads, projection_table())
 
 
-def _rms_norm_float64(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """transformers' LlamaRMSNorm without its cast to float32 (the float64 run)."""
+def _rms_norm_float64(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The RMSNorm of transformers' LLaMA without its cast to float32 (the float64 run)."""
     variance = hidden_states.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _float64_norms(model: nn.Module) -> nn.Module:
+    """``model`` with each ``LlamaRMSNorm`` computing in float64 (in place, returned)."""
+    import types
+
+    for module in model.modules():
+        if type(module).__name__ == "LlamaRMSNorm":
+            module.forward = types.MethodType(_rms_norm_float64, module)
+    return model
+
+
+def _tree_paths(tree: Any) -> list[tuple[Any, ...]]:
+    """The key path of every leaf of a nested dict, keys as they are (ints for layers)."""
+    import jax
+
+    return [tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def llama_loss(params: dict[str, Any], tokens: Any, targets: Any, cos: Any, sin: Any,
@@ -418,7 +436,7 @@ def llama_loss(params: dict[str, Any], tokens: Any, targets: Any, cos: Any, sin:
 
 def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
                 seq_len: int) -> _Pair:
-    """transformers' ``LlamaForCausalLM`` and the trainer's Flax parameter tree (``llama``)."""
+    """The ``LlamaForCausalLM`` of transformers and the trainer's Flax tree (``llama``)."""
     import copy
 
     import jax
@@ -436,22 +454,14 @@ def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
     flax_model = Llama(cfg, rngs=nnx.Rngs(seed))
     from_hf_state_dict(flax_model, hf.state_dict())
     template = nnx.to_pure_dict(nnx.state(flax_model, nnx.Param))
-    paths = [(tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p), hf_name(
-        ".".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in p)))
-        for p, _ in jax.tree_util.tree_flatten_with_path(template)[0]]
+    paths = [(p, hf_name(".".join(map(str, p)))) for p in _tree_paths(template)]
     names = {tname for _, tname in paths}
     missing = names ^ {n for n, _ in hf.named_parameters()}
     assert not missing, f"parameters without a counterpart: {sorted(missing)}"
 
     def make_model(dtype: torch.dtype) -> nn.Module:
         m = copy.deepcopy(hf).to(dtype)
-        if dtype == torch.float64:
-            import types
-
-            for module in m.modules():
-                if type(module).__name__ == "LlamaRMSNorm":
-                    module.forward = types.MethodType(_rms_norm_float64, module)  # type: ignore[method-assign]
-        return m
+        return _float64_norms(m) if dtype == torch.float64 else m
 
     def transposed(path: tuple[Any, ...]) -> bool:
         return path[-1] == "kernel"
@@ -544,6 +554,12 @@ def _named(opt: torch.optim.Optimizer) -> dict[str, tuple[torch.Tensor, dict[str
     return out
 
 
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``p`` (every parameter has one in these runs)."""
+    assert p.grad is not None
+    return p.grad.detach()
+
+
 def _compare_updates(ut: np.ndarray, uj: np.ndarray, group: dict[str, Any],
                      state: dict[str, Any], g: np.ndarray) -> tuple[float, int, int, float, int]:
     """One parameter's synchronized updates: (worst in units, beyond, ties, offset sum, n)."""
@@ -598,8 +614,8 @@ def _run(pair: _Pair, name: str, steps: int, dtype: str, check: str, mode: str,
         if check == "sync":
             update32 = jax.jit(_jax_optimizer(name, lrs, pair.table, jnp.float32).update)
         for t in range(steps):
-            for o in (opt, opt32) if check == "sync" else (opt,):
-                for group in o.param_groups:
+            for each in (opt, opt32) if check == "sync" else (opt,):
+                for group in each.param_groups:
                     group["lr"] = float(lrs[t])
             cols: dict[str, float] = {}
             loss_t = pair.torch_grads(model, t)
@@ -610,7 +626,7 @@ def _run(pair: _Pair, name: str, steps: int, dtype: str, check: str, mode: str,
                 # Both sides start the step from the same float32 parameters (zero, so that
                 # the new parameter is the update itself, at full resolution), optimizer
                 # state (the float64 run's, rounded) and gradient (torch's, rounded).
-                g32 = {n: p.grad.detach().to(torch.float32) for n, (p, _) in named.items()}
+                g32 = {n: _grad(p).to(torch.float32) for n, (p, _) in named.items()}
                 opt32.load_state_dict(_cast32(opt.state_dict()))
                 with torch.no_grad():
                     for n, (p, _) in named32.items():
@@ -718,9 +734,10 @@ def run_llama_parity(name: str, steps: int = 10, *, model: str = "tiny", tied: b
                      dtype: str = "float64", trajectory: bool = False,
                      lr: float | None = None, batch: int = 4, seq_len: int = 32,
                      seed: int = 0) -> ParityReport:
-    """Full LLaMA parity: ``sage_optax`` on the trainer's parameter tree vs ``sage_torch`` on
-    transformers' ``LlamaForCausalLM`` (random init, converted weights), same batches.
+    """Full LLaMA parity: ``sage_optax`` against ``sage_torch`` on the same LLaMA, same batches.
 
+    ``sage_torch`` steps transformers' ``LlamaForCausalLM`` (random init); ``sage_optax`` the
+    trainer's Flax parameter tree of the same weights (converted).
     The JAX side's loss is :func:`llama_loss` on the trainer's :class:`~sage_train.model.Llama`
     parameter tree (as the trainer's ``nnx`` optimizer sees it).  In float64 both models run
     in float64 throughout (transformers' RMSNorm without its float32 cast, sdpa attention);
@@ -739,8 +756,11 @@ def run_llama_parity(name: str, steps: int = 10, *, model: str = "tiny", tied: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point: 0 when every configuration passes, 1 if one fails, 2 for
-    an invalid option (one line, before any work)."""
+    """Command-line entry point: the exit status.
+
+    0 when every configuration passes, 1 if one fails, 2 for an invalid option (one line,
+    before any work).
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     problem = _option_problem(args)

@@ -55,9 +55,11 @@ _PLACEHOLDER = re.compile(r"(param_groups\[\d+\]\.)?params\[\d+\]")
 
 
 def _placeholders(names: list[list[str]]) -> bool:
-    """Whether every name is one generated for a bare tensor (``param_groups[0].params[1]``,
-    ``params[1]``): the names of an optimizer built from ``parameters()``, not
-    ``named_parameters()``."""
+    """Whether every name is a placeholder generated for a bare tensor.
+
+    ``param_groups[0].params[1]`` or ``params[1]``: the names of an optimizer built from
+    ``parameters()``, not ``named_parameters()``.
+    """
     return all(_PLACEHOLDER.fullmatch(n) for group in names for n in group)
 
 
