@@ -51,7 +51,7 @@ def test_synchronized_float32_updates_agree(name):
     """Every step from the same float32 state: the updates agree to float32's resolution."""
     report = run_parity(name, steps=15, dtype="float32")
     assert report.check == "sync" and report.ok, report.verdict()
-    assert report.worst <= 16  # measured: at most 12 units (SYNC_ULPS leaves room)
+    assert report.worst <= 16  # measured: at most 13 units (SYNC_ULPS leaves room)
     assert abs(report.offset) <= 0.1 and report.beyond == 0 and report.ties == 0
     assert report.gap64 <= 1e-14  # the synchronized states: the float64 run's, equal
     assert all(0 <= cols["ties"] for _, _, cols in report.rows)
