@@ -103,7 +103,9 @@ def check_group(group: dict[str, Any], rule: str, keys: Sequence[str] = ()) -> N
     (``weight_decay``, ``eps``, ``alpha``, ``seed``, ...; ``betas`` for ``b1``/``b2``) and
     ``keys`` are checked against :mod:`sage_optim.hyperparams` (its ranges and choices), so
     no hyperparameter of a rule goes unchecked: the messages are those of
-    :mod:`sage_optax`.
+    :mod:`sage_optax`.  The order is ``torch.optim``'s (``torch.optim.AdamW``): ``lr``,
+    ``eps``, ``betas``, then the others, so a group with several invalid values is refused
+    for the one torch would name.
     """
     lr = group["lr"]
     if isinstance(lr, Tensor):
@@ -118,13 +120,15 @@ def check_group(group: dict[str, Any], rule: str, keys: Sequence[str] = ()) -> N
     else:
         hyperparams.check("lr", lr, rule)
     defaults = RULE_DEFAULTS.get(rule, {})
+    if "eps" in defaults and "eps" in group:  # torch.optim's order: lr, eps, betas, the rest
+        hyperparams.check("eps", group["eps"], rule)
     if "b1" in defaults:
         betas = group["betas"]
         if isinstance(betas, str) or not isinstance(betas, Sequence) or len(betas) != 2:
             raise ValueError(f"betas must be a pair (b1, b2), got {betas!r}")
         hyperparams.check("b1", betas[0], rule, "betas[0] (b1)")
         hyperparams.check("b2", betas[1], rule, "betas[1] (b2)")
-    names = [k for k in defaults if k not in ("b1", "b2", "projection")]
+    names = [k for k in defaults if k not in ("b1", "b2", "projection", "eps")]
     for key in dict.fromkeys([*names, *keys]):
         if key in group:
             hyperparams.check(key, group[key], rule)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from sage_optim import rates
-from sage_optim.hyperparams import check_skip_nonfinite
+from sage_optim.hyperparams import check, check_skip_nonfinite
 from sage_optim.presets import KINDS, Preset, RuleSpec, resolve_preset
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_optim.table import RoutingRow, RoutingTable
@@ -246,6 +246,8 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
         k: overrides.pop(k) for k in ("maximize", "foreach", "fused", "capturable")
         if k in overrides
     }
+    if lr is not None and not isinstance(lr, torch.Tensor):
+        check("lr", lr)  # before params, as torch.optim checks lr first
     kinds = {kind: _kind_options(preset, kind, kind_rates.get(kind, lr), extra)
              for kind in KINDS}
     if notice:
@@ -268,6 +270,7 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
     if result.errors:
         result.accept_equivalent(
             update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
+    had_params = bool(result.order)
     _leave_out_frozen(result)
     routed = result.placed()
     group_of = {id(p): g for _, p, g in result.order}
@@ -292,6 +295,11 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
             "fan_out_dim": fan_out,
             **({"view": view} if view is not None else {}),
         })
+    if not groups and had_params:
+        # Every parameter frozen and left out: as torch.optim, an optimizer whose step is a
+        # no-op (one empty group), not "empty parameter list".
+        groups.append({"params": [], "param_names": [], **kinds["vector"],
+                       "fan_in_dim": None, "fan_out_dim": None})
     return groups, routed, kinds, preset
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -50,12 +51,28 @@ def _names_of(groups: Any) -> list[list[str]] | None:
     return names if len(set(flat)) == len(flat) else None
 
 
+_PLACEHOLDER = re.compile(r"(param_groups\[\d+\]\.)?params\[\d+\]")
+
+
+def _placeholders(names: list[list[str]]) -> bool:
+    """Whether every name is a placeholder generated for a bare tensor.
+
+    ``param_groups[0].params[1]`` or ``params[1]``: the names of an optimizer built from
+    ``parameters()``, not ``named_parameters()``.
+    """
+    return all(_PLACEHOLDER.fullmatch(n) for group in names for n in group)
+
+
 def _by_names(state_dict: dict[str, Any], groups: list[dict[str, Any]]) -> dict[str, Any]:
     """``state_dict`` with its groups and parameters in the order of ``groups``, by name.
 
-    Where both sides record ``param_names`` in every group, each parameter of ``groups`` is
-    matched to the saved parameter of its name (and each group to the saved group holding
-    its parameters); elsewhere ``state_dict`` is returned as it is (matched by position).
+    Where both sides record real ``param_names`` in every group, each parameter of
+    ``groups`` is matched to the saved parameter of its name (and each group to the saved
+    group holding its parameters); elsewhere ``state_dict`` is returned as it is (matched
+    by position, as ``torch.optim`` matches): where one side has no names, or only the
+    placeholders given to bare tensors (an optimizer built from ``parameters()`` loading
+    one built from ``named_parameters()``, or the other way).  Saved placeholders do not
+    replace this optimizer's own names.
 
     Raises:
       ValueError: the names cannot be matched one to one (a name on one side only, or a
@@ -63,8 +80,15 @@ def _by_names(state_dict: dict[str, Any], groups: list[dict[str, Any]]) -> dict[
     """
     saved_groups = state_dict.get("param_groups")
     mine, theirs = _names_of(groups), _names_of(saved_groups)
-    if mine is None or theirs is None or mine == theirs or len(mine) != len(theirs) or sorted(
-            map(len, mine)) != sorted(map(len, theirs)):
+    if theirs is not None and _placeholders(theirs) and (mine is None or not _placeholders(
+            mine)):
+        # Saved by an optimizer built from bare tensors: by position, as torch.optim, and
+        # this optimizer keeps its own names (torch.optim would take the placeholders).
+        assert isinstance(saved_groups, list | tuple)
+        return {**state_dict, "param_groups": [
+            {k: v for k, v in g.items() if k != "param_names"} for g in saved_groups]}
+    if mine is None or theirs is None or _placeholders(mine) or mine == theirs or len(
+            mine) != len(theirs) or sorted(map(len, mine)) != sorted(map(len, theirs)):
         return state_dict  # by position (other counts: check_state_dict names them)
     assert isinstance(saved_groups, list | tuple)
     where = {name: (gi, i) for gi, names in enumerate(theirs) for i, name in enumerate(names)}
@@ -117,6 +141,20 @@ def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             st = {**st, "step": torch.tensor(float(step), dtype=torch.float32)}
         state[pid] = st
     return {**state_dict, "state": state}
+
+
+def _with_rule_defaults(group: dict[str, Any], rule: str) -> dict[str, Any]:
+    """``group`` with every hyperparameter of ``rule`` it lacks set to the rule's default.
+
+    In place, and returned; a rule with momentum keeps it in ``betas``.
+    """
+    for key in RULE_DEFAULTS[rule]:
+        if key in ("b1", "b2", "projection"):
+            continue
+        group.setdefault(key, RULE_DEFAULTS[rule][key])
+    if "b1" in RULE_DEFAULTS[rule]:  # a rule with momentum keeps it in betas
+        group.setdefault("betas", (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]))
+    return group
 
 
 def _drop_duplicates(group: dict[str, Any]) -> None:
@@ -337,6 +375,11 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._rules: dict[str, UpdateRule] = self._make_rules()
         self.kinds: dict[str, dict[str, Any]] = {k: dict(v) for k, v in (kinds or {}).items()}
         merged = _Defaults({**_COMMON_DEFAULTS, **defaults})
+        rule = merged.get("rule")
+        if isinstance(rule, str) and rule in self._rules:
+            # The hyperparameters before the params, as torch.optim checks lr (then eps,
+            # betas, weight_decay) before it reads params: params=None with lr=-1 names lr.
+            self._rules[rule].validate(_with_rule_defaults(dict(merged), rule))
         super().__init__(params, merged)
         merged.owner = self
 
@@ -449,12 +492,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"param group has rule {rule!r}; valid rules: {', '.join(sorted(self._rules))}"
             )
-        for key in RULE_DEFAULTS[rule]:
-            if key in ("b1", "b2", "projection"):
-                continue
-            group.setdefault(key, RULE_DEFAULTS[rule][key])
-        if "b1" in RULE_DEFAULTS[rule]:  # a rule with momentum keeps it in betas
-            group.setdefault("betas", (RULE_DEFAULTS[rule]["b1"], RULE_DEFAULTS[rule]["b2"]))
+        _with_rule_defaults(group, rule)
         try:
             self._rules[rule].validate(group)
             self._check_fused(group)
@@ -775,7 +813,10 @@ class RuleOptimizer(torch.optim.Optimizer):
         Where both sides record ``param_names`` (in every group), parameters and groups are
         matched by name, not by position (same-shape parameters listed in another order keep
         their own moments); names that cannot be matched one to one are refused, naming the
-        first.
+        first.  Where one side was built from bare tensors (no names, or only the generated
+        ``params[i]`` placeholders), parameters are matched by position, as ``torch.optim``
+        does, when the group and parameter counts agree (else a one-line ``ValueError``
+        naming the counts); this optimizer keeps its own names.
         """
         state_dict = _by_names(_tensor_steps(state_dict), self.param_groups)
         self.check_state_dict(state_dict)

@@ -394,6 +394,84 @@ def test_a_fully_frozen_model_builds(entry):
     opt.step()  # no gradient: nothing to do
 
 
+def _tensors(model: nn.Module, entry: Entry) -> list[torch.Tensor]:
+    """Parameters ``entry`` takes as bare tensors: all of them for a class; the vectors for
+    a configuration (a bare matrix needs evidence of its layout, :data:`DIFFERENCES`)."""
+    params = list(model.parameters())
+    return params if entry.config is None else [p for p in params if p.dim() == 1]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_state_dict_loads_by_position_between_named_and_bare_tensors(entry):
+    """issue 42: built from bare tensors on one side and from (name, tensor) pairs on the
+    other (either way), a state dict loads by position, as torch.optim's does, and the
+    resumed optimizer steps as the original."""
+    for src, dst in (("bare", "named"), ("named", "bare")):
+        model = Net()
+        tensors = _tensors(model, entry)
+
+        def make(how: str, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+            given = ([(f"w{i}", t) for i, t in enumerate(tensors)] if how == "named"
+                     else list(tensors))
+            return entry.build(given, foreach=entry.foreach)
+
+        opt = make(src, tensors)
+        for t in range(3):
+            _step(opt, model, t)
+        twin = copy.deepcopy(model)
+        resumed = make(dst, _tensors(twin, entry))
+        saved = _through_bytes(opt.state_dict())
+        # real names win over none or the placeholders of bare tensors (torch.optim takes
+        # the saved names; placeholders never replace real ones)
+        names = [g.get("param_names") for g in (saved if src == "named" else resumed.state_dict())[
+            "param_groups"]]
+        resumed.load_state_dict(saved)
+        assert [g.get("param_names") for g in resumed.param_groups] == names
+        for t in range(3, 6):
+            _step(opt, model, t)
+            _step(resumed, twin, t)
+        _same(model, twin)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.foreach],
+                         ids=[e.id for e in ENTRIES if not e.foreach])
+def test_state_dict_of_another_parameter_count_is_one_line(entry):
+    model = Net()
+    tensors = _tensors(model, entry)
+    opt = entry.build([(f"w{i}", t) for i, t in enumerate(tensors)])
+    _step(opt, model, 0)
+    fewer = entry.build(tensors[:-1])
+    with pytest.raises(ValueError) as info:
+        fewer.load_state_dict(opt.state_dict())
+    assert "\n" not in str(info.value) and "parameters" in str(info.value), str(info.value)
+    assert not fewer.state  # nothing loaded
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.foreach],
+                         ids=[e.id for e in ENTRIES if not e.foreach])
+def test_all_parameters_frozen_steps_as_a_no_op(entry):
+    """issue 42: as torch.optim (its ``test_step_is_noop_when_params_have_no_grad``): bare
+    tensors none of which requires a gradient build an optimizer whose step changes
+    nothing; for a configuration too, where nothing places the frozen matrices."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(4, 3, generator=gen, dtype=torch.float64),
+               torch.randn(3, generator=gen, dtype=torch.float64)]
+    before = [t.clone() for t in tensors]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the configurations warn of the left-out matrix
+        opt = entry.build(tensors)
+    for _ in range(2):
+        opt.step()
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    assert not opt.state
+    matrices = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        only = entry.build(matrices)  # configurations: every one left out, not refused
+    only.step()
+    opt.load_state_dict(opt.state_dict())
+
+
 def _duplicate_groups(entry: Entry, a: torch.Tensor) -> list[dict[str, Any]]:
     if entry.config is None:
         return [{"params": [a]}, {"params": [a], "lr": 0.5}]
@@ -563,6 +641,30 @@ def test_every_bad_hyperparameter_is_refused(rule, name):
         with pytest.raises(ValueError) as info:
             builders[0]()
         assert str(info.value) == message
+
+
+@pytest.mark.parametrize("cls", [SAGE, SinkGD, Lion, APOLLO, "RuleOptimizer",
+                                 "make_optimizer"])
+def test_arguments_are_checked_in_torch_order(cls):
+    """issue 42: lr before params (torch.optim.AdamW(None, lr=-1) names lr), then eps, then
+    betas, as torch/optim/adamw.py orders its checks."""
+    def build(params: Any, **kw: Any) -> Any:
+        if cls == "RuleOptimizer":
+            return RuleOptimizer(params, {"rule": "adamw", **kw})
+        if cls == "make_optimizer":
+            return sage_torch.make_optimizer("sage-hybrid", params, **kw)
+        return cls(params, **kw)
+
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        torch.optim.AdamW(None, lr=-1.0)  # type: ignore[arg-type]
+    for params in (None, [], torch.zeros(3)):
+        with pytest.raises(ValueError, match=r"^lr must be >= 0, got -1.0$"):
+            build(params, lr=-1.0)
+    if cls in (SAGE, APOLLO, "RuleOptimizer"):
+        with pytest.raises(ValueError, match="Invalid epsilon"):
+            torch.optim.AdamW([torch.zeros(3)], lr=LR, eps=-1.0, betas=(2.0, 0.9))
+        with pytest.raises(ValueError, match=r"^eps must be"):
+            build([torch.zeros(4, 3)], lr=LR, eps=-1.0, betas=(2.0, 0.9))
 
 
 def test_sinkgd_negative_alpha_is_refused():
