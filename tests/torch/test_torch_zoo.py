@@ -121,7 +121,9 @@ def test_gpt2_routing_table_prints_axes_and_evidence():
     for column in ("fan-in", "fan-out", "evidence", "state bytes"):
         assert column in header
     line = next(s for s in text.splitlines() if s.startswith("transformer.h.0.attn.c_attn.weight"))
-    assert line.split()[1:7] == ["16x48", "dense", "sinkgd(unit,", "alpha=10)", "0", "(16)"]
+    assert line.split()[1:10] == ["16x48", "dense", "sinkgd(unit,", "alpha=10)", "0.02",
+                                  "(0.002", "x", "10)", "0"]  # the step: rate x alpha
+    assert "0 (16)  1 (48)" in line
     assert "1 (48)" in line and "module Conv1D" in line
     line = next(s for s in text.splitlines() if s.startswith("transformer.wte.weight"))
     assert "1 (16)  0 (40)" in line and "model API: input embeddings, tied to lm_head" in line

@@ -347,7 +347,8 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_last_one_resumes(tm
     assert Checkpoints(ckpts).steps() == [4]
     root = pathlib.Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, "-c", FULL_DISK, *cli_base(data, runs), "--allow-config-change"],
+        [sys.executable, "-c", FULL_DISK, *cli_base(data, runs), "--allow-config-change",
+         "--tail-from", "4", "--tail", "constant"],
         capture_output=True, text=True, timeout=600, cwd=root,
         env={**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 1, proc.stderr
@@ -356,7 +357,8 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_last_one_resumes(tm
     assert "orbax.log" in proc.stderr and "Traceback" in (ckpts / "orbax.log").read_text()
     assert Checkpoints(ckpts).steps() == [4] and not leftovers(ckpts)
     capsys.readouterr()
-    assert main(cli_base(data, runs)) == 0  # the previous checkpoint resumes
+    assert main(cli_base(data, runs) + ["--allow-config-change", "--tail-from", "4",
+                                        "--tail", "constant"]) == 0  # step 4 resumes
     assert "resum" in capsys.readouterr().out
 
 
