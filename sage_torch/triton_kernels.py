@@ -328,6 +328,28 @@ def _pow2_floor_fn(x, IS_F32: tl.constexpr):  # pragma: no cover - Triton
 _pow2_floor = _DeviceFunction(_pow2_floor_fn)
 
 
+def _rescale_fn(scale, norm_sq, t, eps, IS_F32: tl.constexpr):  # pragma: no cover - Triton
+    """One half-iteration's scale update: ``s·t/(s·‖·‖ + ε)``, ``s`` kept where the norm is 0.
+
+    ``norm_sq``: the squared norm of the slice of ``G`` weighted by the other scale (the
+    slice of ``X`` has norm ``scale·sqrt(norm_sq)``); the rescale of
+    :func:`sage_optax.sinkhorn._iterate`, for the row and the column step alike.
+    """
+    if IS_F32:
+        q = tl.sqrt_rn(norm_sq)
+    else:
+        q = tl.sqrt(norm_sq)
+    den = tl.where(q > 0, scale * q + eps, 1.0)
+    if IS_F32:
+        new = tl.div_rn(scale * t, den)
+    else:
+        new = (scale * t) / den
+    return tl.where(q > 0, new, scale)
+
+
+_rescale = _DeviceFunction(_rescale_fn)
+
+
 def _sinkgd_sweep(base_ptr, desc_ptr, prog_ptr, r_ptr, ia_ptr, c_ptr, cs_ptr, hp_ptr, lr_ptr,
                   it, n_c, FIRST: tl.constexpr, APPLY: tl.constexpr, SQRT: tl.constexpr,
                   IS_F32: tl.constexpr, BF16: tl.constexpr, LR_TENSOR: tl.constexpr,
@@ -403,13 +425,7 @@ def _sinkgd_sweep(base_ptr, desc_ptr, prog_ptr, r_ptr, ia_ptr, c_ptr, cs_ptr, hp
         c_prev = tl.load(c_ptr + (it - 1) * n_c + c_off + cols, mask=col_ok & (it > 1),
                          other=1.0)
         c_sq = tl.load(cs_ptr + (it - 1) * n_c + c_off + cols, mask=col_ok, other=0.0)
-        c_norm = tl.sqrt_rn(c_sq) if IS_F32 else tl.sqrt(c_sq)
-        c_den = tl.where(c_norm > 0, c_prev * c_norm + eps, 1.0)
-        if IS_F32:
-            c_new = tl.div_rn(c_prev * t_out, c_den)
-        else:
-            c_new = (c_prev * t_out) / c_den
-        c = tl.where(c_norm > 0, c_new, c_prev)
+        c = _rescale(c_prev, c_sq, t_out, eps, IS_F32)
         tl.store(c_ptr + it * n_c + c_off + cols, c, mask=col_ok & (row0 == 0))
         xc = x * c[None, :]
         r_old = tl.load(r_ptr + r_off + rows, mask=row_ok, other=1.0)
@@ -427,14 +443,8 @@ def _sinkgd_sweep(base_ptr, desc_ptr, prog_ptr, r_ptr, ia_ptr, c_ptr, cs_ptr, hp
         p = tl.load(p_ptrs, mask=ok, other=0.0).to(cdt)
         tl.store(p_ptrs, _decayed(p, u, wd, lr, BF16, LR_TENSOR), mask=ok)
     else:
-        s = tl.reduce(xc * xc, 1, tl.standard._sum_combine)
-        q = tl.sqrt_rn(s) if IS_F32 else tl.sqrt(s)
-        den = tl.where(q > 0, r_old * q + eps_r, 1.0)
-        if IS_F32:
-            r_new = tl.div_rn(r_old * t_in, den)
-        else:
-            r_new = (r_old * t_in) / den
-        r = tl.where(q > 0, r_new, r_old)
+        r = _rescale(r_old, tl.reduce(xc * xc, 1, tl.standard._sum_combine), t_in, eps_r,
+                     IS_F32)
         tl.store(r_ptr + r_off + rows, r, mask=row_ok)
         y = x * r[:, None]
         col = tl.reduce(y * y, 0, tl.standard._sum_combine)
