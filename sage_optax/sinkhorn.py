@@ -741,6 +741,7 @@ def scale_by_sinkhorn(
         # platform the program is compiled for is lowered.
         cuda = (placement.cuda_device_count(), placement.cuda_device_kind())
         stream_cpu, stream_cuda = use_stream(impl, "cpu", 1), use_stream(impl, "cuda", *cuda)
+        stream_other = use_stream(impl, "other", 1)
 
         def batch_bytes(streamed: bool) -> int:  # the streamed path's own default
             return STREAM_GROUP_BYTES if streamed and explicit_bytes is None else group_bytes
@@ -758,7 +759,7 @@ def scale_by_sinkhorn(
                 normalization),
             "other": functools.partial(
                 _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True, False,
-                use_stream(impl, "other", 1), stack_off_cpu, group_bytes, num_iters, eps,
+                stream_other, stack_off_cpu, batch_bytes(stream_other), num_iters, eps,
                 normalization),
         }
         results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
