@@ -1,6 +1,6 @@
 """The trainer's attention, forward and backward, with each implementation: error, time, memory.
 
-Runs :func:`sage_train.model.causal_attention` (what ``sage-train``'s model calls: causal,
+Runs :func:`sage_train.model.llama.causal_attention` (what ``sage-train``'s model calls: causal,
 grouped-query heads, float32 softmax) at the given shapes with every implementation this
 machine can run (``--attention xla cudnn``; ``cudnn`` is cuDNN's fused flash attention, on a
 CUDA GPU only, and prints a one-line skip reason elsewhere) and reports, per implementation:
@@ -13,7 +13,7 @@ CUDA GPU only, and prints a one-line skip reason elsewhere) and reports, per imp
 * the compiled program's temporary memory (``memory_analysis().temp_size_in_bytes``): XLA's
   materialises the float32 ``T x T`` scores of every head, cuDNN's does not.
 
-Defaults: the 270m model's heads (``sage_train.model_shapes``), batch 16 x 1024 tokens, bfloat16::
+Defaults: the 270m model's heads (``sage_train.model.shapes``), batch 16 x 1024 tokens, bfloat16::
 
     python benchmarks/attention.py
     python benchmarks/attention.py --batch-size 2 --seq-len 64 --repeats 3   # CPU: xla only
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from sage_optax import placement
-from sage_train.model import causal_attention, cudnn_present, cudnn_problem
-from sage_train.model_shapes import get_model_config
+from sage_train.model.llama import causal_attention, cudnn_present, cudnn_problem
+from sage_train.model.shapes import get_model_config
 
 MIB = 1 << 20
 IMPLEMENTATIONS = ("xla", "cudnn")

@@ -34,14 +34,15 @@ the largest single parameter.
     python benchmarks/jax_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid lion]
                                   [--breakdown]
 
-``--kernel auto|pallas|jnp`` chooses how SinkGD computes its scales (``auto``: jnp, until
+``--kernel auto|pallas|jnp|stream|blocked`` chooses how SinkGD computes its scales
+(``blocked``: by blocks of rows, no ``K``; ``auto``: jnp, until
 ``scripts/gpu-check`` has validated the Pallas kernel on this GPU:
 ``sage_optim.kernels.VALIDATED_ON``); ``--compare-kernels sage-hybrid sinkgd-pure`` times
 the named configurations twice, as ``"<name> [pallas]"`` and ``"<name> [jnp]"``: the
 figures that decide whether ``auto`` takes the kernel.  ``--compare-range-pass
 sinkgd-hybrid`` times the named configurations twice, as ``"<name>"`` and ``"<name> [range
 pass]"``, the latter with SinkGD finding each matrix's range scale on the CPU too (the
-computation :func:`sage_optax.sinkhorn.checked_sinkhorn_scales` falls back to): the A/B of
+computation :func:`sage_optax.sinkgd.checked_sinkhorn_scales` falls back to): the A/B of
 that pass in one process.
 
 ``--temp-only`` compiles each step from the shapes alone (nothing is allocated, nothing
@@ -65,6 +66,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib
 import json
 import math
 import os
@@ -80,11 +82,12 @@ import jax.numpy as jnp
 import optax
 
 import sage_optax
-from sage_optax import sinkhorn
 from sage_optim.presets import resolve_preset
 from sage_repro import traffic
 from sage_repro.llama_shapes import STACKED_ROUTES, llama_param_shapes
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
+
+sinkhorn = importlib.import_module("sage_optax.sinkgd")  # the module; sage_optax.sinkgd: the alias
 
 BASELINE = "optax.adamw (baseline)"
 GIB = 2.0**30
@@ -431,15 +434,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layout", choices=("per-layer", "stacked"), default="per-layer",
                     help="one leaf per layer, or layers stacked on a leading axis as an "
                     "nnx.scan model holds them (default per-layer)")
-    ap.add_argument("--kernel", choices=sage_optax.sinkhorn.IMPLS, default="auto",
+    ap.add_argument("--kernel", choices=sinkhorn.IMPLS, default="auto",
                     help="SinkGD's scale computation (auto: the Pallas kernel only on a GPU "
                     "where scripts/gpu-check validated it, else jnp)")
     ap.add_argument("--compare-kernels", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations with both SinkGD kernels, pallas and jnp")
     ap.add_argument("--kernels", nargs="+", default=["pallas", "jnp"], metavar="IMPL",
-                    help="the computations --compare-kernels times: pallas, jnp, stream, or "
-                         "'stream N MiB' (streamed batches of at most N MiB; default pallas "
-                         "jnp)")
+                    help="the computations --compare-kernels times: pallas, jnp, stream, "
+                         "blocked, or 'stream N MiB' (streamed batches of at most N MiB; "
+                         "default pallas jnp)")
     ap.add_argument("--compare-range-pass", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations also with SinkGD's range pass on the CPU")
     ap.add_argument("--temp-only", action="store_true",
@@ -507,18 +510,61 @@ def report(results: dict[str, tuple[Runner, float]], entries: list[str],
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.processes > 1:
-        across_processes(sys.argv[1:] if argv is None else argv, args.processes)
-        return
-    KERNEL["default"] = args.kernel
+def _entries(args: argparse.Namespace) -> list[str]:
+    """The configurations to time, each kernel and range-pass variant as its own entry."""
     entries = []
     for n in args.configs:
         both = n in args.compare_kernels
         entries += [f"{n} [{k}]" for k in args.kernels] if both else [n]
         if n in args.compare_range_pass:
             entries.append(f"{n} [{RANGE_PASS}]")
+    return entries
+
+
+def _run_all(baseline: Runner, entries: list[str], shapes: Any, grads: Any,
+             args: argparse.Namespace) -> dict[str, tuple[Runner, float]]:
+    """Time every entry at once with the baseline: name -> (runner, baseline median)."""
+    results: dict[str, tuple[Runner, float]] = {}
+    runners = [baseline]
+    for n in entries:
+        runners.append(Runner(n, shapes, grads, seed=0))
+        print(runners[-1].memory_line())
+    interleave(runners, args.warmup, args.repeats)
+    base_med = statistics.median(baseline.times)
+    for r in runners:
+        results[r.name] = (r, base_med)
+    return results
+
+
+def _run_pairwise(baseline: Runner, entries: list[str], shapes: Any, grads: Any,
+                  args: argparse.Namespace) -> dict[str, tuple[Runner, float]]:
+    """Time each entry alone against the baseline: name -> (runner, baseline median)."""
+    results: dict[str, tuple[Runner, float]] = {}
+    all_base: list[float] = []
+    for n in entries:
+        r = Runner(n, shapes, grads, seed=0)
+        print(r.memory_line())
+        baseline.times = []
+        interleave([baseline, r], args.warmup, args.repeats)
+        all_base += baseline.times
+        results[n] = (r, statistics.median(baseline.times))
+        print(
+            f"  {n}: {statistics.median(r.times) * 1e3:.1f} ms vs baseline "
+            f"{results[n][1] * 1e3:.1f} ms", flush=True,
+        )
+        r.free()
+    baseline.times = all_base
+    results[BASELINE] = (baseline, statistics.median(all_base))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.processes > 1:
+        across_processes(sys.argv[1:] if argv is None else argv, args.processes)
+        return
+    KERNEL["default"] = args.kernel
+    entries = _entries(args)
 
     config = get_model_config(args.model)
     shapes = llama_param_shapes(config, jnp.dtype(args.dtype), stacked=args.layout == "stacked")
@@ -557,34 +603,12 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     grads = materialise(shapes, seed=1)
-    results: dict[str, tuple[Runner, float]] = {}  # name -> (runner, baseline median)
     baseline = Runner(BASELINE, shapes, grads, seed=0)
     print(baseline.memory_line())
     if schedule == "all":
-        runners = [baseline]
-        for n in entries:
-            runners.append(Runner(n, shapes, grads, seed=0))
-            print(runners[-1].memory_line())
-        interleave(runners, args.warmup, args.repeats)
-        base_med = statistics.median(baseline.times)
-        for r in runners:
-            results[r.name] = (r, base_med)
+        results = _run_all(baseline, entries, shapes, grads, args)
     else:
-        all_base: list[float] = []
-        for n in entries:
-            r = Runner(n, shapes, grads, seed=0)
-            print(r.memory_line())
-            baseline.times = []
-            interleave([baseline, r], args.warmup, args.repeats)
-            all_base += baseline.times
-            results[n] = (r, statistics.median(baseline.times))
-            print(
-                f"  {n}: {statistics.median(r.times) * 1e3:.1f} ms vs baseline "
-                f"{results[n][1] * 1e3:.1f} ms", flush=True,
-            )
-            r.free()
-        baseline.times = all_base
-        results[BASELINE] = (baseline, statistics.median(all_base))
+        results = _run_pairwise(baseline, entries, shapes, grads, args)
 
     report(results, entries, args, schedule, bw, largest)
     if args.breakdown:

@@ -11,7 +11,7 @@ Four parts, each a subcommand (``all`` runs them in order)::
 * ``memory``: the Appendix memory table for 270M / 0.6B / 1.3B, computed exactly from
   ``jax.eval_shape`` (:mod:`sage_repro.memory_report`), next to the paper's figures.
 * ``convergence``: the main table (``tab:main_results``) in form: every configuration
-  trained by :func:`sage_train.train.train` on the embedded standard-library corpus with the
+  trained by :func:`sage_train.run.train.train` on the embedded standard-library corpus with the
   same token budget and schedule (cosine, 10% warmup), at its paper learning rate, for each
   seed; final test perplexity mean and spread (min–max over seeds), optimizer-state memory,
   raw throughput and the paper's *effective throughput* (Appendix, after Scetbon et al.):
@@ -100,7 +100,7 @@ def run_dir(out: pathlib.Path, config: str, lr: float, seed: int) -> pathlib.Pat
 
 def read_curve(path: pathlib.Path, config: str, lr: float, seed: int) -> Curve | None:
     """The evaluations recorded in ``path/metrics.jsonl`` (``None`` if there are none)."""
-    from sage_train.figures import read_metrics
+    from sage_train.store.figures import read_metrics
 
     if not (path / "metrics.jsonl").exists():
         return None
@@ -122,7 +122,7 @@ def read_curve(path: pathlib.Path, config: str, lr: float, seed: int) -> Curve |
 def train_one(out: pathlib.Path, budget: Budget, config: str, lr: float, seed: int,
               record_h: bool = False) -> Curve:
     """Train one configuration (or reuse a finished run) and return its curve."""
-    from sage_train.train import TrainConfig, train
+    from sage_train.run.train import TrainConfig, train
 
     path = run_dir(out, config, lr, seed)
     curve = read_curve(path, config, lr, seed)
@@ -239,7 +239,7 @@ def run_sweep(out: pathlib.Path, budget: Budget, configs: Sequence[str], lrs: Se
 def make_figures(out: pathlib.Path, runs: dict[str, list[Curve]], budget: Budget,
                  seed: int) -> list[pathlib.Path]:
     """The perplexity curves, H_t heatmap and H_t PCA as PNGs in ``out``."""
-    from sage_train import figures
+    from sage_train.store import figures
 
     curves = {c: [list(zip([s * budget.tokens_per_step for s in cv.steps], cv.ppl,
                            strict=True)) for cv in cs] for c, cs in runs.items()}

@@ -46,7 +46,7 @@ from torch_step import build_model  # noqa: E402
 
 import sage_torch  # noqa: E402
 from sage_torch import sinkgd  # noqa: E402
-from sage_train.model_shapes import get_model_config  # noqa: E402
+from sage_train.model.shapes import get_model_config  # noqa: E402
 
 MIB = 2**20
 
@@ -142,17 +142,9 @@ def graphed(opt: torch.optim.Optimizer, device: str) -> Callable[[], None]:
     return graph.replay
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    dtype = getattr(torch, args.dtype)
-    config = get_model_config(args.model)
-    model = build_model(config, device=args.device, dtype=dtype)
-    n_params = sum(p.numel() for p in model.parameters())
-    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {dev_name}, model {args.model}: {n_params:,} params, "
-          f"{args.dtype}")
+def _entries(args: argparse.Namespace, model: torch.nn.Module
+             ) -> dict[str, tuple[Callable[[], torch.optim.Optimizer], Any]]:
+    """The optimizers timed, by label: ``(make, fused setting or None)``."""
     entries: dict[str, tuple[Callable[[], torch.optim.Optimizer], Any]] = {
         "AdamW(fused=True)": (lambda: torch.optim.AdamW(
             model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.01, fused=True),
@@ -173,6 +165,44 @@ def main(argv: list[str] | None = None) -> int:
             entries[f"{name} fused two-launch"] = (
                 lambda name=name: sage_torch.make_optimizer(name, model, lr=args.lr,
                                                             fused=True), (False, None))
+    return entries
+
+
+def _time_rounds(args: argparse.Namespace, runners: dict[str, Callable[[], None]]
+                 ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each runner's step times and host times (seconds) over the rounds after warm-up.
+
+    The order rotates by one each round.
+    """
+    times: dict[str, list[float]] = {k: [] for k in runners}
+    hosts: dict[str, list[float]] = {k: [] for k in runners}
+    order = list(runners)
+    for rnd in range(args.warmup + args.repeats):
+        for k in order[rnd % len(order):] + order[:rnd % len(order)]:
+            sync(args.device)
+            t0 = time.perf_counter()
+            runners[k]()
+            t1 = time.perf_counter()
+            sync(args.device)
+            t2 = time.perf_counter()
+            if rnd >= args.warmup:
+                times[k].append(t2 - t0)
+                hosts[k].append(t1 - t0)
+    return times, hosts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dtype = getattr(torch, args.dtype)
+    config = get_model_config(args.model)
+    model = build_model(config, device=args.device, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"torch {torch.__version__}, {dev_name}, model {args.model}: {n_params:,} params, "
+          f"{args.dtype}")
+    entries = _entries(args, model)
     refs = {name: single_reference(name, model, args.lr) for name in args.configs}
     runners: dict[str, Callable[[], None]] = {}
     rows: dict[str, dict[str, Any]] = {}
@@ -198,20 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                     args.lr, device=args.device), fused=True, capturable=True)
                 runners[f"{label} [graph]"] = graphed(g_opt, args.device)
                 rows[f"{label} [graph]"] = {"err": None, "launches": None}
-    times: dict[str, list[float]] = {k: [] for k in runners}
-    hosts: dict[str, list[float]] = {k: [] for k in runners}
-    order = list(runners)
-    for rnd in range(args.warmup + args.repeats):
-        for k in order[rnd % len(order):] + order[:rnd % len(order)]:
-            sync(args.device)
-            t0 = time.perf_counter()
-            runners[k]()
-            t1 = time.perf_counter()
-            sync(args.device)
-            t2 = time.perf_counter()
-            if rnd >= args.warmup:
-                times[k].append(t2 - t0)
-                hosts[k].append(t1 - t0)
+    times, hosts = _time_rounds(args, runners)
     base = statistics.median(times["AdamW(fused=True)"])
     print(f"\nmedian of {args.repeats} rounds after {args.warmup} warm-up, order rotated\n")
     print("| step | ms | vs AdamW(fused=True) | host ms | launches | step error vs "

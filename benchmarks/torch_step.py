@@ -62,6 +62,7 @@ a step that completes on ``meta`` reads no device value on the host.
 
     python benchmarks/torch_step.py [--model 270m] [--repeats 7] [--configs sage-hybrid]
         [--threads 2] [--device cpu|cuda] [--dtype float32|bfloat16] [--op-count]
+        [--sinkgd-blocks N]
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import sage_torch
 from sage_optim.presets import CONFIG_NAMES, resolve_preset
 from sage_repro import traffic
-from sage_train.model_shapes import LlamaConfig, get_model_config
+from sage_train.model.shapes import LlamaConfig, get_model_config
 
 BASELINE = "torch.optim.AdamW (baseline)"
 FUSED = "torch.optim.AdamW(fused=True)"
@@ -443,8 +444,8 @@ def print_fused_vs_foreach(rows: list[dict[str, Any]]) -> None:
     print(f"fused faster than foreach in {faster} of {len(pairs)} configuration(s)")
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """Run the benchmark, print the table and return its rows (one dict per row)."""
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, parsed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="270m", help="a sage_optim model name (default 270m)")
     ap.add_argument("--repeats", type=int, default=None,
@@ -459,23 +460,69 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="dtype of the parameters and gradients (default float32)")
+    ap.add_argument("--sinkgd-blocks", type=int, default=None, metavar="N",
+                    help="SinkGD's Sinkhorn iterations by blocks of at most N elements (no "
+                         "K; sage_torch.sinkgd.BLOCK_ELEMENTS; default: K whole)")
     ap.add_argument("--op-count", action="store_true",
                     help="print the aten op count per step on the meta device and exit")
-    args = ap.parse_args(argv)
-    for name in args.configs:
-        resolve_preset(name, {})  # an unknown name fails before any allocation
-    if args.op_count:
-        counts = op_count_rows(args.model, args.configs)
-        print_op_counts(args.model, counts)
-        return counts
+    return ap.parse_args(argv)
+
+
+def _set_block_elements(n: int) -> None:
+    """Apply ``--sinkgd-blocks``: SinkGD's Sinkhorn iterations by blocks of at most n elements."""
+    if n < 1:
+        raise SystemExit(f"--sinkgd-blocks must be a positive element count, got {n}")
+    sage_torch.sinkgd.BLOCK_ELEMENTS = n
+
+
+def _use_device(device: str) -> None:
+    """Check ``--device`` and, on CUDA, synchronize the device around each timed call."""
     global _SYNC
-    device = args.device
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SystemExit(f"--device {device}: torch {torch.__version__} sees no CUDA device")
         _SYNC = torch.cuda.synchronize
     elif device != "cpu":
         raise SystemExit(f"--device must be cpu or cuda, got {device!r}")
+
+
+def print_rows(rows: list[dict[str, Any]], bw: float) -> None:
+    """Print the table of ``rows``, the fused/foreach comparison and the target line."""
+    print()
+    print("| configuration | path | ms/step | vs AdamW | bytes moved (GiB) | achieved GiB/s "
+          "| fraction of bandwidth | peak extra (MiB) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        gibs = row["bytes"] / (row["ms"] / 1e3) / GIB
+        peak = "n/a" if row["peak"] is None else f"{row['peak'] / MIB:.1f}"
+        print(f"| {row['config']} | {row['path']} | {row['ms']:.1f} | {row['ratio']:.2f}x "
+              f"| {row['bytes'] / GIB:.2f} | {gibs:.2f} | {gibs / bw:.2f} | {peak} |")
+    print()
+    print("path: single-tensor (foreach=False), foreach (foreach=True: the default on CUDA, "
+          "as torch.optim), fused (fused=True: opt-in, the Triton kernels)")
+    print_fused_vs_foreach(rows)
+    hybrid = {r["path"]: r["ratio"] for r in rows if r["config"] == "sage-hybrid"}
+    if hybrid:
+        print()
+        verdict = all(r <= 1.0 for r in hybrid.values())
+        detail = ", ".join(f"{p} {r:.2f}x" for p, r in hybrid.items())
+        print(f"target (sage-hybrid step no slower than torch.optim.AdamW(foreach=True) in "
+              f"each path): {detail} -> {'MET' if verdict else 'NOT MET'}")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """Run the benchmark, print the table and return its rows (one dict per row)."""
+    args = _parse_args(argv)
+    if args.sinkgd_blocks is not None:
+        _set_block_elements(args.sinkgd_blocks)
+    for name in args.configs:
+        resolve_preset(name, {})  # an unknown name fails before any allocation
+    if args.op_count:
+        counts = op_count_rows(args.model, args.configs)
+        print_op_counts(args.model, counts)
+        return counts
+    device = args.device
+    _use_device(device)
     torch.set_num_threads(args.threads)
 
     config = get_model_config(args.model)
@@ -542,26 +589,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
           f"interleaved with the baseline (rotated order), median of {repeats} timed rounds "
           f"after {args.warmup} warmup; bandwidth {bw:.2f} GiB/s (in-place "
           f"x.mul_(1.0001).add_(1) over {args.bw_mib} MiB, 2 reads + 2 writes, same rounds)")
-    print()
-    print("| configuration | path | ms/step | vs AdamW | bytes moved (GiB) | achieved GiB/s "
-          "| fraction of bandwidth | peak extra (MiB) |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        gibs = row["bytes"] / (row["ms"] / 1e3) / GIB
-        peak = "n/a" if row["peak"] is None else f"{row['peak'] / MIB:.1f}"
-        print(f"| {row['config']} | {row['path']} | {row['ms']:.1f} | {row['ratio']:.2f}x "
-              f"| {row['bytes'] / GIB:.2f} | {gibs:.2f} | {gibs / bw:.2f} | {peak} |")
-    print()
-    print("path: single-tensor (foreach=False), foreach (foreach=True: the default on CUDA, "
-          "as torch.optim), fused (fused=True: opt-in, the Triton kernels)")
-    print_fused_vs_foreach(rows)
-    hybrid = {r["path"]: r["ratio"] for r in rows if r["config"] == "sage-hybrid"}
-    if hybrid:
-        print()
-        verdict = all(r <= 1.0 for r in hybrid.values())
-        detail = ", ".join(f"{p} {r:.2f}x" for p, r in hybrid.items())
-        print(f"target (sage-hybrid step no slower than torch.optim.AdamW(foreach=True) in "
-              f"each path): {detail} -> {'MET' if verdict else 'NOT MET'}")
+    print_rows(rows, bw)
     return rows
 
 

@@ -21,7 +21,7 @@ GPU's: the figures are estimates of the GPU plan, not GPU measurements.
   head dim it does not take) are skipped with the reason.
 
 The output also says which implementation ``--attention auto`` (the trainer's default) takes
-for these settings on a CUDA GPU (:func:`sage_train.model.attention_choice`: XLA's until
+for these settings on a CUDA GPU (:func:`sage_train.model.llama.attention_choice`: XLA's until
 ``scripts/gpu-check`` has validated cuDNN's on that GPU) and whether ``--attention cudnn``
 (the opt-in) can run them.
 
@@ -42,10 +42,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sage_optax import placement
-from sage_train import model as model_lib
-from sage_train.config import TrainConfig, compute_dtype, loss_chunk_tokens, parse_loss_chunk
-from sage_train.model_shapes import get_model_config
-from sage_train.steps import build, make_steps
+from sage_train.model import llama as model_lib
+from sage_train.model.shapes import get_model_config
+from sage_train.run.config import TrainConfig, compute_dtype, loss_chunk_tokens, parse_loss_chunk
+from sage_train.run.steps import build, make_steps
 
 GIB = 1 << 30
 UNITS = {"GiB": GIB, "MiB": 1 << 20}

@@ -155,7 +155,7 @@ print(model_report.table())
 # ## The full LLaMA: Flax NNX vs `transformers`
 #
 # `parity.run_llama_parity` builds a random `transformers.LlamaForCausalLM`, converts its
-# weights into the trainer's Flax NNX `Llama` parameter tree (`sage_train.hf_convert`), and
+# weights into the trainer's Flax NNX `Llama` parameter tree (`sage_train.hf.convert`), and
 # trains both on the same batches with the same configuration, in float64 on both sides
 # (transformers' RMSNorm without its float32 cast, sdpa attention; the JAX side's forward is
 # `parity.llama_loss`), so losses and parameters agree to float64 rounding.

@@ -17,9 +17,9 @@
 # # Training comparison: SAGE-Hybrid against its baselines
 #
 # Train a small LLaMA on the embedded standard-library corpus with several of the paper's
-# configurations and a few seeds each, with `sage_train.train.train`; compare final test
+# configurations and a few seeds each, with `sage_train.run.train.train`; compare final test
 # perplexity, optimizer-state memory and throughput; then draw the paper's figures with
-# `sage_train.figures`: perplexity curves, the heatmap of SAGE's damper `H_t` of the
+# `sage_train.store.figures`: perplexity curves, the heatmap of SAGE's damper `H_t` of the
 # embedding (first steps and the whole run) and its PCA.
 #
 # With `SAGE_NOTEBOOK_FAST=1` (the test suite) every run is a few steps of the `tiny` model
@@ -38,8 +38,8 @@ import tempfile
 import numpy as np
 
 from sage_optim.table import format_table
-from sage_train import figures
-from sage_train.train import TrainConfig, train
+from sage_train.run.train import TrainConfig, train
+from sage_train.store import figures
 
 FAST = os.environ.get("SAGE_NOTEBOOK_FAST") == "1"
 CONFIGS = ("sage-hybrid", "lion-hybrid") if FAST else (

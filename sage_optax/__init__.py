@@ -31,10 +31,13 @@ References:
 """
 
 # first: without JAX/Optax, one line naming the [jax] extra instead of a deep traceback
-from sage_optax import _require  # noqa: F401
+from sage_optax import (
+    _require,  # noqa: F401
+    placement,
+)
 from sage_optax import adamw as _adamw  # noqa: F401  (registers the adamw rule)
 from sage_optax.apollo import ScaleByApolloState, apollo, scale_by_apollo
-from sage_optax.axes import EMBEDDING_TABLE
+from sage_optax.axes import EMBEDDING_TABLE, unbox
 from sage_optax.configs import RoutingTable, make_optimizer, routing_table, sage_hybrid
 from sage_optax.linen_evidence import LinenModel, linen_model
 from sage_optax.lion import lion, scale_by_lion
@@ -46,11 +49,15 @@ from sage_optax.routing import (
     ResolvedRoute,
     Route,
     RoutingError,
+    iter_leaves,
+    leaf_name_path,
     module_routes,
     route_params,
 )
 from sage_optax.sage import ScaleBySageState, sage, sage_damper, scale_by_sage
-from sage_optax.sinkhorn import scale_by_sinkhorn, sinkgd, sinkhorn_normalize
+from sage_optax.sinkgd import IMPLS as SINKGD_IMPLS
+from sage_optax.sinkgd import resolved_impl as resolved_sinkgd_impl
+from sage_optax.sinkgd import scale_by_sinkhorn, sinkgd, sinkhorn_normalize
 from sage_optax.unit_norm import scale_by_unit_norm, unit_norm_descent
 from sage_optim.hyperparams import DAMPERS, NORMALIZATIONS, SCALE_TYPES
 from sage_optim.presets import CONFIG_NAMES
@@ -72,12 +79,17 @@ __all__ = [
     "RoutingTable",
     "ScaleByApolloState",
     "SCALE_TYPES",
+    "SINKGD_IMPLS",
     "ScaleBySageState",
     "apollo",
+    "iter_leaves",
+    "leaf_name_path",
     "linen_model",
     "lion",
     "make_optimizer",
     "module_routes",
+    "placement",
+    "resolved_sinkgd_impl",
     "route_params",
     "routing_table",
     "sage",
@@ -90,6 +102,7 @@ __all__ = [
     "scale_by_unit_norm",
     "sinkgd",
     "sinkhorn_normalize",
+    "unbox",
     "state_bytes",
     "state_bytes_by_leaf",
     "unit_norm_descent",

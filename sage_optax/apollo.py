@@ -35,6 +35,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import boxes, validation
 from sage_optax.registry import RuleContext, register
+from sage_optim.hyperparams import ApolloHyperparams
 from sage_optim.presets import RULE_DEFAULTS
 from sage_optim.routing import ResolvedRoute
 
@@ -589,7 +590,10 @@ def apollo(
 
 
 @register("apollo")
-def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+def build(learning_rate: optax.ScalarOrSchedule, hp: ApolloHyperparams,
           context: RuleContext) -> optax.GradientTransformation:
     """:func:`apollo` with the ``apollo`` rule's hyperparameters ``hp`` (its builder)."""
-    return apollo(learning_rate, **hp, mask=context.mask, axes=context.axes)
+    return apollo(learning_rate, rank=hp.rank, scale_type=hp.scale_type, scale=hp.scale,
+                  update_proj_gap=hp.update_proj_gap, b1=hp.b1, b2=hp.b2, eps=hp.eps,
+                  weight_decay=hp.weight_decay, limiter_gamma=hp.limiter_gamma, seed=hp.seed,
+                  mask=context.mask, axes=context.axes, projection=hp.projection)

@@ -115,6 +115,9 @@ def unbox(tree: Any) -> Any:
 
     For code that needs only the arrays (state bytes, diagnostics); a reduced state is
     boxed with its own axis names instead (:func:`sage_optax.boxes.state_like`).
+
+    References:
+      `Flax NNX, Variables <https://flax.readthedocs.io/en/latest/api_reference/flax.nnx/variables.html>`_.
     """
     return jax.tree.map(
         lambda x: x.get_value() if is_box(x) else x,

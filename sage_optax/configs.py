@@ -19,9 +19,12 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import logical, memory, registry, routing, state_tree, validation
 from sage_optax.finite_rate import skip_nonfinite_rate
-from sage_optax.sinkhorn import IMPLS
+from sage_optax.sinkgd import IMPLS
 from sage_optim import rates
-from sage_optim.presets import CONFIG_NAMES, KINDS, PRESETS, RuleSpec, resolve_preset
+from sage_optim.hyperparams import AdamWHyperparams, SageHyperparams, SinkGDHyperparams
+from sage_optim.presets import CONFIG_NAMES, PRESETS, RuleSpec
+from sage_optim.presets import resolve_preset as resolve_preset  # noqa: F401 (read here)
+from sage_optim.settings import KindSettings, Settings, parse_settings
 from sage_optim.table import RoutingRow, RoutingTable
 
 OPTION_KEYS: tuple[str, ...] = (
@@ -38,7 +41,7 @@ that gives its own (``<kind>_<hp>``, static)."""
 
 
 def build_rule(
-    rule: RuleSpec,
+    rule: RuleSpec | KindSettings,
     learning_rate: optax.ScalarOrSchedule,
     axes: Any,
     mask: Any | None = None,
@@ -47,17 +50,21 @@ def build_rule(
     """The Optax transformation of one rule with its hyperparameters.
 
     The rule's builder comes from :mod:`sage_optax.registry`, where its module registered
-    it: this function knows no rule by name.
+    it: this function knows no rule by name.  The builder gets the rule's typed
+    hyperparameters (``rule.hp``, :data:`sage_optim.hyperparams.RULE_HYPERPARAMS`) and
+    reads them by name.
 
     Args:
-      rule: which update rule and its hyperparameters.
+      rule: which update rule and its hyperparameters (a kind's
+        :class:`~sage_optim.settings.KindSettings`, or a
+        :class:`~sage_optim.presets.RuleSpec`).
       learning_rate: float or schedule.
       axes: per-leaf :class:`~sage_optax.Route` (pytree or callable of the params).
       mask: weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
-      impl: SinkGD's implementation of its scales (:data:`sage_optax.sinkhorn.IMPLS`).
+      impl: SinkGD's implementation of its scales (:data:`sage_optax.sinkgd.IMPLS`).
     """
     build = registry.builder(rule.name)
-    return build(learning_rate, rule.hyperparams, registry.RuleContext(axes, mask, impl))
+    return build(learning_rate, rule.hp, registry.RuleContext(axes, mask, impl))
 
 
 def make_optimizer(
@@ -190,20 +197,32 @@ def make_optimizer(
     overrides = _merge_injected(overrides)
     named = {"b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay, "alpha": alpha}
     overrides.update({k: v for k, v in named.items() if v is not None})
-    kind_rates = rates.pop_kind_learning_rates(overrides)
-    preset = resolve_preset(name, overrides, OPTION_KEYS)
-    lr = preset.learning_rate if learning_rate is None else learning_rate
+    settings = parse_settings(name, learning_rate, overrides, OPTION_KEYS)
+    return _build(settings, overrides)
+
+
+def _build(settings: Settings, options: dict[str, Any],
+           stacklevel: int = 4) -> optax.GradientTransformation:
+    """The optimizer of parsed ``settings``, with the :data:`OPTION_KEYS` in ``options``.
+
+    Consumes ``options``.  ``stacklevel``: where a
+    :class:`~sage_optim.rates.LearningRateNotice` points, counted from this function's
+    caller's caller (the user's line).
+    """
+    lr = settings.learning_rate
     validation.check_learning_rate(lr)
-    for rate in kind_rates.values():
+    own_rates = settings.own_rates
+    for rate in own_rates.values():
         validation.check_learning_rate(rate)
-    by_kind = {kind: kind_rates.get(kind, lr) for kind in KINDS}
-    rates.notice_far_rates(name, preset, by_kind, per_kind=bool(kind_rates))
-    router = _Router(overrides)
-    mask = overrides.pop("mask", None)
-    impl = overrides.pop("impl", "auto")
+    rates.notice_far_rates(settings.name, settings.preset,
+                           {k.kind: k.rate(lr) for k in settings.kinds},
+                           per_kind=bool(own_rates), stacklevel=stacklevel)
+    router = _Router(options)
+    mask = options.pop("mask", None)
+    impl = options.pop("impl", "auto")
     validation.check_choice("impl", impl, IMPLS)
-    skip_nonfinite = validation.check_skip_nonfinite(overrides.pop("skip_nonfinite", 0))
-    assert not overrides, overrides  # every key was consumed
+    skip_nonfinite = validation.check_skip_nonfinite(options.pop("skip_nonfinite", 0))
+    assert not options, options  # every key was consumed
 
     def axes_fn(params: Any) -> Any:
         return router.axes_of(params)
@@ -214,9 +233,9 @@ def make_optimizer(
     def build(rate: optax.ScalarOrSchedule) -> optax.GradientTransformation:
         # a kind given its own rate (<kind>_learning_rate=) keeps it; the others take `rate`
         return optax.partition(
-            {kind: state_tree.without_boxed_placeholders(
-                build_rule(preset.rule(kind), kind_rates.get(kind, rate), axes_fn, mask, impl))
-             for kind in KINDS},
+            {k.kind: state_tree.without_boxed_placeholders(
+                build_rule(k, k.rate(rate), axes_fn, mask, impl))
+             for k in settings.kinds},
             labels_fn,
         )
 
@@ -424,10 +443,9 @@ def _params_of_model(model: Any) -> Any:
         from flax import nnx
 
         return _shapes_only(nnx.state(model, nnx.Param))
-    if routing.is_equinox_module(model):
-        import equinox as eqx
-
-        return _shapes_only(eqx.filter(model, eqx.is_inexact_array))
+    adapter = routing.model_adapter(model)
+    if adapter is not None and adapter.params is not None:
+        return _shapes_only(adapter.params(model, None, None)[0])
     return None
 
 
@@ -489,18 +507,26 @@ def check_matching_trees(updates: Any, params: Any) -> None:
 
 
 _HYBRID = PRESETS["sage-hybrid"]
-_HYBRID_SAGE = _HYBRID.embedding.hyperparams
-_HYBRID_SINKGD = _HYBRID.dense.hyperparams
+
+
+def _hybrid_rules() -> tuple[SageHyperparams, SinkGDHyperparams]:
+    """The ``sage-hybrid`` preset's SAGE (embedding) and SinkGD (dense) hyperparameters."""
+    sage_hp, sinkgd_hp = _HYBRID.embedding.hp, _HYBRID.dense.hp
+    assert isinstance(sage_hp, SageHyperparams) and isinstance(sinkgd_hp, SinkGDHyperparams)
+    return sage_hp, sinkgd_hp
+
+
+_HYBRID_SAGE, _HYBRID_SINKGD = _hybrid_rules()
 
 
 def sage_hybrid(
     learning_rate: optax.ScalarOrSchedule = _HYBRID.learning_rate,
-    b1: float = _HYBRID_SAGE["b1"],
-    b2: float = _HYBRID_SAGE["b2"],
-    eps: float = _HYBRID_SAGE["eps"],
-    weight_decay: float = _HYBRID_SAGE["weight_decay"],
-    alpha: float = _HYBRID_SINKGD["alpha"],
-    num_iters: int = _HYBRID_SINKGD["num_iters"],
+    b1: float = _HYBRID_SAGE.b1,
+    b2: float = _HYBRID_SAGE.b2,
+    eps: float = _HYBRID_SAGE.eps,
+    weight_decay: float = _HYBRID_SAGE.weight_decay,
+    alpha: float = _HYBRID_SINKGD.alpha,
+    num_iters: int = _HYBRID_SINKGD.num_iters,
     *,
     vector_rule: str = "sage",
     route_overrides: Mapping[str, Any] | None = None,
@@ -573,24 +599,31 @@ def sage_hybrid(
     """
     validation.check_choice("vector_rule", vector_rule, ("sage", "adamw"))
     model, mask = _unwrap_static(model), _unwrap_static(mask)
-    return make_optimizer(
-        "sage-hybrid",
-        learning_rate,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        weight_decay=weight_decay,
-        dense_alpha=alpha,
-        dense_num_iters=num_iters,
-        vector=vector_rule,
-        route_overrides=route_overrides,
-        vocab_size=vocab_size,
-        layout=layout,
-        model=model,
-        mask=mask,
-        strict=strict,
-        params=params,
+    b1, b2 = _given(b1, _HYBRID_SAGE.b1), _given(b2, _HYBRID_SAGE.b2)
+    eps = _given(eps, _HYBRID_SAGE.eps)
+    weight_decay = _given(weight_decay, _HYBRID_SAGE.weight_decay)
+    sage_hp = SageHyperparams(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                              damper=_HYBRID_SAGE.damper)
+    dense_hp = SinkGDHyperparams(alpha=alpha, num_iters=num_iters, eps=eps,
+                                 weight_decay=weight_decay,
+                                 normalization=_HYBRID_SINKGD.normalization)
+    vector_hp: SageHyperparams | AdamWHyperparams = sage_hp
+    if vector_rule == "adamw":
+        vector_hp = AdamWHyperparams(b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    settings = Settings(
+        "sage-hybrid", _given(learning_rate, _HYBRID.learning_rate),
+        embedding=KindSettings("embedding", sage_hp.rule, sage_hp),
+        dense=KindSettings("dense", dense_hp.rule, dense_hp),
+        vector=KindSettings("vector", vector_hp.rule, vector_hp),
     )
+    return _build(settings, {
+        "route_overrides": route_overrides, "vocab_size": vocab_size, "layout": layout,
+        "model": model, "mask": mask, "strict": strict, "params": params})
+
+
+def _given(value: Any, default: Any) -> Any:
+    """``value``, or ``default`` where it is ``None`` (as :func:`make_optimizer` reads it)."""
+    return default if value is None else value
 
 
 class _Static:
@@ -685,13 +718,9 @@ def routing_table(
         overrides.setdefault("model", params)
         what = f"nnx.state(model, {'nnx.Param' if wrt is None else _filter_name(wrt)})"
         params = nnx.state(params, nnx.Param if wrt is None else wrt)
-    elif routing.is_equinox_module(params):
-        import equinox as eqx
-
+    elif (adapter := routing.model_adapter(params)) is not None and adapter.params is not None:
         overrides.setdefault("model", params)
-        what = "eqx.filter(model, " + (
-            "eqx.is_inexact_array" if wrt is None else _filter_name(wrt)) + ")"
-        params = eqx.filter(params, eqx.is_inexact_array if wrt is None else wrt)
+        params, what = adapter.params(params, wrt, None if wrt is None else _filter_name(wrt))
     elif wrt is not None:
         raise ValueError(
             "routing_table: wrt= selects the trained leaves of an nnx.Module or Equinox "
@@ -707,12 +736,9 @@ def routing_table(
             if what.startswith("nnx") else ""
         )
         raise ValueError(f"routing_table: {what} holds no arrays to route{hint}")
-    learning_rate = overrides.pop("learning_rate", None)
-    kind_rates = rates.pop_kind_learning_rates(overrides)
-    resolved = resolve_preset(name, dict(overrides), OPTION_KEYS)
-    tx = make_optimizer(name, learning_rate, **overrides, **{
-        f"{kind}_learning_rate": rate for kind, rate in kind_rates.items()})
-    lr = resolved.learning_rate if learning_rate is None else learning_rate
+    settings = parse_settings(name, overrides.pop("learning_rate", None), overrides,
+                              OPTION_KEYS)
+    tx = _build(settings, dict(overrides))
     route = _Router(dict(overrides))(params)
     state = jax.eval_shape(tx.init, params)
     per_leaf, shared = memory.state_bytes_by_leaf(state, params)
@@ -720,10 +746,11 @@ def routing_table(
     rows = []
     for path, leaf in routing.iter_leaves(params):
         r = routes[path]
+        kind = settings.kind(r.kind)
         rows.append(RoutingRow(
-            path, tuple(leaf.shape), r.kind, resolved.rule(r.kind).describe(),
+            path, tuple(leaf.shape), r.kind, kind.describe(),
             r.describe_fan_in(), r.describe_fan_out(), r.evidence, per_leaf[path],
-            rates.describe_step(resolved.rule(r.kind), kind_rates.get(r.kind, lr)),
+            rates.describe_step(kind, kind.rate(settings.learning_rate)),
         ))
     return RoutingTable(name, tuple(rows), shared)
 

@@ -159,16 +159,7 @@ def _own_routes(module: Any, attr: str, shape: tuple[int, ...], einsum_str: str 
     if isinstance(module, _norm_types(nn)) and attr in ("scale", "bias"):
         return Route("vector", batch=(), evidence=ev)
     if isinstance(module, nn.DenseGeneral):
-        n_b = _group(module.batch_dims) if module.batch_dims != () else 0
-        n_in, n_out = _group(module.axis), _group(module.features)
-        if attr == "bias":
-            return Route("vector", batch=tuple(range(n_b)), evidence=ev)
-        if attr != "kernel":
-            return None
-        if ndim != n_b + n_in + n_out:
-            return None
-        return Route("dense", tuple(range(n_b, n_b + n_in)), tuple(range(n_b + n_in, ndim)),
-                     tuple(range(n_b)), evidence=ev + " (*batch_dims, *axis, *features)")
+        return _dense_general_route(module, attr, ndim, ev)
     if attr == "bias":  # (out,), or an Einsum's output letters: one vector, as in nnx
         return (Route("vector", batch=(), evidence=ev)
                 if ndim <= 1 or isinstance(module, nn.Einsum) else None)
@@ -176,18 +167,39 @@ def _own_routes(module: Any, attr: str, shape: tuple[int, ...], einsum_str: str 
         return Route("embedding", 1, 0, evidence=ev + " (V, d)")
     if attr != "kernel":
         return None
+    return _kernel_route(module, shape, einsum_str, ev)
+
+
+def _dense_general_route(module: Any, attr: str, ndim: int, ev: str) -> Route | None:
+    """The route of an ``nn.DenseGeneral`` parameter: ``(*batch_dims, *axis, *features)``."""
+    n_b = _group(module.batch_dims) if module.batch_dims != () else 0
+    n_in, n_out = _group(module.axis), _group(module.features)
+    if attr == "bias":
+        return Route("vector", batch=tuple(range(n_b)), evidence=ev)
+    if attr != "kernel" or ndim != n_b + n_in + n_out:
+        return None
+    return Route("dense", tuple(range(n_b, n_b + n_in)), tuple(range(n_b + n_in, ndim)),
+                 tuple(range(n_b)), evidence=ev + " (*batch_dims, *axis, *features)")
+
+
+def _kernel_route(module: Any, shape: tuple[int, ...], einsum_str: str | None,
+                  ev: str) -> Route | RoutingError | None:
+    """The route of a ``kernel`` of ``nn.Dense``, ``nn.Einsum`` or ``nn.Conv``, or None."""
+    from flax import linen as nn
+
+    ndim = len(shape)
     if isinstance(module, nn.Dense) and ndim == 2:
         return Route("dense", 0, 1, evidence=ev + " (in, out)")
     if isinstance(module, nn.Einsum) and einsum_str:
         try:
-            route = module_layouts.einsum_route(einsum_str, ndim, attr)
+            route = module_layouts.einsum_route(einsum_str, ndim, "kernel")
         except RoutingError as e:
             return e
         return dataclasses.replace(route, evidence=f"{ev} {einsum_str!r}")
     if isinstance(module, nn.ConvTranspose) and ndim >= 2:
         taps = ndim - 2
         return module_layouts.conv_transpose_refusal(
-            attr, shape, Route("dense", (-2, *range(-2 - taps, -2)), -1),
+            "kernel", shape, Route("dense", (-2, *range(-2 - taps, -2)), -1),
             "an nn.ConvTranspose kernel (*taps, Cin, Cout)",
             "input channels and taps are its fan-in, as for nn.Conv")
     if isinstance(module, nn.Conv) and ndim >= 2:

@@ -22,6 +22,7 @@ import optax
 from sage_optax import validation
 from sage_optax.registry import RuleContext, register
 from sage_optax.sage import lion_direction
+from sage_optim.hyperparams import LionHyperparams
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["lion"]
@@ -148,7 +149,8 @@ def lion(
 
 
 @register("lion")
-def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+def build(learning_rate: optax.ScalarOrSchedule, hp: LionHyperparams,
           context: RuleContext) -> optax.GradientTransformation:
     """:func:`lion` with the ``lion`` rule's hyperparameters ``hp`` (its builder)."""
-    return lion(learning_rate, **hp, mask=context.mask)
+    return lion(learning_rate, b1=hp.b1, b2=hp.b2, weight_decay=hp.weight_decay,
+                mask=context.mask)

@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 
+from sage_optim import naming
 from sage_optim import routing as core
 from sage_optim.routing import Route, RoutingError
 
@@ -188,13 +189,13 @@ def route_from_names(name: str, shape: tuple[int, ...], names: Names,
         return None
     batch = tuple(i for i, r in enumerate(ax.roles) if r == "batch")
     rest = [i for i in range(ndim) if i not in batch]
-    leaf = core.components(name)[-1]
+    leaf = naming.components(name)[-1]
     if not rest:
         return None
     vector = Route("vector", batch=batch, evidence=ax.said)
     if len(rest) == 1:
         return vector
-    if leaf in core.VECTOR_NAMES or leaf == "offset":
+    if leaf in naming.VECTOR_NAMES or leaf == "offset":
         if any(ax.roles[i] is None for i in rest):
             return None  # an unnamed axis may be a stack: the other evidence decides
         return vector

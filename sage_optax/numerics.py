@@ -3,8 +3,8 @@
 Array versions of the definitions in :mod:`sage_optim.numerics` (the floor convention
 ``m ≤ a < 2m``, capped to ``[tiny, 1/tiny]``), used by SAGE's RMS values
 (:func:`sage_optax.sage.rms`), SinkGD's range scale (:func:`range_scale`) and the Pallas
-kernel (:mod:`sage_optax.sinkhorn_pallas`), which imports them from here and not from
-:mod:`sage_optax.sinkhorn`.
+kernel (:mod:`sage_optax.sinkgd_pallas`), which imports them from here and not from
+:mod:`sage_optax.sinkgd`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 As :mod:`sage_torch.registry` holds the PyTorch rules, this module holds, per rule name of
 :data:`sage_optim.presets.RULE_DEFAULTS`, the function that builds its Optax
 transformation; the module of each rule registers its own with :func:`register` when it is
-imported (:mod:`sage_optax.sage`, :mod:`~sage_optax.sinkhorn` for ``sinkgd``,
+imported (:mod:`sage_optax.sage`, :mod:`~sage_optax.sinkgd` for ``sinkgd``,
 :mod:`~sage_optax.lion`, :mod:`~sage_optax.adamw`, :mod:`~sage_optax.unit_norm`,
 :mod:`~sage_optax.apollo`).  :mod:`sage_optax.configs` builds every configuration from it
 and knows no rule by name.  A rule named ``foo`` whose module is ``sage_optax/foo.py`` is
@@ -31,7 +31,7 @@ class RuleContext:
     Attributes:
       axes: per-leaf :class:`~sage_optax.Route` (a pytree, or a callable of the params).
       mask: the weight-decay mask (pytree of bools or callable), as ``optax.adamw``.
-      impl: SinkGD's implementation of its scales (:data:`sage_optax.sinkhorn.IMPLS`).
+      impl: SinkGD's implementation of its scales (:data:`sage_optax.sinkgd.IMPLS`).
     """
 
     axes: Any = None
@@ -39,9 +39,13 @@ class RuleContext:
     impl: str = "auto"
 
 
-RuleBuilder = Callable[[optax.ScalarOrSchedule, dict[str, Any], RuleContext],
-                       optax.GradientTransformation]
-"""``build(learning_rate, hyperparams, context)``: one rule's Optax transformation."""
+RuleBuilder = Callable[[optax.ScalarOrSchedule, Any, RuleContext], optax.GradientTransformation]
+"""``build(learning_rate, hp, context)``: one rule's Optax transformation.
+
+``hp`` is the rule's typed hyperparameters (its class of
+:data:`sage_optim.hyperparams.RULE_HYPERPARAMS`, e.g. ``SageHyperparams``; a
+:class:`~sage_optim.hyperparams.TableHyperparams` for a rule with a table row alone), which the
+builder reads by name (``hp.weight_decay``) and passes on as named arguments."""
 
 _BUILDERS: dict[str, RuleBuilder] = {}
 

@@ -1,68 +1,26 @@
 """The JAX parameter router: every leaf gets a kind and its axes, from the strongest evidence.
 
 SAGE and SinkGD are not transpose-invariant, so the kind (``embedding``/``dense``/``vector``)
-and the axes this router gives a leaf *are* the math.  Evidence, strongest first (the shared
-grammar and markers live in :mod:`sage_optim.routing`; ``docs/routing.md`` has the whole
-convention):
-
-1. **an override**: ``{glob: kind}`` (axes inferred where the layout is known, else a
-   :class:`RoutingError` asking for them) or ``{glob: Route(kind, fan_in=..., fan_out=...)}``;
-   a glob that matches no leaf is an error naming the nearest paths;
-2. **the flax module that owns the parameter**, when the model is passed (``model=``, or an
-   ``nnx.Module`` in place of the params): ``nnx.Embed`` ``(V, d)``, ``nnx.Linear``
-   ``(in, out)``, ``nnx.LinearGeneral`` (its ``in_features``/``out_features`` axes merged),
-   ``nnx.Einsum`` (contracted kernel letters are fan-in, kept letters fan-out, letters shared
-   with the input and the output batch), ``nnx.Conv`` ``(*taps, Cin, Cout)`` (fan-in =
-   input channels and taps, merged); the axes ``nnx.vmap``/``nnx.scan`` insert are batch
-   axes, found from each module's own shape wherever the transform put them; for linen,
-   ``model=sage_optax.linen_model(module, *inputs)`` reads ``nn.Dense``,
-   ``nn.DenseGeneral``, ``nn.Einsum``, ``nn.Embed``, ``nn.Conv`` and the norm layers the
-   same way (:mod:`sage_optax.linen_evidence`), axes inserted by ``nn.scan``/``nn.vmap``
-   being batch axes wherever they stand;
-3. **logical axis names** (:mod:`sage_optax.logical`): ``nn.Partitioned`` boxes, the
-   ``out_sharding`` metadata of ``nnx.Param``, or ``axis_names=``, read through
-   :data:`sage_optax.logical.AXIS_ROLES` and ``axis_roles=``: ``("embed", "mlp")`` is
-   ``(in, out)``, ``("heads", "kv", "embed")`` ``(heads·head_dim) x out``, ``exp`` and
-   ``layers`` batch axes; where a module gives the axes too, both must agree;
-4. **names and shapes**, only where unambiguous: by default (``layout=None``) each leaf's
-   name says its convention (a 2-D Flax ``kernel`` or Haiku ``w`` is ``(in, out)``, a 2-D
-   ``embedding`` an ``Embed`` table ``(V, d)``, a 2-D PyTorch or Equinox ``weight``
-   ``(out, in)``); ``layout="flax"`` or ``"torch"`` declares every 2-D matrix of the tree
-   ``(in, out)`` or ``(out, in)`` (a token table stays ``(V, d)``).
-   0-D/1-D leaves are vectors.  A kernel, weight, ``scale`` or ``bias`` with more axes may
-   be stacked layers, a multi-axis kernel or a convolution: without the model or an
-   override it is refused, with the remedies in the message, most likely first: the
-   attention reading for a kernel (and bias) of a module named ``query``/``key``/``value``
-   or ``out`` (linen's ``nn.MultiHeadDotProductAttention``), unless a sibling bias says
-   stacked layers.  A PyTorch-named ``weight`` follows ``sage_torch``'s name rules: GPT-2's
-   ``Conv1D`` names (``c_attn``, ...) are refused, ``wpe``/``shared``/
-   ``relative_attention_bias`` are tables.  ``model=`` reads NNX and Equinox modules and
-   :func:`sage_optax.linen_model`; a bare linen module (bound or not) is refused with a
-   ``TypeError`` naming ``linen_model``.
-
-A **head** (an untied output projection: kind ``embedding``, vocab axis as fan-out) is a
-dense matrix with the shape of *the* token embedding, ``(d, V)`` (``(V, d)`` in the torch
-layout), where *the* token embedding is the only table, or the one named like a token
-embedding (``wte``, ``tok_embeddings``, ``embed_tokens``...), and ``V`` may also be given as
-``vocab_size=``.  Exactly one matrix must fit; among several, a head name (``lm_head``,
-``head``, ``output``...) decides, else the router refuses.  A name alone never makes a head
-(a ViT ``head`` classifier is dense), and neither does one dimension equal to some table's
-length; a matrix inside numbered layers (``layers.0.up.kernel``) is never the head by
-shape: it is refused with ``dense`` first; a PyTorch-named ``weight`` (a converted state
-dict) needs a head name as well.  This policy is :func:`sage_optim.routing.find_head`,
-shared with ``sage_torch``: this module only gathers the tables and matrices it is given.
-
-:func:`route_params` returns the labels (``optax.partition`` labels), the
-:class:`~sage_optim.routing.Route` every transform takes, and each leaf's
-:class:`~sage_optim.routing.ResolvedRoute` (the evidence shown by ``routing_table``).
+and the axes this router gives a leaf *are* the math.  Evidence, strongest first
+(``docs/routing.md``, "Evidence, strongest first" and "Pytree conventions in JAX", states
+every rule): an override; the flax module that owns the leaf (``model=``, an ``nnx.Module``,
+:func:`sage_optax.linen_model`, or an adapter's library: :class:`Adapter`); logical axis
+names (:mod:`sage_optax.logical`); names and shapes, only where unambiguous (``layout=``
+declares the tree's matrices ``(in, out)`` or ``(out, in)``).  Everything else is refused
+with its remedies, most likely first.  The output head by shape is the policy shared with
+``sage_torch`` (:func:`sage_optim.decision.decide`); this module gathers the evidence.
+:func:`route_params` returns the labels, the :class:`~sage_optim.routing.Route` every
+transform takes and each leaf's :class:`~sage_optim.routing.ResolvedRoute`.
 """
+
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -70,6 +28,7 @@ import jax.numpy as jnp
 
 from sage_optax import axes as axes_lib
 from sage_optax import logical, module_layouts
+from sage_optim import decision, naming
 from sage_optim import routing as core
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
 
@@ -78,6 +37,7 @@ PARAM_LAYOUTS: tuple[str, ...] = ("flax", "torch")
 
 __all__ = [
     "PARAM_LAYOUTS",
+    "Adapter",
     "NoLayoutEvidenceWarning",
     "ParamRouting",
     "ResolvedRoute",
@@ -85,8 +45,10 @@ __all__ = [
     "RoutingError",
     "iter_leaves",
     "leaf_name_path",
-    "equinox_routes",
+    "adapters",
+    "model_adapter",
     "module_routes",
+    "register_adapter",
     "route_params",
 ]
 
@@ -119,12 +81,22 @@ class ParamRouting(NamedTuple):
 
 
 def leaf_name_path(path: tuple[Any, ...]) -> str:
-    """Dotted path of a leaf without the trailing ``.value`` of ``nnx.Variable`` leaves."""
+    """Dotted path of a leaf without the trailing ``.value`` of ``nnx.Variable`` leaves.
+
+    References:
+      `JAX, working with pytrees: key paths
+      <https://docs.jax.dev/en/latest/working-with-pytrees.html>`_.
+    """
     return axes_lib.path_str(path)
 
 
 def iter_leaves(params: Any) -> list[tuple[str, Any]]:
-    """``(dotted path, leaf)`` pairs of a params pytree, masked leaves skipped."""
+    """``(dotted path, leaf)`` pairs of a params pytree, masked leaves skipped.
+
+    References:
+      `JAX, working with pytrees: key paths
+      <https://docs.jax.dev/en/latest/working-with-pytrees.html>`_.
+    """
     with_path, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     return [(leaf_name_path(p), x) for p, x in with_path if not axes_lib.is_masked(x)]
 
@@ -162,46 +134,56 @@ def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict
     """Routes (or a RoutingError to raise if used) of the params of one known flax module."""
     from flax import nnx
 
-    norms = _norm_types()
     out: dict[str, Any] = {}
     ev = f"module nnx.{type(module).__name__}"
     for attr, p in params.items():
         full = f"{name}.{attr}" if name else attr
         shape = tuple(p.shape)
-        if attr == "bias" or (isinstance(module, norms) and attr == "scale"):
+        if attr == "bias" or (isinstance(module, _norm_types()) and attr == "scale"):
             stacked = max(len(shape) - _expected_bias_ndim(module), 0)
             if isinstance(module, nnx.LinearGeneral):
                 stacked += len(module.batch_axis)  # (*batch, *out): one bias per batch entry
             out[full] = Route("vector", batch=tuple(range(stacked)), evidence=ev)
-        elif attr != "kernel" and not isinstance(module, nnx.Embed):
-            continue  # not a parameter of known layout: left to the name rules
-        elif isinstance(module, nnx.Embed):
-            out[full] = Route("embedding", -1, -2, evidence=ev + " (V, d)")
-        elif isinstance(module, nnx.LinearGeneral):
-            n_in, n_out = len(module.in_features), len(module.out_features)
-            fan_in = tuple(range(-n_in - n_out, -n_out))
-            out[full] = Route("dense", fan_in, tuple(range(-n_out, 0)), evidence=ev)
-        elif isinstance(module, nnx.Linear):
-            out[full] = Route("dense", -2, -1, evidence=ev + " (in, out)")
-        elif isinstance(module, nnx.Einsum):
-            try:
-                out[full] = module_layouts.einsum_route(module.einsum_str, len(shape), full)
-            except RoutingError as e:
-                out[full] = e
-        elif isinstance(module, nnx.ConvTranspose):
-            taps = len(shape) - 2
-            conv = Route("dense", (-2, *range(-2 - taps, -2)), -1)
-            out[full] = module_layouts.conv_transpose_refusal(
-                full, shape, conv, "an nnx.ConvTranspose kernel (*taps, Cin, Cout)",
-                "input channels and taps are its fan-in, as for nnx.Conv")
-        elif isinstance(module, nnx.Conv):
-            size = module.kernel_size
-            taps = len(size) if isinstance(size, tuple | list) else 1
-            # (*taps, Cin, Cout): fan-in is the input channels then the taps (the order of a
-            # PyTorch Conv weight (Cout, Cin, *taps)), fan-out the output channels.
-            fan_in = (-2, *range(-2 - taps, -2))
-            out[full] = Route("dense", fan_in, -1, evidence=ev + " (*taps, Cin, Cout)")
+        elif attr == "kernel" or isinstance(module, nnx.Embed):
+            route = _nnx_matrix_route(module, full, shape, ev)
+            if route is not None:
+                out[full] = route
+        # any other parameter has no known layout: left to the name rules
     return out
+
+
+def _nnx_matrix_route(module: Any, full: str, shape: tuple[int, ...],
+                      ev: str) -> Route | RoutingError | None:
+    """The route an nnx module type gives its kernel (or table), or ``None``."""
+    from flax import nnx
+
+    if isinstance(module, nnx.Embed):
+        return Route("embedding", -1, -2, evidence=ev + " (V, d)")
+    if isinstance(module, nnx.LinearGeneral):
+        n_in, n_out = len(module.in_features), len(module.out_features)
+        fan_in = tuple(range(-n_in - n_out, -n_out))
+        return Route("dense", fan_in, tuple(range(-n_out, 0)), evidence=ev)
+    if isinstance(module, nnx.Linear):
+        return Route("dense", -2, -1, evidence=ev + " (in, out)")
+    if isinstance(module, nnx.Einsum):
+        try:
+            return module_layouts.einsum_route(module.einsum_str, len(shape), full)
+        except RoutingError as e:
+            return e
+    if isinstance(module, nnx.ConvTranspose):
+        taps = len(shape) - 2
+        conv = Route("dense", (-2, *range(-2 - taps, -2)), -1)
+        return module_layouts.conv_transpose_refusal(
+            full, shape, conv, "an nnx.ConvTranspose kernel (*taps, Cin, Cout)",
+            "input channels and taps are its fan-in, as for nnx.Conv")
+    if isinstance(module, nnx.Conv):
+        size = module.kernel_size
+        taps = len(size) if isinstance(size, tuple | list) else 1
+        # (*taps, Cin, Cout): fan-in is the input channels then the taps (the order of a
+        # PyTorch Conv weight (Cout, Cin, *taps)), fan-out the output channels.
+        fan_in = (-2, *range(-2 - taps, -2))
+        return Route("dense", fan_in, -1, evidence=ev + " (*taps, Cin, Cout)")
+    return None
 
 
 def _module_evidence_of_nnx(model: Any) -> dict[str, Route | RoutingError]:
@@ -278,174 +260,63 @@ def _nnx_stacked(module: Any, name: str, params: dict[str, Any]) -> dict[str, An
     return out
 
 
-def is_equinox_module(x: Any) -> bool:
-    """Whether ``x`` is an Equinox module (False unless ``equinox`` is imported)."""
-    eqx = sys.modules.get("equinox")  # a tree cannot hold one unless equinox is imported
-    return eqx is not None and isinstance(x, eqx.Module)
+# ---------------------------------------------------------------------------- the adapters
 
 
-def _holds_equinox(tree: Any) -> bool:
-    if is_equinox_module(tree):
-        return True
-    return any(is_equinox_module(x) for x in jax.tree.leaves(
-        tree, is_leaf=is_equinox_module))
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """The evidence a library's models give the router (``docs/routing.md``).
 
+    The router knows flax's own modules (NNX, and linen through
+    :func:`sage_optax.linen_model`); an adapter adds another library's models
+    (``sage_optax/adapters/<library>.py``, loaded once that library is imported, or one
+    registered by hand with :func:`register_adapter`).
 
-class _EqxTypes(NamedTuple):
-    """The ``eqx.nn`` module types whose parameters :func:`equinox_routes` reads."""
-
-    matrices: tuple[type, ...]  # weight, weight_ih, weight_hh (out, in)
-    norms: tuple[type, ...]
-    convs: tuple[type, ...]
-    convts: tuple[type, ...]
-    embeddings: tuple[type, ...]
-    prelus: tuple[type, ...]
-
-    @classmethod
-    def of(cls, nn: Any) -> _EqxTypes:
-        """The types of the installed ``eqx.nn`` (a type it lacks is left out)."""
-
-        def types(*names: str) -> tuple[type, ...]:
-            return tuple(getattr(nn, n) for n in names if hasattr(nn, n))
-
-        return cls(types("Linear", "GRUCell", "LSTMCell"),
-                   types("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm"),
-                   types("Conv"), types("ConvTranspose"), types("Embedding"), types("PReLU"))
-
-    @property
-    def known(self) -> tuple[type, ...]:
-        """Every type read, in the order ``isinstance`` tries them."""
-        return (*self.matrices, *self.norms, *self.convs, *self.convts, *self.embeddings,
-                *self.prelus)
-
-
-def equinox_routes(tree: Any) -> dict[str, Route | RoutingError]:
-    """Per-parameter routes read from the Equinox modules in ``tree``, keyed by dotted path.
-
-    ``tree`` is an Equinox model, filtered (``eqx.filter(model, eqx.is_inexact_array)``) or
-    not.  Equinox follows PyTorch's layouts: ``eqx.nn.Linear`` ``weight`` ``(out, in)``,
-    ``eqx.nn.Embedding`` ``(V, d)``, ``eqx.nn.Conv*`` ``(Cout, Cin, *taps)`` (fan-in: input
-    channels and taps), ``eqx.nn.GRUCell``/``LSTMCell`` ``weight_ih``/``weight_hh``
-    ``(out, in)``; biases and norm weights are vectors.  Leading axes beyond a module's own
-    (``eqx.filter_vmap``-stacked layers) are batch axes, wherever ``out_axes`` put them for
-    ``Linear``, ``Embedding``, ``LayerNorm`` and ``RMSNorm`` (their own shape says which
-    axes are theirs).  An ``eqx.nn.ConvTranspose`` weight
-    maps to the error it raises if used; other modules are left to the name rules.
+    Attributes:
+      name: the library (its import name), for the registry.
+      owns: ``x -> bool``: whether ``x`` is a model (or a module) of the library.
+      routes: ``tree -> {dotted path: Route | RoutingError}``: the routes the module types in
+        a model, or in a tree of its parameters that still holds the modules, give.
+      params: ``(model, wrt, wrt_name) -> (params, what)``: the leaves of ``model`` to train
+        (``wrt`` a filter or ``None`` for the library's default; ``wrt_name`` its name for
+        messages) and how they were selected, for :func:`sage_optax.routing_table`.
     """
-    eqx = sys.modules.get("equinox")
-    if eqx is None:
-        return {}
-    kinds = _EqxTypes.of(eqx.nn)
-    known = kinds.known
-    out: dict[str, Route | RoutingError] = {}
-    found, _ = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, known))
-    node: Any
-    for path, node in found:
-        if not isinstance(node, known):
-            continue
-        base = axes_lib.path_str(path) if path else ""
-        for attr, value in vars(node).items():
-            shape = getattr(value, "shape", None)
-            if shape is None or not hasattr(value, "dtype"):
-                continue
-            full = f"{base}.{attr}" if base else attr
-            shape = tuple(int(n) for n in shape)
-            route = _eqx_param_route(node, attr, full, shape, kinds)
-            if route is not None:
-                out[full] = _eqx_unstacked(node, attr, full, shape, route)
-    return out
+
+    name: str
+    owns: Callable[[Any], bool]
+    routes: Callable[[Any], dict[str, Route | RoutingError]]
+    params: Callable[[Any, Any, str | None], tuple[Any, str]] | None = None
 
 
-def _eqx_param_route(node: Any, attr: str, full: str, shape: tuple[int, ...],
-                     kinds: _EqxTypes) -> Route | RoutingError | None:
-    """The route the type of the Equinox module ``node`` gives its array ``attr``.
-
-    Biases, norm and PReLU parameters are vectors (batch: the axes before the module's own);
-    matrices, tables and convolutions get their PyTorch layout; a ``ConvTranspose`` weight
-    the error it raises if used.  ``None`` for a leaf the type says nothing of (a 0-D/1-D
-    non-vector).
-    """
-    ndim = len(shape)
-    ev = f"module eqx.nn.{type(node).__name__}"
-    if isinstance(node, kinds.norms + kinds.prelus) or attr.startswith("bias"):
-        own = 1  # a bias (out,), a norm's (d,) or its own multi-axis shape
-        norm_shape = getattr(node, "shape", None)
-        if isinstance(node, kinds.norms) and isinstance(norm_shape, tuple):
-            own = max(len(norm_shape), 1)
-        if isinstance(node, kinds.convs + kinds.convts):
-            own = 1 + _spatial(node)  # (Cout, 1, ..., 1)
-        return Route("vector", batch=tuple(range(max(ndim - own, 0))), evidence=ev)
-    if ndim < 2:
-        return None
-    if isinstance(node, kinds.convts):
-        taps = _spatial(node)
-        conv = Route("dense", tuple(range(-taps - 1, 0)), -taps - 2)
-        return module_layouts.conv_transpose_refusal(
-            full, shape, conv, "an eqx.nn.ConvTranspose weight",
-            "axis 1 and the taps are its fan-in, as for eqx.nn.Conv")
-    if isinstance(node, kinds.embeddings):
-        return Route("embedding", -1, -2, evidence=ev + " (V, d)")
-    if isinstance(node, kinds.convs):
-        taps = _spatial(node)
-        return Route("dense", tuple(range(-taps - 1, 0)), -taps - 2,
-                     evidence=ev + " (Cout, Cin, *taps)")
-    if isinstance(node, kinds.matrices):
-        return Route("dense", -1, -2, evidence=ev + " (out, in)")
-    return None
+_REGISTRY = core.AdapterRegistry(Adapter, __package__, pathlib.Path(__file__).with_name("adapters"))
+_ADAPTERS = _REGISTRY.registered
+register_adapter = _REGISTRY.register
+"""Add an :class:`Adapter` to the evidence of every later routing (replaces one of its name)."""
+adapters = _REGISTRY.all
+"""The registered adapters, after loading ``sage_optax/adapters/<library>.py`` of every library
+imported so far (each registers itself)."""
 
 
-def _eqx_unstacked(node: Any, attr: str, full: str, shape: tuple[int, ...],
-                   route: Route | RoutingError) -> Route | RoutingError:
-    """``route`` with the axes ``eqx.filter_vmap`` stacked off axis 0 made batch axes.
-
-    Where the module's own shape (:func:`_eqx_own_shape`) is not the trailing axes of
-    ``shape`` (``out_axes=1``), :func:`sage_optax.linen_evidence.stacked_route` finds it;
-    else ``route`` is kept.
-    """
-    ndim = len(shape)
-    mine = _eqx_own_shape(node, attr)
-    if (isinstance(route, Route) and mine is not None and len(mine) < ndim
-            and shape[ndim - len(mine):] != mine):  # stacked off axis 0 (out_axes=1)
-        from sage_optax import linen_evidence
-
-        inner = route if route.kind != "vector" else Route(
-            "vector", batch=(), evidence=route.evidence)
-        placed = linen_evidence.stacked_route(full, inner, mine, shape, "eqx.filter_vmap")
-        if placed is not None:
-            return placed
-    return route
+def model_adapter(x: Any) -> Adapter | None:
+    """The adapter that owns the model ``x``, or ``None``."""
+    return next((a for a in adapters() if a.owns(x)), None)
 
 
-def _eqx_own_shape(node: Any, attr: str) -> tuple[int, ...] | None:
-    """The shape an Equinox module gives its array ``attr`` before any stacking, or None."""
-    nn = sys.modules["equinox"].nn
-
-    def dim(n: Any) -> int:
-        return 1 if n == "scalar" else int(n)  # eqx.nn.Linear stores "scalar" as size 1
-
-    if hasattr(nn, "Linear") and isinstance(node, nn.Linear):
-        out_f = dim(node.out_features)
-        return ((out_f, dim(node.in_features)) if attr == "weight" else
-                (out_f,) if attr == "bias" else None)
-    if hasattr(nn, "Embedding") and isinstance(node, nn.Embedding) and attr == "weight":
-        return (int(node.num_embeddings), int(node.embedding_size))
-    norms = tuple(getattr(nn, n) for n in ("LayerNorm", "RMSNorm") if hasattr(nn, n))
-    if isinstance(node, norms) and attr in ("weight", "bias"):
-        shape = node.shape
-        return tuple(int(n) for n in (shape if isinstance(shape, tuple) else (shape,)))
-    return None
-
-
-def _spatial(conv: Any) -> int:
-    """The number of spatial axes (taps) of an Equinox convolution."""
-    return int(conv.num_spatial_dims)
+def _tree_adapters(tree: Any) -> list[Adapter]:
+    """The adapters owning a module held in ``tree`` (a filtered model keeps its modules)."""
+    found = []
+    for adapter in adapters():
+        if adapter.owns(tree) or any(adapter.owns(x) for x in jax.tree.leaves(
+                tree, is_leaf=adapter.owns)):
+            found.append(adapter)
+    return found
 
 
 def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the modules of ``model``, keyed by dotted path.
 
-    ``model`` is a flax NNX module, an Equinox model (:func:`equinox_routes`) or a linen
+    ``model`` is a flax NNX module, a model an adapter owns (:func:`adapters`: Equinox's,
+    :func:`sage_optax.adapters.equinox.routes`) or a linen
     module with a sample input (:func:`sage_optax.linen_model`,
     :func:`sage_optax.linen_evidence.linen_routes`).  For NNX,
     only parameters owned by a module of known layout appear (``nnx.Embed``,
@@ -464,8 +335,9 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
       <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
       fan-out axes).
     """
-    if is_equinox_module(model):
-        return equinox_routes(model)
+    adapter = model_adapter(model)
+    if adapter is not None:
+        return adapter.routes(model)
     from sage_optax import linen_evidence
 
     if isinstance(model, linen_evidence.LinenModel):
@@ -512,26 +384,26 @@ class _TreeFacts:
     vocab_size: int | None
     nnx_tree: bool = False  # an nnx.State: model= would read its modules
     shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    conv1d: str | None = None  # what the GPT-2 Conv1D names' shapes say (core.conv1d_reading)
+    conventions: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     torch_vocab: int | None = None  # rows of the token table that PyTorch's names say
 
 
 def _tree_facts(names: list[str], layout: str | None, have_model: bool,
                 vocab_size: int | None, nnx_tree: bool,
                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> _TreeFacts:
-    leaves = {core.components(n)[-1] for n in names}
+    leaves = {naming.components(n)[-1] for n in names}
     flax = nnx_tree or bool(leaves & (set(FLAX_NAMES) | set(TABLE_NAMES)))
     torch = not flax and bool(leaves & set(TORCH_NAMES))
     shapes = dict(shapes or {})
-    conv1d = token = None
+    conventions: dict[str, str | None] = {}
+    token = None
     if torch:  # the token table, against whose width the Conv1D names' shapes are read
-        token = core.pick_token_table([
-            core.TableFact(n, s[0], s[1]) for n, s in shapes.items()
-            if len(s) == 2 and core.torch_name_reading(n) == "table"])
-        conv1d = core.conv1d_reading(
-            [(n, s) for n, s in shapes.items() if len(s) == 2 and core.names_conv1d(n)],
-            token.width if token is not None else None)
-    return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conv1d,
+        token = decision.pick_token_table([
+            decision.TableFact(n, s[0], s[1]) for n, s in shapes.items()
+            if len(s) == 2 and naming.torch_name_reading(n) == "table"])
+        conventions = naming.convention_readings(
+            list(shapes.items()), token.width if token is not None else None)
+    return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conventions,
                       token.rows if token is not None else None)
 
 
@@ -561,7 +433,7 @@ def _attention_reading(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> 
     = its first and last axes is stacked ``Dense`` layers, not attention.  This orders the
     remedies of a refusal; it never places a leaf.
     """
-    parts = core.components(name)
+    parts = naming.components(name)
     if len(parts) < 2 or parts[-2] not in ATTENTION_IN | ATTENTION_OUT:
         return None
     leaf, ndim = parts[-1], len(shape)
@@ -621,9 +493,9 @@ def _table_options(shape: tuple[int, ...], vocab_size: int | None) -> list[tuple
 
 
 def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | RoutingError:
-    """The route that names and shapes alone give (rules of the module docstring)."""
+    """The route that names and shapes alone give (``docs/routing.md``, step 4)."""
     ndim = len(shape)
-    parts = core.components(name)
+    parts = naming.components(name)
     leaf = parts[-1]
     if ndim < 2:
         return Route("vector", evidence=f"shape: {ndim}-D")
@@ -631,7 +503,7 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
         return Route("vector", evidence="shape: one non-unit axis")
     remedy = _remedy(facts)
     attention = _attention_reading(name, shape, facts)
-    if leaf in core.VECTOR_NAMES or leaf == "offset":
+    if leaf in naming.VECTOR_NAMES or leaf == "offset":
         return _vector_name_refusal(name, shape, leaf, remedy, attention)
     if _unnamed(name) and ndim > 2:
         return Route("vector", evidence=NO_EVIDENCE)  # the caller warns (or refuses: strict)
@@ -643,7 +515,7 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
         route = _torch_layout_route(name, shape, remedy)
     if route is not None:
         return route
-    if ndim == 2 and (leaf in core.TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding")):
+    if ndim == 2 and (leaf in naming.TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding")):
         return Route("embedding", -1, -2, evidence=f"name {leaf!r} (token table (V, d))")
     if any("emb" in part for part in parts):
         return _embedding_name_route(name, shape, facts)
@@ -718,11 +590,11 @@ def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts, 
     (:func:`_torch_weight_route`); any of them with more axes is refused.  ``None`` for
     other names.
     """
-    leaf, ndim = core.components(name)[-1], len(shape)
+    leaf, ndim = naming.components(name)[-1], len(shape)
     if leaf in TABLE_NAMES and ndim == 2:
         return Route("embedding", -1, -2, evidence=f"name {leaf!r} ({TABLE_NAMES[leaf]} "
                      "(V, d))")
-    if leaf in FLAX_NAMES and ndim == 2 and not core.names_table(name):
+    if leaf in FLAX_NAMES and ndim == 2 and not naming.names_table(name):
         return Route("dense", -2, -1, evidence=f"name {leaf!r} ({FLAX_NAMES[leaf]} (in, out))")
     if leaf in TORCH_NAMES and ndim == 2:
         return _torch_weight_route(name, shape, facts, remedy)
@@ -736,10 +608,11 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
     """A 2-D ``weight`` with no declared layout: PyTorch's ``(out, in)``, as its name says.
 
     Refused in a Flax/Haiku tree (whose matrices are ``(in, out)``), for GPT-2's ``Conv1D``
-    names and for the names :data:`sage_optim.routing.TORCH_WEIGHT_WHY` lists; a table name
+    names (a :class:`~sage_optim.naming.NameConvention`) and for the names
+    :data:`sage_optim.naming.TORCH_WEIGHT_WHY` lists; a table name
     makes a ``(V, d)`` table.
     """
-    reading = core.torch_name_reading(name)
+    reading = naming.torch_name_reading(name)
     if facts.flax:
         return _refusal(
             name, shape,
@@ -755,20 +628,21 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
              (Route("embedding", -1, -2), "it is a table (V, d)"),
              ("vector", "element-wise rules are wanted")],
         )
+    refusal = naming.convention_refusal(  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
+        name, shape, facts.conventions,
+        "Route the model in PyTorch with sage_torch (its modules decide), or "
+        "give it in route_overrides")
+    if refusal is not None:
+        return refusal
     if reading == "table":
         return Route("embedding", -1, -2,
                      evidence="name (PyTorch/Equinox table (V, d))")
-    if reading == "conv1d":  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
-        return core.conv1d_refusal(
-            name, shape, facts.conv1d,
-            "Route the model in PyTorch with sage_torch (its modules decide), or "
-            "give it in route_overrides")
-    if reading in core.TORCH_WEIGHT_WHY:
-        options = core.torch_weight_options(shape, None, facts.torch_vocab)
+    if reading in naming.TORCH_WEIGHT_WHY:
+        options = naming.torch_weight_options(shape, None, facts.torch_vocab)
         return _refusal(
             name, shape,
             f"cannot place {name!r} of shape {shape}: "
-            f"{core.TORCH_WEIGHT_WHY[reading]}; give it: "
+            f"{naming.TORCH_WEIGHT_WHY[reading]}; give it: "
             + "; ".join(f"{core.override_advice(name, r)} if {w}"
                         for r, w in options),
             options,
@@ -783,7 +657,7 @@ def _flax_layout_route(name: str, shape: tuple[int, ...], remedy: str,
     A 2-D ``embedding``/``embeddings`` is a table, a 2-D ``kernel``/``w``/``weight`` an
     ``(in, out)`` matrix; any of them with other axes is refused.  ``None`` for other names.
     """
-    leaf, ndim = core.components(name)[-1], len(shape)
+    leaf, ndim = naming.components(name)[-1], len(shape)
     if leaf in ("embedding", "embeddings") and ndim == 2:
         return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
     if leaf in ("kernel", "w", "weight") and ndim == 2:
@@ -800,11 +674,11 @@ def _torch_layout_route(name: str, shape: tuple[int, ...],
     A 2-D ``weight`` named like a table is ``(V, d)``, any other 2-D one ``(out, in)``; one
     with more axes is refused.  ``None`` for other names.
     """
-    leaf, ndim = core.components(name)[-1], len(shape)
+    leaf, ndim = naming.components(name)[-1], len(shape)
     if leaf != "weight":
         return None
-    if ndim == 2 and (core.names_token_embedding(name) or core.names_table(name)
-                      or core.names_table_module(name)):
+    if ndim == 2 and (naming.names_token_embedding(name) or naming.names_table(name)
+                      or naming.names_table_module(name)):
         return Route("embedding", -1, -2, evidence="name (token table (V, d))")
     if ndim == 2:
         return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
@@ -948,7 +822,7 @@ class _Leaf:
     route: Route | RoutingError
 
 
-def _override_refusal(e: core.Evidence, override: Route) -> RoutingError:
+def _override_refusal(e: decision.Evidence, override: Route) -> RoutingError:
     """An override that gives a kind but no axes, for a leaf whose axes nothing gives."""
     options = [(Route(override.kind, r.fan_in, r.fan_out, r.batch), when)
                for r, when in _matrix_options(e.shape, "in_out")
@@ -1075,16 +949,11 @@ def route_params(
     if layout is not None and layout not in PARAM_LAYOUTS:
         raise ValueError(f"layout must be one of {PARAM_LAYOUTS} or None, got {layout!r}")
     roles = logical.check_axis_roles(axis_roles)
-    nnx_tree = False
     if is_nnx_module(params):
         from flax import nnx
 
         model, params = params, nnx.state(params, nnx.Param)
-    evidence = dict(module_evidence or {})
-    if model is not None:
-        evidence.update(module_routes(model))
-    if _holds_equinox(params):
-        evidence.update(equinox_routes(params))
+    evidence = _module_evidence(params, model, module_evidence)
     names = logical.names_of(model) if model is not None and is_nnx_module(model) else {}
     names.update(logical.names_of(params))
     given = logical.names_of(axis_names) if axis_names is not None else {}
@@ -1102,32 +971,9 @@ def route_params(
               if not axes_lib.is_masked(x) and hasattr(x, "shape")}
     facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
                         vocab_size, nnx_tree, shapes)
-    records: list[core.Evidence] = []
-    for name, x in named:
-        if axes_lib.is_masked(x):
-            continue
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
-            raise RoutingError(
-                f"parameter {name!r} is a {type(x).__name__}, not an array; route only the "
-                "arrays to train (eqx.filter(model, eqx.is_inexact_array), "
-                "nnx.state(model, nnx.Param))"
-            )
-        shape = tuple(int(s) for s in x.shape)
-        floating = jnp.issubdtype(x.dtype, jnp.floating)
-        head_candidate = True
-        if not floating:
-            route: Route | RoutingError = RoutingError(
-                f"cannot place parameter {name!r} of shape {shape}: dtype {jnp.dtype(x.dtype)} "
-                "is not floating point, so no optimizer can train it; filter it out of the "
-                "params (e.g. nnx.Optimizer(..., wrt=nnx.Param), eqx.filter(model, "
-                "eqx.is_inexact_array)) or mask it"
-            )
-        else:
-            route, head_candidate = _gathered(name, shape, evidence, names, roles, facts)
-        records.append(core.Evidence(
-            name, shape, route, head_candidate=head_candidate, final=not floating,
-            by_names=name not in evidence and core.components(name)[-1] in TORCH_NAMES))
-    decided = core.decide(records, override_of, refuse_override=_override_refusal,
+    records = [_leaf_evidence(name, x, evidence, names, roles, facts)
+               for name, x in named if not axes_lib.is_masked(x)]
+    decided = decision.decide(records, override_of, refuse_override=_override_refusal,
                           vocab_size=vocab_size)
     leaves = [_Leaf(e.name, e.shape, decided[e.name]) for e in records]
     _fallback(leaves, strict, warn)
@@ -1135,6 +981,51 @@ def route_params(
                    if isinstance(x.route, RoutingError)}.values())  # a head error: once
     if errors:
         raise RoutingError.combine(errors, fix=_fix(facts), names=[e.name for e in records])
+    return _routing_tree(named, treedef, leaves)
+
+
+def _module_evidence(params: Any, model: Any,
+                     given: Mapping[str, Route | RoutingError] | None
+                     ) -> dict[str, Route | RoutingError]:
+    """The routes the modules say: ``given``, ``model``'s, and those an adapter reads."""
+    evidence = dict(given or {})
+    if model is not None:
+        evidence.update(module_routes(model))
+    for adapter in _tree_adapters(params):
+        evidence.update(adapter.routes(params))
+    return evidence
+
+
+def _leaf_evidence(name: str, x: Any, evidence: Mapping[str, Route | RoutingError],
+                   names: Mapping[str, logical.Names], roles: Mapping[str, str | None],
+                   facts: _TreeFacts) -> decision.Evidence:
+    """What is known of one unmasked leaf (a non-array or non-float leaf is refused)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        raise RoutingError(
+            f"parameter {name!r} is a {type(x).__name__}, not an array; route only the "
+            "arrays to train (eqx.filter(model, eqx.is_inexact_array), "
+            "nnx.state(model, nnx.Param))"
+        )
+    shape = tuple(int(s) for s in x.shape)
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    head_candidate = True
+    if not floating:
+        route: Route | RoutingError = RoutingError(
+            f"cannot place parameter {name!r} of shape {shape}: dtype {jnp.dtype(x.dtype)} "
+            "is not floating point, so no optimizer can train it; filter it out of the "
+            "params (e.g. nnx.Optimizer(..., wrt=nnx.Param), eqx.filter(model, "
+            "eqx.is_inexact_array)) or mask it"
+        )
+    else:
+        route, head_candidate = _gathered(name, shape, evidence, names, roles, facts)
+    return decision.Evidence(
+        name, shape, route, head_candidate=head_candidate, final=not floating,
+        by_names=name not in evidence and naming.components(name)[-1] in TORCH_NAMES)
+
+
+def _routing_tree(named: list[tuple[str, Any]], treedef: Any,
+                  leaves: list[_Leaf]) -> ParamRouting:
+    """The labels, axes and resolved routes as pytrees (masked leaves kept as they are)."""
     resolved: dict[str, tuple[Route, ResolvedRoute]] = {}
     for x in leaves:
         assert isinstance(x.route, Route)

@@ -28,6 +28,7 @@ from sage_optax import axes as axes_lib
 from sage_optax import boxes, validation
 from sage_optax.numerics import pow2_floor
 from sage_optax.registry import RuleContext, register
+from sage_optim.hyperparams import SageHyperparams
 from sage_optim.numerics import mean_scale
 from sage_optim.presets import RULE_DEFAULTS
 
@@ -375,7 +376,8 @@ def sage(
 
 
 @register("sage")
-def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+def build(learning_rate: optax.ScalarOrSchedule, hp: SageHyperparams,
           context: RuleContext) -> optax.GradientTransformation:
     """:func:`sage` with the ``sage`` rule's hyperparameters ``hp`` (its builder)."""
-    return sage(learning_rate, **hp, mask=context.mask, axes=context.axes)
+    return sage(learning_rate, b1=hp.b1, b2=hp.b2, eps=hp.eps, weight_decay=hp.weight_decay,
+                damper=hp.damper, mask=context.mask, axes=context.axes)

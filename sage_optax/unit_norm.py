@@ -11,6 +11,7 @@ import optax
 from sage_optax import axes as axes_lib
 from sage_optax import validation
 from sage_optax.registry import RuleContext, register
+from sage_optim.hyperparams import UnitNormHyperparams
 from sage_optim.presets import RULE_DEFAULTS
 
 _DEFAULTS = RULE_DEFAULTS["unit_norm"]
@@ -114,7 +115,8 @@ def unit_norm_descent(
 
 
 @register("unit_norm")
-def build(learning_rate: optax.ScalarOrSchedule, hp: dict[str, Any],
+def build(learning_rate: optax.ScalarOrSchedule, hp: UnitNormHyperparams,
           context: RuleContext) -> optax.GradientTransformation:
     """:func:`unit_norm_descent` with the ``unit_norm`` rule's hyperparameters (its builder)."""
-    return unit_norm_descent(learning_rate, **hp, mask=context.mask, axes=context.axes)
+    return unit_norm_descent(learning_rate, weight_decay=hp.weight_decay, eps=hp.eps,
+                             mask=context.mask, axes=context.axes)

@@ -11,8 +11,8 @@ import dataclasses
 import math
 import numbers
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
 
 DAMPERS: tuple[str, ...] = ("both", "ema", "instant", "none")
 """SAGE's damper variants: the paper's default ``both`` (EMA and instantaneous), ``ema``
@@ -150,3 +150,155 @@ def check(name: str, value: Any, rule: str | None = None, label: str | None = No
     message = problem(name, value, rule, label)
     if message is not None:
         raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleHyperparams(Mapping[str, Any]):
+    """The typed hyperparameters of one update rule, frozen: one subclass per rule.
+
+    Each field is one hyperparameter, with the rule's default
+    (:data:`sage_optim.presets.RULE_DEFAULTS` is read from these classes); a rule's
+    builder reads them by name (``hp.weight_decay``).  An instance is also a read-only
+    mapping of its fields (``hp["b1"]``, ``dict(hp)``), as a rule's builder may read it.
+    """
+
+    rule: ClassVar[str] = ""
+    """The rule's name, a key of :data:`sage_optim.presets.RULE_DEFAULTS`."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def names(self) -> tuple[str, ...]:
+        """The hyperparameters' names, in the table's order."""
+        return tuple(f.name for f in dataclasses.fields(self))
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every hyperparameter's default, by name, in the table's order."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamWHyperparams(RuleHyperparams):
+    """Decoupled-decay Adam, as ``optax.adamw`` / ``torch.optim.AdamW``."""
+
+    rule: ClassVar[str] = "adamw"
+    b1: Any = 0.9
+    b2: Any = 0.99
+    eps: Any = 1e-8
+    weight_decay: Any = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class LionHyperparams(RuleHyperparams):
+    """Lion (Chen et al. 2023), hard sign."""
+
+    rule: ClassVar[str] = "lion"
+    b1: Any = 0.9
+    b2: Any = 0.99
+    weight_decay: Any = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class SageHyperparams(RuleHyperparams):
+    """SAGE, Algorithm 1 + instantaneous damper (``docs/algorithms.md``)."""
+
+    rule: ClassVar[str] = "sage"
+    b1: Any = 0.9
+    b2: Any = 0.99
+    eps: Any = 1e-8
+    weight_decay: Any = 0.01
+    damper: str = "both"
+
+
+@dataclasses.dataclass(frozen=True)
+class SinkGDHyperparams(RuleHyperparams):
+    """SinkGD (``docs/algorithms.md``); ``"unit"`` is the SAGE paper's Unit-Norm SinkGD."""
+
+    rule: ClassVar[str] = "sinkgd"
+    alpha: Any = 10.0
+    num_iters: int = 5
+    eps: Any = 1e-8
+    weight_decay: Any = 0.01
+    normalization: str = "unit"
+
+
+@dataclasses.dataclass(frozen=True)
+class ApolloHyperparams(RuleHyperparams):
+    """APOLLO-Mini as the paper's baseline ran it (``docs/algorithms.md``, APOLLO).
+
+    ``projection``: a callable ``(path, refresh_index, n, rank) -> P`` to inject the
+    projection (how the PyTorch twin and the tests feed both frameworks the same ``P``).
+    """
+
+    rule: ClassVar[str] = "apollo"
+    rank: int = 1
+    scale_type: str = "tensor"
+    scale: Any = 128.0
+    update_proj_gap: int = 200
+    b1: Any = 0.9
+    b2: Any = 0.999
+    eps: Any = 1e-6
+    weight_decay: Any = 0.01
+    limiter_gamma: Any = 1.01
+    seed: int = 0
+    projection: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitNormHyperparams(RuleHyperparams):
+    """The stateless step of ``sinkgd-pure`` on 1-D parameters: ``g / (||g||_2 + eps)``."""
+
+    rule: ClassVar[str] = "unit_norm"
+    eps: Any = 1e-8
+    weight_decay: Any = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class TableHyperparams(RuleHyperparams):
+    """The hyperparameters of a rule with a table row but no class here (read as a mapping).
+
+    A rule added by its row of :data:`sage_optim.presets.RULE_DEFAULTS` alone (and its
+    modules) gets these: ``hp["b1"]`` and ``hp.b1`` both read ``row``.
+    """
+
+    row: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def names(self) -> tuple[str, ...]:
+        """The hyperparameters' names, in the row's order."""
+        return tuple(self.row)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.row[key]
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.__dict__["row"][key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+RULE_HYPERPARAMS: Mapping[str, type[RuleHyperparams]] = types.MappingProxyType(
+    {cls.rule: cls for cls in (AdamWHyperparams, LionHyperparams, SageHyperparams,
+                               SinkGDHyperparams, ApolloHyperparams, UnitNormHyperparams)}
+)
+"""Every rule's typed hyperparameters, by rule name: one definition for both frameworks."""
+
+
+def typed(rule: str, values: Mapping[str, Any]) -> RuleHyperparams:
+    """``values`` (every hyperparameter of ``rule``, by name) as ``rule``'s typed hyperparameters.
+
+    A rule with no class in :data:`RULE_HYPERPARAMS` gets a :class:`TableHyperparams`.
+    """
+    cls = RULE_HYPERPARAMS.get(rule)
+    if cls is None:
+        return TableHyperparams(dict(values))
+    return cls(**values)

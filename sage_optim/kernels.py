@@ -37,7 +37,7 @@ CHOICES: tuple[str, ...] = ("auto", "off")
 
 PATHS: tuple[str, ...] = ("sinkgd-pallas", "sinkgd-stream", "torch-fused", "cudnn-attention")
 """The GPU paths whose default is decided by measurement: SinkGD's Pallas kernel
-(:mod:`sage_optax.sinkhorn_pallas`, ``impl="pallas"``), sage_torch's Triton kernels
+(:mod:`sage_optax.sinkgd_pallas`, ``impl="pallas"``), sage_torch's Triton kernels
 (``fused=True``), and cuDNN's flash attention in ``sage-train`` (``--attention cudnn``)."""
 
 VALIDATED_ON: Mapping[str, tuple[str, ...]] = types.MappingProxyType({

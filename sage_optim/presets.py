@@ -20,53 +20,17 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from sage_optim.hyperparams import RULE_HYPERPARAMS, RuleHyperparams, typed
+
 KINDS: tuple[str, ...] = ("embedding", "dense", "vector")
 """The three parameter kinds, in the order tables print them."""
 
-_RULE_TABLE: dict[str, Mapping[str, Any]] = (
-    {
-        # Decoupled-decay Adam, as optax.adamw / torch.optim.AdamW.
-        "adamw": types.MappingProxyType(
-            {"b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01}
-        ),
-        # Lion (Chen et al. 2023), hard sign.
-        "lion": types.MappingProxyType({"b1": 0.9, "b2": 0.99, "weight_decay": 0.01}),
-        # SAGE, Algorithm 1 + instantaneous damper (docs/algorithms.md).
-        "sage": types.MappingProxyType(
-            {"b1": 0.9, "b2": 0.99, "eps": 1e-8, "weight_decay": 0.01, "damper": "both"}
-        ),
-        # SinkGD (docs/algorithms.md); "unit" is the SAGE paper's Unit-Norm SinkGD.
-        "sinkgd": types.MappingProxyType(
-            {
-                "alpha": 10.0,
-                "num_iters": 5,
-                "eps": 1e-8,
-                "weight_decay": 0.01,
-                "normalization": "unit",
-            }
-        ),
-        # APOLLO-Mini as the paper's baseline ran it (docs/algorithms.md, APOLLO).
-        "apollo": types.MappingProxyType(
-            {
-                "rank": 1,
-                "scale_type": "tensor",
-                "scale": 128.0,
-                "update_proj_gap": 200,
-                "b1": 0.9,
-                "b2": 0.999,
-                "eps": 1e-6,
-                "weight_decay": 0.01,
-                "limiter_gamma": 1.01,
-                "seed": 0,
-                # A callable (path, refresh_index, n, rank) -> P to inject the projection
-                # (how the PyTorch twin and the tests feed both frameworks the same P).
-                "projection": None,
-            }
-        ),
-        # The stateless step of sinkgd-pure on 1-D parameters: g / (||g||_2 + eps).
-        "unit_norm": types.MappingProxyType({"eps": 1e-8, "weight_decay": 0.01}),
-    }
-)
+_RULE_TABLE: dict[str, Mapping[str, Any]] = {
+    name: types.MappingProxyType(cls.defaults()) for name, cls in RULE_HYPERPARAMS.items()
+}
+"""Each rule's row: the defaults of its typed hyperparameters
+(:data:`sage_optim.hyperparams.RULE_HYPERPARAMS`: AdamW, Lion, SAGE, SinkGD, APOLLO-Mini and
+``unit_norm``, each class saying what its rule is)."""
 
 RULE_DEFAULTS: Mapping[str, Mapping[str, Any]] = types.MappingProxyType(_RULE_TABLE)
 """Default hyperparameters of every rule (the learning rate is set per configuration).
@@ -101,6 +65,11 @@ class RuleSpec:
     def hyperparams(self) -> dict[str, Any]:
         """The full hyperparameter dict: the rule's defaults updated by the overrides."""
         return {**RULE_DEFAULTS[self.name], **self.overrides}
+
+    @property
+    def hp(self) -> RuleHyperparams:
+        """The full hyperparameters, typed (:data:`sage_optim.hyperparams.RULE_HYPERPARAMS`)."""
+        return typed(self.name, self.hyperparams)
 
     def with_overrides(self, **overrides: Any) -> RuleSpec:
         """A copy of this rule with more hyperparameters overridden."""
@@ -211,7 +180,22 @@ def resolve_preset(
         kind given twice (in a :class:`RuleSpec` and as ``<kind>_<hp>``); the message lists what
         is valid.
     """
-    preset = get_preset(name)
+    preset, per_kind = _swap_rules(get_preset(name), overrides)
+    _kind_values(name, preset, overrides, per_kind)
+    preset = _global_values(name, preset, overrides, option_keys)
+    for kind in KINDS:  # last: a kind's own values beat the global ones
+        if per_kind[kind]:
+            preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**per_kind[kind]))
+    return preset
+
+
+def _swap_rules(preset: Preset, overrides: dict[str, Any]
+                ) -> tuple[Preset, dict[str, dict[str, Any]]]:
+    """Consume ``embedding=``/``dense=``/``vector=``: the preset with those rules swapped in.
+
+    Also each kind's own values so far (``{kind: {hp: value}}``): those of a
+    :class:`RuleSpec` given for it.
+    """
     per_kind: dict[str, dict[str, Any]] = {kind: {} for kind in KINDS}
     for kind in KINDS:
         if kind in overrides:
@@ -219,6 +203,12 @@ def resolve_preset(
             rule = value if isinstance(value, RuleSpec) else RuleSpec(value)
             preset = preset.with_rule(kind, RuleSpec(rule.name))
             per_kind[kind].update(rule.overrides)
+    return preset, per_kind
+
+
+def _kind_values(name: str, preset: Preset, overrides: dict[str, Any],
+                 per_kind: dict[str, dict[str, Any]]) -> None:
+    """Consume every ``<kind>_<hp>=`` into ``per_kind`` (``{kind: {hp: value}}``)."""
     for key in [k for k in overrides if k.split("_", 1)[0] in KINDS]:
         kind, hp = key.split("_", 1)
         rule = preset.rule(kind)
@@ -233,6 +223,11 @@ def resolve_preset(
                 f"{kind}=RuleSpec({rule.name!r}, ...); give it once"
             )
         per_kind[kind][hp] = overrides.pop(key)
+
+
+def _global_values(name: str, preset: Preset, overrides: dict[str, Any],
+                   option_keys: tuple[str, ...]) -> Preset:
+    """Consume every ``<hp>=`` but the ``option_keys``: set for every rule that has it."""
     for hp in [k for k in overrides if k not in option_keys]:
         value = overrides.pop(hp)
         kinds = [k for k in KINDS if hp in RULE_DEFAULTS[preset.rule(k).name]]
@@ -246,7 +241,4 @@ def resolve_preset(
             )
         for kind in kinds:
             preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**{hp: value}))
-    for kind in KINDS:  # last: a kind's own values beat the global ones
-        if per_kind[kind]:
-            preset = preset.with_rule(kind, preset.rule(kind).with_overrides(**per_kind[kind]))
     return preset

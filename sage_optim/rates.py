@@ -20,14 +20,16 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
-from sage_optim.presets import KINDS, Preset, RuleSpec, get_preset
+from sage_optim.hyperparams import ApolloHyperparams, RuleHyperparams, SinkGDHyperparams
+from sage_optim.presets import KINDS, Preset, get_preset
 
 __all__ = [
     "KIND_LEARNING_RATE_KEYS",
     "NOTICE_FACTOR",
     "LearningRateNotice",
+    "TypedRule",
     "describe_step",
     "far_rate_message",
     "notice_far_rates",
@@ -61,16 +63,28 @@ def pop_kind_learning_rates(overrides: dict[str, Any]) -> dict[str, Any]:
             for key in KIND_LEARNING_RATE_KEYS if key in overrides}
 
 
-def step_scale(rule: RuleSpec) -> float:
+class TypedRule(Protocol):
+    """A rule with typed hyperparameters.
+
+    A :class:`~sage_optim.presets.RuleSpec` or a kind's :class:`~sage_optim.settings.KindSettings`.
+    """
+
+    @property
+    def hp(self) -> RuleHyperparams:
+        """The rule's hyperparameters, typed."""
+        ...
+
+
+def step_scale(rule: TypedRule) -> float:
     """The factor between a rule's learning rate and its step.
 
     SinkGD's ``alpha``, APOLLO's ``sqrt(scale)``, 1 for the others.
     """
-    hp = rule.hyperparams
-    if rule.name == "sinkgd":
-        return float(hp["alpha"])
-    if rule.name == "apollo":
-        return math.sqrt(float(hp["scale"]))
+    hp = rule.hp
+    if isinstance(hp, SinkGDHyperparams):
+        return float(hp.alpha)
+    if isinstance(hp, ApolloHyperparams):
+        return math.sqrt(float(hp.scale))
     return 1.0
 
 
@@ -81,7 +95,7 @@ def _number(rate: Any) -> float | None:
     return None
 
 
-def describe_step(rule: RuleSpec, rate: Any) -> str:
+def describe_step(rule: TypedRule, rate: Any) -> str:
     """A kind's effective step for a routing table: ``"0.02 (2e-3 x 10)"`` or ``"0.002"``.
 
     A schedule is shown as ``"schedule x 10"``.

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from sage_optim.routing import Route
-from sage_train.model_shapes import LlamaConfig
+from sage_train.model.shapes import LlamaConfig
 
 STACKED_ROUTES: dict[str, Route] = {
     "layers.*.kernel": Route("dense", fan_in=-2, fan_out=-1),

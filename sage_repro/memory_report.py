@@ -23,8 +23,8 @@ from sage_optim.extras import require
 from sage_optim.presets import CONFIG_NAMES
 from sage_optim.table import format_table
 from sage_repro.paper import PAPER_MEMORY_GIB
-from sage_train.cli_args import DefaultsFormatter, OneLineParser
-from sage_train.model_shapes import MODELS, PAPER_MODELS, get_model_config
+from sage_train.job.cli_args import DefaultsFormatter, OneLineParser
+from sage_train.model.shapes import MODELS, PAPER_MODELS, get_model_config
 
 GIB = 2**30
 

@@ -32,7 +32,7 @@ import numpy as np
 from sage_optim.extras import require
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_optim.table import format_table
-from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
+from sage_train.job.cli_args import DefaultsFormatter, OneLineParser, checked
 
 if __name__ == "__main__":  # python -m sage_repro.parity: the extras first, in one line
     require("sage-parity", "jax", "torch")
@@ -315,6 +315,54 @@ class _Pair:
     table: np.ndarray  # APOLLO's projections
 
 
+_TorchGrads = Callable[[nn.Module, int], float | None]
+_JaxGrads = Callable[[Any, int, Any], tuple[float | None, Any]]
+
+
+def _recorded_grads(make_model: Callable[[torch.dtype], nn.Module],
+                    to_jax: Callable[[dict[str, np.ndarray], Any], Any], steps: int,
+                    seed: int) -> tuple[_TorchGrads, _JaxGrads]:
+    """Both sides fed the same recorded hard gradients (the ``gradients`` mode)."""
+    seq = hard_gradients(make_model(torch.float64), steps, seed)  # type: ignore[arg-type]
+
+    def torch_grads(model: nn.Module, t: int) -> float | None:
+        for n, p in model.named_parameters():
+            p.grad = torch.from_numpy(seq[t][n]).to(p.dtype)
+        return None
+
+    def jax_grads(params: Any, t: int, dtype: Any) -> tuple[float | None, Any]:
+        return None, to_jax(seq[t], dtype)
+
+    return torch_grads, jax_grads
+
+
+def _mixed_loss_grads(vocab: int, steps: int, seed: int) -> tuple[_TorchGrads, _JaxGrads]:
+    """Each side's own gradient of the same token batches (the ``model`` mode)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed + 1)
+    batches = []
+    for _ in range(steps):
+        tokens = rng.integers(0, vocab, size=64)
+        batches.append((tokens, (tokens * 7 + 3) % vocab))
+    grad_fn = jax.jit(jax.value_and_grad(jax_loss))
+
+    def torch_grads(model: nn.Module, t: int) -> float | None:
+        model.zero_grad()
+        x, y = batches[t]
+        loss = model(torch.from_numpy(x), torch.from_numpy(y))
+        loss.backward()
+        return float(loss.detach())
+
+    def jax_grads(params: Any, t: int, dtype: Any) -> tuple[float | None, Any]:
+        x, y = batches[t]
+        loss, g = grad_fn(params, jnp.asarray(x), jnp.asarray(y))
+        return float(loss), g
+
+    return torch_grads, jax_grads
+
+
 def _mixed_pair(mode: str, steps: int, seed: int) -> _Pair:
     """The small :class:`MixedModel` (``gradients`` and ``model`` modes)."""
     import jax
@@ -335,36 +383,10 @@ def _mixed_pair(mode: str, steps: int, seed: int) -> _Pair:
         return jax.tree.map(lambda x: jnp.asarray(x, dtype), to_flax(tensors))
 
     if mode == "gradients":
-        seq = hard_gradients(make_model(torch.float64), steps, seed)  # type: ignore[arg-type]
-
-        def torch_grads(model: nn.Module, t: int) -> float | None:
-            for n, p in model.named_parameters():
-                p.grad = torch.from_numpy(seq[t][n]).to(p.dtype)
-            return None
-
-        def jax_grads(params: Any, t: int, dtype: Any) -> tuple[float | None, Any]:
-            return None, to_jax(seq[t], dtype)
+        torch_grads, jax_grads = _recorded_grads(make_model, to_jax, steps, seed)
     else:
-        rng = np.random.default_rng(seed + 1)
         vocab = initial["embed.weight"].shape[0]
-        batches = []
-        for _ in range(steps):
-            tokens = rng.integers(0, vocab, size=64)
-            batches.append((tokens, (tokens * 7 + 3) % vocab))
-        grad_fn = jax.jit(jax.value_and_grad(jax_loss))
-
-        def torch_grads(model: nn.Module, t: int) -> float | None:
-            model.zero_grad()
-            x, y = batches[t]
-            loss = model(torch.from_numpy(x), torch.from_numpy(y))
-            loss.backward()
-            return float(loss.detach())
-
-        def jax_grads(params: Any, t: int, dtype: Any) -> tuple[float | None, Any]:
-            x, y = batches[t]
-            loss, g = grad_fn(params, jnp.asarray(x), jnp.asarray(y))
-            return float(loss), g
-
+        torch_grads, jax_grads = _mixed_loss_grads(vocab, steps, seed)
     return _Pair(make_model, to_jax, from_flax, torch_grads, jax_grads, projection_table())
 
 
@@ -394,7 +416,7 @@ def _tree_paths(tree: Any) -> list[tuple[Any, ...]]:
 
 def llama_loss(params: dict[str, Any], tokens: Any, targets: Any, cos: Any, sin: Any,
                config: Any, eps: float = 1e-6) -> Any:
-    """The LLaMA of :class:`sage_train.model.Llama` and transformers, written out in JAX.
+    """The LLaMA of :class:`sage_train.model.llama.Llama` and transformers, written out in JAX.
 
     ``params`` is the trainer's parameter tree as a pure dict (Flax layouts), in any float
     dtype: every operation runs in that dtype (the trainer's model computes norms, RoPE and
@@ -440,34 +462,10 @@ def llama_loss(params: dict[str, Any], tokens: Any, targets: Any, cos: Any, sin:
     return optax.softmax_cross_entropy_with_integer_labels(x @ w, targets).mean()
 
 
-def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
-                seq_len: int) -> _Pair:
-    """The ``LlamaForCausalLM`` of transformers and the trainer's Flax tree (``llama``)."""
-    import copy
-
-    import jax
+def _path_converters(paths: list[tuple[tuple[Any, ...], str]]) -> tuple[
+        Callable[[dict[str, np.ndarray], Any], Any], Callable[[Any], dict[str, np.ndarray]]]:
+    """``(to_jax, to_torch)`` between torch-named arrays and the nested Flax tree at ``paths``."""
     import jax.numpy as jnp
-    from flax import nnx
-    from transformers import LlamaForCausalLM
-
-    from sage_train.hf_convert import from_hf_state_dict, hf_name
-    from sage_train.model import Llama
-    from sage_train.model_shapes import get_model_config
-
-    cfg = dataclasses.replace(get_model_config(model), tie_embeddings=tied)
-    torch.manual_seed(seed)
-    hf = LlamaForCausalLM(_hf_config(cfg)).float()
-    flax_model = Llama(cfg, rngs=nnx.Rngs(seed))
-    from_hf_state_dict(flax_model, hf.state_dict())
-    template = nnx.to_pure_dict(nnx.state(flax_model, nnx.Param))
-    paths = [(p, hf_name(".".join(map(str, p)))) for p in _tree_paths(template)]
-    names = {tname for _, tname in paths}
-    missing = names ^ {n for n, _ in hf.named_parameters()}
-    assert not missing, f"parameters without a counterpart: {sorted(missing)}"
-
-    def make_model(dtype: torch.dtype) -> nn.Module:
-        m = copy.deepcopy(hf).to(dtype)
-        return _float64_norms(m) if dtype == torch.float64 else m
 
     def transposed(path: tuple[Any, ...]) -> bool:
         return path[-1] == "kernel"
@@ -491,6 +489,15 @@ def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
             x = np.asarray(node)
             out[tname] = x.T if transposed(path) else x
         return out
+
+    return to_jax, to_torch
+
+
+def _llama_grads(hf: Any, cfg: Any, steps: int, seed: int, batch: int,
+                 seq_len: int) -> tuple[_TorchGrads, _JaxGrads]:
+    """Each side's own gradient of the same random token batches (``llama``)."""
+    import jax
+    import jax.numpy as jnp
 
     rng = np.random.default_rng(seed)
     batches = []
@@ -524,13 +531,46 @@ def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
         loss, g = grad_fns[key](params, jnp.asarray(x), jnp.asarray(y))
         return float(loss), g
 
+    return torch_grads, jax_grads
+
+
+def _llama_pair(steps: int, seed: int, model: str, tied: bool, batch: int,
+                seq_len: int) -> _Pair:
+    """The ``LlamaForCausalLM`` of transformers and the trainer's Flax tree (``llama``)."""
+    import copy
+
+    from flax import nnx
+    from transformers import LlamaForCausalLM
+
+    from sage_train.hf.convert import from_hf_state_dict, hf_name
+    from sage_train.model.llama import Llama
+    from sage_train.model.shapes import get_model_config
+
+    cfg = dataclasses.replace(get_model_config(model), tie_embeddings=tied)
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(_hf_config(cfg)).float()
+    flax_model = Llama(cfg, rngs=nnx.Rngs(seed))
+    from_hf_state_dict(flax_model, hf.state_dict())
+    template = nnx.to_pure_dict(nnx.state(flax_model, nnx.Param))
+    paths = [(p, hf_name(".".join(map(str, p)))) for p in _tree_paths(template)]
+    names = {tname for _, tname in paths}
+    missing = names ^ {n for n, _ in hf.named_parameters()}
+    assert not missing, f"parameters without a counterpart: {sorted(missing)}"
+
+    def make_model(dtype: torch.dtype) -> nn.Module:
+        m = copy.deepcopy(hf).to(dtype)
+        return _float64_norms(m) if dtype == torch.float64 else m
+
+    to_jax, to_torch = _path_converters(paths)
+    torch_grads, jax_grads = _llama_grads(hf, cfg, steps, seed, batch, seq_len)
+
     largest = max(max(p.shape) for p in hf.parameters())
     return _Pair(make_model, to_jax, to_torch, torch_grads, jax_grads,
                  projection_table(n_max=largest))
 
 
 def _hf_config(cfg: Any) -> Any:
-    from sage_train.hf_convert import to_hf_config
+    from sage_train.hf.convert import to_hf_config
 
     # sdpa: its float64 attention stays in float64 (the eager one takes the softmax in float32)
     return to_hf_config(cfg, attn_implementation="sdpa")
@@ -592,6 +632,64 @@ def _compare_updates(ut: np.ndarray, uj: np.ndarray, group: dict[str, Any],
     return worst, int(np.sum(kept > SYNC_ULPS)), int(ties.sum()), offset, count
 
 
+def _sync_step(pair: _Pair, opt: torch.optim.Optimizer, opt32: torch.optim.Optimizer,
+               named: dict[str, Any], named32: dict[str, Any], update32: Any, state: Any,
+               cols: dict[str, float],
+               running: tuple[int, float, int]) -> tuple[int, int, float, int]:
+    """One ``sync`` step's float32 comparison.
+
+    ``running`` is the run's ``(beyond, offset sum, signed count)`` so far; returns them
+    updated, with this step's ties second. Fills ``cols`` with each kind's worst difference.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    beyond, offset_sum, count = running
+    # Both sides start the step from the same float32 parameters (zero, so that
+    # the new parameter is the update itself, at full resolution), optimizer
+    # state (the float64 run's, rounded) and gradient (torch's, rounded).
+    g32 = {n: _grad(p).to(torch.float32) for n, (p, _) in named.items()}
+    opt32.load_state_dict(_cast32(opt.state_dict()))
+    with torch.no_grad():
+        for n, (p, _) in named32.items():
+            p.zero_()
+            p.grad = g32[n].clone()
+    opt32.step()
+    g_tree = pair.to_jax({n: v.numpy() for n, v in g32.items()}, jnp.float32)
+    state32 = jax.tree.map(
+        lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, state)
+    u32, _ = update32(g_tree, state32, jax.tree.map(jnp.zeros_like, g_tree))
+    uj = pair.to_torch(u32)
+    step_ties = 0
+    for n, (p32, group) in named32.items():
+        kind = group.get("kind", "vector")
+        w, b, k, o, c = _compare_updates(
+            p32.detach().double().numpy(), np.asarray(uj[n], np.float64), group,
+            opt.state[named[n][0]], g32[n].double().numpy())
+        cols[kind] = max(cols.get(kind, 0.0), w)
+        beyond, step_ties, offset_sum, count = (beyond + b, step_ties + k,
+                                                offset_sum + o, count + c)
+    return beyond, step_ties, offset_sum, count
+
+
+def _param_gaps(named: dict[str, Any], jax_params: dict[str, np.ndarray], check: str,
+                cols: dict[str, float]) -> tuple[int, float]:
+    """``(entries beyond tolerance, largest gap)`` between the two sides' parameters.
+
+    Outside ``sync``, fills ``cols`` with each kind's largest difference.
+    """
+    step_beyond, gap = 0, 0.0
+    for n, (p, group) in named.items():
+        diff = np.abs(p.detach().numpy() - jax_params[n])
+        gap = max(gap, float(np.max(diff)))
+        if check != "sync":
+            kind = group.get("kind", "vector")
+            cols[kind] = max(cols.get(kind, 0.0), float(np.max(diff)))
+            step_beyond += int(np.sum(diff > TOLERANCE["float64"]))
+    return step_beyond, gap
+
+
 def _run(pair: _Pair, name: str, steps: int, dtype: str, check: str, mode: str,
          peak: float, foreach: bool | None, fused: bool) -> ParityReport:
     """Both frameworks step by step: ``check`` is ``trajectory``, ``sync`` or ``drift``."""
@@ -629,45 +727,16 @@ def _run(pair: _Pair, name: str, steps: int, dtype: str, check: str, mode: str,
             if loss_t is not None and loss_j is not None:
                 cols["loss"] = abs(loss_t - loss_j)
             if check == "sync":
-                # Both sides start the step from the same float32 parameters (zero, so that
-                # the new parameter is the update itself, at full resolution), optimizer
-                # state (the float64 run's, rounded) and gradient (torch's, rounded).
-                g32 = {n: _grad(p).to(torch.float32) for n, (p, _) in named.items()}
-                opt32.load_state_dict(_cast32(opt.state_dict()))
-                with torch.no_grad():
-                    for n, (p, _) in named32.items():
-                        p.zero_()
-                        p.grad = g32[n].clone()
-                opt32.step()
-                g_tree = pair.to_jax({n: v.numpy() for n, v in g32.items()}, jnp.float32)
-                state32 = jax.tree.map(
-                    lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating)
-                    else x, state)
-                u32, _ = update32(g_tree, state32, jax.tree.map(jnp.zeros_like, g_tree))
-                uj = pair.to_torch(u32)
-                step_ties = 0
-                for n, (p32, group) in named32.items():
-                    kind = group.get("kind", "vector")
-                    w, b, k, o, c = _compare_updates(
-                        p32.detach().double().numpy(), np.asarray(uj[n], np.float64), group,
-                        opt.state[named[n][0]], g32[n].double().numpy())
-                    cols[kind] = max(cols.get(kind, 0.0), w)
-                    beyond, step_ties, offset_sum, count = (beyond + b, step_ties + k,
-                                                            offset_sum + o, count + c)
+                beyond, step_ties, offset_sum, count = _sync_step(
+                    pair, opt, opt32, named, named32, update32, state, cols,
+                    (beyond, offset_sum, count))
                 ties += step_ties
                 cols["ties"] = float(step_ties)
             opt.step()
             updates, state = update(g_jax, state, params)
             params = optax.apply_updates(params, updates)
             jax_params = pair.to_torch(params)
-            step_beyond, gap = 0, 0.0
-            for n, (p, group) in named.items():
-                diff = np.abs(p.detach().numpy() - jax_params[n])
-                gap = max(gap, float(np.max(diff)))
-                if check != "sync":
-                    kind = group.get("kind", "vector")
-                    cols[kind] = max(cols.get(kind, 0.0), float(np.max(diff)))
-                    step_beyond += int(np.sum(diff > TOLERANCE["float64"]))
+            step_beyond, gap = _param_gaps(named, jax_params, check, cols)
             if check == "sync":
                 cols["float64 gap"] = gap
                 gap64 = max(gap64, gap)
@@ -745,8 +814,9 @@ def run_llama_parity(name: str, steps: int = 10, *, model: str = "tiny", tied: b
 
     ``sage_torch`` steps transformers' ``LlamaForCausalLM`` (random init); ``sage_optax`` the
     trainer's Flax parameter tree of the same weights (converted).
-    The JAX side's loss is :func:`llama_loss` on the trainer's :class:`~sage_train.model.Llama`
-    parameter tree (as the trainer's ``nnx`` optimizer sees it).  In float64 both models run
+    The JAX side's loss is :func:`llama_loss` on the trainer's
+    :class:`~sage_train.model.llama.Llama` parameter tree (as the trainer's ``nnx`` optimizer
+    sees it).  In float64 both models run
     in float64 throughout (transformers' RMSNorm without its float32 cast, sdpa attention);
     ``dtype`` and ``trajectory`` as in :func:`run_parity`; ``lr`` the schedule's peak (default:
     the configuration's).  Needs ``transformers`` and the trainer (``sage_train``).

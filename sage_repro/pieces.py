@@ -8,7 +8,7 @@ each trained by ``sage-repro sweep --piece NAME`` in one short command, whose
 and its plots (:func:`merge`), refusing a piece of another protocol or data, and names the
 pieces still to run.
 
-**The data travels.** Every piece trains on the same cut (:mod:`sage_train.cut`,
+**The data travels.** Every piece trains on the same cut (:mod:`sage_train.data.cut`,
 ``sage-repro cut-data``), carried to the GPU machine with the working tree; the plan pins
 the cut's fingerprint, so a piece on another cut is refused before it trains and again when
 merged.
@@ -46,7 +46,7 @@ from typing import Any
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_repro import spec as sweep_spec
 from sage_repro import sweep_report as report
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
 
 DEFAULT_PIECES = pathlib.Path("benchmarks/paper")
 """Where the pieces' ``results.json`` are committed (``NAME/results.json``) and merged."""
@@ -63,29 +63,68 @@ process that starts JAX) and its report with plots."""
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One piece: configurations at a multiple of their paper rates, with seeds."""
+    """One piece: configurations at multiples of their paper rates, with seeds.
+
+    Attributes:
+      name: the piece's name (``sage-repro sweep --piece NAME``).
+      configs: its configurations.
+      seeds: the seeds of every run.
+      lr_factor: the one multiple of each configuration's paper rate (without
+        ``lr_factors``).
+      lr_factors: several multiples, a learning-rate sweep (``()``: ``lr_factor`` alone).
+      stage: ``"rates"`` (the rates above), ``"widen"`` (one rate beyond the edge of its one
+        configuration's sweep where the best rate sits, none when it sits inside:
+        :func:`widened_rate`) or ``"best"`` (its one configuration's best rate over the rate
+        and widening pieces: :func:`resolve`). The last two are known only from the pieces
+        done before.
+    """
 
     name: str
     configs: tuple[str, ...]
     seeds: tuple[int, ...] = (0,)
     lr_factor: float = 1.0
+    lr_factors: tuple[float, ...] = ()
+    stage: str = "rates"
 
-    def plan(self) -> sweep_spec.Plan:
-        """The :class:`~sage_repro.sweep_spec.Plan` the sweep trains for this piece."""
+    @property
+    def factors(self) -> tuple[float, ...]:
+        """The multiples of the paper rates this piece trains (a ``"rates"`` piece)."""
+        return self.lr_factors or (self.lr_factor,)
+
+    def plan(self, lrs: tuple[float, ...] | None = None) -> sweep_spec.Plan:
+        """The :class:`~sage_repro.sweep_spec.Plan` the sweep trains for this piece.
+
+        ``lrs``: the rates of a ``"widen"`` or ``"best"`` piece (:func:`resolve`); a
+        ``"rates"`` piece takes its own.
+        """
         reference = sweep_spec.PAPER_REFERENCE if sweep_spec.PAPER_REFERENCE in self.configs else (
             "slowest")
+        if self.stage != "rates":
+            return sweep_spec.Plan(configs=self.configs, seeds=self.seeds, lrs=lrs or (),
+                                   reference=reference, piece=self.name)
         return sweep_spec.Plan(configs=self.configs, seeds=self.seeds,
-                          lr_factors=(self.lr_factor,), reference=reference, piece=self.name)
+                               lr_factors=self.factors, reference=reference, piece=self.name)
 
-    def specs(self) -> list[sweep_spec.RunSpec]:
-        """The piece's runs."""
-        return self.plan().grid()
+    def specs(self, lrs: tuple[float, ...] | None = None) -> list[sweep_spec.RunSpec]:
+        """The piece's runs (a ``"widen"`` or ``"best"`` piece: at ``lrs``)."""
+        return self.plan(lrs).grid()
+
+    def planned_runs(self) -> int:
+        """How many runs the piece trains (a ``"widen"`` piece: at most)."""
+        per = len(self.factors) if self.stage == "rates" else 1
+        return len(self.configs) * len(self.seeds) * per
 
     def describe(self) -> str:
         """``seed 0, 1x the paper rates: sage-hybrid, lion-hybrid, adamw, lion``."""
         seeds = ", ".join(str(s) for s in self.seeds)
-        return (f"seed{'s' if len(self.seeds) > 1 else ''} {seeds}, {self.lr_factor:g}x the "
-                f"paper rates: {', '.join(self.configs)}")
+        label = f"seed{'s' if len(self.seeds) > 1 else ''} {seeds}"
+        if self.stage == "widen":
+            return (f"{label}, one rate beyond the edge of the sweep if best there: "
+                    f"{self.configs[0]}")
+        if self.stage == "best":
+            return f"{label} at the best rate of the sweep: {self.configs[0]}"
+        factors = "/".join(f"{f:g}" for f in self.factors)
+        return f"{label}, {factors}x the paper rates: {', '.join(self.configs)}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +138,13 @@ class PiecePlan:
       fingerprint: the cut's fingerprint every piece must train on (``None``: the first
         merged piece's).
       reference: the effective throughput's baseline in the merged table.
+      rows: the merged table's rate per configuration: ``"paper"`` its paper rate,
+        ``"best"`` its best rate over the rate and widening pieces.
+      folder: where the plan's pieces are committed (``benchmarks/paper``): the
+        ``"widen"`` and ``"best"`` pieces read the pieces done before there and under
+        :data:`DEFAULT_RUNS`.
+      pack: the committed pack its cut is made of (``sage-repro cut-data --plan``;
+        :mod:`sage_train.data.pack`), or ``None`` (a cut carried from where it was made).
     """
 
     name: str
@@ -106,6 +152,9 @@ class PiecePlan:
     pieces: tuple[Piece, ...]
     fingerprint: str | None = None
     reference: str = sweep_spec.PAPER_REFERENCE
+    rows: str = "paper"
+    folder: str = str(DEFAULT_PIECES)
+    pack: str | None = None
 
     def piece(self, name: str) -> Piece:
         """The piece called ``name``.
@@ -123,7 +172,8 @@ class PiecePlan:
         """The plan as JSON-ready data (what :meth:`from_json` reads)."""
         return {"name": self.name, "protocol": dataclasses.asdict(self.protocol),
                 "pieces": [dataclasses.asdict(p) for p in self.pieces],
-                "fingerprint": self.fingerprint, "reference": self.reference}
+                "fingerprint": self.fingerprint, "reference": self.reference,
+                "rows": self.rows, "folder": self.folder, "pack": self.pack}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PiecePlan:
@@ -134,13 +184,20 @@ class PiecePlan:
         """
         check_plan_data(data)
         pieces = tuple(Piece(str(p["name"]), tuple(p["configs"]), tuple(p["seeds"]),
-                             float(p["lr_factor"])) for p in data["pieces"])
+                             float(p["lr_factor"]), tuple(p.get("lr_factors", ())),
+                             str(p.get("stage", "rates"))) for p in data["pieces"])
         return cls(str(data["name"]), sweep_spec.Protocol.from_dict(data["protocol"]), pieces,
-                   data.get("fingerprint"), str(data.get("reference", sweep_spec.PAPER_REFERENCE)))
+                   data.get("fingerprint"), str(data.get("reference", sweep_spec.PAPER_REFERENCE)),
+                   str(data.get("rows", "paper")), str(data.get("folder", DEFAULT_PIECES)),
+                   data.get("pack"))
 
 
-_PLAN_KEYS = frozenset({"name", "protocol", "pieces", "fingerprint", "reference"})
+_PLAN_KEYS = frozenset({"name", "protocol", "pieces", "fingerprint", "reference", "rows",
+                        "folder", "pack"})
 _PIECE_KEYS = frozenset({"name", "configs", "seeds", "lr_factor"})
+_PIECE_OPTIONAL = frozenset({"lr_factors", "stage"})
+STAGES = ("rates", "widen", "best")
+"""A piece's stages (:class:`Piece`)."""
 _PROTOCOL_REQUIRED = ("model", "data", "steps", "batch_size", "seq_len", "eval_every",
                       "eval_batches", "log_every", "checkpoint_every")
 
@@ -153,20 +210,29 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def _check_fields(obj: Mapping[str, Any], prefix: str, kind: str, known: set[str],
+                  required: Sequence[str]) -> None:
+    """Refuse an unknown field of ``obj``, then a missing one of ``required`` (in its order).
+
+    ``prefix`` leads each field's name in the message (``"protocol."``).
+    """
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]} is not a {kind} field (fields: "
+                         f"{', '.join(sorted(known))})")
+    for key in required:
+        if key not in obj:
+            raise ValueError(f"{prefix}{key} is missing")
+
+
 def _check_protocol(protocol: Any) -> None:
     """Refuse a protocol field of the wrong type or range, as ``sage-train`` would."""
-    from sage_train.config import SETTING_CHECKS, options  # the trainer's own checks
+    from sage_train.run.config import SETTING_CHECKS, options  # the trainer's own checks
 
     if not isinstance(protocol, Mapping):
         raise ValueError(f"protocol must be an object, got {type(protocol).__name__}")
     fields = {f.name for f in dataclasses.fields(sweep_spec.Protocol)}
-    unknown = sorted(set(protocol) - fields)
-    if unknown:
-        raise ValueError(f"protocol.{unknown[0]} is not a protocol field (fields: "
-                         f"{', '.join(sorted(fields))})")
-    for key in _PROTOCOL_REQUIRED:
-        if key not in protocol:
-            raise ValueError(f"protocol.{key} is missing")
+    _check_fields(protocol, "protocol.", "protocol", fields, _PROTOCOL_REQUIRED)
     for key, value in protocol.items():
         if key == "data":
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -210,17 +276,18 @@ def _check_piece(i: int, piece: Any) -> str:
     where = f"pieces[{i}]"
     if not isinstance(piece, Mapping):
         raise ValueError(f"{where} must be an object, got {type(piece).__name__}")
-    unknown = sorted(set(piece) - _PIECE_KEYS)
-    if unknown:
-        raise ValueError(f"{where}.{unknown[0]} is not a piece field (fields: "
-                         f"{', '.join(sorted(_PIECE_KEYS))})")
-    for key in sorted(_PIECE_KEYS):
-        if key not in piece:
-            raise ValueError(f"{where}.{key} is missing")
+    _check_fields(piece, f"{where}.", "piece", _PIECE_KEYS | _PIECE_OPTIONAL, sorted(_PIECE_KEYS))
     name = piece["name"]
     if not isinstance(name, str) or not name.strip() or "/" in name:
         raise ValueError(f"{where}.name must be a non-empty name (no '/'), got {name!r}")
-    configs = piece["configs"]
+    _check_configs(where, name, piece["configs"])
+    _check_seeds_and_rates(where, name, piece)
+    _check_stage(where, name, piece)
+    return name
+
+
+def _check_configs(where: str, name: str, configs: Any) -> None:
+    """Refuse a piece's ``configs`` that is not a non-empty list of distinct configurations."""
     if not isinstance(configs, list | tuple) or not configs:
         raise ValueError(f"{where}.configs (piece {name}) must be a non-empty list of "
                          f"configurations, got {configs!r}")
@@ -230,6 +297,10 @@ def _check_piece(i: int, piece: Any) -> str:
                              f"(the configurations: {', '.join(CONFIG_NAMES)})")
     if len(set(configs)) != len(configs):
         raise ValueError(f"{where}.configs (piece {name}) names a configuration twice")
+
+
+def _check_seeds_and_rates(where: str, name: str, piece: Mapping[str, Any]) -> None:
+    """Refuse a piece's seeds, ``lr_factor`` or ``lr_factors`` of the wrong type or range."""
     seeds = piece["seeds"]
     if (not isinstance(seeds, list | tuple) or not seeds
             or not all(_is_int(x) and 0 <= x < 2**32 for x in seeds)
@@ -240,7 +311,22 @@ def _check_piece(i: int, piece: Any) -> str:
     if not _is_number(factor) or factor <= 0:
         raise ValueError(f"{where}.lr_factor (piece {name}) must be a finite number > 0, got "
                          f"{factor!r}")
-    return name
+    factors = piece.get("lr_factors", [])
+    if (not isinstance(factors, list | tuple) or not all(_is_number(f) and f > 0 for f in factors)
+            or len(set(factors)) != len(factors)):
+        raise ValueError(f"{where}.lr_factors (piece {name}) must be a list of distinct finite "
+                         f"numbers > 0, got {factors!r}")
+
+
+def _check_stage(where: str, name: str, piece: Mapping[str, Any]) -> None:
+    """Refuse an unknown ``stage``, or a widening/best piece of more than one configuration."""
+    stage = piece.get("stage", "rates")
+    if stage not in STAGES:
+        raise ValueError(f"{where}.stage (piece {name}) must be one of {', '.join(STAGES)}, got "
+                         f"{stage!r}")
+    if stage != "rates" and len(piece["configs"]) != 1:
+        raise ValueError(f"{where}.configs (piece {name}): a {stage!r} piece has one "
+                         f"configuration, got {len(piece['configs'])}")
 
 
 def check_plan_data(data: Any) -> None:
@@ -257,17 +343,16 @@ def check_plan_data(data: Any) -> None:
     """
     if not isinstance(data, Mapping):
         raise ValueError(f"a plan is a JSON object, got {type(data).__name__}")
-    unknown = sorted(set(data) - _PLAN_KEYS)
-    if unknown:
-        raise ValueError(f"{unknown[0]} is not a plan field (fields: "
-                         f"{', '.join(sorted(_PLAN_KEYS))})")
-    for key in ("name", "protocol", "pieces"):
-        if key not in data:
-            raise ValueError(f"{key} is missing")
+    _check_fields(data, "", "plan", _PLAN_KEYS, ("name", "protocol", "pieces"))
     if not isinstance(data["name"], str) or not data["name"].strip():
         raise ValueError(f"name must be a non-empty string, got {data['name']!r}")
     _check_protocol(data["protocol"])
-    pieces = data["pieces"]
+    _check_pieces(data["pieces"])
+    _check_plan_options(data)
+
+
+def _check_pieces(pieces: Any) -> None:
+    """Refuse ``pieces`` that is not a non-empty list of valid pieces with names of their own."""
     if not isinstance(pieces, list) or not pieces:
         raise ValueError(f"pieces must be a non-empty list, got {pieces!r}")
     seen: dict[str, int] = {}
@@ -277,6 +362,10 @@ def check_plan_data(data: Any) -> None:
             raise ValueError(f"pieces[{i}].name {name!r} is the name of pieces[{seen[name]}] "
                              "too: every piece needs a name of its own")
         seen[name] = i
+
+
+def _check_plan_options(data: Mapping[str, Any]) -> None:
+    """Refuse a plan's optional field (fingerprint, reference, rows, folder, pack) that is wrong."""
     fingerprint = data.get("fingerprint")
     if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
         raise ValueError(f"fingerprint must be a cut's fingerprint (a string) or null, got "
@@ -284,6 +373,14 @@ def check_plan_data(data: Any) -> None:
     reference = data.get("reference", sweep_spec.PAPER_REFERENCE)
     if reference not in (*CONFIG_NAMES, "slowest"):
         raise ValueError(f"reference must be a configuration or 'slowest', got {reference!r}")
+    if data.get("rows", "paper") not in ("paper", "best"):
+        raise ValueError(f"rows must be 'paper' or 'best', got {data['rows']!r}")
+    folder = data.get("folder", str(DEFAULT_PIECES))
+    if not isinstance(folder, str) or not folder.strip():
+        raise ValueError(f"folder must be a path (a string), got {folder!r}")
+    packed = data.get("pack")
+    if packed is not None and (not isinstance(packed, str) or not packed.strip()):
+        raise ValueError(f"pack must be a path (a string) or null, got {packed!r}")
 
 
 def load_plan(path: pathlib.Path | None) -> PiecePlan:
@@ -294,6 +391,8 @@ def load_plan(path: pathlib.Path | None) -> PiecePlan:
     """
     if path is None:
         return PAPER_PLAN
+    if str(path) in PLANS and not path.exists():
+        return PLANS[str(path)]
     try:
         data = json.loads(path.read_text())
     except OSError as e:
@@ -321,7 +420,59 @@ PAPER_PLAN = PiecePlan(
         for j, half in enumerate(_HALVES)),
     fingerprint="efe12fac454651ee4e1025719105ab30181622904483f8f0177934c5fe4c3417",
 )
-"""The paper's comparison on one H100 in pieces of about four minutes (module docstring)."""
+"""The paper's comparison on one H100 in pieces of about four minutes (module docstring).
+
+Its cut (``data/paper-cut``, the fingerprint above) was taken from the ``installed`` corpus
+of the machine that ran its pieces on 2026-11-28: that machine's standard library, installed
+packages and system documentation. Only that machine rebuilds it (``sage-repro cut-data``
+elsewhere gives another fingerprint, which the sweep refuses), so another host needs that
+folder carried to it. It is kept as it is, not moved onto a pack: the fingerprint is what
+its committed results (``benchmarks/paper-150step/``) were trained on, and its ``20m``
+model's 32,768-token vocabulary would need a pack of its own; :data:`GRID_PLAN` is the
+plan any machine can rebuild."""
+
+GRID_DATA = "data/grid-cut"
+"""Where ``sage-repro cut-data --data benchmarks/paper-grid/pack`` puts the grid's cut."""
+GRID_PACK = "benchmarks/paper-grid/pack"
+"""The grid's data, committed: compressed text and its tokenizer (:mod:`sage_train.data.pack`),
+CPython 3.11.7's standard library under the PSF License (its ``LICENSE`` and ``NOTICE``)."""
+LOW_LADDER = (0.3, 1.0, 3.0, 10.0, 30.0)
+"""The rate factors of a configuration whose paper rate (1e-4) was chosen for 6.6B-token
+runs: mostly upward (2x the paper rate already beat 1x in the 150-step pieces)."""
+MID_LADDER = (0.1, 0.3, 1.0, 3.0, 10.0)
+"""The rate factors of the others: a decade each side of the paper rate."""
+GRID_FIRST = ("sage-hybrid", "lion-hybrid", "sinkgd-hybrid", "adamw")
+"""The configurations whose sweeps run first (the issue's minimum on a GPU)."""
+GRID_ORDER = (*GRID_FIRST, "lion", "apollo", "sage-pure", "sinkgd-pure")
+
+
+def _ladder(config: str) -> tuple[float, ...]:
+    return LOW_LADDER if get_preset(config).learning_rate < 1e-3 else MID_LADDER
+
+
+GRID_PLAN = PiecePlan(
+    name="grid-small-v1k",
+    protocol=sweep_spec.Protocol(model="small-v1k", data=GRID_DATA, steps=256, batch_size=256,
+                                 seq_len=sweep_spec.PAPER_SEQ_LEN, eval_every=32,
+                                 eval_batches=4, log_every=16, checkpoint_every=256),
+    pieces=(*(Piece(f"r-{c}", (c,), (0,), lr_factors=_ladder(c)) for c in GRID_ORDER),
+            *(Piece(f"w-{c}", (c,), (0,), stage="widen") for c in GRID_ORDER),
+            *(Piece(f"s-{c}", (c,), (1, 2), stage="best") for c in GRID_ORDER)),
+    fingerprint="f84e42639ca63a9baf5c9dba292b62af44e21ddb01d3a984ac73a36a76ea497a",
+    rows="best",
+    folder="benchmarks/paper-grid",
+    pack=GRID_PACK,
+)
+"""The paper's question at a scale that can answer it (``docs/reproduce.md``): the
+``small-v1k`` model (``small`` on a 1,024-token vocabulary: 3.2M parameters, 8% in its
+embedding) for 256 steps of 256 x 512 tokens (33.6M tokens, 10.4 per parameter, 3.8 passes
+over the 8.92M-token train side of the committed pack, the whole standard library's), each
+configuration swept over 5 rates (``r-CONFIG``), widened by one rate where the best sits at
+an edge (``w-CONFIG``), then seeds 1 and 2 at its best rate (``s-CONFIG``)."""
+
+PLANS: Mapping[str, PiecePlan] = {"paper": PAPER_PLAN, "grid": GRID_PLAN}
+"""The plans ``--plan`` knows by name (a file of that name wins)."""
+
 
 
 # ---------------------------------------------------------------------------
@@ -347,16 +498,28 @@ def check_pinned(args: Any, defaults: Mapping[str, Any]) -> None:
                                    "protocol): leave it out")
 
 
-def piece_setup(plan: PiecePlan, name: str, trainer_args: Sequence[str]
+def piece_setup(plan: PiecePlan, name: str, trainer_args: Sequence[str],
+                folders: Sequence[pathlib.Path] | None = None
                 ) -> tuple[sweep_spec.Protocol, sweep_spec.Plan]:
-    """The protocol and sweep plan of piece ``name`` (options after ``--`` added)."""
+    """The protocol and sweep plan of piece ``name`` (options after ``--`` added).
+
+    A ``"widen"`` or ``"best"`` piece's rate comes from the pieces done before, found under
+    ``folders`` (default: the plan's ``folder`` and :data:`DEFAULT_RUNS`; :func:`resolve`).
+
+    Raises:
+      SweepError: an option after ``--`` that the plan sets, or a rate not known yet.
+    """
     for flag in trainer_args:
         if flag.split("=", 1)[0] in sweep_spec.MANAGED:
             raise sweep_spec.SweepError(f"{flag.split('=', 1)[0]} after -- is set by the plan of "
                                    "pieces itself")
     protocol = dataclasses.replace(plan.protocol, trainer_args=(
         *plan.protocol.trainer_args, *trainer_args))
-    return protocol, plan.piece(name).plan()
+    piece = plan.piece(name)
+    if piece.stage == "rates":
+        return protocol, piece.plan()
+    return protocol, piece.plan(resolve(plan, piece, default_folders(plan)
+                                        if folders is None else folders))
 
 
 def check_data(plan: PiecePlan, piece: str) -> None:
@@ -367,7 +530,7 @@ def check_data(plan: PiecePlan, piece: str) -> None:
     Raises:
       SweepError: one line naming the cut's folder.
     """
-    from sage_train.cut import MANIFEST  # numpy-free module constant, imported when used
+    from sage_train.data.cut import MANIFEST  # numpy-free module constant, imported when used
 
     data = plan.protocol.data
     if data is None or plan.fingerprint is None:
@@ -402,7 +565,7 @@ def estimate(protocol: sweep_spec.Protocol, piece: Piece, tflops: float,
     """
     train, evals = run_flops(protocol)
     per_run = overhead_s + (train + evals) / (tflops * 1e12)
-    return PIECE_OVERHEAD_S + len(piece.specs()) * per_run
+    return PIECE_OVERHEAD_S + piece.planned_runs() * per_run
 
 
 def dry_run(plan: PiecePlan, names: Sequence[str], tflops: float | None, overhead_s: float,
@@ -422,16 +585,178 @@ def dry_run(plan: PiecePlan, names: Sequence[str], tflops: float | None, overhea
     total = 0.0
     for name in names:
         piece = plan.piece(name)
-        runs = ", ".join(f"{s.config} {s.lr:g}" for s in piece.specs())
-        line = f"  {name}: {len(piece.specs())} runs, seed {'/'.join(map(str, piece.seeds))}"
-        line += f", {piece.lr_factor:g}x paper rates ({runs})"
+        if piece.stage == "rates":
+            runs = ", ".join(f"{s.config} {s.lr:g}" for s in piece.specs())
+            what = f"{'/'.join(f'{f:g}' for f in piece.factors)}x paper rates ({runs})"
+        else:
+            what = ("one rate beyond the sweep's edge, if its best rate is there"
+                    if piece.stage == "widen" else "at the best rate of the sweep")
+            what += f" ({piece.configs[0]})"
+        n = piece.planned_runs()
+        line = (f"  {name}: {'at most ' if piece.stage == 'widen' else ''}"
+                f"{n} run{'' if n == 1 else 's'}, seed {'/'.join(map(str, piece.seeds))}, "
+                f"{what}")
         if tflops is not None:
             seconds = estimate(p, piece, tflops, overhead_s)
             total += seconds
             line += f": {seconds / 60:.1f} min"
         say(line)
     if tflops is not None and len(names) > 1:
-        say(f"in all {total / 60:.1f} min")
+        calls = pack_calls([estimate(p, plan.piece(n), tflops, overhead_s) for n in names],
+                           [[names.index(d.name) for d in depends(plan, plan.piece(n))
+                             if d.name in names] for n in names])
+        say(f"in all {total / 60:.1f} min of GPU time, in {len(calls)} GPU calls of at most "
+            f"{CALL_S / 60:g} min (scripts/paper-piece's deadline):")
+        for i, call in enumerate(calls, 1):
+            say(f"  call {i}: {' '.join(names[j] for j in call)}")
+
+
+CALL_S = 540.0
+"""A GPU call's pieces' planned seconds at most: nine minutes (``PAPER_PIECE_SECONDS=480``
+and the last piece's report; a lent machine's command stops at 600 s)."""
+
+
+def depends(plan: PiecePlan, piece: Piece) -> list[Piece]:
+    """The pieces whose results ``piece``'s rate comes from (none for a ``"rates"`` piece)."""
+    stages = {"rates": (), "widen": ("rates",), "best": ("rates", "widen")}[piece.stage]
+    return [p for p in plan.pieces if p.stage in stages and piece.configs[0] in p.configs]
+
+
+def pack_calls(seconds: Sequence[float], after: Sequence[Sequence[int]] | None = None,
+               limit: float = CALL_S) -> list[list[int]]:
+    """The pieces (indices) each GPU call runs, in the order given.
+
+    Each piece goes into the first call with room for it (its planned ``seconds`` within
+    ``limit``) that comes no earlier than the calls of the pieces it depends on
+    (``after[i]``: their indices, placed before it); a piece longer than ``limit`` gets a
+    call of its own.
+    """
+    calls: list[list[int]] = []
+    used: list[float] = []
+    where: dict[int, int] = {}
+    for i, t in enumerate(seconds):
+        first = max((where[j] for j in (after[i] if after else ()) if j in where), default=0)
+        k = next((k for k in range(first, len(calls)) if used[k] + t <= limit), len(calls))
+        if k == len(calls):
+            calls.append([])
+            used.append(0.0)
+        calls[k].append(i)
+        used[k] += t
+        where[i] = k
+    return calls
+
+
+# ---------------------------------------------------------------------------
+# the rate of a widening piece and of a best-rate piece
+# ---------------------------------------------------------------------------
+
+
+def edge(rates: Sequence[float], best: float | None) -> str | None:
+    """Where ``best`` sits among the ``rates`` swept: ``"low"``, ``"high"`` or ``None``.
+
+    ``None``: inside the sweep (a rate on each side), no best rate, or fewer than 3 rates
+    (no inside).
+    """
+    ordered = sorted(rates)
+    if best is None or len(ordered) < 3:
+        return None
+    if best == ordered[0]:
+        return "low"
+    if best == ordered[-1]:
+        return "high"
+    return None
+
+
+def widened_rate(rates: Sequence[float], best: float | None) -> float | None:
+    """The rate one ladder step beyond the edge where ``best`` sits (``None``: inside).
+
+    The step is the ratio of the two rates at that edge, so a ladder of 3x steps goes on
+    by 3x: best 1e-3 of (1e-4, 3e-4, 1e-3) gives 3.33e-3.
+    """
+    side = edge(rates, best)
+    ordered = sorted(rates)
+    if side is None:
+        return None
+    if side == "high":
+        return sweep_spec.canonical_lr(ordered[-1] * ordered[-1] / ordered[-2])
+    return sweep_spec.canonical_lr(ordered[0] * ordered[0] / ordered[1])
+
+
+def default_folders(plan: PiecePlan) -> list[pathlib.Path]:
+    """Where a ``"widen"`` or ``"best"`` piece looks for the pieces done before it."""
+    return [pathlib.Path(plan.folder), DEFAULT_RUNS]
+
+
+def gather(plan: PiecePlan, folders: Sequence[pathlib.Path]) -> list[Found]:
+    """The pieces of ``plan`` under ``folders`` (a piece found in several: the first)."""
+    found: dict[str, Found] = {}
+    for folder in folders:
+        if folder.is_dir():
+            for f in find_pieces(folder, plan):
+                found.setdefault(f.piece.name, f)
+    return list(found.values())
+
+
+def rate_cells(plan: PiecePlan, found: Sequence[Found], config: str,
+               stages: tuple[str, ...] = ("rates", "widen")
+               ) -> dict[tuple[str, float], tuple[report.RunRecord, ...]]:
+    """``config``'s learning-rate cells, from the pieces ``found``.
+
+    Each rate of its ``stages`` pieces with the seeds of its ``"rates"`` pieces (a seed not
+    trained shows as not started, and its rate is not eligible,
+    :func:`sage_repro.sweep_report.best_rates`).
+    """
+    seeds = sorted({s for p in plan.pieces if p.stage == "rates" and config in p.configs
+                    for s in p.seeds})
+    runs = {(r.lr, r.seed): r for f in found if f.piece.stage in stages
+            for r in f.runs if r.config == config}
+    planned = {s.lr for p in plan.pieces if p.stage == "rates" and config in p.configs
+               for s in p.specs() if s.config == config}
+    rates = sorted(planned | {lr for lr, _ in runs})
+    missing = report.RunRecord(config, 0.0, 0, pathlib.Path("-"), plan.protocol.steps,
+                               "not started")
+    return {(config, lr): tuple(runs.get((lr, s)) or dataclasses.replace(
+        missing, lr=lr, seed=s) for s in seeds) for lr in rates}
+
+
+def resolve(plan: PiecePlan, piece: Piece, folders: Sequence[pathlib.Path]
+            ) -> tuple[float, ...]:
+    """The rate of a ``"widen"`` or ``"best"`` piece, from the pieces done under ``folders``.
+
+    ``()`` for a ``"widen"`` piece whose configuration's best rate is inside its sweep
+    (nothing to train).
+
+    Raises:
+      SweepError: the configuration's rate pieces are not all done, or none of its rates
+        finished every seed.
+    """
+    config = piece.configs[0]
+    found = gather(plan, folders)
+    cells = rate_cells(plan, found, config,
+                       ("rates",) if piece.stage == "widen" else ("rates", "widen"))
+    if any(r.status == "not started" for (c, lr), runs in cells.items() for r in runs
+           if any(s.lr == lr for p in plan.pieces if p.stage == "rates"
+                  for s in p.specs() if s.config == config)):
+        todo = [p.name for p in plan.pieces if p.stage == "rates" and config in p.configs]
+        raise sweep_spec.SweepError(
+            f"--piece {piece.name} needs {config}'s learning-rate sweep first: piece(s) "
+            f"{', '.join(todo)} (looked in {', '.join(str(f) for f in folders)})")
+    best = report.best_rates(cells).get(config)
+    if best is None:
+        raise sweep_spec.SweepError(f"--piece {piece.name}: no rate of {config} finished "
+                                    "every seed; there is no best rate to train")
+    if piece.stage == "best":
+        first = rate_cells(plan, found, config, ("rates",))
+        wide = [p.name for p in depends(plan, piece) if p.stage == "widen"]
+        done = {f.piece.name for f in found}
+        if (widened_rate([lr for (_, lr) in first], report.best_rates(first).get(config))
+                is not None and wide and not set(wide) & done):
+            raise sweep_spec.SweepError(
+                f"--piece {piece.name}: {config}'s best rate sits at an edge of its sweep; "
+                f"widen it first: piece {wide[0]}")
+        return (best,)
+    wider = widened_rate([lr for (_, lr) in cells], best)
+    return () if wider is None else (wider,)
 
 
 # ---------------------------------------------------------------------------
@@ -485,7 +810,10 @@ def read_piece(path: pathlib.Path, plan: PiecePlan, fingerprint: str | None) -> 
         raise sweep_spec.SweepError(f"{path} was trained on data of fingerprint "
                                f"{', '.join(p[:16] for p in prints)}, not "
                                f"{(fingerprint or '?')[:16]} (data_fingerprints)")
-    planned = {(s.config, s.lr, s.seed) for s in piece.specs()}
+    if piece.stage == "rates":
+        planned = {(s.config, s.lr, s.seed) for s in piece.specs()}
+    else:  # its rate came from the pieces before it
+        planned = {k for k in runs if k[0] == piece.configs[0] and k[2] in piece.seeds}
     extra = sorted(set(runs) - planned)
     if extra:
         c, lr, seed = extra[0]
@@ -523,8 +851,11 @@ def _progress(plan: PiecePlan, found: Sequence[Found]) -> list[dict[str, Any]]:
     for piece in plan.pieces:
         f = by_name.get(piece.name)
         done = 0 if f is None else sum(r.status in ("finished", "diverged") for r in f.runs)
-        n = len(piece.specs())
+        n = piece.planned_runs() if f is None else len(f.runs) if piece.stage != "rates" else (
+            len(piece.specs()))
         state = "missing" if f is None else "done" if done == n else "partial"
+        if f is None and piece.stage == "widen" and _resolve_found(plan, piece, found) == ():
+            state = "not needed"
         out.append({"piece": piece.name, "state": state, "runs_done": done, "runs": n,
                     "what": piece.describe(),
                     "file": None if f is None else str(f.path),
@@ -545,6 +876,8 @@ def merge(folder: pathlib.Path, plan: PiecePlan) -> tuple[report.Summary, list[d
       SweepError: a piece refused by :func:`find_pieces`.
     """
     found = find_pieces(folder, plan)
+    if plan.rows == "best":
+        return _merge_best(plan, found), _progress(plan, found)
     runs = {(r.config, r.lr, r.seed): r for f in found for r in f.runs}
     planned = [s for piece in plan.pieces for s in piece.specs()]
     protocol = plan.protocol
@@ -573,19 +906,121 @@ def merge(folder: pathlib.Path, plan: PiecePlan) -> tuple[report.Summary, list[d
         rows.append(report.Row(config, lr, tuple(record(sweep_spec.RunSpec(config, lr, s))
                                                  for s in seeds), remark=remark))
     reference = plan.reference if plan.reference in configs else "slowest"
-    setup = {**protocol.setup(), "plan": plan.name,
-             "data_fingerprints": sorted({p for f in found
-                                          for p in f.setup.get("data_fingerprints") or []}),
-             "data_tokens": next((f.setup["data_tokens"] for f in found
-                                  if f.setup.get("data_tokens")), None)}
-    return report.summarize(rows, cells, reference, setup), _progress(plan, found)
+    return report.summarize(rows, cells, reference, _setup(plan, found)), _progress(plan, found)
+
+
+def _setup(plan: PiecePlan, found: Sequence[Found]) -> dict[str, Any]:
+    """The merged report's setup: the protocol, the plan, the data of the pieces."""
+    return {**plan.protocol.setup(), "plan": plan.name,
+            "data_fingerprints": sorted({p for f in found
+                                         for p in f.setup.get("data_fingerprints") or []}),
+            "data_tokens": next((f.setup["data_tokens"] for f in found
+                                 if f.setup.get("data_tokens")), None)}
+
+
+def _resolve_found(plan: PiecePlan, piece: Piece, found: Sequence[Found]
+                   ) -> tuple[float, ...] | None:
+    """:func:`resolve` on the pieces ``found`` (``None``: not known yet)."""
+    config = piece.configs[0]
+    cells = rate_cells(plan, found, config,
+                       ("rates",) if piece.stage == "widen" else ("rates", "widen"))
+    best = report.best_rates(cells).get(config)
+    if best is None or any(r.status == "not started" for runs in cells.values() for r in runs):
+        return None
+    if piece.stage == "best":
+        return (best,)
+    wider = widened_rate([lr for (_, lr) in cells], best)
+    return () if wider is None else (wider,)
+
+
+TRANSIENT_LIMIT = 0.03
+"""A run is past the early transient when its last 10% of steps lower its test loss (the
+log of its test perplexity) by less than this share (:func:`late_drop`)."""
+
+
+def late_drop(run: report.RunRecord, steps: int) -> float | None:
+    """The share by which the last 10% of ``steps`` lowered ``run``'s test loss.
+
+    ``(L(0.9·steps) - L(steps)) / L(0.9·steps)`` with ``L`` the log of the test perplexity,
+    linear between the evaluations around ``0.9·steps``; ``None`` for a run that did not
+    finish or has no evaluation at or before ``0.9·steps``.
+    """
+    curve = run.evals
+    if run.status != "finished" or curve is None or not curve.steps or curve.steps[-1] != steps:
+        return None
+    at = 0.9 * steps
+    points = list(zip(curve.steps, (math.log(p) for p in curve.ppl), strict=True))
+    before = [(s, v) for s, v in points if s <= at]
+    after = [(s, v) for s, v in points if s >= at]
+    if not before or not after:
+        return None
+    (s0, v0), (s1, v1) = before[-1], after[0]
+    start = v0 if s1 == s0 else v0 + (v1 - v0) * (at - s0) / (s1 - s0)
+    return (start - points[-1][1]) / start if start > 0 else None
+
+
+def _merge_best(plan: PiecePlan, found: Sequence[Found]) -> report.Summary:
+    """The merged table at each configuration's best rate (``rows="best"``).
+
+    The learning-rate table: every rate of the ``"rates"`` and ``"widen"`` pieces with the
+    seeds of the ``"rates"`` pieces; the best rate is the lowest mean final test perplexity
+    among the rates at which every seed finished; a row: the configuration at its best rate
+    with every seed trained there (the sweep's and the ``"best"`` piece's), or at its paper
+    rate, not started, while its sweep is unfinished.
+    """
+    configs = [c for c in CONFIG_NAMES if any(c in p.configs for p in plan.pieces)]
+    runs = {(r.config, r.lr, r.seed): r for f in found for r in f.runs}
+    cells: dict[tuple[str, float], tuple[report.RunRecord, ...]] = {}
+    rows = []
+    for config in configs:
+        mine = rate_cells(plan, found, config)
+        cells.update(mine)
+        complete = not any(r.status == "not started" for rr in mine.values() for r in rr)
+        best = report.best_rates(mine).get(config) if complete else None
+        seeds = sorted({s for p in plan.pieces if config in p.configs
+                        and p.stage in ("rates", "best") for s in p.seeds})
+        lr = best if best is not None else sweep_spec.canonical_lr(
+            get_preset(config).learning_rate)
+        remark = "" if complete else "learning-rate sweep unfinished: the paper rate shown"
+        side = edge([r for (_, r) in mine], best)
+        if side is not None:
+            wide = next((p.name for p in plan.pieces if p.stage == "widen"
+                         and p.configs == (config,)), None)
+            widened = any(f.piece.name == wide for f in found)
+            remark = (f"best rate still at the {side} edge after widening: widen further "
+                      "(a plan with more rates)" if widened else
+                      f"best rate at the {side} edge of the sweep: widen it (piece "
+                      f"{wide or '-'})")
+        seeded = [f for f in found if f.piece.stage == "best" and f.piece.configs == (config,)]
+        stale = sorted({r.lr for f in seeded for r in f.runs} - {lr})
+        if stale:
+            note = (f"seeds of piece {seeded[0].piece.name} ran at "
+                    f"{', '.join(f'{x:g}' for x in stale)}, not the best rate: move its "
+                    "results away and run it again")
+            remark = f"{remark}; {note}" if remark else note
+        records = tuple(runs.get((config, lr, s)) or report.RunRecord(
+            config, lr, s, pathlib.Path("-"), plan.protocol.steps, "not started")
+            for s in seeds)
+        drops = [d for d in (late_drop(r, plan.protocol.steps) for r in records)
+                 if d is not None]
+        if drops:
+            late = (f"last 10% of steps lowered the test loss by {100 * max(drops):.1f}% at "
+                    f"most: {'PAST' if max(drops) < TRANSIENT_LIMIT else 'NOT past'} the early "
+                    f"transient (< {100 * TRANSIENT_LIMIT:g}%)")
+            remark = f"{remark}; {late}" if remark else late
+        rows.append(report.Row(config, lr, records, remark=remark))
+    reference = plan.reference if plan.reference in configs else "slowest"
+    return report.summarize(rows, cells, reference, _setup(plan, found))
 
 
 def progress_lines(progress: Sequence[Mapping[str, Any]], command: str) -> list[str]:
     """The pieces merged and those still to run, with the command of each."""
     lines = []
     for p in progress:
-        if p["state"] == "done":
+        if p["state"] == "not needed":
+            lines.append(f"- {p['piece']} ({p['what']}): not needed (the best rate is inside "
+                         "the sweep)")
+        elif p["state"] == "done":
             lines.append(f"- {p['piece']} ({p['what']}): done, {p['hardware'] or '?'} "
                          f"(`{p['file']}`)")
         else:
@@ -600,12 +1035,21 @@ COMMAND = "scripts/paper-piece"
 """The command that trains a piece on a GPU machine and copies its results out."""
 
 
+def piece_command(plan: PiecePlan) -> str:
+    """The command that trains a piece of ``plan``.
+
+    A named plan other than the paper's runs with ``PAPER_PIECE_PLAN=NAME``.
+    """
+    name = next((k for k, v in PLANS.items() if v == plan), None)
+    return COMMAND if name in (None, "paper") else f"PAPER_PIECE_PLAN={name} {COMMAND}"
+
+
 def write_merged(folder: pathlib.Path, plan: PiecePlan) -> tuple[report.Summary, str]:
     """Merge the pieces under ``folder`` into its ``results.md``, ``results.json``, figures.
 
     Returns the summary and the markdown.
     """
-    from sage_train.rundir import atomic_write_text
+    from sage_train.store.rundir import atomic_write_text
 
     summary, progress = merge(folder, plan)
     figures = report.write_figures(summary, folder)
@@ -613,7 +1057,7 @@ def write_merged(folder: pathlib.Path, plan: PiecePlan) -> tuple[report.Summary,
     parts = [f"# The paper's comparison in pieces: plan {plan.name}", "",
              f"{done} of {len(progress)} pieces done; each piece's own `results.json` is in "
              "its folder. Written by `sage-repro report --pieces` from the pieces alone.", "",
-             "## Pieces", "", *progress_lines(progress, COMMAND), "",
+             "## Pieces", "", *progress_lines(progress, piece_command(plan)), "",
              report.to_markdown(summary, figures).replace("# Sweep results", "## Merged table",
                                                           1)]
     markdown = "\n".join(parts)

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sage_optim.presets import KINDS, RULE_DEFAULTS, get_preset
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
 
 DEFAULT_OUT = pathlib.Path("runs/sweep")
 DEFAULT_CUT = pathlib.Path("data/paper-cut")

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sage_optim.presets import CONFIG_NAMES
 from sage_repro import sweep_report as report
@@ -73,9 +73,12 @@ from sage_repro.spec import (
     managed_option,
     protocol_diff,
 )
-from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
-from sage_train.model_shapes import MODELS, get_model_config
-from sage_train.signals import StopSignals
+from sage_train.job.cli_args import DefaultsFormatter, OneLineParser, checked
+from sage_train.job.signals import StopSignals
+from sage_train.model.shapes import MODELS, get_model_config
+
+if TYPE_CHECKING:
+    from sage_repro.pieces import PiecePlan
 
 
 def read_state(out: pathlib.Path) -> tuple[Protocol, Plan] | None:
@@ -188,7 +191,7 @@ def write_state(out: pathlib.Path, protocol: Protocol, plan: Plan) -> None:
     Raises:
       SweepError: ``OUT`` holds a sweep of another protocol (every difference named).
     """
-    from sage_train.rundir import atomic_write_text
+    from sage_train.store.rundir import atomic_write_text
 
     recorded = read_state(out)
     if recorded is not None:
@@ -335,7 +338,7 @@ def data_fingerprints(out: pathlib.Path, protocol: Protocol, plan: Plan) -> list
 
 def write_report(out: pathlib.Path, protocol: Protocol, plan: Plan) -> report.Summary:
     """Write ``results.md``, ``results.json`` and the figures into ``out``; return the summary."""
-    from sage_train.rundir import atomic_write_text
+    from sage_train.store.rundir import atomic_write_text
 
     summary = summarize(out, protocol, plan)
     figures = report.write_figures(summary, out)
@@ -394,8 +397,9 @@ names one: ``JAX_COMPILATION_CACHE_DIR``)."""
 def child_environment(out: pathlib.Path) -> dict[str, str]:
     """The trainer's environment: this one, with JAX's persistent compilation cache in ``out``.
 
-    Seeds (and resumed runs) of a configuration at one rate compile the same step, which
-    the cache then compiles once per sweep.  Compilation is outside every figure of the
+    A configuration's runs at every rate and seed (and resumed runs) compile the same step
+    (the peak rate is a value of the optimizer state), which the cache then compiles once per
+    sweep.  Compilation is outside every figure of the
     report (the trainer's clock starts after the first step), so the cache changes no
     result, only the sweep's wall time.  A ``JAX_COMPILATION_CACHE_DIR`` already set is kept.
     """
@@ -407,7 +411,7 @@ def child_environment(out: pathlib.Path) -> dict[str, str]:
 
 
 class Signals(StopSignals):
-    """The harness's signals while it runs the trainer (:class:`~sage_train.signals.StopSignals`).
+    """The harness's signals while it runs the trainer (:class:`StopSignals`).
 
     SIGTERM and SIGUSR1 (a preemption) are also passed on to the running trainer, which
     saves a checkpoint of the step reached and exits with status 75; the sweep then stops.
@@ -456,7 +460,6 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
         before = read(out, protocol, spec)
     group = spec.group(out)
     group.mkdir(parents=True, exist_ok=True)
-    action = "resumed" if before.step_reached else "started"
     cmd = [sys.executable, "-m", "sage_train", *protocol.trainer_argv(spec, group)]
     info = env()
     if signals() is not None:  # arrived while the devices were asked: start nothing
@@ -476,6 +479,20 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
         finally:
             signals.child = None
     rc = proc.returncode = os.waitstatus_to_exitcode(status)
+    return conclude(out, protocol, spec, before, cmd, info, rc, err, offset, started,
+                    time.monotonic() - t0, usage.ru_maxrss * 1024)
+
+
+def conclude(out: pathlib.Path, protocol: Protocol, spec: RunSpec, before: report.RunRecord,
+             cmd: Sequence[str], info: dict[str, Any], rc: int, err: pathlib.Path,
+             offset: int, started: str, wall_s: float, max_rss_bytes: int) -> Outcome:
+    """A trained run's outcome, from its exit status and stderr, recorded in ``sweep.jsonl``.
+
+    Raises:
+      SweepError: the trainer refused the run (exit status 2: its one-line reason).
+    """
+    group = spec.group(out)
+    action = "resumed" if before.step_reached else "started"
     stderr = err.read_bytes()[offset:].decode(errors="replace")
     after = read(out, protocol, spec)
     last_line = next((ln for ln in reversed(stderr.splitlines()) if ln.strip()), "")
@@ -497,10 +514,10 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
     record = {"started": started, "ended": _now(), "action": action,
               "start_step": before.step_reached, "end_step": after.step_reached,
               "returncode": rc, "outcome": outcome, "reason": detail, "step": step,
-              "wall_s": round(time.monotonic() - t0, 3),
-              "max_rss_bytes": usage.ru_maxrss * 1024,  # Linux reports KiB
-              "environment": info, "argv": cmd[1:]}
-    from sage_train.rundir import append_line
+              "wall_s": round(wall_s, 3),
+              "max_rss_bytes": max_rss_bytes,  # Linux reports KiB: times 1024
+              "environment": info, "argv": list(cmd[1:])}
+    from sage_train.store.rundir import append_line
 
     append_line(group / report.SEGMENTS, json.dumps(record))
     if rc == 2:
@@ -523,7 +540,7 @@ def expected_settings(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> d
     import io
 
     from sage_train.cli import configs, parse_args
-    from sage_train.config import default_hyperparameter
+    from sage_train.run.config import default_hyperparameter
 
     argv = protocol.trainer_argv(spec, spec.group(out))
     err = io.StringIO()
@@ -549,15 +566,15 @@ def check_reusable(out: pathlib.Path, protocol: Protocol, spec: RunSpec) -> None
     Its recorded settings (``config.json``) must be the ones this sweep would train it with.
 
     Compared: every setting that changes the math, the data or the evaluation
-    (:data:`sage_train.rundir.MATH_FIELDS` and ``eval_every``), except those resolved on the
+    (:data:`sage_train.store.rundir.MATH_FIELDS` and ``eval_every``), except those resolved on the
     devices (the kernels, the compute dtype and the layer layout).
 
     Raises:
       SweepError: the run was trained otherwise (every difference named), or its settings
         are not recorded.
     """
-    from sage_train import rundir
-    from sage_train.errors import RunDirError
+    from sage_train.job.errors import RunDirError
+    from sage_train.store import rundir
 
     run_dir = spec.run_dir(out, protocol.model)
     try:
@@ -601,9 +618,125 @@ def set_aside_final_checkpoint(out: pathlib.Path, protocol: Protocol, spec: RunS
     return moved
 
 
+def _say_outcome(where: str, result: Outcome, record: report.RunRecord,
+                 say: Callable[[str], None]) -> None:
+    if result.action == "skipped":
+        say(f"{where}: {result.detail}, skipped")
+    elif result.outcome == "finished":
+        say(f"{where}: finished, test ppl {record.final_ppl:.2f}, "
+            f"{record.tokens_per_s or 0:,.0f} tokens/s")
+    else:
+        say(f"{where}: {result.outcome}: {result.detail}")
+
+
+BATCH_JOBS = "batch-jobs.json"
+"""``--one-process``: the jobs file of :mod:`sage_repro.batch`, in the sweep's folder."""
+
+
+def run_batch(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec],
+              signals: Signals, env: Callable[[], dict[str, Any]],
+              say: Callable[[str], None]) -> list[Outcome]:
+    """Run ``specs`` in order in one trainer process (:mod:`sage_repro.batch`).
+
+    The same outcomes and records as :func:`run_all` run by run, except that the peak
+    memory and resident set of a run are the process's so far.
+    """
+    outcomes, pending = _batch_pending(out, protocol, specs, say)
+    if not pending:
+        return outcomes
+    info = env()
+    if signals() is not None:
+        return [*outcomes, *(Outcome("skipped", "stopped", f"not started: {signals()}")
+                             for _ in pending)]
+    started = _now()
+    jobs = []
+    for where, spec, before, group, err, _ in pending:
+        argv = protocol.trainer_argv(spec, group)
+        with open(group / "train.log", "ab") as f:
+            f.write(f"# sage-repro sweep --one-process, {started}: {shlex.join(argv)}\n"
+                    .encode())
+        say(f"{where}: {'resuming' if before.step_reached else 'training'} in the sweep's "
+            f"one trainer process (log: {group / 'train.log'})")
+        jobs.append({"argv": argv, "log": str(group / "train.log"), "err": str(err),
+                     "exit": str(group / "batch-exit.json")})
+    from sage_train.store.rundir import atomic_write_text
+
+    atomic_write_text(out / BATCH_JOBS, json.dumps(jobs, indent=1) + "\n")
+    cmd = [sys.executable, "-m", "sage_repro.batch", str(out / BATCH_JOBS)]
+    with open(out / "batch.log", "ab") as log_f:
+        proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT,
+                                env=child_environment(out))
+        signals.child = proc.pid
+        if (name := signals()) in ("SIGTERM", "SIGUSR1"):
+            os.kill(proc.pid, getattr(signal, str(name)))
+        try:
+            _, status, _ = os.wait4(proc.pid, 0)
+        finally:
+            signals.child = None
+    rc = os.waitstatus_to_exitcode(status)
+    for job, (where, spec, before, group, err, offset) in zip(jobs, pending, strict=True):
+        try:
+            ended = json.loads((group / "batch-exit.json").read_text())
+        except (OSError, ValueError):
+            result = _batch_not_run(out, signals, rc)
+        else:
+            argv = [sys.executable, *job["argv"]]
+            result = conclude(out, protocol, spec, before, argv, info,
+                              int(ended["returncode"]), err, offset, started,
+                              float(ended["wall_s"]), int(ended["max_rss_bytes"]))
+        outcomes.append(result)
+        _say_outcome(where, result, read(out, protocol, spec), say)
+    return outcomes
+
+
+def _batch_not_run(out: pathlib.Path, signals: Signals, rc: int) -> Outcome:
+    """The outcome of a batch run that the trainer process never reached."""
+    detail = (f"not started: {signals()}" if signals() is not None else
+              f"not run: the trainer process ended with status {rc} before it "
+              f"(log: {out / 'batch.log'})")
+    return Outcome("skipped", "stopped" if signals() is not None else "failed", detail, rc)
+
+
+_Pending = tuple[str, RunSpec, report.RunRecord, pathlib.Path, pathlib.Path, int]
+
+
+def _batch_pending(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec],
+                   say: Callable[[str], None]) -> tuple[list[Outcome], list[_Pending]]:
+    """The outcomes of the runs already done (skipped), and the runs still to do.
+
+    Each run to do is ``(where, spec, before, group, err, err offset)``, its folder made.
+    """
+    outcomes: list[Outcome] = []
+    pending: list[_Pending] = []
+    for i, spec in enumerate(specs, 1):
+        where = f"[{i}/{len(specs)}] {spec.label()}"
+        before = read(out, protocol, spec)
+        if before.status in ("finished", "diverged"):
+            check_reusable(out, protocol, spec)
+            result = Outcome("skipped", before.status, before.describe())
+            outcomes.append(result)
+            _say_outcome(where, result, before, say)
+            continue
+        if set_aside_final_checkpoint(out, protocol, spec):
+            before = read(out, protocol, spec)
+        group = spec.group(out)
+        group.mkdir(parents=True, exist_ok=True)
+        err = group / "train.err"
+        (group / "batch-exit.json").unlink(missing_ok=True)
+        pending.append((where, spec, before, group, err,
+                        err.stat().st_size if err.exists() else 0))
+    return outcomes, pending
+
+
 def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], signals: Signals,
-            env: Callable[[], dict[str, Any]], say: Callable[[str], None]) -> list[Outcome]:
-    """Run ``specs`` in order, one line each; stop at the first signal."""
+            env: Callable[[], dict[str, Any]], say: Callable[[str], None],
+            one_process: bool = False) -> list[Outcome]:
+    """Run ``specs`` in order, one line each; stop at the first signal.
+
+    ``one_process``: all in one trainer process (:func:`run_batch`).
+    """
+    if one_process:
+        return run_batch(out, protocol, specs, signals, env, say)
     outcomes = []
     for i, spec in enumerate(specs, 1):
         if signals.received is not None:
@@ -616,14 +749,7 @@ def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], sig
             say(f"{where}: {doing} (log: {spec.group(out) / 'train.log'})")
         result = run_one(out, protocol, spec, signals, env)
         outcomes.append(result)
-        record = read(out, protocol, spec)
-        if result.action == "skipped":
-            say(f"{where}: {result.detail}, skipped")
-        elif result.outcome == "finished":
-            say(f"{where}: finished, test ppl {record.final_ppl:.2f}, "
-                f"{record.tokens_per_s or 0:,.0f} tokens/s")
-        else:
-            say(f"{where}: {result.outcome}: {result.detail}")
+        _say_outcome(where, result, read(out, protocol, spec), say)
         if result.outcome == "stopped":
             break
     return outcomes
@@ -661,12 +787,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", type=pathlib.Path, default=None,
                    help=f"the sweep's directory: runs, results.md, results.json, figures "
                    f"(default: {DEFAULT_OUT}; with --piece NAME: runs/pieces/NAME)")
+    s.add_argument("--one-process", action="store_true",
+                   help="train the runs in one trainer process, one after another (Python "
+                   "and JAX start once; a run's peak memory is then the process's so far)")
     s.add_argument("--piece", default=None, metavar="NAME",
                    help="train one piece of the plan of pieces (--plan; default: the paper's "
                    "on the 20m model and the cut data/paper-cut), which sets every option of "
                    "the protocol and the runs; with --dry-run, 'all' lists every piece")
-    s.add_argument("--plan", type=pathlib.Path, default=None, metavar="FILE",
-                   help="with --piece: a plan of pieces in a JSON file instead of the paper's")
+    s.add_argument("--plan", type=pathlib.Path, default=None, metavar="NAME|FILE",
+                   help="with --piece: a plan of pieces ('paper', 'grid' or a JSON file) "
+                   "instead of the paper's")
     s.add_argument("--model", default="small", choices=list(MODELS), help="LLaMA size")
     s.add_argument("--data", default=None,
                    help="sage-train --data (a text folder or file, a token file, or a corpus "
@@ -737,13 +867,19 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=DefaultsFormatter,
                        description="Whole documents of the corpus's train and test splits, "
                        "drawn by their hash, within the token budgets, into a folder that "
-                       "sage-train --data takes (see sage_train.cut and docs/reproduce.md).")
-    c.add_argument("--out", type=pathlib.Path, default=DEFAULT_CUT,
-                   help="the cut's folder (it must not exist, be empty, or hold the same cut)")
-    c.add_argument("--data", default="installed",
-                   help="the corpus to cut (sage-train --data)")
-    c.add_argument("--model", default="20m", choices=list(MODELS),
-                   help="the model whose vocabulary the corpus is tokenized with")
+                       "sage-train --data takes (see sage_train.data.cut and docs/reproduce.md).")
+    c.add_argument("--out", type=pathlib.Path, default=None,
+                   help=f"the cut's folder (it must not exist, be empty, or hold the same cut; "
+                   f"default: {DEFAULT_CUT}, with --plan the plan's)")
+    c.add_argument("--data", default=None,
+                   help="the corpus to cut (sage-train --data), or a pack (sage_train.data.pack: "
+                   "cut whole; default: installed, with --plan the plan's pack)")
+    c.add_argument("--model", default=None, choices=list(MODELS),
+                   help="the model whose vocabulary the corpus is tokenized with (default: "
+                   "20m, with --plan the plan's)")
+    c.add_argument("--plan", type=pathlib.Path, default=None, metavar="NAME|FILE",
+                   help="cut the data of this plan of pieces ('grid': its committed pack) and "
+                   "check the cut's fingerprint against the plan's")
     c.add_argument("--train-tokens", type=_COUNT, default=20_000_000,
                    help="at most this many tokens of the train split")
     c.add_argument("--test-tokens", type=_COUNT, default=2_000_000,
@@ -758,12 +894,46 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--pieces", type=pathlib.Path, default=None, metavar="DIR",
                        help="merge every piece's results.json under DIR (benchmarks/paper) "
                        "into DIR/results.md, results.json and the figures")
-    r.add_argument("--plan", type=pathlib.Path, default=None, metavar="FILE",
-                   help="with --pieces: a plan of pieces in a JSON file instead of the paper's")
+    r.add_argument("--plan", type=pathlib.Path, default=None, metavar="NAME|FILE",
+                   help="with --pieces: a plan of pieces ('paper', 'grid' or a JSON file) "
+                   "instead of the paper's")
     r.add_argument("--reference", default=None, choices=[*CONFIG_NAMES, "slowest"],
                    metavar="NAME",
                    help="the effective throughput's baseline (default: as the sweep said)")
     return p
+
+
+def _batch_size(args: argparse.Namespace, seq_len: int) -> int:
+    """The sequences per step: ``--batch-size``, or ``--tokens-per-step`` over ``seq_len``."""
+    if args.batch_size is not None:
+        return args.batch_size
+    if args.tokens_per_step % seq_len:
+        raise SweepError(f"--tokens-per-step {args.tokens_per_step} is not a multiple of the "
+                         f"sequence length {seq_len} (--seq-len)")
+    return args.tokens_per_step // seq_len
+
+
+def _steps(args: argparse.Namespace, tokens_per_step: int) -> int:
+    """The steps of each run: ``--steps``, or ``--tokens`` over ``tokens_per_step``."""
+    if args.steps is not None:
+        return args.steps
+    if args.tokens is not None:
+        if args.tokens < tokens_per_step:
+            raise SweepError(f"--tokens {args.tokens:,} is less than one step of "
+                             f"{tokens_per_step:,} tokens")
+        return args.tokens // tokens_per_step
+    raise SweepError("the length of each run is missing: give --steps N or --tokens N")
+
+
+def _check_trainer_args(trainer_args: Sequence[str]) -> None:
+    """Refuse a trainer option after ``--`` that the sweep sets itself."""
+    for flag in trainer_args:
+        managed = managed_option(flag)
+        if managed is not None:
+            name = flag.split("=", 1)[0]
+            spelled = "" if name == managed else f" (a spelling of {managed})"
+            raise SweepError(f"{name} after --{spelled} is set by sage-repro sweep itself: use "
+                             f"its own {managed if managed != '--lr' else '--lrs'} option")
 
 
 def protocol_and_plan(args: argparse.Namespace, trainer_args: Sequence[str]
@@ -778,33 +948,12 @@ def protocol_and_plan(args: argparse.Namespace, trainer_args: Sequence[str]
     if seq_len > model.max_position_embeddings:
         raise SweepError(f"--seq-len {seq_len} is longer than the {args.model} model's "
                          f"{model.max_position_embeddings} positions")
-    if args.batch_size is not None:
-        batch = args.batch_size
-    elif args.tokens_per_step % seq_len:
-        raise SweepError(f"--tokens-per-step {args.tokens_per_step} is not a multiple of the "
-                         f"sequence length {seq_len} (--seq-len)")
-    else:
-        batch = args.tokens_per_step // seq_len
-    tokens_per_step = batch * seq_len
-    if args.steps is not None:
-        steps = args.steps
-    elif args.tokens is not None:
-        if args.tokens < tokens_per_step:
-            raise SweepError(f"--tokens {args.tokens:,} is less than one step of "
-                             f"{tokens_per_step:,} tokens")
-        steps = args.tokens // tokens_per_step
-    else:
-        raise SweepError("the length of each run is missing: give --steps N or --tokens N")
+    batch = _batch_size(args, seq_len)
+    steps = _steps(args, batch * seq_len)
     if args.top is not None and args.best_seeds is None:
         raise SweepError("--top chooses the configurations that get --best-seeds: give "
                          "--best-seeds too")
-    for flag in trainer_args:
-        managed = managed_option(flag)
-        if managed is not None:
-            name = flag.split("=", 1)[0]
-            spelled = "" if name == managed else f" (a spelling of {managed})"
-            raise SweepError(f"{name} after --{spelled} is set by sage-repro sweep itself: use "
-                             f"its own {managed if managed != '--lr' else '--lrs'} option")
+    _check_trainer_args(trainer_args)
     eval_every = args.eval_every or max(1, steps // 40)
     protocol = Protocol(
         model=args.model, data=args.data, steps=steps, batch_size=batch, seq_len=seq_len,
@@ -882,23 +1031,62 @@ def _say(line: str) -> None:
 
 
 def _cut_data(args: argparse.Namespace) -> int:
-    from sage_train import cut, data
+    from sage_repro import pieces
+    from sage_train.data import cut, pack
+    from sage_train.data import pipeline as data
 
+    plan = None if args.plan is None else pieces.load_plan(args.plan)
+    _cut_defaults(args, plan)
     before = None
     if cut.is_cut(args.out):
         with contextlib.suppress(OSError, ValueError, KeyError):
             before = json.loads((args.out / cut.MANIFEST).read_text())["fingerprint"]
+    vocab = get_model_config(args.model).vocab_size
+    if plan is not None and plan.fingerprint is not None and before == plan.fingerprint:
+        _say(f"--out {args.out} already holds the cut of the plan {plan.name} (fingerprint "
+             f"{before}); the trainer checks every file of it")
+        return 0
     try:
-        tokens = data.load_data(args.data, vocab_size=get_model_config(args.model).vocab_size)
-        manifest = cut.cut_data(tokens, args.out, train_tokens=args.train_tokens,
-                                test_tokens=args.test_tokens)
+        if args.data != "installed" and pack.is_pack(args.data):
+            manifest = pack.cut_pack(args.data, args.out, vocab)
+        else:
+            tokens = data.load_data(args.data, vocab_size=vocab)
+            manifest = cut.cut_data(tokens, args.out, train_tokens=args.train_tokens,
+                                    test_tokens=args.test_tokens)
     except (OSError, ValueError) as e:
         raise SweepError(str(e)) from None
+    if plan is not None and plan.fingerprint is not None:
+        if manifest["fingerprint"] != plan.fingerprint:
+            raise SweepError(f"the cut in {args.out} has the fingerprint "
+                             f"{manifest['fingerprint'][:16]}, not the plan {plan.name}'s "
+                             f"{plan.fingerprint[:16]}")
     if before == manifest["fingerprint"]:
         _say(f"--out {args.out} already holds this cut")
-    files = sorted(p for p in args.out.iterdir() if p.is_file())
+    _say_cut(args.out, manifest)
+    if plan is not None and plan.fingerprint is not None:
+        _say(f"plan         {plan.name}: the same fingerprint, its pieces train on this cut")
+    return 0
+
+
+def _cut_defaults(args: argparse.Namespace, plan: PiecePlan | None) -> None:
+    """Fill ``cut-data``'s unset ``--data``, ``--out``, ``--model`` from ``plan``, then defaults."""
+    if plan is not None:
+        if plan.pack is None and args.data is None:
+            raise SweepError(f"--plan {args.plan}: the plan {plan.name} has no committed pack; "
+                             "give --data")
+        args.data = args.data or plan.pack
+        args.out = args.out or pathlib.Path(plan.protocol.data or DEFAULT_CUT)
+        args.model = args.model or plan.protocol.model
+    args.data = args.data or "installed"
+    args.out = args.out or DEFAULT_CUT
+    args.model = args.model or "20m"
+
+
+def _say_cut(out: pathlib.Path, manifest: dict[str, Any]) -> None:
+    """Print the cut in ``out``: its files, fingerprint, sides and source."""
+    files = sorted(p for p in out.iterdir() if p.is_file())
     size = sum(p.stat().st_size for p in files)
-    _say(f"cut          {args.out}: {', '.join(p.name for p in files)} ({size / 2**20:.1f} MiB)")
+    _say(f"cut          {out}: {', '.join(p.name for p in files)} ({size / 2**20:.1f} MiB)")
     _say(f"fingerprint  {manifest['fingerprint']}")
     for side in ("train", "test"):
         part = manifest[side]
@@ -906,7 +1094,6 @@ def _cut_data(args: argparse.Namespace) -> int:
              f"{part['budget']:,}) of {manifest['source'][side + '_tokens']:,}")
     _say(f"source       {manifest['source']['description']}, fingerprint "
          f"{manifest['source']['fingerprint']}")
-    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -947,7 +1134,7 @@ def _sweep(args: argparse.Namespace, trainer_args: list[str]) -> int:
     if args.dry_run:
         dry_run(protocol, plan, args.assume_tflops, _say)
         return 0
-    return _train(args.out or DEFAULT_OUT, protocol, plan)
+    return _train(args.out or DEFAULT_OUT, protocol, plan, args.one_process)
 
 
 def _piece(args: argparse.Namespace, trainer_args: list[str]) -> int:
@@ -963,11 +1150,15 @@ def _piece(args: argparse.Namespace, trainer_args: list[str]) -> int:
         pieces.dry_run(plan, names, args.assume_tflops, overhead, _say)
         return 0
     protocol, sweep_plan = pieces.piece_setup(plan, args.piece, trainer_args)
+    if sweep_plan.lrs == ():
+        _say(f"piece {args.piece}: not needed, the best rate of its sweep is inside it")
+        return 0
     pieces.check_data(plan, args.piece)
-    return _train(args.out or pieces.DEFAULT_RUNS / args.piece, protocol, sweep_plan)
+    return _train(args.out or pieces.DEFAULT_RUNS / args.piece, protocol, sweep_plan,
+                  args.one_process)
 
 
-def _train(out: pathlib.Path, protocol: Protocol, plan: Plan) -> int:
+def _train(out: pathlib.Path, protocol: Protocol, plan: Plan, one_process: bool = False) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -986,7 +1177,7 @@ def _train(out: pathlib.Path, protocol: Protocol, plan: Plan) -> int:
         grid = plan.grid()
         _say(f"sweep: {len(grid)} runs ({len(plan.configs)} configurations x "
              f"{len(plan.seeds)} seeds x their rates) in {out}")
-        outcomes += run_all(out, protocol, grid, signals, env, _say)
+        outcomes += run_all(out, protocol, grid, signals, env, _say, one_process)
         if (plan.best_seeds and signals.received is None
                 and not any(o.outcome == "stopped" for o in outcomes)):
             cells = sweep_cells(out, protocol, plan)
@@ -996,7 +1187,7 @@ def _train(out: pathlib.Path, protocol: Protocol, plan: Plan) -> int:
                 f"{c} {'-' if rates[c] is None else format(rates[c], 'g')}"
                 for c in plan.configs))
             _say(f"--best-seeds: {len(specs)} runs for {', '.join(chosen) or 'no configuration'}")
-            outcomes += run_all(out, protocol, specs, signals, env, _say)
+            outcomes += run_all(out, protocol, specs, signals, env, _say, one_process)
     summary = write_report(out, protocol, plan)
     _say(report.to_markdown(summary))
     counts = {k: sum(o.action == k for o in outcomes) for k in ("started", "resumed", "skipped")}

@@ -54,7 +54,7 @@ import math
 import pathlib
 import re
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sage_optim.table import format_bytes, format_markdown_table
@@ -186,7 +186,7 @@ def read_run(config: str, lr: float, seed: int, group: pathlib.Path, run_dir: pa
       run_dir: the trainer's run directory.
       steps: the planned number of steps.
     """
-    from sage_train.rundir import iter_metrics
+    from sage_train.store.rundir import iter_metrics
 
     rows = list(iter_metrics(run_dir)) if run_dir.is_dir() else []
     segments = read_segments(group)
@@ -584,7 +584,8 @@ def setup_lines(summary: Summary) -> list[str]:
         f"tokens; {s['schedule']} schedule, {s['warmup_frac']:.0%} warmup, final rate "
         f"{s['final_lr_frac']:g} x peak; clipping {s['clip']:g}; " + _hyperparameters(s)
         + f"; test perplexity every {s['eval_every']} steps on {s['eval_batches']} "
-        f"batch{'' if s['eval_batches'] == 1 else 'es'} of the held-out 20% (8:2 split)",
+        f"batch{'' if s['eval_batches'] == 1 else 'es'} of the held-out test documents "
+        "(the corpus's 8:2 split by document; a cut's test side is drawn from that 20%)",
         f"hardware: {hardware}" + (" (more than one: timings are not comparable across them)"
                                    if len(envs) > 1 else ""),
         f"software: {software}",
@@ -781,6 +782,49 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _verified_run(field: str, raw: Any, seen: dict[tuple[Any, ...], tuple[str, Any]]
+                  ) -> RunRecord:
+    """The run record ``raw`` at ``field``, checked (:func:`verify_results`); noted in ``seen``."""
+    try:
+        run = run_from_json(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{field} is not a run's record ({type(e).__name__}: {e})"
+                         ) from None
+    label = f"{run.config} lr {run.lr:g} seed {run.seed}"
+    problem = impossible(run)
+    if problem is not None:
+        raise ValueError(f"{field} ({label}): {problem}")
+    derived = run_to_json(run)
+    for name, value in derived.items():
+        if not _same(raw.get(name), value):
+            raise ValueError(f"{field}.{name} ({label}) is {raw.get(name)!r}, but the "
+                             f"run's record gives {value!r}")
+    key = (run.config, run.lr, run.seed)
+    if key in seen and seen[key][1] != raw:
+        raise ValueError(f"{field} ({label}) differs from the same run in "
+                         f"{seen[key][0]}")
+    seen.setdefault(key, (field, raw))
+    return run
+
+
+def _verify_figures(where: str, entry: Mapping[str, Any], row: Row) -> None:
+    """Refuse a row whose ``test_ppl``, ``tokens_per_s`` or memory its runs do not give."""
+    finished = row.finished
+    figures = {
+        "test_ppl": [r.final_ppl for r in finished if r.final_ppl is not None],
+        "tokens_per_s": [r.tokens_per_s for r in finished if r.tokens_per_s is not None],
+        "peak_memory_bytes": [float(p) for p, _ in map(peak_memory, finished)
+                              if p is not None]}
+    for name, values in figures.items():
+        mean, sd = mean_sd(values)
+        want = {"mean": _num(mean), "sd": _num(sd), "n": len(values)}
+        got = entry.get(name)
+        if not isinstance(got, Mapping) or any(not _same(got.get(k), v)
+                                               for k, v in want.items()):
+            raise ValueError(f"{where}.{name} ({row.config}) is {got!r}, but its runs give "
+                             f"{want!r}")
+
+
 def verify_results(data: Mapping[str, Any]) -> None:
     """Refuse a report's data (``results.json``) that does not follow from its own runs.
 
@@ -795,49 +839,15 @@ def verify_results(data: Mapping[str, Any]) -> None:
     """
     seen: dict[tuple[Any, ...], tuple[str, Any]] = {}
     for where, entry in _sections(data):
-        records = []
-        for i, raw in enumerate(entry["runs"]):
-            field = f"{where}.runs[{i}]"
-            try:
-                run = run_from_json(raw)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{field} is not a run's record ({type(e).__name__}: {e})"
-                                 ) from None
-            label = f"{run.config} lr {run.lr:g} seed {run.seed}"
-            problem = impossible(run)
-            if problem is not None:
-                raise ValueError(f"{field} ({label}): {problem}")
-            derived = run_to_json(run)
-            for name, value in derived.items():
-                if not _same(raw.get(name), value):
-                    raise ValueError(f"{field}.{name} ({label}) is {raw.get(name)!r}, but the "
-                                     f"run's record gives {value!r}")
-            key = (run.config, run.lr, run.seed)
-            if key in seen and seen[key][1] != raw:
-                raise ValueError(f"{field} ({label}) differs from the same run in "
-                                 f"{seen[key][0]}")
-            seen.setdefault(key, (field, raw))
-            records.append(run)
+        records = [_verified_run(f"{where}.runs[{i}]", raw, seen)
+                   for i, raw in enumerate(entry["runs"])]
         row = Row(str(entry["config"]), entry["lr"], tuple(records))
         if where.startswith("lr_sweep"):
             if entry.get("cell") != row.ppl_cell():
                 raise ValueError(f"{where}.cell ({row.config} lr {row.lr}) is "
                                  f"{entry.get('cell')!r}, but its runs give {row.ppl_cell()!r}")
             continue
-        finished = row.finished
-        figures = {
-            "test_ppl": [r.final_ppl for r in finished if r.final_ppl is not None],
-            "tokens_per_s": [r.tokens_per_s for r in finished if r.tokens_per_s is not None],
-            "peak_memory_bytes": [float(p) for p, _ in map(peak_memory, finished)
-                                  if p is not None]}
-        for name, values in figures.items():
-            mean, sd = mean_sd(values)
-            want = {"mean": _num(mean), "sd": _num(sd), "n": len(values)}
-            got = entry.get(name)
-            if not isinstance(got, Mapping) or any(not _same(got.get(k), v)
-                                                   for k, v in want.items()):
-                raise ValueError(f"{where}.{name} ({row.config}) is {got!r}, but its runs give "
-                                 f"{want!r}")
+        _verify_figures(where, entry, row)
     digest = data.get("digest")
     if digest is None:
         raise ValueError("digest is missing (written before results carried one): rewrite "
@@ -926,6 +936,28 @@ def _band(points: Sequence[Sequence[tuple[float, float]]]
     return xs, [statistics.fmean(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
+def _plot_row(ax: Any, row: Row, series: Callable[[RunRecord], Sequence[tuple[int, float]]],
+              tokens: int, color: str, label: str) -> None:
+    """One row's curves on ``ax``: the finished seeds' band, each other seed dashed."""
+    finished = row.finished
+    if finished:
+        xs, mean, lo, hi = _band([[(s * tokens, y) for s, y in series(r)]
+                                  for r in finished])
+        ax.plot(xs, mean, color=color, label=label)
+        if len(finished) > 1:
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0)
+    for r in row.runs:
+        if r.status == "finished" or not series(r):
+            continue
+        pts = [(s * tokens, y) for s, y in series(r) if math.isfinite(y)]
+        if not pts:
+            continue
+        ax.plot(*zip(*pts, strict=True), color=color, linewidth=0.8, linestyle="--",
+                label=None if finished else label)
+        if r.status == "diverged":
+            ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", color=color)
+
+
 def plot_loss_vs_tokens(summary: Summary, path: pathlib.Path) -> pathlib.Path:
     """Training loss and test perplexity against training tokens, one colour per row.
 
@@ -944,22 +976,7 @@ def plot_loss_vs_tokens(summary: Summary, path: pathlib.Path) -> pathlib.Path:
         for ax, series in ((loss_ax, lambda r: r.losses),
                            (ppl_ax, lambda r: list(zip(r.evals.steps, r.evals.ppl,
                                                        strict=True)))):
-            if finished:
-                xs, mean, lo, hi = _band([[(s * tokens, y) for s, y in series(r)]
-                                          for r in finished])
-                ax.plot(xs, mean, color=color, label=label)
-                if len(finished) > 1:
-                    ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0)
-            for r in row.runs:
-                if r.status == "finished" or not series(r):
-                    continue
-                pts = [(s * tokens, y) for s, y in series(r) if math.isfinite(y)]
-                if not pts:
-                    continue
-                ax.plot(*zip(*pts, strict=True), color=color, linewidth=0.8, linestyle="--",
-                        label=None if finished else label)
-                if r.status == "diverged":
-                    ax.plot([pts[-1][0]], [pts[-1][1]], marker="x", color=color)
+            _plot_row(ax, row, series, tokens, color, label)
     if summary.target is not None:
         ppl_ax.axhline(summary.target.ppl, color="gray", linestyle=":", linewidth=1,
                        label=f"P* = {summary.target.ppl:.2f} ({summary.target.config})")

@@ -320,19 +320,28 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
         new_lim = (norm_u * factor).reshape(len(idx), *lims[0].shape)
         torch._foreach_copy_(lims, list(new_lim.unbind(0)))
         us = list(u.unbind(0))
-        ps = [params[i] for i in idx]
-        by_size: dict[float, list[int]] = {}  # one foreach kernel per step size (usually one)
-        for k, t in enumerate(ts):
-            size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
-            by_size.setdefault(size, []).append(k)
-        for size, ks in by_size.items():
-            torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=-size)
-        if weight_decay != 0.0:
-            if w == ps[0].dtype:
-                torch._foreach_mul_(ps, 1 - lr * weight_decay)
-            else:  # a CPU foreach kernel rounds the scalar to bfloat16: one mul_ each
-                for q in ps:
-                    q.mul_(1 - lr * weight_decay)
+        _step_and_decay([params[i] for i in idx], us, ts, w, lr=lr, b1=b1, b2=b2,
+                        weight_decay=weight_decay)
+
+
+def _step_and_decay(ps: list[Tensor], us: list[Tensor], ts: list[float], w: torch.dtype, *,
+                    lr: float, b1: float, b2: float, weight_decay: float) -> None:
+    """:func:`_multi_tensor_apollo`'s last part: ``ps -= size·us`` (bias-corrected), then decay.
+
+    One foreach kernel per step size (usually one); ``w`` is the working precision.
+    """
+    by_size: dict[float, list[int]] = {}
+    for k, t in enumerate(ts):
+        size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+        by_size.setdefault(size, []).append(k)
+    for size, ks in by_size.items():
+        torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=-size)
+    if weight_decay != 0.0:
+        if w == ps[0].dtype:
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
+        else:  # a CPU foreach kernel rounds the scalar to bfloat16: one mul_ each
+            for q in ps:
+                q.mul_(1 - lr * weight_decay)
 
 
 @shared_docs

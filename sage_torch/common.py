@@ -96,6 +96,25 @@ def pow2_sqrt_floor(m: Tensor) -> Tensor:
     return torch.where(e % 2 == 0, (m / 2).sqrt(), m.sqrt())
 
 
+def check_lr(lr: Any, rule: str | None = None, *, capturable: bool = False) -> None:
+    """Raise a ``ValueError`` naming ``lr`` unless it is a valid learning rate.
+
+    A number, or a one-element tensor (floating with ``capturable``), ``>= 0``; a tensor on
+    a device (``capturable=True``) is not read back to the host, so only its shape and dtype
+    are checked.  :func:`check_group` and :func:`sage_torch.make_optimizer` check it before
+    anything else, as ``torch.optim`` checks ``lr`` before ``params``.
+    """
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"lr must be a scalar, got a tensor of shape {tuple(lr.shape)}")
+        if capturable and not lr.is_floating_point():
+            raise ValueError(f"lr must be a floating tensor with capturable=True, got {lr.dtype}")
+        if lr.device.type == "cpu":
+            hyperparams.check("lr", float(lr), rule)
+    else:
+        hyperparams.check("lr", lr, rule)
+
+
 def check_group(group: dict[str, Any], rule: str, keys: Sequence[str] = ()) -> None:
     """Check ``group``'s ``lr`` and every hyperparameter of ``rule`` against the shared table.
 
@@ -107,18 +126,7 @@ def check_group(group: dict[str, Any], rule: str, keys: Sequence[str] = ()) -> N
     ``eps``, ``betas``, then the others, so a group with several invalid values is refused
     for the one torch would name.
     """
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"lr must be a scalar, got a tensor of shape {tuple(lr.shape)}")
-        if group.get("capturable") and not lr.is_floating_point():
-            raise ValueError(f"lr must be a floating tensor with capturable=True, got {lr.dtype}")
-    if isinstance(lr, Tensor) and lr.device.type != "cpu":
-        pass  # a device lr (capturable=True) is not read back to the host to be checked
-    elif isinstance(lr, Tensor):
-        hyperparams.check("lr", float(lr), rule)
-    else:
-        hyperparams.check("lr", lr, rule)
+    check_lr(group["lr"], rule, capturable=bool(group.get("capturable")))
     defaults = RULE_DEFAULTS.get(rule, {})
     if "eps" in defaults and "eps" in group:  # torch.optim's order: lr, eps, betas, the rest
         hyperparams.check("eps", group["eps"], rule)

@@ -10,14 +10,16 @@ import torch
 from torch import nn
 
 from sage_optim import rates
-from sage_optim.hyperparams import check, check_skip_nonfinite
-from sage_optim.presets import KINDS, Preset, RuleSpec, resolve_preset
+from sage_optim.hyperparams import check_skip_nonfinite
+from sage_optim.presets import KINDS, RuleSpec
 from sage_optim.routing import ResolvedRoute, Route, RoutingError
+from sage_optim.settings import KindSettings, Settings, parse_settings
 from sage_optim.table import RoutingRow, RoutingTable
-from sage_torch.common import FUSED_RULES
+from sage_torch.common import FUSED_RULES, check_group, check_lr
 from sage_torch.grouping import ConfiguredOptimizer, update_key
 from sage_torch.nonfinite import SkipNonFinite
 from sage_torch.optimizer import RuleOptimizer, viewed
+from sage_torch.registry import rule_classes
 from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, Routing, routing, state_nbytes
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
@@ -25,9 +27,12 @@ OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused
 """Keyword options of :func:`make_optimizer` that are not hyperparameters."""
 
 
-def group_options(rule: RuleSpec) -> dict[str, Any]:
-    """A param group's options for ``rule``: its hyperparameters in ``torch.optim`` names."""
-    hp = dict(rule.hyperparams)
+def group_options(rule: RuleSpec | KindSettings) -> dict[str, Any]:
+    """A param group's options for ``rule``: its hyperparameters in ``torch.optim`` names.
+
+    Read from the rule's typed hyperparameters (``rule.hp``); a param group is a dict.
+    """
+    hp = dict(rule.hp)
     hp.pop("projection", None)  # lives on the optimizer, not in (serialised) groups
     if "b1" in hp:
         hp["betas"] = (hp.pop("b1"), hp.pop("b2"))
@@ -47,13 +52,13 @@ def layout_options(route: ResolvedRoute) -> dict[str, Any]:
             "fan_out_dim": _axes_option(route.fan_out)}
 
 
-def _kind_options(preset: Preset, kind: str, lr: float | None,
-                  extra: dict[str, Any]) -> dict[str, Any]:
-    options = {"kind": kind, "lr": preset.learning_rate if lr is None else lr,
-               **group_options(preset.rule(kind)), **extra}
+def _kind_options(settings: KindSettings, lr: Any, extra: dict[str, Any]) -> dict[str, Any]:
+    """The group options of a kind: its rule, rate (its own, else ``lr``) and hyperparameters."""
+    options = {"kind": settings.kind, "lr": settings.rate(lr), **group_options(settings),
+               **extra}
     if options.get("fused") and options["rule"] not in FUSED_RULES:
         options["fused"] = None  # fused=True reaches only the rules that have a fused path
-    if kind == "vector":
+    if settings.kind == "vector":
         options.update(fan_in_dim=None, fan_out_dim=None)
     return options
 
@@ -72,6 +77,45 @@ def _member_tensor(x: Any) -> Any:
     return x[1] if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) else x
 
 
+def _dedup_group(group: dict[str, Any], gi: int, grouped: bool,
+                 owner: dict[int, tuple[int, str]]) -> None:
+    """:func:`_materialized` for param group ``gi`` (in place); ``owner``: the groups so far."""
+    members = group.get("params")
+    if members is None or isinstance(members, set):
+        return  # the router says why
+    members = [members] if isinstance(members, torch.Tensor) else list(members)
+    names = group.get("param_names")
+    names = None if names is None else list(names)
+    if names is not None:
+        group["param_names"] = names
+    keep, dup = [], []
+    for i, x in enumerate(members):
+        t = _member_tensor(x)
+        if not isinstance(t, torch.Tensor):
+            keep.append(i)
+            continue
+        name = _member_name(group, gi if grouped else None, i, x)
+        seen = owner.get(id(t))
+        if seen is not None and seen[0] != gi:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: {name} of "
+                f"shape {tuple(t.shape)} is in param group {seen[0]} (as {seen[1]}) and "
+                f"in param group {gi}; one parameter, one group (as torch.optim)")
+        if seen is not None:
+            dup.append(name)
+            continue
+        owner[id(t)] = (gi, name)
+        keep.append(i)
+    if dup:
+        warnings.warn(
+            f"optimizer contains a parameter group with duplicate parameters ({', '.join(dup)}"
+            f"{' in param group ' + str(gi) if grouped else ''}); each is kept once",
+            UserWarning, stacklevel=5)  # one frame deeper than _materialized's
+        if names is not None and len(names) == len(members):
+            group["param_names"] = [names[i] for i in keep]
+    group["params"] = [members[i] for i in keep]
+
+
 def _materialized(params: Any) -> Any:
     """``params`` with every iterator turned into a list, duplicates checked as torch does.
 
@@ -86,40 +130,7 @@ def _materialized(params: Any) -> Any:
     groups = [dict(g) for g in items] if grouped else [{"params": items}]
     owner: dict[int, tuple[int, str]] = {}
     for gi, group in enumerate(groups):
-        members = group.get("params")
-        if members is None or isinstance(members, set):
-            continue  # the router says why
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
-        names = group.get("param_names")
-        names = None if names is None else list(names)
-        if names is not None:
-            group["param_names"] = names
-        keep, dup = [], []
-        for i, x in enumerate(members):
-            t = _member_tensor(x)
-            if not isinstance(t, torch.Tensor):
-                keep.append(i)
-                continue
-            name = _member_name(group, gi if grouped else None, i, x)
-            seen = owner.get(id(t))
-            if seen is not None and seen[0] != gi:
-                raise ValueError(
-                    f"some parameters appear in more than one parameter group: {name} of "
-                    f"shape {tuple(t.shape)} is in param group {seen[0]} (as {seen[1]}) and "
-                    f"in param group {gi}; one parameter, one group (as torch.optim)")
-            if seen is not None:
-                dup.append(name)
-                continue
-            owner[id(t)] = (gi, name)
-            keep.append(i)
-        if dup:
-            warnings.warn(
-                f"optimizer contains a parameter group with duplicate parameters ({', '.join(dup)}"
-                f"{' in param group ' + str(gi) if grouped else ''}); each is kept once",
-                UserWarning, stacklevel=4)
-            if names is not None and len(names) == len(members):
-                group["param_names"] = [names[i] for i in keep]
-        group["params"] = [members[i] for i in keep]
+        _dedup_group(group, gi, grouped, owner)
     return groups if grouped else groups[0]["params"]
 
 
@@ -217,62 +228,13 @@ def _leave_out_frozen(result: Routing) -> None:
             "route_overrides to keep them", UserWarning, stacklevel=4)
 
 
-def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
-          overrides: dict[str, Any], model: nn.Module | None = None,
-          frozen: bool = True, notice: bool = True
-          ) -> tuple[list[dict[str, Any]], list[RoutedParam], dict[str, dict[str, Any]], Preset]:
-    """Route ``params`` and group it: ``(groups, routed, kind options, preset)``.
+def _kind_groups(routed: list[RoutedParam], result: Routing,
+                 kinds: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The param groups of ``routed``: one per kind, layout, given group and view.
 
-    A parameter the router cannot place is placed anyway when every reading of it gets the
-    same update under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
-    gives a table and a dense matrix with the same axes the same SAGE step), and refused
-    otherwise.  ``frozen``: route the frozen parameters too (kept, to train once unfrozen).
-    ``notice``: note once a learning rate far from the configuration's
-    (:func:`sage_optim.rates.notice_far_rates`).  ``<kind>_learning_rate=`` sets one kind's
-    ``lr``.
+    In kind order, then in order of first appearance; each with its kind's options, the
+    given group's own options (``result.groups``) and its axes.
     """
-    overrides = dict(overrides)
-    axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
-                                                      "fan_in", "fan_out")))
-    if axes:
-        raise RoutingError(
-            f"{', '.join(axes)}: the axes are per parameter, not per configuration; give them "
-            "per glob, e.g. route_overrides={'*.c_attn.weight': Route('dense', fan_in=0, "
-            "fan_out=1)} (Route is sage_torch.Route)"
-        )
-    kind_rates = rates.pop_kind_learning_rates(overrides)
-    preset = resolve_preset(name, overrides, OPTION_KEYS)
-    extra: dict[str, Any] = {
-        k: overrides.pop(k) for k in ("maximize", "foreach", "fused", "capturable")
-        if k in overrides
-    }
-    if lr is not None and not isinstance(lr, torch.Tensor):
-        check("lr", lr)  # before params, as torch.optim checks lr first
-    kinds = {kind: _kind_options(preset, kind, kind_rates.get(kind, lr), extra)
-             for kind in KINDS}
-    if notice:
-        rates.notice_far_rates(name, preset, {kind: kinds[kind]["lr"] for kind in KINDS},
-                               per_kind=bool(kind_rates), stacklevel=4)
-    if params is None and model is None:
-        raise TypeError("make_optimizer needs the model or its params (tensors, (name, "
-                        "tensor) pairs or param groups, with model= for their evidence)")
-    if params is None:
-        params = model
-    elif isinstance(params, nn.Module) and model is not None and params is not model:
-        raise ValueError("make_optimizer got two models: pass the nn.Module once, or its "
-                         "params (or param groups) with model=")
-    params = _materialized(params)
-    route_overrides = overrides.pop("route_overrides", None)
-    if model is not None and not isinstance(params, nn.Module):
-        result = _with_model(params, model, route_overrides)
-    else:
-        result = routing(params, route_overrides, frozen=frozen)
-    if result.errors:
-        result.accept_equivalent(
-            update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
-    had_params = bool(result.order)
-    _leave_out_frozen(result)
-    routed = result.placed()
     group_of = {id(p): g for _, p, g in result.order}
     layouts: dict[tuple[str, Any, Any, int | None, Any], list[RoutedParam]] = {}
     for kind in KINDS:  # groups in kind order, then in order of first appearance
@@ -295,12 +257,83 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
             "fan_out_dim": fan_out,
             **({"view": view} if view is not None else {}),
         })
+    return groups
+
+
+def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
+          overrides: dict[str, Any], model: nn.Module | None = None,
+          frozen: bool = True, notice: bool = True
+          ) -> tuple[list[dict[str, Any]], list[RoutedParam], dict[str, dict[str, Any]], Settings]:
+    """Route ``params`` and group it: ``(groups, routed, kind options, settings)``.
+
+    A parameter the router cannot place is placed anyway when every reading of it gets the
+    same update under this configuration (``adamw`` and ``lion`` read no axes; ``sage-pure``
+    gives a table and a dense matrix with the same axes the same SAGE step), and refused
+    otherwise.  ``frozen``: route the frozen parameters too (kept, to train once unfrozen).
+    ``notice``: note once a learning rate far from the configuration's
+    (:func:`sage_optim.rates.notice_far_rates`).  ``<kind>_learning_rate=`` sets one kind's
+    ``lr``.
+    """
+    overrides = dict(overrides)
+    settings, kinds = _kind_plan(name, lr, overrides, notice)
+    if params is None and model is None:
+        raise TypeError("make_optimizer needs the model or its params (tensors, (name, "
+                        "tensor) pairs or param groups, with model= for their evidence)")
+    if params is None:
+        params = model
+    elif isinstance(params, nn.Module) and model is not None and params is not model:
+        raise ValueError("make_optimizer got two models: pass the nn.Module once, or its "
+                         "params (or param groups) with model=")
+    params = _materialized(params)
+    route_overrides = overrides.pop("route_overrides", None)
+    if model is not None and not isinstance(params, nn.Module):
+        result = _with_model(params, model, route_overrides)
+    else:
+        result = routing(params, route_overrides, frozen=frozen)
+    if result.errors:
+        result.accept_equivalent(
+            update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
+    had_params = bool(result.order)
+    _leave_out_frozen(result)
+    routed = result.placed()
+    groups = _kind_groups(routed, result, kinds)
     if not groups and had_params:
         # Every parameter frozen and left out: as torch.optim, an optimizer whose step is a
         # no-op (one empty group), not "empty parameter list".
         groups.append({"params": [], "param_names": [], **kinds["vector"],
                        "fan_in_dim": None, "fan_out_dim": None})
-    return groups, routed, kinds, preset
+    return groups, routed, kinds, settings
+
+
+def _kind_plan(name: str, lr: float | None, overrides: dict[str, Any], notice: bool
+               ) -> tuple[Settings, dict[str, dict[str, Any]]]:
+    """Parse the settings once (:func:`sage_optim.settings.parse_settings`): each kind's options.
+
+    Consumes the hyperparameters and ``maximize``/``foreach``/``fused``/``capturable`` of
+    ``overrides``, leaving the router's.
+    """
+    axes = sorted(k for k in overrides if k.endswith(("fan_in_dim", "fan_out_dim",
+                                                      "fan_in", "fan_out")))
+    if axes:
+        raise RoutingError(
+            f"{', '.join(axes)}: the axes are per parameter, not per configuration; give them "
+            "per glob, e.g. route_overrides={'*.c_attn.weight': Route('dense', fan_in=0, "
+            "fan_out=1)} (Route is sage_torch.Route)"
+        )
+    settings = parse_settings(name, lr, overrides, OPTION_KEYS)
+    extra: dict[str, Any] = {
+        k: overrides.pop(k) for k in ("maximize", "foreach", "fused", "capturable")
+        if k in overrides
+    }
+    if lr is not None:
+        check_lr(lr)  # before params, as torch.optim checks lr first
+    kinds = {k.kind: _kind_options(k, settings.learning_rate, extra) for k in settings.kinds}
+    for options in kinds.values():  # every hyperparameter before params, as torch.optim
+        check_group(options, options["rule"], rule_classes()[options["rule"]].checked)
+    if notice:
+        rates.notice_far_rates(name, settings.preset, {k: o["lr"] for k, o in kinds.items()},
+                               per_kind=bool(settings.own_rates), stacklevel=5)
+    return settings, kinds
 
 
 def param_groups(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None = None,
@@ -480,8 +513,8 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
     overrides = {k: v for k, v in overrides.items()
                  if not k.endswith("projection") and k not in ("skip_nonfinite", "cpu_threads")}
     lr = overrides.pop("lr", None)
-    groups, routed, kinds, preset = _plan(params, name, lr, overrides, model, frozen=False,
-                                          notice=False)
+    groups, routed, kinds, settings = _plan(params, name, lr, overrides, model, frozen=False,
+                                            notice=False)
     opt = RuleOptimizer([{**g, "params": [torch.empty_like(p, device="meta")
                                           for p in g["params"]]} for g in groups], {"lr": 0.0})
     nbytes: dict[str, int] = {}
@@ -496,9 +529,9 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
         route = r.route
         rows.append(RoutingRow(
             path=r.name, shape=tuple(r.param.shape), kind=route.kind,
-            rule=preset.rule(route.kind).describe(), fan_in=route.describe_fan_in(),
+            rule=settings.kind(route.kind).describe(), fan_in=route.describe_fan_in(),
             fan_out=route.describe_fan_out(), evidence=route.evidence,
             state_bytes=nbytes[r.name],
-            step=rates.describe_step(preset.rule(route.kind), kinds[route.kind]["lr"]),
+            step=rates.describe_step(settings.kind(route.kind), kinds[route.kind]["lr"]),
         ))
     return RoutingTable(name, tuple(rows), 4 * len(rows))  # a float32 step counter each

@@ -160,15 +160,7 @@ class ConfiguredOptimizer(RuleOptimizer):
         if not params:
             return
         index = len(self.param_groups)
-        given = param_group.get("param_names")
-        members = []
-        for i, p in enumerate(params):
-            if isinstance(p, tuple) and len(p) == 2:
-                members.append((str(p[0]), p[1], False))
-            elif given is not None and i < len(list(given)):
-                members.append((str(list(given)[i]), p, False))
-            else:
-                members.append((f"param_groups[{index}].params[{i}]", p, True))
+        members = _members(params, param_group.get("param_names"), index)
         if not all(isinstance(p, Tensor) for _, p, _ in members):
             return  # torch.optim says which is not a tensor
         result = route_group(members, {k: param_group[k] for k in ("fan_in_dim", "fan_out_dim")
@@ -177,20 +169,7 @@ class ConfiguredOptimizer(RuleOptimizer):
             result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
                                      "reading gets the same update")
         if result.errors:
-            problems = [p for e in result.errors for p in (e.problems or (e,))]
-            listed = "; ".join(f"{p.leaf} of shape {p.shape}" if p.leaf else str(p)
-                               for p in problems)
-            if "fan_in_dim" in param_group:
-                raise ValueError(
-                    f"param group {index} gives fan_in_dim/fan_out_dim but no kind, and "
-                    f"nothing says the kind of {listed}: add kind='dense' (a projection) or "
-                    "kind='embedding' (a token table or an output head) to the group")
-            raise ValueError(
-                f"param group {index} has no kind and nothing places {listed}: add kind= "
-                f"({', '.join(repr(k) for k in self.kinds)}) and, for a matrix, "
-                "fan_in_dim=/fan_out_dim= to the group (e.g. kind='dense', fan_in_dim=1, "
-                "fan_out_dim=0 for an nn.Linear weight (out, in)), or give (name, tensor) "
-                "pairs whose names say it ('...weight' is (out, in))")
+            raise self._unplaced(result.errors, param_group, index)
         routes = [(name, result.routes[id(p)]) for name, p, _ in result.order]
         kinds = sorted({r.kind for _, r in routes})
         if len(kinds) > 1:
@@ -201,15 +180,56 @@ class ConfiguredOptimizer(RuleOptimizer):
         param_group["kind"] = kinds[0]
         if kinds[0] == "vector" or "fan_in_dim" in param_group:
             return
-        layouts = {_negative(r) for _, r in routes}
-        if len(layouts) > 1:
-            layouts = {(r.fan_in, r.fan_out) for _, r in routes}
-        if len(layouts) > 1:
-            listed = ", ".join(f"{n} (fan_in={r.fan_in}, fan_out={r.fan_out})"
-                               for n, r in routes)
-            raise ValueError(
-                f"param group {index} mixes matrix layouts ({listed}): a group has one "
-                "fan_in_dim/fan_out_dim; split it into one group per layout")
-        fan_in, fan_out = layouts.pop()
+        fan_in, fan_out = _one_layout(routes, index)
         param_group["fan_in_dim"] = fan_in[0] if len(fan_in) == 1 else fan_in
         param_group["fan_out_dim"] = fan_out[0] if len(fan_out) == 1 else fan_out
+
+    def _unplaced(self, errors: list[RoutingError], param_group: dict[str, Any],
+                  index: int) -> ValueError:
+        """The error for a group whose members routing cannot place."""
+        problems = [p for e in errors for p in (e.problems or (e,))]
+        listed = "; ".join(f"{p.leaf} of shape {p.shape}" if p.leaf else str(p)
+                           for p in problems)
+        if "fan_in_dim" in param_group:
+            return ValueError(
+                f"param group {index} gives fan_in_dim/fan_out_dim but no kind, and "
+                f"nothing says the kind of {listed}: add kind='dense' (a projection) or "
+                "kind='embedding' (a token table or an output head) to the group")
+        return ValueError(
+            f"param group {index} has no kind and nothing places {listed}: add kind= "
+            f"({', '.join(repr(k) for k in self.kinds)}) and, for a matrix, "
+            "fan_in_dim=/fan_out_dim= to the group (e.g. kind='dense', fan_in_dim=1, "
+            "fan_out_dim=0 for an nn.Linear weight (out, in)), or give (name, tensor) "
+            "pairs whose names say it ('...weight' is (out, in))")
+
+
+def _members(params: list[Any], given: Any, index: int) -> list[tuple[str, Any, bool]]:
+    """``(name, tensor, bare)`` of a group's members, named as given or by position.
+
+    Names come from the pairs, else ``param_names``, else ``param_groups[index].params[i]``
+    (bare: only the shape is evidence).
+    """
+    members = []
+    for i, p in enumerate(params):
+        if isinstance(p, tuple) and len(p) == 2:
+            members.append((str(p[0]), p[1], False))
+        elif given is not None and i < len(list(given)):
+            members.append((str(list(given)[i]), p, False))
+        else:
+            members.append((f"param_groups[{index}].params[{i}]", p, True))
+    return members
+
+
+def _one_layout(routes: list[tuple[str, ResolvedRoute]],
+                index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The one ``(fan_in, fan_out)`` of a group's matrices (a mix of layouts is refused)."""
+    layouts = {_negative(r) for _, r in routes}
+    if len(layouts) > 1:
+        layouts = {(r.fan_in, r.fan_out) for _, r in routes}
+    if len(layouts) > 1:
+        listed = ", ".join(f"{n} (fan_in={r.fan_in}, fan_out={r.fan_out})"
+                           for n, r in routes)
+        raise ValueError(
+            f"param group {index} mixes matrix layouts ({listed}): a group has one "
+            "fan_in_dim/fan_out_dim; split it into one group per layout")
+    return layouts.pop()

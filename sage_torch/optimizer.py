@@ -143,6 +143,32 @@ def _tensor_steps(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": state}
 
 
+_OWN_KEYS = frozenset({"params", "param_names", "rule"})
+"""Group keys a saved group must bring itself: what it holds and which rule it is for."""
+
+
+def _with_missing_options(state_dict: dict[str, Any],
+                          groups: list[dict[str, Any]]) -> dict[str, Any]:
+    """``state_dict`` with each saved group's missing options taken from ``groups``.
+
+    A checkpoint written before an option existed (``maximize``, ``foreach``,
+    ``capturable``, ...) lacks it; ``torch.optim`` fills such flags in when it loads one
+    (its ``__setstate__``), where the step would otherwise end in a ``KeyError``.  Each
+    option a saved group lacks is taken from this optimizer's group at the same position,
+    the group :meth:`RuleOptimizer.check_state_dict` validates it as.  ``params``,
+    ``param_names`` and ``rule`` are never filled in (a group without a ``rule`` is
+    refused).  A shallow copy; a state dict whose groups do not pair up is returned as it
+    is, for the check to refuse.
+    """
+    saved = state_dict.get("param_groups")
+    if (not isinstance(saved, list | tuple) or len(saved) != len(groups)
+            or not all(isinstance(g, Mapping) for g in saved)):
+        return state_dict
+    filled = [{**{k: v for k, v in group.items() if k not in _OWN_KEYS}, **g}
+              for group, g in zip(groups, saved, strict=True)]
+    return {**state_dict, "param_groups": filled}
+
+
 def _with_rule_defaults(group: dict[str, Any], rule: str) -> dict[str, Any]:
     """``group`` with every hyperparameter of ``rule`` it lacks set to the rule's default.
 
@@ -210,6 +236,19 @@ def viewed(p: Tensor, group: Mapping[str, Any], name: str = "") -> Tensor:
 
 def _real(t: Any) -> Any:
     return torch.view_as_real(t) if isinstance(t, Tensor) and t.is_complex() else t
+
+
+def _device_parts(params: list[Tensor], batched: bool) -> list[list[int]]:
+    """The indices of ``params``, one part per (device, dtype) when ``batched``.
+
+    Foreach and fused kernels take one device and dtype; otherwise all are one part.
+    """
+    parts = [list(range(len(params)))]
+    if batched and len({(p.device, p.dtype) for p in params}) > 1:
+        keys = sorted({(str(p.device), str(p.dtype)) for p in params})
+        parts = [[i for i, p in enumerate(params) if (str(p.device), str(p.dtype)) == k]
+                 for k in keys]
+    return parts
 
 
 def _as_real(params: list[Tensor], grads: list[Tensor], states: list[dict[str, Any]]
@@ -679,19 +718,42 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._update()
         return loss
 
-    def _update(self) -> None:
-        """The step itself, without the closure and the step hooks (run by :meth:`step`).
-
-        A subclass whose ``step`` decides whether to update (``SkipNonFinite``) calls this,
-        not ``super().step()``, which would run the step hooks a second time.
-        """
-        for index, group in enumerate(self.param_groups):  # before anything moves
+    def _check_lrs(self) -> None:
+        """Refuse a step with a non-finite ``lr`` in any param group (one line naming it)."""
+        for index, group in enumerate(self.param_groups):
             lr = group["lr"]
             if isinstance(lr, int | float) and not math.isfinite(lr):
                 raise ValueError(
                     f"lr is {lr} in param group {index} (set by a learning-rate schedule, or "
                     "by hand, after the optimizer was built): a step with it would make every "
                     "parameter NaN, so none was taken; fix the schedule")
+
+    def _with_grads(self, group: dict[str, Any]) -> tuple[
+            list[Tensor], list[Tensor], list[dict[str, Any]], list[str]]:
+        """``group``'s parameters that have a gradient: ``(params, grads, states, names)``.
+
+        The gradient negated under ``maximize``; a parameter with a ``view`` and its
+        gradient reshaped to it (the rule sees the view, its state too).
+        """
+        params, grads, states, names = [], [], [], []
+        for p, name in zip(group["params"], self._names(group), strict=True):
+            if p.grad is not None:
+                grad = -p.grad if group["maximize"] else p.grad
+                states.append(self.state[p])
+                if group.get("view") is not None:  # the rule sees the view (state too)
+                    p, grad = viewed(p, group, name), grad.reshape(group["view"])
+                params.append(p)
+                grads.append(grad)
+                names.append(name)
+        return params, grads, states, names
+
+    def _update(self) -> None:
+        """The step itself, without the closure and the step hooks (run by :meth:`step`).
+
+        A subclass whose ``step`` decides whether to update (``SkipNonFinite``) calls this,
+        not ``super().step()``, which would run the step hooks a second time.
+        """
+        self._check_lrs()  # before anything moves
         sizes = [p.numel() * p.element_size() for group in self.param_groups
                  for p in group["params"]]
         largest = max(sizes) if sizes else 0  # (torch.compile traces no max(default=))
@@ -700,16 +762,7 @@ class RuleOptimizer(torch.optim.Optimizer):
         self._init_group()
         for group in self.param_groups:
             rule = self.rule_of(group)
-            params, grads, states, names = [], [], [], []
-            for p, name in zip(group["params"], self._names(group), strict=True):
-                if p.grad is not None:
-                    grad = -p.grad if group["maximize"] else p.grad
-                    states.append(self.state[p])
-                    if group.get("view") is not None:  # the rule sees the view (state too)
-                        p, grad = viewed(p, group, name), grad.reshape(group["view"])
-                    params.append(p)
-                    grads.append(grad)
-                    names.append(name)
+            params, grads, states, names = self._with_grads(group)
             if not params:
                 continue
             if any(p.is_complex() for p in params):  # as torch.optim: pairs of reals
@@ -721,12 +774,7 @@ class RuleOptimizer(torch.optim.Optimizer):
             else:
                 for t in steps:
                     t += 1
-            parts = [list(range(len(params)))]
-            if (foreach or fused) and len({(p.device, p.dtype) for p in params}) > 1:
-                keys = sorted({(str(p.device), str(p.dtype)) for p in params})
-                parts = [[i for i, p in enumerate(params) if (str(p.device), str(p.dtype)) == k]
-                         for k in keys]
-            for idx in parts:
+            for idx in _device_parts(params, foreach or fused):
                 sub = [params[i] for i in idx]
                 fe, fu = foreach, fused
                 if fused and not self._fused_ready(sub[0]):
@@ -816,9 +864,13 @@ class RuleOptimizer(torch.optim.Optimizer):
         first.  Where one side was built from bare tensors (no names, or only the generated
         ``params[i]`` placeholders), parameters are matched by position, as ``torch.optim``
         does, when the group and parameter counts agree (else a one-line ``ValueError``
-        naming the counts); this optimizer keeps its own names.
+        naming the counts); this optimizer keeps its own names.  An option a saved
+        group lacks (a checkpoint written before the option existed: ``maximize``,
+        ``foreach``, ...) is taken from this optimizer's group, as ``torch.optim``
+        fills in flags added after a checkpoint was written.
         """
         state_dict = _by_names(_tensor_steps(state_dict), self.param_groups)
+        state_dict = _with_missing_options(state_dict, self.param_groups)
         self.check_state_dict(state_dict)
         super().load_state_dict(state_dict)
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])

@@ -1,98 +1,27 @@
 """Route the parameters of any ``nn.Module``: a kind and the axes that decide the math.
 
 SAGE and SinkGD are not transpose-invariant, so the router decides the math through the
-axes it gives every parameter (:class:`sage_optim.routing.Route`: a kind plus a fan-in and a
-fan-out axis *group*; a multi-axis matrix is one matrix).  It uses the strongest evidence
-available, in this order (``docs/routing.md``):
-
-1. **an override** (``route_overrides={glob: ...}``): a kind (``"dense"``) takes its axes from
-   the layout of the module that owns the parameter (step 3), or, where that is unknown, is
-   refused with a request for axes; a :class:`~sage_optim.routing.Route` with axes (or
-   ``(kind, {"fan_in": ..., "fan_out": ...})``) is used as given.  A glob that matches no
-   parameter is an error naming the nearest names; a glob equal to a parameter's name
-   matches that name literally (``"params[3]"``).
-2. **the model's own API**: the weight of ``model.get_input_embeddings()`` is the token
-   embedding and that of ``model.get_output_embeddings()`` the output head (transformers
-   models), and a parameter registered in two modules is *tied* (one ``Parameter``: one
-   state), an embedding if either module is one.
-3. **module types with a known layout**: ``nn.Linear`` ``(out, in)`` (dense, fan-in 1, fan-out
-   0); ``nn.Embedding``/``nn.EmbeddingBag`` ``(V, d)`` (embedding, vocab axis 0 = fan-out;
-   position and token-type tables too); transformers' ``Conv1D`` ``(in, out)`` (dense, fan-in
-   0, fan-out 1); ``nn.Conv1d/2d/3d`` ``(out, in/groups, *k)`` (dense, fan-in ``(1, 2, ...)``:
-   input channels and taps merged, one ``(Cin·k) x Cout`` matrix); ``nn.MultiheadAttention``'s
-   ``in_proj_weight`` ``(3E, E)`` (dense, as a Linear); transformers'
-   ``XLNetRelativeAttention`` (``q``/``k``/``v``/``r`` ``(d_model, heads, d_head)`` read by
-   ``einsum('ibh,hnd->ibnd')``: fan-in 0, fan-out ``(1, 2)``; ``o`` read by
-   ``einsum('ibnd,hnd->ibh')``: fan-in ``(1, 2)``, fan-out 0; the per-head biases
-   ``r_*_bias`` are vectors; ``seg_embed`` ``(2, heads, d_head)``, read by
-   ``einsum('ibnd,snd->ibns')``, is a table of 2 segments per head: embedding, vocab axis 0,
-   fan-in 2, heads a batch axis); peft's LoRA ``Embedding`` (``lora_embedding_A`` ``(r, V)``
-   read as ``F.embedding(x, A.T)``: a table whose vocab axis is 1, fan-in 0;
-   ``lora_embedding_B`` ``(d, r)`` read as ``after_A @ B.T``: dense ``(out, in)``);
-   transformers' mixture-of-experts modules (:mod:`sage_torch.moe`: fused experts
-   ``(E, out, in)`` or ``(E, in, out)`` by class, the expert axis a batch axis; routers
-   ``(E, d)`` dense ``(out, in)``; DBRX's flattened experts ``(E·n, d)`` with the view
-   ``(E, n, d)``; peft's LoRA factors of fused experts (``ParamWrapper``) per expert, with
-   the views peft reshapes them by: ``lora_A`` ``(E·r, in)`` as ``(E, r, in)``, ``lora_B``
-   ``(out, r·E)`` as ``(out, r, E)``; a route's ``view`` is applied by the optimizer).
-   peft and transformers are never imported: their classes are looked up in ``sys.modules``.
-4. **shapes and names, last and only where unambiguous**: 0-D/1-D parameters (and tensors
-   with a single non-unit axis, such as a ``(1, 1, d)`` class token) are vectors.  The
-   output head by shape: when *the* token table is known (the model API's, the only
-   ``nn.Embedding``/``nn.EmbeddingBag``, or the one whose name marks it, ``wte``,
-   ``embed_tokens``, ...), an ``nn.Linear`` whose weight has its shape ``(V, d)`` is the head
-   when the model has no ``get_output_embeddings()`` and no other Linear fits.  When it is
-   not known, **every** table is a candidate: an ``nn.Linear`` weight with the exact shape of
-   some table is a head candidate for that table.  Exactly one candidate, fitting a table
-   whose name does not mark it as a position, token-type or segment table (``pos``,
-   ``position``, ``wpe``, ``type``, ``segment``, ...), is the head, and its evidence names
-   the table (``shape: (V, d) of table token_emb.emb.weight``).  Several candidates (or one
-   fitting only a position table: an MLP weight of ``max_seq_len`` rows looks like one) are
-   refused, unless exactly one has a head name (``lm_head``, ``head``, ``output``, ...),
-   which breaks the tie.  A candidate inside numbered layers (``layers.0.mlp.up.weight``:
-   an MLP whose width equals the vocabulary) is a layer's matrix: never the head by shape,
-   and the first remedy of its refusal is ``dense``.  Frozen Linears are never candidates.
-   A head is never found because one dimension equals some table's length; a classifier
-   whose label count equals the vocabulary has the table's shape and gets the head's rule
-   (the routing table shows why).  The token table and the head are chosen by the policy
-   shared with ``sage_optax`` (:func:`sage_optim.routing.pick_token_table`,
-   :func:`sage_optim.routing.find_head`); this module gathers the facts.
-
-Everything else (a ``ConvTranspose``, a custom ``nn.Parameter`` matrix, conflicting
-evidence) is refused: :func:`route_params` raises **one**
-:class:`~sage_optim.routing.RoutingError` for all the parameters it cannot place, each with
-its options most likely first (``err.overrides`` holds the first of each) and a
-``route_overrides = {...}`` block to paste after checking it against the model's forward
-code.  Sparse embeddings are refused (no rule takes sparse gradients).
-
-Without the model: :func:`route_params` (and so :func:`sage_torch.make_optimizer`) also takes
-what ``torch.optim`` takes as ``params``.  Bare tensors (``model.parameters()``) are named
-``params[i]``; their shape is the only evidence, so vectors are placed and matrices refused.
-``(name, tensor)`` pairs (``model.named_parameters()``) are placed by PyTorch's names: a 2-D
-``weight`` is ``(out, in)`` (dense, fan-in 1, fan-out 0), and a table ``(V, d)`` (vocab axis
-0) where its name marks one (a component with a word that starts with ``emb`` or holds
-``embed``, a token-table marker, or a module name that is a table in every family using it:
-GPT-2's ``wpe``, T5's and BART's ``shared``, T5's ``relative_attention_bias``).  Names never
-guess against a known convention: the ``weight`` of a GPT-2 ``Conv1D`` name (``c_attn``,
-``q_attn``, ``c_fc``, ``c_proj``) is ``(in, out)`` in GPT-2 and its relatives and ``(out,
-in)`` in nanoGPT and GPTBigCode (``nn.Linear``), so it is refused; its first remedy is the
-reading that the shapes of the model's weights of these names say against the token
-table's width (:func:`sage_optim.routing.conv1d_reading`), and the message says to pass the
-model itself.  The head by shape is as above, but by names alone it also needs a head name:
-a single ``(V, d)`` weight without one (``to_logits``) could be an ``nn.Linear`` of the same
-shape, and is refused with both readings.  A ``weight`` whose name has no word besides its
-indices (``0.weight`` of an ``nn.Sequential``) could be a Linear or an Embedding, and is
-refused, as is any other matrix.  Param-group dicts carry
-``params`` (tensors or pairs), optionally ``param_names``, ``kind``, ``fan_in_dim``/
-``fan_out_dim`` (a group's kind and axes place its members) and other group options.
-PyTorch matrices are ``(out, in)``: SAGE reduces over the fan-out axis (the vocab axis of
-tables and heads), SinkGD normalises each output unit's fan-in first.
+axes it gives every parameter (:class:`sage_optim.routing.Route`).  Evidence, strongest
+first (``docs/routing.md``, "Evidence, strongest first", states every rule): an override;
+the model's own API (``get_input_embeddings()``/``get_output_embeddings()``) and tying;
+module types with a known layout (``torch.nn``'s here, other libraries' through adapters:
+:class:`Adapter`, one module per library in :mod:`sage_torch.adapters`); shapes and names,
+last and only where unambiguous.  The token table and the output head by shape are the
+policy shared with ``sage_optax`` (:func:`sage_optim.decision.decide`); this module gathers
+the facts.  Everything else is refused: :func:`route_params` raises **one**
+:class:`~sage_optim.routing.RoutingError` for all the parameters it cannot place, with a
+``route_overrides = {...}`` block to paste.  Without the model it takes what
+``torch.optim`` takes as ``params`` (tensors, ``(name, tensor)`` pairs, param-group dicts
+with ``kind``/``fan_in_dim``/``fan_out_dim``); names then place what they can
+(:func:`sage_optim.naming.torch_name_reading`).
 """
+
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import pathlib
 import sys
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -100,25 +29,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from sage_optim import decision, naming
 from sage_optim import routing as core
 from sage_optim.routing import (
     ResolvedRoute,
     Route,
     RoutingError,
-    components,
-    conv1d_reading,
-    conv1d_refusal,
     match_overrides,
-    names_conv1d,
-    names_token_embedding,
     override_advice,
 )
-from sage_torch import moe
 
 __all__ = [
+    "Adapter",
     "RoutedParam",
     "RoutingError",
+    "adapters",
+    "loaded_class",
     "module_route",
+    "register_adapter",
     "route_params",
     "state_nbytes",
 ]
@@ -172,100 +100,83 @@ def _label(module: nn.Module) -> str:
     return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__name__
 
 
-def _class_from(module_name: str, cls_name: str) -> type | None:
+_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
+
+
+# ---------------------------------------------------------------------------- the adapters
+
+ModuleRoute = Callable[[nn.Module, str, torch.Tensor], Route | None]
+"""``(module, attr, param) -> Route | None``: the layout a module type gives ``module.attr``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """The evidence that the module types of one library give (``docs/routing.md``).
+
+    The router knows ``torch.nn``'s own module types; an adapter adds another library's
+    (``sage_torch/adapters/<library>.py``, loaded when that library is imported, or one
+    registered by hand with :func:`register_adapter`).  Every field but ``name`` is
+    optional.
+
+    Attributes:
+      name: the library (its import name), for the registry and the refusals.
+      known: how a refusal lists the layouts it knows (``"mylib MyAttention"``).
+      route: ``(module, attr, param) -> Route | None``: the route the type of ``module``
+        gives its parameter ``attr`` (``None``: this adapter does not know it).  Asked
+        before ``torch.nn``'s types.
+      child_route: ``(parent, slot, param) -> Route | None``: the route a container's
+        parent gives a parameter of its child ``parent.<slot>`` (a ``ParameterDict``).
+      holds_tables: ``module -> bool``: whether the children of ``module`` hold vocabulary
+        tables (a refusal then offers the table readings first).
+      model_routes: ``(model, names) -> {id(param): Route | RoutingError}``: evidence only
+        the whole model gives (a wrapper that holds another module's factors); ``names``
+        maps ``id(param)`` to its name.
+      refuse: ``(name, param, module, attr, kind) -> RoutingError | None``: a better
+        refusal than the generic one for a parameter of unknown layout of ``module``.
+    """
+
+    name: str
+    known: str = ""
+    route: ModuleRoute | None = None
+    child_route: Callable[[nn.Module, str, torch.Tensor], Route | None] | None = None
+    holds_tables: Callable[[nn.Module], bool] | None = None
+    model_routes: Callable[[nn.Module, Mapping[int, str]],
+                           dict[int, Route | RoutingError]] | None = None
+    refuse: Callable[[str, torch.Tensor, nn.Module, str, str | None],
+                     RoutingError | None] | None = None
+
+
+_REGISTRY = core.AdapterRegistry(Adapter, __package__, pathlib.Path(__file__).with_name("adapters"))
+_ADAPTERS = _REGISTRY.registered
+register_adapter = _REGISTRY.register
+"""Add an :class:`Adapter` to the evidence of every later routing (replaces one of its name)."""
+adapters = _REGISTRY.all
+"""The registered adapters, after loading ``sage_torch/adapters/<library>.py`` of every library
+imported so far (each registers itself)."""
+
+
+def loaded_class(module_name: str, cls_name: str) -> type | None:
     """``module_name.cls_name`` if that module is imported, else ``None`` (no import)."""
     cls = getattr(sys.modules.get(module_name), cls_name, None)
     return cls if isinstance(cls, type) else None
-
-
-def _is_conv1d_transformers(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``Conv1D`` (weight ``(in, out)``).
-
-    Without importing transformers: a model cannot hold one unless it has been imported.
-    """
-    cls = _class_from("transformers.pytorch_utils", "Conv1D")
-    return cls is not None and isinstance(module, cls)
-
-
-def _is_xlnet_attention(module: nn.Module) -> bool:
-    """Whether ``module`` is transformers' ``XLNetRelativeAttention`` (without importing it)."""
-    cls = _class_from("transformers.models.xlnet.modeling_xlnet", "XLNetRelativeAttention")
-    return cls is not None and isinstance(module, cls)
-
-
-def _is_peft_lora_embedding(module: nn.Module | None) -> bool:
-    """Whether ``module`` is peft's LoRA ``Embedding`` layer (without importing peft)."""
-    cls = _class_from("peft.tuners.lora.layer", "Embedding")
-    return module is not None and cls is not None and isinstance(module, cls)
-
-
-def _peft_expert_factors(model: nn.Module) -> dict[int, tuple[Route | None, str]]:
-    """The LoRA factors that peft's ``ParamWrapper`` holds for fused experts, by ``id``.
-
-    ``target_parameters`` LoRA on an ``(E, ., .)`` experts tensor stores the factors of all
-    experts in two ``nn.Linear`` weights, ``lora_A`` ``(E·r, in)`` (expert-major rows) and
-    ``lora_B`` ``(out, r·E)`` (expert-minor columns), which peft reshapes per expert rather
-    than calls: each gets the per-expert route of :func:`sage_torch.moe.peft_factor_route`
-    (a view), or ``None`` with a description for the refusal when its shape does not split.
-    """
-    cls = _class_from("peft.tuners.lora.layer", "ParamWrapper")
-    if cls is None:
-        return {}
-    found: dict[int, tuple[Route | None, str]] = {}
-    for module in model.modules():
-        experts = getattr(module, "num_experts", 1)
-        if not isinstance(module, cls) or not isinstance(experts, int) or experts <= 1:
-            continue
-        get_base = getattr(module, "get_base_layer", None)
-        base = type(get_base()).__name__ if callable(get_base) else "experts"
-        target = f"{base}.{getattr(module, 'parameter_name', '?')}"
-        for which, layout in (("lora_A", "(E·r, in), the rows of each expert together"),
-                              ("lora_B", "(out, r·E), the columns of each expert strided")):
-            for linear in getattr(module, which, {}).values():
-                weight = getattr(linear, "weight", None)
-                if isinstance(weight, nn.Parameter):
-                    found[id(weight)] = (
-                        moe.peft_factor_route(which, weight, experts, target),
-                        f"peft LoRA's {which} of the {experts} experts of {target} "
-                        f"(ParamWrapper): {layout}")
-    return found
-
-
-_MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-_XLNET = "module XLNetRelativeAttention"
-
-
-def _xlnet_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
-    """The layout of an ``XLNetRelativeAttention`` parameter, from its forward's einsums."""
-    heads, d_head, d_model = (getattr(module, k, None) for k in ("n_head", "d_head", "d_model"))
-    shape = tuple(param.shape)
-    if attr in ("q", "k", "v", "r") and shape == (d_model, heads, d_head):
-        return Route("dense", fan_in=0, fan_out=(1, 2),
-                     evidence=f"{_XLNET}: einsum('ibh,hnd->ibnd')")
-    if attr == "o" and shape == (d_model, heads, d_head):
-        return Route("dense", fan_in=(1, 2), fan_out=0,
-                     evidence=f"{_XLNET}: einsum('ibnd,hnd->ibh')")
-    if attr in ("r_r_bias", "r_s_bias", "r_w_bias") and shape == (heads, d_head):
-        return Route("vector", evidence=f"{_XLNET}: a bias added to each head")
-    if attr == "seg_embed" and len(shape) == 3 and shape[1:] == (heads, d_head):
-        return Route("embedding", fan_in=2, fan_out=0,
-                     evidence=f"{_XLNET}: segment table, einsum('ibnd,snd->ibns')")
-    return None
 
 
 def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
     """The route that the layout of ``module`` gives its parameter ``attr``, or ``None``.
 
     ``None`` when the module type has no known layout for that parameter (a custom module,
-    a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.  transformers'
-    mixture-of-experts modules are read from :mod:`sage_torch.moe` (fused experts
-    ``(E, out, in)`` or ``(E, in, out)`` with the expert axis a batch axis, routers ``(E, d)``).
+    a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.  The adapters
+    (:func:`adapters`) are asked first, then ``torch.nn``'s own types.
     """
-    expert = moe.moe_route(module, attr, param)
-    if expert is not None:
-        return expert
-    if _is_xlnet_attention(module):
-        return _xlnet_route(module, attr, param)
+    for adapter in adapters():
+        route = adapter.route(module, attr, param) if adapter.route is not None else None
+        if route is not None:
+            return route
+    return _torch_nn_route(module, attr, param)
+
+
+def _torch_nn_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
+    """The layout of a ``torch.nn`` module's parameter, or ``None``."""
     if attr != "weight" and not (isinstance(module, nn.MultiheadAttention)
                                  and attr in _MHA_WEIGHTS):
         return None
@@ -276,28 +187,21 @@ def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | N
         return Route("embedding", fan_in=1, fan_out=0, evidence=evidence)
     if isinstance(module, nn.Linear | nn.MultiheadAttention):
         return Route("dense", fan_in=1, fan_out=0, evidence=evidence)
-    if _is_conv1d_transformers(module):
-        return Route("dense", fan_in=0, fan_out=1, evidence=evidence)
     if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d) and not module.transposed:
         return Route("dense", fan_in=tuple(range(1, param.dim())), fan_out=0, evidence=evidence)
     return None
 
 
 def _owner_route(owner: _Owner, param: torch.Tensor) -> Route | None:
-    """:func:`module_route`, or the layout a known container's parent gives (peft LoRA)."""
+    """:func:`module_route`, or the layout a container's parent gives (an adapter's)."""
     route = module_route(owner.module, owner.attr, param)
-    if route is not None or not _is_peft_lora_embedding(owner.parent):
+    if route is not None or owner.parent is None:
         return route
-    layer = owner.parent
-    vocab, width = getattr(layer, "in_features", None), getattr(layer, "out_features", None)
-    shape = tuple(param.shape)
-    if owner.slot == "lora_embedding_A" and param.dim() == 2 and shape[1] == vocab:
-        return Route("embedding", fan_in=0, fan_out=1,
-                     evidence="module peft lora.Embedding: A (r, V) read as "
-                              "F.embedding(x, A.T)")
-    if owner.slot == "lora_embedding_B" and param.dim() == 2 and shape[0] == width:
-        return Route("dense", fan_in=1, fan_out=0,
-                     evidence="module peft lora.Embedding: B (d, r) read as x @ B.T")
+    for adapter in adapters():
+        if adapter.child_route is not None:
+            route = adapter.child_route(owner.parent, owner.slot, param)
+            if route is not None:
+                return route
     return None
 
 
@@ -369,8 +273,8 @@ _VECTOR_OPTION: Option = ("vector", "element-wise rules are wanted")
 
 def _names_embedding(name: str) -> bool:
     """Whether a component of ``name`` (the leaf too) says embedding (``pos_emb``, ``wte``)."""
-    return names_token_embedding(name) or any(
-        core.says_embedding(part) for part in components(name))
+    return naming.names_token_embedding(name) or any(
+        naming.says_embedding(part) for part in naming.components(name))
 
 
 def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
@@ -446,9 +350,9 @@ def _advice_lines(name: str, options: Sequence[Option]) -> str:
 
 
 def _known_layouts() -> str:
-    return ("known: nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers Conv1D and "
-            "XLNetRelativeAttention, peft LoRA Embedding, nn.Conv1d/2d/3d, the experts and "
-            "routers of transformers' mixture-of-experts models)")
+    known = ", ".join(a.known for a in adapters() if a.known)
+    return "known: nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d/2d/3d" + (
+        f", {known})" if known else ")")
 
 
 def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str | None,
@@ -469,15 +373,16 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
                "the fan-in, as for nn.Conv: " + override_advice(name, conv))
         return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
-    flattened = moe.flattened_layout(module, owners[0].attr) if module is not None else None
-    if flattened is not None and p.dim() == 2:
-        return _flattened_experts(name, p, module, flattened)
-    if module is not None and moe.says_experts(module) and p.dim() == 3 and kind in (
+    if module is not None and _says_experts(module) and p.dim() == 3 and kind in (
             None, "dense"):
         return _unknown_experts(name, p, module)
+    refusal = _adapter_refusal(name, p, module, owners[0].attr, kind) if (
+        module is not None) else None
+    if refusal is not None:
+        return refusal
     embeddingish = _names_embedding(name) or any(
-        isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
-        or _is_peft_lora_embedding(o.parent) for o in owners)
+        isinstance(o.module, nn.Embedding | nn.EmbeddingBag) or _holds_tables(o.parent)
+        for o in owners)
     options = _options(shape, kind=kind, table_first=embeddingish, vocab=vocab)
     what = f"routed {kind!r} by an override, but its" if kind else "its"
     return RoutingError(
@@ -489,33 +394,23 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
     )
 
 
-def _flattened_experts(name: str, p: torch.Tensor, module: nn.Module | None,
-                       layout: str) -> RoutingError:
-    """The refusal of experts stored as one 2-D ``(E·n, d)`` weight (DBRX)."""
-    shape = tuple(int(s) for s in p.shape)
-    as_read = Route("dense", fan_in=1, fan_out=0) if layout == moe.OUT_IN else Route(
-        "dense", fan_in=0, fan_out=1)
-    other = Route("dense", fan_in=as_read.fan_out, fan_out=as_read.fan_in)
-    reads = "F.linear(x, W[e]), each expert (out, in)" if layout == moe.OUT_IN else (
-        "x @ W[e], each expert (in, out)")
-    options: list[Option] = [
-        (as_read, f"one matrix over all experts is acceptable, read as the forward reads each "
-                  f"expert ({reads}; SinkGD's and SAGE's normalisations then mix the experts)"),
-        (other, "it is the transposed reading (not what the forward does)"),
-        _VECTOR_OPTION]
-    return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
-        f"{_label(module) if module is not None else '?'}: it holds every expert's matrix "
-        f"stacked along axis 0 and its forward views it per expert ({reads}), so no route "
-        "gives each expert its own normalisation. E.g. if\n"
-        f"{_advice_lines(name, options)}\n"
-        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
-        leaf=name, shape=shape, options=options,
-    )
+def _adapter_refusal(name: str, p: torch.Tensor, module: nn.Module, attr: str,
+                     kind: str | None) -> RoutingError | None:
+    """The first adapter's refusal of a parameter of unknown layout of ``module``, or None."""
+    for adapter in adapters():
+        refusal = adapter.refuse(name, p, module, attr, kind) if adapter.refuse else None
+        if refusal is not None:
+            return refusal
+    return None
+
+
+def _says_experts(module: nn.Module) -> bool:
+    """Whether the class name of ``module`` says it holds experts (``MixtralExperts``)."""
+    return "expert" in type(module).__name__.lower()
 
 
 def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingError:
-    """The error for a 3-D tensor of an experts module that :mod:`sage_torch.moe` lacks."""
+    """The error for a 3-D tensor of an experts module that no adapter knows."""
     shape = tuple(int(s) for s in p.shape)
     oi = Route("dense", fan_in=2, fan_out=1, batch=0)
     io = Route("dense", fan_in=1, fan_out=2, batch=0)
@@ -526,13 +421,20 @@ def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingEr
         _VECTOR_OPTION]
     return RoutingError(
         f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
-        f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch.moe."
-        "EXPERTS). To tell, look at its forward: F.linear(x, W[e]) means (E, out, in) (the "
-        "first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, out); the expert axis is a "
-        f"batch axis either way. E.g. if it is\n{_advice_lines(name, options)}\n"
+        f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch."
+        "adapters.transformers.EXPERTS). To tell, look at its forward: F.linear(x, W[e]) "
+        "means (E, out, in) (the first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, "
+        "out); the expert axis is a batch axis either way. E.g. if it is\n"
+        f"{_advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
+
+
+def _holds_tables(module: nn.Module | None) -> bool:
+    """Whether an adapter says the children of ``module`` hold vocabulary tables."""
+    return module is not None and any(
+        a.holds_tables is not None and a.holds_tables(module) for a in adapters())
 
 
 # ------------------------------------------------------------------------------- the heads
@@ -540,8 +442,8 @@ def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingEr
 
 def _pick_token(tables: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
     """*The* token table among ``(name, weight)`` tables (the shared policy picks it)."""
-    picked = core.pick_token_table(
-        [core.TableFact(n, int(t.shape[0]), int(t.shape[1])) for n, t in tables])
+    picked = decision.pick_token_table(
+        [decision.TableFact(n, int(t.shape[0]), int(t.shape[1])) for n, t in tables])
     return next((t for t in tables if picked is not None and t[0] == picked.name), None)
 
 
@@ -601,7 +503,10 @@ class _Router:
         self.api_out = _api_weight(out_module, self.param_names) if has_out else None
         self.out_module = out_module if self.api_out is not None else None
         self.tables = self._tables()
-        self.expert_factors = _peft_expert_factors(model)
+        self.model_evidence: dict[int, Route | RoutingError] = {}
+        for adapter in adapters():
+            if adapter.model_routes is not None:
+                self.model_evidence.update(adapter.model_routes(model, self.param_names))
         self.token = self._token_embedding()
         # the head by shape only when the model has no API saying which one it is
         self.find_heads = not has_out
@@ -642,30 +547,9 @@ class _Router:
             api = "model API: input embeddings"
         elif self.api_out is not None and p is self.api_out:
             api = "model API: output embeddings"
-        routes = []
-        for o in regs:
-            r = _owner_route(o, p)
-            if r is not None:
-                routes.append((o, r))
-        if len({(r.kind == "vector", r.fan_in, r.fan_out, r.view) for _, r in routes}) > 1:
-            listed = "; ".join(f"{o.path} ({r.evidence}: fan_in={r.fan_in}, "
-                               f"fan_out={r.fan_out})" for o, r in routes)
-            options = [(Route(r.kind, r.fan_in, r.fan_out),
-                        f"{o.path} reads it as its {r.evidence} says") for o, r in routes]
-            raise RoutingError(
-                f"parameter {name!r} of shape {_fmt_shape(p.shape)} is tied between modules "
-                f"that read it with different layouts: {listed}; say which is right, e.g. "
-                + override_advice(name, routes[0][1]),
-                leaf=name, shape=p.shape, options=[*options, _VECTOR_OPTION],
-            )
-        aliases = [o.path for o in regs if o.path != name]
-        # the output head first (a T5 table has four names): the alias that matters
-        aliases.sort(key=lambda a: not any(o.path == a and o.module is self.out_module
-                                            for o in regs))
-        tied = ""
-        if aliases:
-            more = f" (+{len(aliases) - 2} more)" if len(aliases) > 2 else ""
-            tied = f"tied to {', '.join(aliases[:2])}{more}"
+        routes = [(o, r) for o in regs if (r := _owner_route(o, p)) is not None]
+        _check_tied_layouts(name, p, routes)
+        tied = self._tied(name, regs)
         if api is not None:
             if not routes or routes[0][1].kind == "vector":
                 return None  # an API module of unknown layout: asked for below
@@ -687,6 +571,17 @@ class _Router:
         first = routes[0][1]
         return Route(kind, first.fan_in, first.fan_out, evidence=evidence, view=first.view)
 
+    def _tied(self, name: str, regs: list[_Owner]) -> str:
+        """``tied to a, b (+n more)``: the other names of a tied parameter, or ``""``."""
+        aliases = [o.path for o in regs if o.path != name]
+        # the output head first (a T5 table has four names): the alias that matters
+        aliases.sort(key=lambda a: not any(o.path == a and o.module is self.out_module
+                                            for o in regs))
+        if not aliases:
+            return ""
+        more = f" (+{len(aliases) - 2} more)" if len(aliases) > 2 else ""
+        return f"tied to {', '.join(aliases[:2])}{more}"
+
     @property
     def vocab(self) -> int | None:
         """The token table's row count, when the token table is known."""
@@ -694,13 +589,13 @@ class _Router:
 
     # -- one parameter -----------------------------------------------------------------
 
-    def evidence(self, name: str, p: torch.Tensor) -> core.Evidence:
+    def evidence(self, name: str, p: torch.Tensor) -> decision.Evidence:
         """What the model says of one trainable parameter (its route, or why it cannot)."""
         regs = self.owners.get(id(p), [])
         shape = tuple(int(n) for n in p.shape)
         for o in regs:
             if isinstance(o.module, nn.Embedding | nn.EmbeddingBag) and o.module.sparse:
-                return core.Evidence(name, shape, RoutingError(
+                return decision.Evidence(name, shape, RoutingError(
                     f"parameter {name!r} of shape {_fmt_shape(p.shape)} belongs to "
                     f"{_label(o.module)}(sparse=True) at {o.path.rpartition('.')[0]!r}: it "
                     "gets sparse gradients, which no sage_torch rule takes (SAGE reduces over "
@@ -708,17 +603,14 @@ class _Router:
                     f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False",
                     leaf=name, shape=p.shape,
                 ), final=True)
-        if id(p) in self.expert_factors:  # per expert; else refused (a kind takes Linear's)
-            factor, what = self.expert_factors[id(p)]
-            return core.Evidence(
-                name, tuple(int(n) for n in p.shape),
-                factor if factor is not None else _merged_expert_factors(name, p, what),
-                layout=self._layout(name, p))
+        if id(p) in self.model_evidence:  # the model's own evidence (an adapter's)
+            return decision.Evidence(name, shape, self.model_evidence[id(p)],
+                                 layout=self._layout(name, p))
         try:
             route: Route | RoutingError = self._default(name, p, regs)
         except RoutingError as err:
             route = err
-        return core.Evidence(
+        return decision.Evidence(
             name, shape, route, api_token=p is self.api_in,
             head_candidate=id(p) in self.linears and p.requires_grad and p.dim() == 2)
 
@@ -735,47 +627,43 @@ class _Router:
             return Route("vector", evidence="shape: one non-unit axis")
         raise _unknown_layout(name, p, regs, None, self.vocab)
 
-    def decide(self, records: Sequence[core.Evidence]) -> dict[str, Route | RoutingError]:
-        """The shared decision (:func:`sage_optim.routing.decide`) on this model's evidence."""
+    def decide(self, records: Sequence[decision.Evidence]) -> dict[str, Route | RoutingError]:
+        """The shared decision (:func:`sage_optim.decision.decide`) on this model's evidence."""
         params = {n: q for n, q in self.named}
         overrides = {self.param_names[pid]: r for pid, (_, r) in self.overrides.items()}
 
-        def refuse(e: core.Evidence, override: Route) -> RoutingError:
+        def refuse(e: decision.Evidence, override: Route) -> RoutingError:
             q = params[e.name]
             if q.dim() < 2:
                 return _too_few_dims(e.name, q, override.kind)
             return _unknown_layout(e.name, q, self.owners.get(id(q), []), override.kind,
                                    self.vocab)
 
-        return core.decide(records, overrides, refuse_override=refuse,
+        return decision.decide(records, overrides, refuse_override=refuse,
                            find_heads=self.find_heads,
                            head_remedy="The model has no get_output_embeddings(). Name")
+
+
+def _check_tied_layouts(name: str, p: torch.Tensor,
+                        routes: list[tuple[_Owner, Route]]) -> None:
+    """Refuse a parameter tied between modules that read it with different layouts."""
+    if len({(r.kind == "vector", r.fan_in, r.fan_out, r.view) for _, r in routes}) <= 1:
+        return
+    listed = "; ".join(f"{o.path} ({r.evidence}: fan_in={r.fan_in}, "
+                       f"fan_out={r.fan_out})" for o, r in routes)
+    options = [(Route(r.kind, r.fan_in, r.fan_out),
+                f"{o.path} reads it as its {r.evidence} says") for o, r in routes]
+    raise RoutingError(
+        f"parameter {name!r} of shape {_fmt_shape(p.shape)} is tied between modules "
+        f"that read it with different layouts: {listed}; say which is right, e.g. "
+        + override_advice(name, routes[0][1]),
+        leaf=name, shape=p.shape, options=[*options, _VECTOR_OPTION],
+    )
 
 
 def _as_option(route: Route) -> Any:
     """A parsed override as the value to paste: the kind alone when it gives no axes."""
     return route.kind if not route.has_axes and route.batch is None else route
-
-
-def _merged_expert_factors(name: str, p: torch.Tensor, what: str) -> RoutingError:
-    """The refusal of peft's LoRA factors of fused experts (no per-expert route exists).
-
-    Its remedy is the kind ``"dense"`` (axes from the ``nn.Linear`` that holds it), not a
-    :class:`Route`: the refusal stands even where every matrix reading gives one update.
-    """
-    shape = tuple(int(s) for s in p.shape)
-    options: list[Option] = [
-        ("dense", "one (out, in) matrix over all experts' factors is acceptable (as nn.Linear "
-                  "reads it; SinkGD's and SAGE's normalisations then mix the experts)"),
-        _VECTOR_OPTION]
-    return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)}: it is {what}. peft "
-        "reshapes it per expert, so its expert axis is merged with the rank axis and no "
-        "route gives each expert's factor its own normalisation. To train it as one (out, in) "
-        f"matrix, as nn.Linear reads it: route_overrides={{{name!r}: 'dense'}}; or, if "
-        f"it is\n{_advice_lines(name, options)}",
-        leaf=name, shape=shape, options=options,
-    )
 
 
 def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
@@ -833,9 +721,9 @@ def _group_members(group: Mapping[str, Any], index: int | None,
             raise TypeError(f"optimizer can only optimize Tensors, but {prefix}params[{i}] "
                             f"is a {type(x).__name__}")
     if any(_is_pair(x) for x in params) and not all(_is_pair(x) for x in params):
-        raise ValueError("all optimizer params should be with/without names; some param names "
+        raise ValueError("all optimizer params should be with/without names. Some param names "
                          f"are missing (param group {index})" if index is not None else
-                         "all optimizer params should be with/without names; some param "
+                         "all optimizer params should be with/without names. Some param "
                          "names are missing")
     return out
 
@@ -874,13 +762,13 @@ def _entries(params: Any) -> tuple[list[_Entry], list[dict[str, Any]]]:
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
     """The route PyTorch's names give a matrix (``weight`` (out, in), tables (V, d)), or None.
 
-    The reading is :func:`sage_optim.routing.torch_name_reading`, shared with
+    The reading is :func:`sage_optim.naming.torch_name_reading`, shared with
     ``sage_optax``'s converted state dicts; ``None`` where the names cannot say (a GPT-2
     ``Conv1D`` name, embedding and projection in one name, indices only): refused.
     """
     if p.dim() != 2:
         return None
-    reading = core.torch_name_reading(name)
+    reading = naming.torch_name_reading(name)
     if reading == "table":
         return Route("embedding", fan_in=1, fan_out=0, evidence="name: table (V, d)")
     if reading == "linear":
@@ -921,11 +809,10 @@ class _NameRouter:
                   if (r := layouts[id(e.param)]) is not None and r.kind == "embedding"]
         self.linears = {id(e.param) for e in self.entries
                         if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
-                        and components(e.name)[-1] == "weight"}
+                        and naming.components(e.name)[-1] == "weight"}
         token = self.token = _pick_token(tables)
-        self.conv1d = conv1d_reading(
-            [(e.name, tuple(e.param.shape)) for e in self.entries
-             if not e.bare and e.param.dim() == 2 and names_conv1d(e.name)],
+        self.conventions = naming.convention_readings(
+            [(e.name, tuple(e.param.shape)) for e in self.entries if not e.bare],
             int(token[1].shape[1]) if token is not None else None)
 
     @property
@@ -948,19 +835,20 @@ class _NameRouter:
                 "kind='dense' or kind='embedding' to the group, or route it, e.g. if it is\n"
                 + _advice_lines(e.name, options),
                 leaf=e.name, shape=shape, options=options)
-        parts = components(e.name)
-        if not e.bare and p.dim() == 2 and names_conv1d(e.name):
-            return self._refuse_conv1d(e, kind)
+        parts = naming.components(e.name)
+        refusal = self._refuse_convention(e, kind)
+        if refusal is not None:
+            return refusal
         options = _options(shape, kind=kind, table_first=_names_embedding(e.name),
                            vocab=self.vocab, torch_weight=parts[-1] == "weight" and not e.bare)
         if parts[-1] == "weight" and p.dim() == 2 and not e.bare:  # (out, in) or (V, d)
-            options = core.torch_weight_options(shape, kind, self.vocab)
+            options = naming.torch_weight_options(shape, kind, self.vocab)
         if e.bare:
             why = ("a bare tensor (no name, no module), so nothing says which axes are its "
                    "fan-in and fan-out, nor whether it is a vocabulary matrix")
         elif parts[-1] == "weight" and p.dim() == 2:
-            why = core.TORCH_WEIGHT_WHY.get(core.torch_name_reading(e.name) or "",
-                                            core.TORCH_WEIGHT_WHY["unnamed"])
+            why = naming.TORCH_WEIGHT_WHY.get(naming.torch_name_reading(e.name) or "",
+                                            naming.TORCH_WEIGHT_WHY["unnamed"])
         else:
             why = (f"its name does not say its layout (PyTorch's names: a 2-D 'weight' is "
                    f"(out, in), a 2-D 'weight' under an 'emb' name a table (V, d)); a "
@@ -978,15 +866,15 @@ class _NameRouter:
             "(Route is sage_optim.routing.Route, also sage_torch.Route)",
             leaf=e.name, shape=shape, options=options)
 
-    def _refuse_conv1d(self, e: _Entry, kind: str | None) -> RoutingError:
-        """The refusal of a weight with a GPT-2 ``Conv1D`` name (both readings)."""
-        return conv1d_refusal(
-            e.name, e.param.shape, self.conv1d,
+    def _refuse_convention(self, e: _Entry, kind: str | None) -> RoutingError | None:
+        """The refusal of a weight with a GPT-2 ``Conv1D`` name (both readings), or None."""
+        return None if e.bare else naming.convention_refusal(
+            e.name, e.param.shape, self.conventions,
             "Pass the model itself (make_optimizer(name, model): its modules decide), or "
             "route it in route_overrides (Route is sage_optim.routing.Route, also "
             "sage_torch.Route)", kind)
 
-    def evidence(self, e: _Entry) -> core.Evidence:
+    def evidence(self, e: _Entry) -> decision.Evidence:
         """What the names, shapes and param group say of one entry (or why they cannot)."""
         p = e.param
         group = self.groups[e.group] if e.group is not None else {}
@@ -998,14 +886,14 @@ class _NameRouter:
             if id(p) not in self.overrides:
                 raise
             route = RoutingError(str(err))
-        return core.Evidence(
+        return decision.Evidence(
             e.name, tuple(int(n) for n in p.shape), route, by_names=True,
             given_kind=group.get("kind"),
             head_candidate=id(p) in self.linears and p.requires_grad and p.dim() == 2)
 
     def _default(self, e: _Entry, group: Mapping[str, Any]) -> Route:
         """The route of the names, shapes and group, before overrides and the head."""
-        name, p = e.name, e.param
+        p = e.param
         layout = self.layouts[id(p)]
         kind = group.get("kind")
         fan_in, fan_out = group.get("fan_in_dim"), group.get("fan_out_dim")
@@ -1013,21 +901,7 @@ class _NameRouter:
             raise ValueError(f"param group {e.group} gives only one of fan_in_dim "
                              f"({fan_in!r}) and fan_out_dim ({fan_out!r}); give both")
         if kind is not None:
-            if kind == "vector":
-                return Route("vector", evidence="param group kind")
-            if p.dim() < 2:
-                raise ValueError(f"parameter {name!r} of shape {_fmt_shape(p.shape)} is in a "
-                                 f"param group of kind {kind!r}, but has fewer than two dims; "
-                                 "put it in a 'vector' group")
-            if fan_in is not None:
-                return Route(kind, fan_in, fan_out, evidence="param group kind and axes")
-            if layout is not None:
-                return Route(kind, layout.fan_in, layout.fan_out,
-                             evidence=f"param group kind, axes {layout.evidence}")
-            if not e.bare and p.dim() == 2 and names_conv1d(name):
-                raise self._refuse_conv1d(e, kind)
-            return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
-                         "(out, in)")
+            return self._group_kind_route(e, kind, fan_in, fan_out, layout)
         if p.dim() <= 1:
             return Route("vector", evidence=f"shape: {p.dim()}-D")
         if fan_in is not None:
@@ -1041,18 +915,39 @@ class _NameRouter:
             return Route("vector", evidence="shape: one non-unit axis")
         raise self._refuse(e, None)
 
-    def decide(self, records: Sequence[core.Evidence]) -> dict[str, Route | RoutingError]:
-        """The shared decision (:func:`sage_optim.routing.decide`) on these names."""
+    def _group_kind_route(self, e: _Entry, kind: str, fan_in: Any, fan_out: Any,
+                          layout: Route | None) -> Route:
+        """The route of a member of a param group that gives ``kind`` (and maybe axes)."""
+        name, p = e.name, e.param
+        if kind == "vector":
+            return Route("vector", evidence="param group kind")
+        if p.dim() < 2:
+            raise ValueError(f"parameter {name!r} of shape {_fmt_shape(p.shape)} is in a "
+                             f"param group of kind {kind!r}, but has fewer than two dims; "
+                             "put it in a 'vector' group")
+        if fan_in is not None:
+            return Route(kind, fan_in, fan_out, evidence="param group kind and axes")
+        if layout is not None:
+            return Route(kind, layout.fan_in, layout.fan_out,
+                         evidence=f"param group kind, axes {layout.evidence}")
+        refusal = self._refuse_convention(e, kind)
+        if refusal is not None:
+            raise refusal
+        return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
+                     "(out, in)")
+
+    def decide(self, records: Sequence[decision.Evidence]) -> dict[str, Route | RoutingError]:
+        """The shared decision (:func:`sage_optim.decision.decide`) on these names."""
         overrides = {e.name: self.overrides[id(e.param)] for e in self.entries
                      if id(e.param) in self.overrides}
 
-        def refuse(ev: core.Evidence, override: Route) -> RoutingError:
+        def refuse(ev: decision.Evidence, override: Route) -> RoutingError:
             e = self.names[ev.name]
             if e.param.dim() < 2:
                 return _too_few_dims(e.name, e.param, override.kind)
             return self._refuse(e, override.kind)
 
-        return core.decide(
+        return decision.decide(
             records, overrides, refuse_override=refuse,
             head_remedy="Pass the model itself (make_optimizer(name, model): its modules and "
                         "get_output_embeddings() decide), or name")
@@ -1138,8 +1033,8 @@ def _same_update(prob: RoutingError, name: str, p: torch.Tensor,
 
 
 def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
-             evidence: Callable[[str, torch.Tensor], core.Evidence],
-             decide: Callable[[list[core.Evidence]], dict[str, Route | RoutingError]],
+             evidence: Callable[[str, torch.Tensor], decision.Evidence],
+             decide: Callable[[list[decision.Evidence]], dict[str, Route | RoutingError]],
              skip_frozen: bool = True) -> tuple[list[tuple[str, torch.Tensor, int | None]],
                                                 dict[int, ResolvedRoute], list[RoutingError]]:
     """Route every (trainable) parameter of ``named``, collecting the errors.
@@ -1236,7 +1131,7 @@ def route_params(model: nn.Module | Iterable[Any],
         ``params[i]``; only vectors can be placed by shape), of ``(name, tensor)`` pairs
         (``model.named_parameters()``: PyTorch's names are the evidence) or of param-group
         dicts (``params``, optional ``param_names``, ``kind``, ``fan_in_dim``/``fan_out_dim``;
-        members named ``param_groups[g].params[i]`` when unnamed).  The module docstring
+        members named ``param_groups[g].params[i]`` when unnamed).  ``docs/routing.md``
         gives the rules.
       overrides: ``{glob: kind}``, ``{glob: Route(kind, fan_in=..., fan_out=...)}`` or
         ``{glob: (kind, {"fan_in": ..., "fan_out": ...})}``, matched against every name of

@@ -56,11 +56,12 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
                        matvec: bool | None = None) -> Tensor:
     """Sinkhorn-normalise ``g``: fan-in norms then fan-out norms, ``num_iters`` times.
 
-    Kept as ``X = c ⊙ G ⊙ r`` with two scale vectors, as in :mod:`sage_optax.sinkhorn`:
-    each half-iteration is one reduction of ``G²`` weighted by the other vector: a
-    matrix-vector product (:func:`sinkhorn_scales`) when ``matvec`` (default: for a plain
-    2-D tensor), else an element-wise product and a sum, which works on any number of dims
-    and on FSDP2 DTensors (the two differ only in the order of summation).
+    Kept as ``X = c ⊙ G ⊙ r`` with two scale vectors, as in :mod:`sage_optax.sinkgd`:
+    each half-iteration is one reduction of ``G²`` weighted by the other vector: blocks of
+    matrix-vector products (:func:`sinkhorn_scales`, :func:`stacked_sinkhorn_scales`: no
+    ``K``) when ``matvec`` (default: for a plain tensor, stacked matrices included), else
+    an element-wise product and a sum over ``K = G²``, which works on FSDP2 DTensors (the
+    two differ only in the order of summation).
 
     ``fan_in_dim``/``fan_out_dim`` may be groups of dims (tuples): ``g`` is then normalised
     as one matrix per batch index, each group merged into one axis (:class:`MatrixView`);
@@ -85,6 +86,13 @@ def sinkhorn_normalize(g: Tensor, fan_in_dim: Axes, fan_out_dim: Axes, num_iters
             return mv.from_matrix(x)
         fan_in_dim, fan_out_dim = fan_in[0], fan_out[0]
     w = wide(g.dtype)
+    if matvec is None and g.dim() > 2 and not is_dtensor(g):  # stacked: by blocks, no K
+        gm = g.movedim((fan_out_dim, fan_in_dim), (-2, -1))
+        out, inp = gm.shape[-2:]
+        c, r = stacked_sinkhorn_scales(gm.reshape(math.prod(gm.shape[:-2]), out, inp),
+                                       num_iters, eps, normalization)
+        x = (c.view(*gm.shape[:-2], 1, inp) * gm.to(w)) * r.view(*gm.shape[:-2], out, 1)
+        return x.movedim((-2, -1), (fan_out_dim, fan_in_dim))
     g = g.to(w)
     if matvec is None:
         matvec = g.dim() == 2 and not is_dtensor(g)
@@ -132,38 +140,203 @@ def sinkhorn_scales(g: Tensor, fan_in_dim: int, fan_out_dim: int, num_iters: int
     """The scale vectors ``(c, r)`` of a plain 2-D ``g``: ``X = c ⊙ G ⊙ r``.
 
     ``c`` has one entry per fan-in index and ``r`` one per fan-out index (1-D, float32 or
-    wider).  ``K = (G/m)²`` is formed once (``m``: :func:`range_scale`, so that the squares
-    are in range for any finite ``G``; the first half-iteration then uses ``eps/m``, and
-    ``1/m`` is split between ``c`` and ``r``, as in :mod:`sage_optax.sinkhorn`); every
-    half-iteration is one matrix-vector product of ``K`` (``torch.bmm`` of one matrix, the
-    kernel of :func:`_multi_tensor_sinkgd`) with the other vector's square (a layer's
-    ``K`` stays in the CPU's last-level cache across the ``2L`` products).  ``buffer``: a
-    tensor of ``g``'s wide dtype with at least ``g.numel()`` elements to hold ``K``
-    (reused across matrices: no fresh allocation, and so no page faults, per matrix).
+    wider).  The iterations run on ``G/m`` (``m``: :func:`range_scale`, so that the
+    squares are in range for any finite ``G``; the first half-iteration then uses
+    ``eps/m``, and ``1/m`` is split between ``c`` and ``r``, as in
+    :mod:`sage_optax.sinkgd`), by blocks of rows (:func:`_block_iterations`, the
+    operations of :func:`_multi_tensor_sinkgd` on a stack of one): no ``K = (G/m)²`` is
+    formed, only one block of it at a time.  ``buffer``: a tensor of ``g``'s wide dtype
+    to hold the block (reused across matrices: no fresh allocation, and so no page
+    faults, per matrix); any size (too small: a fresh block).
     """
-    w = wide(g.dtype)
-    m = range_scale(g.to(w), (0, 1)).reshape(())
-    if buffer is not None and buffer.dtype == w and buffer.numel() >= g.numel():
-        k = torch.div(g.to(w), m, out=buffer[: g.numel()].view(g.shape)).square_()
-    else:
-        k = g.to(w).div(m).square_()
-    if fan_out_dim % 2 != 0:  # K as (fan_out, fan_in), a view
-        k = k.t()
-    t_in, t_out = _sinkhorn_targets(g, fan_in_dim, fan_out_dim, normalization)
-    # matrix-vector products as torch.bmm of one matrix: the kernel (and so the rounding)
-    # of _multi_tensor_sinkgd, which stacks same-shape matrices; c and r as (1, n, 1)
-    kb = k.unsqueeze(0)
-    kbt = kb.transpose(1, 2)
-    c = torch.ones((1, k.shape[1], 1), dtype=w, device=g.device)
-    r = torch.ones((1, k.shape[0], 1), dtype=w, device=g.device)
-    for i in range(int(num_iters)):
-        q = torch.bmm(kb, c.square()).sqrt_()  # one norm per output unit (over the fan-in)
-        r = torch.where(q > 0, r * t_in / (r * q + (eps / m if i == 0 else eps)), r)
-        q = torch.bmm(kbt, r.square()).sqrt_()
-        c = torch.where(q > 0, c * t_out / (c * q + eps), c)
-    half = pow2_sqrt_floor(m)
-    return (c / half).view(-1), (r / (m / half)).view(-1)
+    c, r = stacked_sinkhorn_scales(g.t() if fan_out_dim % 2 != 0 else g, num_iters, eps,
+                                   normalization, buffer=buffer)
+    return c.view(-1), r.view(-1)
 
+
+def stacked_sinkhorn_scales(g: Tensor, num_iters: int = 5, eps: float = 1e-8,
+                            normalization: str = "unit", *,
+                            buffer: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The scales ``(c, r)`` of ``g`` ``([B,] OUT, IN)`` (any strides): ``(B, IN)``, ``(B, OUT)``.
+
+    Each matrix as :func:`sinkhorn_scales` (by blocks of rows, no ``K``); a 2-D ``g`` is
+    one matrix (``B = 1``).  ``g`` is read, never copied (but for a wider dtype per block).
+    """
+    g3 = g.unsqueeze(0) if g.dim() == 2 else g
+    w = wide(g.dtype)
+    b, out, inp = g3.shape
+    amax = (_abs_max(g3).to(w) if g3.numel() else torch.zeros(b, dtype=w, device=g.device))
+    m = pow2_floor(amax)  # (B,): range_scale per matrix
+    c = torch.ones(b * inp, dtype=w, device=g.device)
+    r = torch.ones(b * out, dtype=w, device=g.device)
+    q_c = torch.empty_like(c)
+    t_in: float | Tensor = 1.0
+    t_out: float | Tensor = 1.0
+    if normalization != "unit":  # per entry, as _multi_tensor_sinkgd's (the same rounding)
+        t_in = torch.full((b * out,), math.sqrt(inp), dtype=w, device=g.device)
+        t_out = torch.full((b * inp,), math.sqrt(out), dtype=w, device=g.device)
+    _block_iterations([g3], [m.view(b, 1, 1)], c, r, q_c=q_c,
+                      eps_first=eps / m if b == 1 else torch.repeat_interleave(eps / m, out),
+                      t_in=t_in,
+                      t_out=t_out, num_iters=num_iters, eps=eps,
+                      buffer=buffer if buffer is not None and buffer.dtype == w else None)
+    half = pow2_sqrt_floor(m).view(b, 1)
+    return c.view(b, inp) / half, r.view(b, out) / (m.view(b, 1) / half)
+
+
+
+BLOCK_ELEMENTS: int | None = None
+"""Elements of one block of ``(G/m)²`` per matrix in the Sinkhorn iterations of
+:func:`sinkhorn_scales` and :func:`_multi_tensor_sinkgd` (``2**18``: 1 MiB of float32), or
+``None`` (the default): ``K = (G/m)²`` whole, formed once per step.  With blocks, no ``K``
+exists: each sweep squares a block, uses it for two matrix-vector products while it is in
+the cache, and drops it (temporaries: a block and vectors).  ``None`` because on this
+project's CPU the blocks were slower (1.5-2.7x on the Sinkhorn iterations of the 270M
+model's matrices: each sweep squares ``G`` again; ``benchmarks/RESULTS.md``, issue 41).
+The block's rows depend only on the matrix's ``IN`` (never on how many matrices are
+stacked), so every path makes the same operations on each matrix either way."""
+
+
+def block_rows(inp: int, out: int) -> int:
+    """Rows of one block of a ``(OUT, IN)`` matrix.
+
+    :data:`BLOCK_ELEMENTS` / ``IN`` (at least 1), or all ``OUT`` rows (``K`` whole) when
+    it is ``None``.
+    """
+    if BLOCK_ELEMENTS is None:
+        return max(1, out)
+    return max(1, BLOCK_ELEMENTS // max(1, inp))
+
+
+def _block_iterations(stacks: list[Tensor], ms: list[Tensor], c: Tensor, r: Tensor, *,
+                      q_c: Tensor, eps_first: Tensor, t_in: float | Tensor,
+                      t_out: float | Tensor, num_iters: int, eps: float,
+                      buffer: Tensor | None = None) -> None:
+    """The ``L`` Sinkhorn iterations of same-shape stacks, by blocks of rows, in place.
+
+    ``stacks[k]``: ``(B, OUT, IN)`` gradients (any strides, ``G`` itself: the range scale
+    ``ms[k] = m``, ``(B, 1, 1)``, a power of two, is divided out per block, exactly); ``c``
+    and ``r``: the flat scale vectors of every stack (``B·IN`` and ``B·OUT`` entries per
+    stack, in order); ``eps_first`` (or its one entry, for one matrix) and a tensor ``t_in``
+    are flat like ``r``, a tensor ``t_out`` like ``c``; ``q_c``: scratch like ``c``.  One
+    sweep per iteration: per block of rows (:func:`block_rows`), ``(G/m)²`` of the block,
+    the row half-iteration of its rows (one norm per output unit, from the block alone) and
+    the block's part of the column sums (``torch.baddbmm``); after the sweep, the column
+    half-iteration of all stacks at once.  With blocks, no ``K``: the temporaries are a
+    block per stack (in ``buffer`` if given: a tensor of the wide dtype with at least a
+    block's elements) and vectors; without (:data:`BLOCK_ELEMENTS` ``None``),
+    :func:`_whole_k_iterations`.
+    """
+    if BLOCK_ELEMENTS is None:
+        _whole_k_iterations(stacks, ms, c, r, q_c=q_c, eps_first=eps_first, t_in=t_in,
+                            t_out=t_out,
+                            num_iters=num_iters, eps=eps, buffer=buffer)
+        return
+    if eps_first.numel() != r.numel():  # one matrix's ε/m: one entry per row
+        eps_first = eps_first.expand(r.numel()).contiguous()
+    r_views, qc_views = _views(r, stacks, 1), _views(q_c, stacks, 2)
+    eps_first_views = _like_views(eps_first, r_views)
+    t_in_views = None if isinstance(t_in, float) else _like_views(t_in, r_views)
+
+    for it in range(int(num_iters)):
+        c2 = c.square()
+        c2_views = _views(c2, stacks, 2)
+        q_c.zero_()  # (a stack in one block writes its sums instead)
+        for k, (g, m) in enumerate(zip(stacks, ms, strict=True)):
+            b, out, inp = g.shape
+            rows = block_rows(inp, out)
+            for i in range(0, out, rows):
+                j = min(i + rows, out)
+                kb = _squares(g, m, i, j, buffer)
+                q = torch.bmm(kb, c2_views[k]).sqrt_()  # one norm per output unit
+                rv = r_views[k][:, i:j]
+                e = eps_first_views[k][:, i:j] if it == 0 else eps
+                den = (rv * q).add_(e)
+                t = t_in if t_in_views is None else t_in_views[k][:, i:j]
+                rv.copy_(torch.where(q > 0, _scaled(rv, t) / den, rv))
+                qc_views[k].baddbmm_(kb.transpose(1, 2), rv.square())
+        q_c.sqrt_()
+        den = (c * q_c).add_(eps)
+        torch.where(q_c > 0, _scaled(c, t_out) / den, c, out=c)
+
+
+def _scaled(x: Tensor, t: float | Tensor) -> Tensor:
+    """``x·t``; a float target is 1.0 and ``x·1.0`` is ``x`` (the same rounding)."""
+    return x if isinstance(t, float) else x * t
+
+
+def _whole_k_iterations(stacks: list[Tensor], ms: list[Tensor], c: Tensor, r: Tensor, *,
+                        q_c: Tensor, eps_first: Tensor, t_in: float | Tensor,
+                        t_out: float | Tensor, num_iters: int, eps: float,
+                        buffer: Tensor | None = None) -> None:
+    """:func:`_block_iterations` with ``K = (G/m)²`` of each stack formed once, whole.
+
+    Arguments as there (``buffer`` holds ``K`` of a single stack where it fits);
+    ``stacks`` is emptied once ``K`` is formed.  Each
+    half-iteration is one ``torch.bmm`` per stack and one kernel per element-wise operation
+    for all stacks together (the launches of the ``foreach`` path before issue 41).
+    """
+    ks = [_squares(g, m, 0, g.shape[1], buffer if len(stacks) == 1 else None)
+          for g, m in zip(stacks, ms, strict=True)]
+    kts = [k.transpose(1, 2) for k in ks]
+    c2, q_r, r2 = torch.empty_like(c), torch.empty_like(r), torch.empty_like(r)
+    c2_views, qc_views = _views(c2, ks, 2), _views(q_c, ks, 2)
+    r2_views, qr_views = _views(r2, ks, 1), _views(q_r, ks, 1)
+    stacks.clear()  # a caller's stacked copies are freed while K lives (not both at once)
+    for it in range(int(num_iters)):
+        torch.square(c, out=c2)
+        for k, cv, qv in zip(ks, c2_views, qr_views, strict=True):
+            torch.bmm(k, cv, out=qv)  # one norm per output unit (over the fan-in)
+        q_r.sqrt_()
+        den = (r * q_r).add_(eps_first if it == 0 else eps)
+        torch.where(q_r > 0, _scaled(r, t_in) / den, r, out=r)
+        torch.square(r, out=r2)
+        for kt, rv, qv in zip(kts, r2_views, qc_views, strict=True):
+            torch.bmm(kt, rv, out=qv)
+        q_c.sqrt_()
+        den = (c * q_c).add_(eps)
+        torch.where(q_c > 0, _scaled(c, t_out) / den, c, out=c)
+
+
+def _abs_max(g: Tensor) -> Tensor:
+    """``max|G|`` per matrix of a ``(B, OUT, IN)`` stack, without a temporary of its size.
+
+    On a GPU one kernel (the infinity norm); on the CPU the larger of ``max G`` and
+    ``-min G`` (the infinity norm's CPU kernel took 14 ms for a 1024 x 1024 matrix, five
+    times the two reductions).  A NaN gives NaN either way (``m = 1``).
+    """
+    if g.device.type != "cpu":
+        return torch.linalg.vector_norm(g, math.inf, dim=(1, 2))
+    return torch.maximum(g.amax(dim=(1, 2)), g.amin(dim=(1, 2)).neg())
+
+
+def _squares(g: Tensor, m: Tensor, i: int, j: int, buffer: Tensor | None) -> Tensor:
+    """``(G/m)²`` of rows ``i:j`` of the stack ``g`` (in ``buffer`` where it fits)."""
+    b, out, inp = g.shape
+    rows = g if i == 0 and j == out else g[:, i:j]
+    n = b * (j - i) * inp
+    if buffer is not None and buffer.numel() >= n:
+        kb = torch.div(rows, m, out=buffer[:n].view(b, j - i, inp))
+    else:
+        kb = rows.div(m)
+    return kb.square_()
+
+
+def _views(flat: Tensor, stacks: list[Tensor], dim: int) -> list[Tensor]:
+    """``flat`` cut into one ``(B, n, 1)`` view per stack.
+
+    ``n``: the size of dim ``dim`` of the stack (1: one entry per row, like ``r``; 2: one
+    per column, like ``c``).
+    """
+    sizes = [(g.shape[0], g.shape[dim]) for g in stacks]
+    parts = flat.split([b * n for b, n in sizes])
+    return [x.view(b, n, 1) for x, (b, n) in zip(parts, sizes, strict=True)]
+
+
+def _like_views(flat: Tensor, views: list[Tensor]) -> list[Tensor]:
+    """``flat`` (a vector laid out as the concatenated ``views``) cut into their shapes."""
+    parts = flat.split([v.numel() for v in views])
+    return [x.view(v.shape) for x, v in zip(parts, views, strict=True)]
 
 
 def _single_tensor_sinkgd(params: list[Tensor], grads: list[Tensor], *,
@@ -317,36 +490,15 @@ def _rounds(buckets: list[_Bucket], itemsize: int, group_bytes: int) -> list[lis
     return rounds
 
 
-def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Bucket], *,
-                  lr: float | Tensor, alpha: float, num_iters: int, eps: float,
-                  normalization: str, weight_decay: float,
-                  cache: dict[Any, tuple[Tensor, ...]] | None) -> None:
-    """The multi-tensor SinkGD step of the matrices of ``buckets`` (one round, see above)."""
-    w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
-    device = grads[0].device
-    # G per bucket (B, OUT, IN) and the flat max|G| per matrix
-    gs, amaxes = [], []
-    for b in buckets:
-        if b.plain:
-            mats = [grads[i] for i in b.members]
-            g = mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
-        else:
-            mats = [mv.to_matrix(grads[i]).reshape(-1, b.out, b.inp)  # type: ignore[union-attr]
-                    for i, mv in zip(b.members, b.views, strict=True)]
-            g = mats[0] if len(mats) == 1 else torch.cat(mats)
-        g = g.to(w)
-        gs.append(g)
-        # max|G| per matrix in one kernel (the same value as g.abs().amax(dim=(1, 2)))
-        amaxes.append(torch.linalg.vector_norm(g, math.inf, dim=(1, 2)) if g.numel() else
-                      torch.zeros(b.batch, dtype=w, device=device))
-    m = pow2_floor(amaxes[0] if len(amaxes) == 1 else torch.cat(amaxes))  # (sum B,)
-    ks = [g.div(mb.view(-1, 1, 1)).square_()
-          for g, mb in zip(gs, m.split([b.batch for b in buckets]), strict=True)]
-    del gs
-    kts = [k.transpose(1, 2) for k in ks]
-    # per-matrix scalars repeated for every entry of c (IN per matrix) and r (OUT per matrix)
-    n_c = sum(b.batch * b.inp for b in buckets)
-    n_r = sum(b.batch * b.out for b in buckets)
+def _round_fixed(buckets: list[_Bucket], w: torch.dtype, device: torch.device,
+                 normalization: str, n_c: int, n_r: int,
+                 cache: dict[Any, tuple[Tensor, ...]] | None) -> tuple[Tensor, ...]:
+    """:func:`_sinkgd_round`'s tensors fixed by the layout of ``buckets``, kept in ``cache``.
+
+    ``(reps_c, reps_r)``: each matrix's ``IN`` and ``OUT`` (its scalars' repeat counts in
+    ``c`` and ``r``); then, unless ``normalization == "unit"``, the targets ``√IN`` per
+    entry of ``r`` and ``√OUT`` per entry of ``c``.
+    """
     layout = (device, w, normalization,
               tuple((b.plain, b.out, b.inp, b.batch) for b in buckets))
     fixed = None if cache is None else cache.get(layout)
@@ -364,34 +516,46 @@ def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Buck
                                  dtype=w, device=device), reps_c, output_size=n_c))
         if cache is not None and not torch.compiler.is_compiling():
             cache[layout] = fixed  # (a traced store would make the next step recompile)
+    return fixed
+
+
+def _sinkgd_round(params: list[Tensor], grads: list[Tensor], buckets: list[_Bucket], *,
+                  lr: float | Tensor, alpha: float, num_iters: int, eps: float,
+                  normalization: str, weight_decay: float,
+                  cache: dict[Any, tuple[Tensor, ...]] | None) -> None:
+    """The multi-tensor SinkGD step of the matrices of ``buckets`` (one round, see above)."""
+    w = wide(grads[0].dtype)  # RuleOptimizer splits a foreach group by device and dtype
+    device = grads[0].device
+    # G per bucket (B, OUT, IN) and the flat max|G| per matrix
+    gs, amaxes = [], []
+    for b in buckets:
+        if b.plain:
+            mats = [grads[i] for i in b.members]
+            g = mats[0].unsqueeze(0) if len(mats) == 1 else torch.stack(mats)
+        else:
+            mats = [mv.to_matrix(grads[i]).reshape(-1, b.out, b.inp)  # type: ignore[union-attr]
+                    for i, mv in zip(b.members, b.views, strict=True)]
+            g = mats[0] if len(mats) == 1 else torch.cat(mats)
+        gs.append(g)  # in its own dtype: each block is widened (no wide copy of G)
+        # max|G| per matrix in one kernel (the same value as g.abs().amax(dim=(1, 2)))
+        amaxes.append(_abs_max(g).to(w) if g.numel()
+                      else torch.zeros(b.batch, dtype=w, device=device))
+    m = pow2_floor(amaxes[0] if len(amaxes) == 1 else torch.cat(amaxes))  # (sum B,)
+    ms = [mb.view(-1, 1, 1) for mb in m.split([b.batch for b in buckets])]
+    # per-matrix scalars repeated for every entry of c (IN per matrix) and r (OUT per matrix)
+    n_c = sum(b.batch * b.inp for b in buckets)
+    n_r = sum(b.batch * b.out for b in buckets)
+    fixed = _round_fixed(buckets, w, device, normalization, n_c, n_r, cache)
     reps_c, reps_r = fixed[:2]
     eps_first = torch.repeat_interleave(eps / m, reps_r, output_size=n_r)
     t_in: float | Tensor = 1.0 if normalization == "unit" else fixed[2]
     t_out: float | Tensor = 1.0 if normalization == "unit" else fixed[3]
     c = torch.ones(n_c, dtype=w, device=device)
     r = torch.ones(n_r, dtype=w, device=device)
-    c2, q_c = torch.empty_like(c), torch.empty_like(c)
-    r2, q_r = torch.empty_like(r), torch.empty_like(r)
-    c2_v, qc_v = _split_views(c2, buckets, "inp", "col"), _split_views(q_c, buckets, "inp", "col")
-    r2_v, qr_v = _split_views(r2, buckets, "out", "col"), _split_views(q_r, buckets, "out", "col")
-
-    def scale(x: Tensor, t: float | Tensor) -> Tensor:
-        return x if isinstance(t, float) else x * t  # x·1.0 is x: the same rounding
-
-    for it in range(int(num_iters)):
-        torch.square(c, out=c2)
-        for k, cv, qv in zip(ks, c2_v, qr_v, strict=True):
-            torch.bmm(k, cv, out=qv)  # one norm per output unit (over the fan-in)
-        q_r.sqrt_()
-        den = (r * q_r).add_(eps_first if it == 0 else eps)
-        torch.where(q_r > 0, scale(r, t_in) / den, r, out=r)
-        torch.square(r, out=r2)
-        for kt, rv, qv in zip(kts, r2_v, qc_v, strict=True):
-            torch.bmm(kt, rv, out=qv)
-        q_c.sqrt_()
-        den = (c * q_c).add_(eps)
-        torch.where(q_c > 0, scale(c, t_out) / den, c, out=c)
-    del ks, kts
+    q_c = torch.empty_like(c)
+    _block_iterations(gs, ms, c, r, q_c=q_c, eps_first=eps_first,
+                      t_in=t_in, t_out=t_out, num_iters=num_iters, eps=eps)
+    del gs
     # X = (c/2^⌊k/2⌋)·G·(r/2^⌈k/2⌉) per matrix, as sinkhorn_scales; then α·X, decayed step
     half = pow2_sqrt_floor(m)
     c = c / torch.repeat_interleave(half, reps_c, output_size=n_c)
@@ -473,76 +637,17 @@ def _fused_views(params: list[Tensor], grads: list[Tensor], axes: list[AxisGroup
     return mats, buckets, sweep, rest
 
 
-def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisGroups],
-                  lr: float | Tensor, alpha: float, num_iters: int, eps: float,
-                  normalization: str, weight_decay: float,
-                  consts: ConstCache | None = None,
-                  group_bytes: int = SINKHORN_GROUP_BYTES,
-                  sweep_bytes: int | None = None,
-                  tables: dict[Any, Any] | None = None) -> None:
-    """One SinkGD step with the Triton kernels of :mod:`sage_torch.triton_kernels`.
+def _fused_chunks(mats: list[tuple[Tensor, Tensor]], buckets: dict[Any, _Bucket], *,
+                  consts: ConstCache, group_bytes: int, lr: float | Tensor, alpha: float,
+                  num_iters: int, eps: float, normalization: str, weight_decay: float
+                  ) -> None:
+    """:func:`_fused_sinkgd`'s two-launch path: ``mats`` (one device and dtype), by chunks.
 
-    Each matrix is a ``(B, OUT, IN)`` strided view of its gradient and parameter
-    (PyTorch's ``(out, in)``, the transposed ``(in, out)``, a ``Conv2d`` kernel's
-    ``(out, in·kh·kw)``, stacked layers ``(L, out, in)``; no ``K`` is ever formed).  The
-    views are grouped by device, dtype and ``(OUT, IN)``, and each group is split into
-    chunks of at most ``group_bytes`` of stacked gradients by :func:`_chunks`, the
-    chunking of :func:`_multi_tensor_sinkgd`.  A chunk of one parameter runs on its views
-    in place (no copy).  A chunk of several is stacked once into a contiguous
-    ``(ΣB, OUT, IN)`` gradient (the one matrix-sized temporary, at most ``group_bytes``,
-    freed before the next chunk's), whose ``m`` (the range
-    scale of each matrix) is one reduction.  Per chunk, ``2·num_iters`` launches (per-row
-    then per-column sums of ``(G/m)²`` weighted by the other scale's square, each with its
-    scale update, as :func:`sinkhorn_scales`) for all its matrices at once, then one
-    launch per parameter of the update ``θ ← θ − η·(α·c·G·r + w·θ)``, reading its slice
-    of the stack and of the scales and writing the parameter in place.  The kernels treat
-    every batch index alone, so the result does not depend on the chunking (bit for bit
-    under the interpreter).  No host synchronisation: the learning rate is a device
-    tensor (``capturable``).  bfloat16 parameters: the scales, ``m`` and the arithmetic
-    in float32, the update rounded as :func:`_single_tensor_sinkgd` rounds it.
-    Parameters whose matrix is not such a view (a permutation that cannot be merged), or
-    whose gradient has another dtype, or DTensors, take :func:`_multi_tensor_sinkgd`.
-    Parameters on several devices or of several dtypes are stepped one device and dtype
-    at a time (every launch's tensors on its device).
-    ``consts``: the cache of the kernels' hyperparameter tensors (kept by the rule).
+    ``mats`` and ``buckets``: the ``(θ, G)`` views and their same-shape buckets of
+    :func:`_fused_views`; per chunk, ``2·num_iters`` launches then one update per parameter.
     """
     from sage_torch import triton_kernels as tk
 
-    consts = ConstCache() if consts is None else consts
-    hp: dict[str, Any] = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
-                          "normalization": normalization, "weight_decay": weight_decay}
-    parts = by_device_dtype(params)
-    if len(parts) > 1:
-        for idx in parts:
-            _fused_sinkgd([params[i] for i in idx], [grads[i] for i in idx],
-                          axes=[axes[i] for i in idx], consts=consts,
-                          group_bytes=group_bytes, sweep_bytes=sweep_bytes, tables=tables,
-                          **hp)
-        return
-    key = None
-    if tables is not None and len(tables) > TABLES_KEPT and not (
-            params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        tables.clear()  # tables of tensors that will not come back
-    if tables is not None and sweep_enabled(num_iters) and not torch.compiler.is_compiling():
-        key = ("step", group_bytes, sweep_bytes, int(num_iters), *(
-            (p.data_ptr(), g.data_ptr(), *p.shape, *p.stride(), *g.stride(), g.dtype, ax)
-            for p, g, ax in zip(params, grads, axes, strict=True)))
-        plan = tables.get(key)
-        if plan is not None:  # the same tensors as a step before: its launches as they were
-            _run_sweeps(plan, consts=consts, **hp)
-            return
-    mats, buckets, sweep, rest = _fused_views(params, grads, axes, sweep_enabled(num_iters))
-    if rest:
-        _multi_tensor_sinkgd([params[i] for i in rest], [grads[i] for i in rest],
-                             axes=[axes[i] for i in rest], group_bytes=group_bytes, **hp)
-    if sweep:
-        plan = _sweep_plan(sweep, consts.anchor(sweep[0][0]), tables,
-                           SWEEP_GROUP_BYTES if sweep_bytes is None else sweep_bytes)
-        _run_sweeps(plan, consts=consts, **hp)
-        if key is not None and not rest and not mats:
-            _remember(tables, key, plan)  # type: ignore[arg-type]
-    if not mats:
-        return
     chunks = [ch for (_, dtype, _, _), b in buckets.items()
               for ch in _chunks([b], dtype.itemsize, group_bytes)]
     single = [ch for ch in chunks if len(ch.members) == 1]
@@ -582,6 +687,76 @@ def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisG
             tk.sinkgd_update(pv, gs, cs, rs, hs, mhs, hpt, lr_t,
                              lr_is_tensor=isinstance(lr, Tensor))
         del g, gs  # the chunk's stack (if any) is freed before the next chunk's
+
+
+def _fused_sinkgd(params: list[Tensor], grads: list[Tensor], *, axes: list[AxisGroups],
+                  lr: float | Tensor, alpha: float, num_iters: int, eps: float,
+                  normalization: str, weight_decay: float,
+                  consts: ConstCache | None = None,
+                  group_bytes: int = SINKHORN_GROUP_BYTES,
+                  sweep_bytes: int | None = None,
+                  tables: dict[Any, Any] | None = None) -> None:
+    """One SinkGD step with the Triton kernels of :mod:`sage_torch.triton_kernels`.
+
+    Each matrix is a ``(B, OUT, IN)`` strided view of its gradient and parameter
+    (PyTorch's ``(out, in)``, the transposed ``(in, out)``, a ``Conv2d`` kernel's
+    ``(out, in·kh·kw)``, stacked layers ``(L, out, in)``; no ``K`` is ever formed).  The
+    views are grouped by device, dtype and ``(OUT, IN)``, and each group is split into
+    chunks of at most ``group_bytes`` of stacked gradients by :func:`_chunks`, the
+    chunking of :func:`_multi_tensor_sinkgd`.  A chunk of one parameter runs on its views
+    in place (no copy).  A chunk of several is stacked once into a contiguous
+    ``(ΣB, OUT, IN)`` gradient (the one matrix-sized temporary, at most ``group_bytes``,
+    freed before the next chunk's), whose ``m`` (the range
+    scale of each matrix) is one reduction.  Per chunk, ``2·num_iters`` launches (per-row
+    then per-column sums of ``(G/m)²`` weighted by the other scale's square, each with its
+    scale update, as :func:`sinkhorn_scales`) for all its matrices at once, then one
+    launch per parameter of the update ``θ ← θ − η·(α·c·G·r + w·θ)``, reading its slice
+    of the stack and of the scales and writing the parameter in place.  The kernels treat
+    every batch index alone, so the result does not depend on the chunking (bit for bit
+    under the interpreter).  No host synchronisation: the learning rate is a device
+    tensor (``capturable``).  bfloat16 parameters: the scales, ``m`` and the arithmetic
+    in float32, the update rounded as :func:`_single_tensor_sinkgd` rounds it.
+    Parameters whose matrix is not such a view (a permutation that cannot be merged), or
+    whose gradient has another dtype, or DTensors, take :func:`_multi_tensor_sinkgd`.
+    Parameters on several devices or of several dtypes are stepped one device and dtype
+    at a time (every launch's tensors on its device).
+    ``consts``: the cache of the kernels' hyperparameter tensors (kept by the rule).
+    """
+    consts = ConstCache() if consts is None else consts
+    hp: dict[str, Any] = {"lr": lr, "alpha": alpha, "num_iters": num_iters, "eps": eps,
+                          "normalization": normalization, "weight_decay": weight_decay}
+    parts = by_device_dtype(params)
+    if len(parts) > 1:
+        for idx in parts:
+            _fused_sinkgd([params[i] for i in idx], [grads[i] for i in idx],
+                          axes=[axes[i] for i in idx], consts=consts,
+                          group_bytes=group_bytes, sweep_bytes=sweep_bytes, tables=tables,
+                          **hp)
+        return
+    key = None
+    if tables is not None and len(tables) > TABLES_KEPT and not (
+            params[0].device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        tables.clear()  # tables of tensors that will not come back
+    if tables is not None and sweep_enabled(num_iters) and not torch.compiler.is_compiling():
+        key = ("step", group_bytes, sweep_bytes, int(num_iters), *(
+            (p.data_ptr(), g.data_ptr(), *p.shape, *p.stride(), *g.stride(), g.dtype, ax)
+            for p, g, ax in zip(params, grads, axes, strict=True)))
+        plan = tables.get(key)
+        if plan is not None:  # the same tensors as a step before: its launches as they were
+            _run_sweeps(plan, consts=consts, **hp)
+            return
+    mats, buckets, sweep, rest = _fused_views(params, grads, axes, sweep_enabled(num_iters))
+    if rest:
+        _multi_tensor_sinkgd([params[i] for i in rest], [grads[i] for i in rest],
+                             axes=[axes[i] for i in rest], group_bytes=group_bytes, **hp)
+    if sweep:
+        plan = _sweep_plan(sweep, consts.anchor(sweep[0][0]), tables,
+                           SWEEP_GROUP_BYTES if sweep_bytes is None else sweep_bytes)
+        _run_sweeps(plan, consts=consts, **hp)
+        if key is not None and not rest and not mats:
+            _remember(tables, key, plan)  # type: ignore[arg-type]
+    if mats:
+        _fused_chunks(mats, buckets, consts=consts, group_bytes=group_bytes, **hp)
 
 
 FUSED_SWEEP: bool = True

@@ -333,7 +333,7 @@ def _rescale_fn(scale, norm_sq, t, eps, IS_F32: tl.constexpr):  # pragma: no cov
 
     ``norm_sq``: the squared norm of the slice of ``G`` weighted by the other scale (the
     slice of ``X`` has norm ``scale·sqrt(norm_sq)``); the rescale of
-    :func:`sage_optax.sinkhorn._iterate`, for the row and the column step alike.
+    :func:`sage_optax.sinkgd._iterate`, for the row and the column step alike.
     """
     if IS_F32:
         q = tl.sqrt_rn(norm_sq)

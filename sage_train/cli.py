@@ -1,7 +1,7 @@
 """``sage-train``: pretrain a LLaMA with one or several of the paper's configurations.
 
 ``sage-train export --hf DIR --run-dir RUN`` writes a run's checkpoint as a Hugging Face
-``LlamaForCausalLM`` directory with its tokenizer (:mod:`sage_train.export`).
+``LlamaForCausalLM`` directory with its tokenizer (:mod:`sage_train.run.export`).
 """
 
 from __future__ import annotations
@@ -14,12 +14,18 @@ from collections.abc import Callable
 from typing import Any
 
 from sage_optim.table import format_bytes, format_table
-from sage_train.cli_args import DefaultsFormatter, OneLineParser, checked
-from sage_train.config import FIELD_DEFAULT, SETTING_CHECKS, TrainConfig, options
-from sage_train.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
-from sage_train.errors import CheckpointError, RunFileError, UserError
-from sage_train.model_shapes import get_model_config
-from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals
+from sage_train.job.cli_args import DefaultsFormatter, OneLineParser, checked
+from sage_train.job.distributed import HEARTBEAT_TIMEOUT_S, JobError, check_coordinator
+from sage_train.job.errors import CheckpointError, RunFileError, UserError
+from sage_train.job.signals import INTERRUPTED, PREEMPTED, StopSignals
+from sage_train.model.shapes import get_model_config
+from sage_train.run.config import (
+    FIELD_DEFAULT,
+    SETTING_CHECKS,
+    TrainConfig,
+    option_flag,
+    options,
+)
 
 EPILOG = """\
 output: a header of the run's settings as used (learning rate, schedule, tokens per step,
@@ -199,17 +205,17 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 
 def add_config_options(p: argparse.ArgumentParser) -> None:
-    """An option for every :class:`~sage_train.config.TrainConfig` field that has one.
+    """An option for every :class:`~sage_train.run.config.TrainConfig` field that has one.
 
-    Generated from the fields' :class:`~sage_train.config.Option`: the flag, help, default,
-    choices and check (a value :func:`~sage_train.config.check_config` would refuse is
+    Generated from the fields' :class:`~sage_train.run.config.Option`: the flag, help, default,
+    choices and check (a value :func:`~sage_train.run.config.check_config` would refuse is
     refused here, with the same words).
     """
     defaults = TrainConfig()
     for name, o in options().items():
         if not o.cli:
             continue
-        flag = o.flag or "--" + name.replace("_", "-")
+        flag = option_flag(name)
         default = getattr(defaults, name) if o.cli_default is FIELD_DEFAULT \
             else o.cli_default
         if isinstance(default, bool):
@@ -293,7 +299,7 @@ def _in_job() -> bool:
     """Whether this process is one of a job of several (JAX imported and joined)."""
     if "jax" not in sys.modules:
         return False
-    from sage_train import distributed
+    from sage_train.job import distributed
 
     return distributed.joined()
 
@@ -302,7 +308,7 @@ def _where() -> str:
     """``"process 1 of 2: "`` in a job of several processes, else ``""``."""
     if not _in_job():
         return ""
-    from sage_train import distributed
+    from sage_train.job import distributed
 
     return distributed.where()
 
@@ -310,13 +316,13 @@ def _where() -> str:
 def _leave(status: int, error: BaseException) -> int:
     """``status``; in a job, a process that failed alone leaves it at once.
 
-    A :class:`~sage_train.distributed.JobError` was raised by every process at the same
+    A :class:`~sage_train.job.distributed.JobError` was raised by every process at the same
     point: they all return, and leave the job together.  Any other failure is this
-    process's alone: it exits now (:func:`~sage_train.distributed.abandon`), and JAX's
+    process's alone: it exits now (:func:`~sage_train.job.distributed.abandon`), and JAX's
     runtime stops the others within the heartbeat timeout.
     """
     if _in_job() and not isinstance(error, JobError):
-        from sage_train import distributed
+        from sage_train.job import distributed
 
         distributed.abandon(status)
     return status
@@ -347,7 +353,7 @@ def sample_main(argv: list[str]) -> int:
     """``sage-train sample``: 0 when generated, 2 on a bad run directory or prompt."""
     args = build_sample_parser().parse_args(argv)
     try:
-        from sage_train.export import sample
+        from sage_train.run.export import sample
 
         text = sample(args.run_dir, args.prompt, tokens=args.tokens,
                       temperature=args.temperature, seed=args.seed, step=args.step)
@@ -362,7 +368,7 @@ def export_main(argv: list[str]) -> int:
     """``sage-train export``: 0 when written, 2 on a bad run directory, 1 on a failed write."""
     args = build_export_parser().parse_args(argv)
     try:
-        from sage_train.export import export_hf
+        from sage_train.run.export import export_hf
 
         export_hf(args.run_dir, args.hf, step=args.step)
     except UserError as e:
@@ -389,9 +395,9 @@ def _stopped_by(name: str, step: int | None) -> int:
 
 
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
-    from sage_train import distributed
-    from sage_train.config import check_config, check_init_from_hf
-    from sage_train.run import enable_determinism
+    from sage_train.job import distributed
+    from sage_train.run.config import check_config
+    from sage_train.run.resolve import check_init_from_hf, enable_determinism
 
     cfgs = configs(args)
     for cfg in cfgs:  # before a job is joined: a refusal is the same on every process
@@ -404,14 +410,15 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     if launch is not None:
         _join(launch)
     if distributed.joined():  # the same settings on every process, before anything else
-        from sage_train.config import agreed_settings
+        from sage_train.run.resolve import agreed_settings
 
         distributed.same_settings({
             "optimizer": [c.optimizer for c in cfgs],
             **{k: v for k, v in agreed_settings(cfgs[0]).items()
                if k not in ("optimizer", "run_dir")},
             "run_dir": str(pathlib.Path(args.run_dir).absolute()),
-            "allow_config_change": args.allow_config_change, "restart": args.restart})
+            "allow_config_change": args.allow_config_change, "restart": args.restart},
+            option_flag)
     made: list[pathlib.Path | None] = []
     try:
         with contextlib.ExitStack() as locks:
@@ -425,7 +432,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                     return status
                 results.append(result)
     finally:
-        from sage_train.rundir import remove_unused
+        from sage_train.store.rundir import remove_unused
 
         for folder in reversed(made):  # a refused start leaves nothing behind
             remove_unused(folder)
@@ -436,7 +443,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
 
 def _join(launch: Any) -> None:
     """Join the job of several processes ``launch`` describes, saying so."""
-    from sage_train import distributed
+    from sage_train.job import distributed
 
     print(f"sage-train: joining the job as {launch.describe()} (waiting up to "
           f"{distributed.INIT_TIMEOUT_S} s for every process)", flush=True)
@@ -455,13 +462,13 @@ def _checked_runs(cfgs: list[TrainConfig], args: argparse.Namespace,
     """Every configuration resolved, its run directory locked and checked, before any trains.
 
     Exit status 2 still means that nothing was trained (in a job: on every process, or on
-    none).  ``made`` receives the folders created (:func:`~sage_train.rundir.make_run_dir`),
+    none).  ``made`` receives the folders created (:func:`~sage_train.store.rundir.make_run_dir`),
     which a refused start removes again.
     """
-    from sage_train import distributed
-    from sage_train.resume import preflight
-    from sage_train.run import resolve
-    from sage_train.rundir import RunLock, make_run_dir
+    from sage_train.job import distributed
+    from sage_train.run.resolve import resolve
+    from sage_train.run.resume import preflight
+    from sage_train.store.rundir import RunLock, make_run_dir
 
     with distributed.together("to check the runs"):
         # --attention cudnn where it cannot run: refused before any run directory is made
@@ -482,7 +489,7 @@ def _train_one(run: Any, args: argparse.Namespace, signals: StopSignals,
 
     The command stops on a signal, or on a refusal after earlier runs trained.
     """
-    from sage_train.train import train
+    from sage_train.run.train import train
 
     try:
         result = train(run, allow_config_change=args.allow_config_change,
@@ -503,7 +510,7 @@ def _train_one(run: Any, args: argparse.Namespace, signals: StopSignals,
 
 def _summary(results: list[Any], args: argparse.Namespace) -> int:
     """Print the summary table and save the loss curve; the exit status."""
-    from sage_train.train import save_loss_curve
+    from sage_train.run.train import save_loss_curve
 
     rows = [(r.config.optimizer, r.steps_done,
              "-" if r.final_test_ppl is None else f"{r.final_test_ppl:.2f}",

@@ -1,14 +1,14 @@
 """The ``sage-train`` console script: the signals caught first, then the command line.
 
 Imports nothing heavy itself: :func:`launch` catches SIGTERM, SIGUSR1 and SIGINT
-(:class:`~sage_train.signals.StopSignals`) before :mod:`sage_train.cli` imports JAX.
+(:class:`~sage_train.job.signals.StopSignals`) before :mod:`sage_train.cli` imports JAX.
 """
 
 from __future__ import annotations
 
 from sage_optim.console import console_script
 from sage_optim.extras import require
-from sage_train.signals import StopSignals
+from sage_train.job.signals import StopSignals
 
 
 @console_script

@@ -71,7 +71,7 @@ reached")."""
 # torch: foreach against single-tensor on CUDA, the fused (Triton) path against both in
 # float32 and bfloat16, CUDA-graph capture, the device guard.
 JAX_CORRECTNESS = (
-    "tests/optax/test_optax_sinkhorn_pallas.py", "tests/optax/test_optax_placement.py",
+    "tests/optax/test_optax_sinkgd_pallas.py", "tests/optax/test_optax_placement.py",
     "tests/optax/test_optax_grouping.py", "tests/train/test_train_attention.py",
     "tests/optax/test_optax_configs.py", "tests/parity/test_parity_sage_range.py",
     "tests/parity/test_parity_nonfinite.py",
@@ -455,18 +455,12 @@ class Runner:
                      else left * step.share / rest if rest else 0)
             self._run_together(label, (step,), now + limit, first=i == 0)
 
-    def _run_together(self, label: str, steps: Sequence[Step], deadline: float,
-                      first: bool = False) -> None:
-        """Run ``steps`` together until ``deadline``.
+    def _start_all(self, label: str, steps: Sequence[Step], deadline: float, first: bool
+                   ) -> list[tuple[Step, Outcome, subprocess.Popen, Path, float]]:
+        """Start each of ``steps`` that runs here and fits before ``deadline`` (an outcome each).
 
-        ``first``: the part's first step(s), always started while the whole budget lasts:
-        with at least :data:`MIN_STEP` seconds (or what is left of the budget), even where
-        the time before (the script's own start-up, an earlier part) used up the part's
-        share.
+        Returns the started ones: ``(step, outcome, process, log, start time)``.
         """
-        if first:
-            deadline = max(deadline, time.monotonic() + MIN_STEP)
-        deadline = min(deadline, self.deadline)
         running: list[tuple[Step, Outcome, subprocess.Popen, Path, float]] = []
         for step in steps:
             command = shlex.join([_fill(a, self.ctx) for a in step.argv])
@@ -481,6 +475,21 @@ class Runner:
             log = self.work / f"{len(self.outcomes):02d}-{_slug(step.title)}.log"
             running.append((step, o, self._launch(step, log), log, time.monotonic()))
             o.status = "running"
+        return running
+
+    def _run_together(self, label: str, steps: Sequence[Step], deadline: float,
+                      first: bool = False) -> None:
+        """Run ``steps`` together until ``deadline``.
+
+        ``first``: the part's first step(s), always started while the whole budget lasts:
+        with at least :data:`MIN_STEP` seconds (or what is left of the budget), even where
+        the time before (the script's own start-up, an earlier part) used up the part's
+        share.
+        """
+        if first:
+            deadline = max(deadline, time.monotonic() + MIN_STEP)
+        deadline = min(deadline, self.deadline)
+        running = self._start_all(label, steps, deadline, first)
         self.write()
         finished: dict[int, tuple[int, float]] = {}  # index in running -> (rc, end)
         while len(finished) < len(running) and time.monotonic() < deadline:
@@ -668,7 +677,7 @@ def cmd_env() -> int:
             print("- torch: no CUDA device")
     except Exception as e:  # noqa: BLE001
         print(f"- torch CUDA: failed ({type(e).__name__}: {e})")
-    for name in ("sage_optim", "sage_optax", "sage_torch", "sage_train", "sage_train.model",
+    for name in ("sage_optim", "sage_optax", "sage_torch", "sage_train", "sage_train.model.llama",
                  "sage_repro"):
         try:
             importlib.import_module(name)
@@ -688,7 +697,7 @@ def cmd_tokens(model: str, out: str) -> int:
     """
     import numpy as np
 
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     vocab = get_model_config(model).vocab_size
     ids = np.random.default_rng(0).integers(0, vocab, 6_000_000, dtype=np.uint32)

@@ -30,7 +30,8 @@ def make_tree(root: pathlib.Path, n: int, first: int = 0) -> dict[str, str]:
 
 def installed_corpus(tmp_path: pathlib.Path, monkeypatch, vocab_size: int):
     """A 240-document tree read as the ``installed`` corpus (its cache in ``tmp_path``)."""
-    from sage_train import corpus, data
+    from sage_train.data import corpus
+    from sage_train.data import pipeline as data
 
     monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))
     root = tmp_path / "tree"

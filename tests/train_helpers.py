@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sage_train.train import RunResult, TrainConfig, train
+from sage_train.run.train import RunResult, TrainConfig, train
 
 
 def config(corpus: Any, run_dir: Any, **kw: Any) -> TrainConfig:

@@ -90,7 +90,7 @@ def test_every_user_takes_the_one_version_of_its_framework():
 
     jax_sage, jax_sinkhorn, jax_numerics, torch_common, torch_sage, torch_sinkgd = (
         importlib.import_module(m) for m in (
-            "sage_optax.sage", "sage_optax.sinkhorn", "sage_optax.numerics", "sage_torch.common",
+            "sage_optax.sage", "sage_optax.sinkgd", "sage_optax.numerics", "sage_torch.common",
             "sage_torch.sage", "sage_torch.sinkgd"))
     assert torch_sage.pow2_floor is torch_sinkgd.pow2_floor is torch_common.pow2_floor
     assert jax_sage.pow2_floor is jax_numerics.pow2_floor

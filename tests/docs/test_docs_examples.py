@@ -58,7 +58,7 @@ def _public_modules() -> list[types.ModuleType]:
     """The packages and the public modules they import.
 
     Not the modules they import only when used (``sage_torch.triton_kernels``,
-    ``sage_optax.sinkhorn_pallas``): importing Triton here, before the fused tests set
+    ``sage_optax.sinkgd_pallas``): importing Triton here, before the fused tests set
     ``TRITON_INTERPRET``, would change what the rest of the suite runs.
     """
     for name in PACKAGES:

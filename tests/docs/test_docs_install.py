@@ -182,7 +182,7 @@ def test_sage_optim_needs_neither_framework():
     import sage_optim
     from sage_optim import CONFIG_NAMES, get_preset
     from sage_optim.extras import EXTRAS, missing
-    from sage_train.model_shapes import get_model_config  # framework-free, beside the trainer
+    from sage_train.model.shapes import get_model_config  # framework-free, beside the trainer
     from sage_optim.routing import Route
 
     assert [get_preset(name).name for name in CONFIG_NAMES] == list(CONFIG_NAMES)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
 
 
 def one_line(text: str) -> bool:
@@ -18,8 +18,8 @@ def one_line(text: str) -> bool:
 
 def test_seq_len_beyond_the_context_is_refused():
     pytest.importorskip("flax")
-    from sage_train.errors import ConfigError
-    from sage_train.train import TrainConfig, check_config
+    from sage_train.job.errors import ConfigError
+    from sage_train.run.train import TrainConfig, check_config
 
     assert get_model_config("tiny").max_position_embeddings == 256
     check_config(TrainConfig(model="tiny", seq_len=256))

@@ -4,6 +4,8 @@ same numbers as one leaf at a time and no copy of the gradients in the compiled 
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.extend.core
 import jax.numpy as jnp
@@ -12,9 +14,10 @@ import optax
 import pytest
 
 import sage_optax
-from sage_optax import sinkhorn
 from sage_repro.llama_shapes import llama_param_shapes
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
+
+sinkhorn = importlib.import_module("sage_optax.sinkgd")  # the module; sage_optax.sinkgd: the alias
 
 
 def dense_tree(dtype, seed=0):

@@ -12,6 +12,7 @@ Triton kernel.
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import jax
@@ -21,10 +22,12 @@ import optax
 import pytest
 
 import sage_optax
-from sage_optax import Route, placement, sinkhorn
+from sage_optax import Route, placement
 from sage_optim import kernels
 from sage_optim.presets import CONFIG_NAMES
 from tests import helpers
+
+sinkhorn = importlib.import_module("sage_optax.sinkgd")  # the module; sage_optax.sinkgd: the alias
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # a Pallas call lowered for CUDA
 
@@ -94,11 +97,11 @@ def test_every_configuration_steps_on_cpu_arrays_of_a_gpu_host(name, validated, 
 def test_eager_updates_follow_the_arrays_devices(validated_h100, monkeypatch):
     """Without jit the arrays' own devices decide: no kernel is launched on CPU arrays, and
     the eager update is the jnp path's, where ``auto`` would take the kernel on a GPU."""
-    from sage_optax import sinkhorn_pallas
+    from sage_optax import sinkgd_pallas
 
     launched = []
-    real = sinkhorn_pallas.pallas_scales
-    monkeypatch.setattr(sinkhorn_pallas, "pallas_scales",
+    real = sinkgd_pallas.pallas_scales
+    monkeypatch.setattr(sinkgd_pallas, "pallas_scales",
                         lambda *a, **k: launched.append(1) or real(*a, **k))
     params, grads = _params_grads()
     got = _two_steps("sinkgd-pure", params, grads, jit=False)

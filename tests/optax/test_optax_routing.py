@@ -11,7 +11,7 @@ import sage_optax
 from sage_optax import Route
 from sage_optax import route_params as label_params
 from sage_repro.llama_shapes import llama_param_shapes
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
 
 
 class Tiny(nnx.Module):

@@ -40,8 +40,8 @@ def test_llama_loss_is_the_trainers_model():
     from transformers import LlamaForCausalLM
 
     from sage_repro.parity import _hf_config
-    from sage_train.model import Llama, loss_fn
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.llama import Llama, loss_fn
+    from sage_train.model.shapes import get_model_config
 
     for tied in (True, False):
         cfg = dataclasses.replace(get_model_config("tiny"), tie_embeddings=tied)

@@ -14,7 +14,7 @@ from reference_np import sinkhorn_ref
 
 import sage_optax
 from sage_optax import Route
-from sage_optax.sinkhorn import sinkhorn_normalize as jax_sinkhorn
+from sage_optax.sinkgd import sinkhorn_normalize as jax_sinkhorn
 
 torch = pytest.importorskip("torch")
 

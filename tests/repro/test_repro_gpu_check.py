@@ -75,7 +75,7 @@ def test_every_test_file_runs_somewhere_on_the_gpu_host():
     assert files - placed == set(gc.NOT_ON_GPU)
     assert set(gc.NOT_ON_GPU) <= files
     # The files whose cases only run on a GPU are in part (a), not left to the end.
-    for name in ("optax/test_optax_sinkhorn_pallas.py", "optax/test_optax_placement.py",
+    for name in ("optax/test_optax_sinkgd_pallas.py", "optax/test_optax_placement.py",
                  "train/test_train_attention.py"):
         assert f"tests/{name}" in gc.JAX_CORRECTNESS
     for name in ("test_torch_fused_cuda.py", "test_torch_capturable.py",

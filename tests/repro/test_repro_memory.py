@@ -12,7 +12,7 @@ from sage_optax import Route
 from sage_repro.llama_shapes import llama_param_shapes
 from sage_repro.memory_report import format_memory_table, main, memory_rows
 from sage_repro.paper import PAPER_MEMORY_GIB
-from sage_train.model_shapes import PAPER_MODELS, get_model_config
+from sage_train.model.shapes import PAPER_MODELS, get_model_config
 
 GIB = 2**30
 

@@ -20,8 +20,8 @@ from corpus_helpers import installed_corpus
 from sage_optim.presets import CONFIG_NAMES, get_preset
 from sage_repro import pieces, sweep
 from sage_repro import sweep_report as report
-from sage_train import cut
-from sage_train.model_shapes import MODELS
+from sage_train.data import cut
+from sage_train.model.shapes import MODELS
 
 PNG = b"\x89PNG\r\n\x1a\n"
 ROOT = pathlib.Path(__file__).resolve().parents[2]

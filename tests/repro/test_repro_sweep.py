@@ -343,7 +343,7 @@ def test_end_to_end_resume_and_rerun(tmp_path, capsys):
     protocol, _ = sweep.protocol_and_plan(args, ["--sharding", "none"])
     cut = sweep.RunSpec("sage-hybrid", 0.002, 1)
     from sage_train.cli import configs, parse_args
-    from sage_train.train import train
+    from sage_train.run.train import train
 
     (cfg,) = configs(parse_args(protocol.trainer_argv(cut, cut.group(out))))
     assert train(cfg, stop_after=2, log=lambda _: None).steps_done == 2

@@ -13,7 +13,7 @@ import pytest
 from sage_optim import CONFIG_NAMES
 from sage_repro import traffic
 from sage_repro.llama_shapes import llama_param_shapes
-from sage_train.model_shapes import get_model_config
+from sage_train.model.shapes import get_model_config
 
 pytest.importorskip("torch")
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"

@@ -12,6 +12,10 @@ on every entry (CPU, float64, tiny tensors).
 Where sage_torch differs from ``torch.optim`` on purpose, the entry records it
 (:data:`DIFFERENCES`, stated in docs/pytorch.md) and a check asserts the
 difference holds, so that it stays deliberate.
+
+pytorch's class itself runs over sage_torch with ``scripts/torch-optim-contract`` (given a
+pytorch checkout's test file); the last tests here check that script and its entries
+(``scripts/torch_optim_infos.py``) where ``expecttest`` is installed.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import copy
 import dataclasses
 import io
 import math
+import os
 import pathlib
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +54,7 @@ DIFFERENCES: dict[str, str] = {
     "matrices": "take matrices only",
     "complex": "refuse complex parameters",
     "dtype": "keeps its saved dtype",
+    "names": "groups of bare tensors and of named ones mix",
 }
 """How sage_torch deliberately differs from ``torch.optim``, as docs/pytorch.md
 words it (each phrase appears there): ``groups``: ``make_optimizer`` (and
@@ -54,7 +62,9 @@ words it (each phrase appears there): ``groups``: ``make_optimizer`` (and
 group given; ``evidence``: ``make_optimizer`` refuses a bare matrix nothing places;
 ``matrices``: SinkGD and APOLLO take matrices only (``fallback=`` for the rest);
 ``complex``: SAGE, SinkGD and APOLLO refuse complex parameters; ``dtype``: floating state
-keeps its saved dtype on load (``torch.optim`` casts it to the parameter's)."""
+keeps its saved dtype on load (``torch.optim`` casts it to the parameter's); ``names``: a
+param group of bare tensors may join named groups, and the other way (``torch.optim``
+refuses it), the bare ones named by their place, ``param_groups[g].params[i]``."""
 
 
 class Net(nn.Module):
@@ -137,7 +147,7 @@ def _class_entries() -> list[Entry]:
     for sid, build, rules, _, differs in specs:
         for fe in (False, True):
             out.append(Entry(f"{sid}-{'foreach' if fe else 'single'}", build, None, rules,
-                             fe, ("dtype", *differs)))
+                             fe, ("dtype", "names", *differs)))
     return out
 
 
@@ -153,13 +163,13 @@ def _config_entries() -> list[Entry]:
                 f"{name}-{'foreach' if fe else 'single'}",
                 lambda ps, name=name, extra=extra, **kw: sage_torch.make_optimizer(
                     name, ps, lr=LR, **extra, **kw),
-                name, rules, fe, ("dtype", "groups", "evidence")))
+                name, rules, fe, ("dtype", "groups", "evidence", "names")))
     for fe in (False, True):
         out.append(Entry(f"sage-hybrid-skip_nonfinite-{'foreach' if fe else 'single'}",
                          lambda ps, **kw: sage_torch.make_optimizer(
                              "sage-hybrid", ps, lr=LR, skip_nonfinite=2, **kw),
                          "sage-hybrid", ("sage", "sinkgd"), fe,
-                         ("dtype", "groups", "evidence")))
+                         ("dtype", "groups", "evidence", "names")))
     return out
 
 
@@ -433,6 +443,33 @@ def test_state_dict_loads_by_position_between_named_and_bare_tensors(entry):
         _same(model, twin)
 
 
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_state_dict_without_newer_options_loads(entry):
+    """A checkpoint whose groups lack the flags added later (``maximize``, ``foreach``,
+    ``capturable``, ``fused``, ``differentiable``) loads and resumes exactly, those options
+    taken from the loading optimizer, as torch.optim fills them in (pytorch's
+    ``test_can_load_older_state_dict``; issue 42: it ended in ``KeyError: 'maximize'``)."""
+    model = Net()
+    opt = entry.make(model)
+    for t in range(3):
+        _step(opt, model, t)
+    saved = copy.deepcopy(opt.state_dict())
+    flags = ("maximize", "foreach", "capturable", "fused", "differentiable")
+    assert any(f in g for g in saved["param_groups"] for f in flags)
+    for group in saved["param_groups"]:
+        for flag in flags:
+            group.pop(flag, None)
+    twin = copy.deepcopy(model)
+    resumed = entry.make(twin)
+    resumed.load_state_dict(saved)
+    for mine, theirs in zip(resumed.param_groups, opt.param_groups, strict=True):
+        assert {f: mine.get(f) for f in flags} == {f: theirs.get(f) for f in flags}
+    for t in range(3, 6):
+        _step(opt, model, t)
+        _step(resumed, twin, t)
+    _same(model, twin)
+
+
 @pytest.mark.parametrize("entry", [e for e in ENTRIES if not e.foreach],
                          ids=[e.id for e in ENTRIES if not e.foreach])
 def test_state_dict_of_another_parameter_count_is_one_line(entry):
@@ -660,11 +697,43 @@ def test_arguments_are_checked_in_torch_order(cls):
     for params in (None, [], torch.zeros(3)):
         with pytest.raises(ValueError, match=r"^lr must be >= 0, got -1.0$"):
             build(params, lr=-1.0)
+    # pytorch's TestOptimRenewed.test_errors (issue 42): a tensor lr of two elements and a
+    # negative weight_decay are named with params=None, as torch.optim.AdamW names them
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        torch.optim.AdamW(None, lr=torch.tensor([1e-3, 1e-3]))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^lr must be a scalar, got a tensor of shape \(2,\)$"):
+        build(None, lr=torch.tensor([1e-3, 1e-3]))
+    with pytest.raises(ValueError, match=r"^lr must be >= 0, got -1.0$"):
+        build(None, lr=torch.tensor(-1.0))
+    with pytest.raises(ValueError, match=r"^weight_decay must be >= 0, got -1"):
+        build(None, lr=LR, weight_decay=-1.0)
     if cls in (SAGE, APOLLO, "RuleOptimizer"):
         with pytest.raises(ValueError, match="Invalid epsilon"):
             torch.optim.AdamW([torch.zeros(3)], lr=LR, eps=-1.0, betas=(2.0, 0.9))
         with pytest.raises(ValueError, match=r"^eps must be"):
             build([torch.zeros(4, 3)], lr=LR, eps=-1.0, betas=(2.0, 0.9))
+
+
+def test_make_optimizer_checks_each_kind_before_params():
+    """A kind's hyperparameter (``dense_alpha``) is checked before params, too (issue 42)."""
+    with pytest.raises(ValueError, match=r"^alpha must be >= 0, got -1"):
+        sage_torch.make_optimizer("sage-hybrid", None, dense_alpha=-1.0)
+
+
+@pytest.mark.parametrize("cls", [SAGE, "make_optimizer"])
+def test_params_with_and_without_names_are_refused_in_torch_words(cls):
+    """pytorch's TestOptimRenewed.test_errors matches torch's message (issue 42)."""
+    def build(params: Any) -> Any:
+        if cls == "make_optimizer":
+            return sage_torch.make_optimizer("sage-hybrid", params)
+        return cls(params)
+
+    w, b = nn.Parameter(torch.zeros(1, 1)), nn.Parameter(torch.zeros(1, 1))
+    regex = "all optimizer params should be with/without names. Some param names are missing"
+    with pytest.raises(ValueError, match=regex):
+        torch.optim.AdamW([("weight", w), b])
+    with pytest.raises(ValueError, match=regex):
+        build([("weight", w), b])
 
 
 def test_sinkgd_negative_alpha_is_refused():
@@ -845,6 +914,13 @@ def test_recorded_differences_hold_and_the_readme_states_them():
         if "complex" in entry.differs:
             with pytest.raises(ValueError, match="is complex"):
                 entry.build(_complex_params()[:1], fallback=None)
+        if "names" in entry.differs:  # torch.optim.AdamW refuses this mix
+            bare = nn.Parameter(torch.zeros(3))
+            opt = entry.build([{"params": [("w", model.norm.weight)]}, {"params": [bare]}])
+            names = [n for g in opt.param_groups for n in g["param_names"]]
+            assert "w" in names and any(n.startswith("param_groups[") for n in names), names
+            with pytest.raises(ValueError, match="with/without names"):
+                torch.optim.AdamW([{"params": [("w", model.norm.weight)]}, {"params": [bare]}])
         if "dtype" in entry.differs and entry.config is None and entry.rules[0] == "sage":
             p = nn.Parameter(torch.randn(4, 3).bfloat16())
             opt = SAGE([p], mu_dtype=torch.float32)
@@ -864,3 +940,103 @@ def test_the_table_covers_every_class_and_configuration():
         warnings.simplefilter("error")  # building every entry warns of nothing
         for entry in ENTRIES:
             entry.make(Net())
+
+
+# ---------------------------------------------------------------------------
+# scripts/torch-optim-contract: pytorch's TestOptimRenewed over our OptimizerInfo entries
+# ---------------------------------------------------------------------------
+
+# A stand-in for pytorch's test/test_optim.py (which the project does not ship): the same
+# imports and the same decorators, three tests: one every entry passes, one that SAGE fails
+# for a recorded difference (complex parameters), one that always fails.
+_FAKE_TEST_FILE = '''
+import torch
+from optim.test_lrscheduler import TestLRScheduler  # noqa: F401
+from torch.testing._internal.common_device_type import instantiate_device_type_tests
+from torch.testing._internal.common_optimizers import optim_db, optims
+from torch.testing._internal.common_utils import TestCase
+
+
+class TestOptimRenewed(TestCase):
+    @optims(optim_db, dtypes=[torch.float32])
+    def test_steps(self, device, dtype, optim_info):
+        for optim_input in optim_info.optim_inputs_func(device=device):
+            p = torch.nn.Parameter(torch.randn(4, 3, device=device, dtype=dtype))
+            before = p.detach().clone()
+            opt = optim_info.optim_cls([p], **optim_input.kwargs)
+            p.grad = torch.ones_like(p)
+            opt.step()
+            self.assertFalse(torch.equal(before, p.detach()))
+
+    @optims(optim_db, dtypes=[torch.complex64])
+    def test_complex(self, device, dtype, optim_info):
+        p = torch.randn(4, 3, device=device, dtype=dtype, requires_grad=True)
+        optim_info.optim_cls([p], **optim_info.optim_inputs_func(device=device)[0].kwargs)
+
+    @optims(optim_db, dtypes=[torch.float32])
+    def test_always_fails(self, device, dtype, optim_info):
+        raise AssertionError("no optimizer passes this")
+
+
+instantiate_device_type_tests(TestOptimRenewed, globals())
+'''
+
+
+def _contract(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess[str]:
+    test_file = tmp_path / "test_optim.py"
+    test_file.write_text(_FAKE_TEST_FILE)
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "torch-optim-contract"),
+                           str(test_file), *args], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+
+
+def test_contract_script_runs_the_test_class_over_our_entries(tmp_path):
+    pytest.importorskip("expecttest")  # torch.testing._internal imports it
+    proc = _contract(tmp_path, "--entries", "SAGE,Lion")
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # test_always_fails: unexplained
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()
+            if line.split() and line.split()[0] in ("SAGE", "Lion", "total")}
+    assert rows == {"SAGE": ["1", "2", "0"], "Lion": ["2", "1", "0"], "total": ["3", "3", "0"]}
+    assert "- test_complex: [complex] ValueError: parameter param_groups[0].params[0]" \
+        in proc.stdout
+    assert "- test_always_fails: [UNEXPECTED] AssertionError: no optimizer passes this" \
+        in proc.stdout
+    assert "1 failures are deliberate differences (docs/pytorch.md), 2 are not" in proc.stdout
+    proc = _contract(tmp_path, "--entries", "SAGE,sage_hybrid", "-k", "test_complex")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "2 failures are deliberate differences (docs/pytorch.md), 0 are not" in proc.stdout
+
+
+def test_contract_script_refuses_bad_options_in_one_line(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "torch-optim-contract"),
+                           str(tmp_path / "missing.py")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable}, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "test_file: no such file" in proc.stderr.strip().splitlines()[-1]
+    pytest.importorskip("expecttest")
+    proc = _contract(tmp_path, "--entries", "NoSuch")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--entries: 'NoSuch' matches no entry" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_contract_entries_cover_every_class_and_configuration():
+    pytest.importorskip("expecttest")
+    import importlib.util as iu
+    spec = iu.spec_from_file_location("torch_optim_infos",
+                                      ROOT / "scripts" / "torch_optim_infos.py")
+    assert spec is not None and spec.loader is not None
+    infos = iu.module_from_spec(spec)
+    spec.loader.exec_module(infos)
+    names = [i.name for i in infos.optim_infos()]
+    assert names == ["SAGE", "Lion", "SinkGD", "APOLLO", "adamw_rule", "unit_norm_rule",
+                     *(n.replace("-", "_") for n in CONFIG_NAMES)]
+    # bare matrices placed as nn.Linear reads them, under the names the routing gives them
+    w, b, c = torch.zeros(3, 2), torch.zeros(3), torch.zeros(2, 4, 1, 1)
+    _, overrides = infos.linear_overrides(iter([w, b, c]))
+    assert {k: (r.kind, r.fan_in, r.fan_out) for k, r in overrides.items()} == {
+        "params[0]": ("dense", (1,), (0,)), "params[2]": ("dense", (1, 2, 3), (0,))}
+    groups, overrides = infos.linear_overrides([{"params": [b]}, {"params": iter([w])}])
+    assert groups[1]["params"] == [w] and set(overrides) == {"param_groups[1].params[0]"}
+    _, overrides = infos.linear_overrides([("fc.weight", w), ("fc.bias", b)])
+    assert set(overrides) == {"fc.weight"}

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 import sage_torch
-from sage_torch import Route, RoutingError, moe
+from sage_torch import Route, RoutingError
+from sage_torch.adapters import transformers as moe
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -21,7 +21,7 @@ from sage_optim.presets import CONFIG_NAMES  # noqa: E402
 
 def test_model_has_the_exact_llama_shapes_and_routes():
     import sage_torch
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     config = get_model_config("tiny")
     model = torch_step.build_model(config)
@@ -53,7 +53,7 @@ def test_end_to_end_tiny_every_config(capsys):
 
 
 def test_bytes_moved_counts_sinkgd_passes():
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     model = torch_step.build_model(get_model_config("tiny"))
     p_bytes = sum(p.numel() * 4 for p in model.parameters())
@@ -83,7 +83,7 @@ def test_foreach_op_count_is_bounded_and_does_not_grow_with_depth():
 
     (The same holds at 270M, 13 layers: ``python benchmarks/torch_step.py --op-count``.)
     """
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     tiny = torch_step.meta_model(get_model_config("tiny"))  # 2 layers
     small = torch_step.meta_model(get_model_config("small"))  # 4 layers
@@ -123,7 +123,7 @@ def test_270m_op_count_and_sinkgd_rounds():
     Rounds of 128 MiB repeat the iterations' element-wise kernels (more ops) but bound
     sinkgd-pure's peak below that of one round: the check of the peak column can fail.
     """
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     model = torch_step.meta_model(get_model_config("270m"))
     ops, _ = torch_step.count_ops("sage-hybrid", model, True)
@@ -152,7 +152,7 @@ def test_270m_op_count_and_sinkgd_rounds():
 def test_270m_fused_step_peak_is_at_most_the_largest_parameter():
     """Issue 13's memory target on the fused path (``fused=True``, opt-in), launches not run."""
     from sage_torch.common import triton_available
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     if not triton_available():
         pytest.skip("triton is not installed (pip install triton==3.6.0; the dev extra has it)")

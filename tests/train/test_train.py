@@ -16,8 +16,8 @@ from train_helpers import config  # noqa: E402
 
 import sage_optax  # noqa: E402
 from sage_train.cli import main  # noqa: E402
-from sage_train.diagnostics import DamperRecorder, embedding_damper  # noqa: E402
-from sage_train.train import TrainConfig, train  # noqa: E402
+from sage_train.run.diagnostics import DamperRecorder, embedding_damper  # noqa: E402
+from sage_train.run.train import TrainConfig, train  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -42,8 +42,9 @@ def test_resume_is_bit_identical(train_corpus, tmp_path):
 
 def test_runs_of_one_configuration_share_one_compiled_step(train_corpus, tmp_path):
     """Seeds share the compiled step (the cache is keyed on the step's config fields), and a
-    shared step trains exactly as a freshly built one; another learning rate does not share."""
-    from sage_train import steps as train_mod
+    shared step trains exactly as a freshly built one; another learning rate shares it too,
+    another clipping threshold does not."""
+    from sage_train.run import steps as train_mod
 
     train_mod._STEP_CACHE.clear()
     train(config(train_corpus, tmp_path / "s0", steps=3, seed=0), log=lambda s: None)
@@ -55,12 +56,14 @@ def test_runs_of_one_configuration_share_one_compiled_step(train_corpus, tmp_pat
     fresh = train(config(train_corpus, tmp_path / "s1b", steps=3, seed=1), log=lambda s: None)
     assert shared.losses == fresh.losses
     train(config(train_corpus, tmp_path / "lr", steps=3, learning_rate=1e-3), log=lambda s: None)
+    assert len(train_mod._STEP_CACHE) == 1  # the rate is a value of the state (issue 46)
+    train(config(train_corpus, tmp_path / "cl", steps=3, clip=0.5), log=lambda s: None)
     assert len(train_mod._STEP_CACHE) == 2
 
 
 def test_sharded_runs_agree_with_single_device(train_corpus, tmp_path, monkeypatch):
     # The 8 host devices of tests/conftest.py, also on a GPU machine (JAX_PLATFORMS=cuda,cpu).
-    from sage_train import sharding
+    from sage_train.model import sharding
 
     cpus = jax.devices("cpu")
     assert len(cpus) == 8
@@ -117,7 +120,7 @@ def test_cli_trains_and_saves_a_loss_curve(train_corpus, tmp_path, capsys):
                                               ("constant", 1.0, 1.0)])
 def test_schedules(schedule, mid, end):
     """Linear warmup over 10% of the steps, then the chosen decay to final_lr_frac."""
-    from sage_train.steps import lr_schedule
+    from sage_train.run.steps import lr_schedule
 
     f = lr_schedule(TrainConfig(steps=100, schedule=schedule, learning_rate=2.0))
     assert float(f(0)) == 0.0 and float(f(5)) == pytest.approx(1.0)
@@ -131,8 +134,8 @@ def test_schedules(schedule, mid, end):
 def test_tokens_per_s_excludes_a_slow_checkpoint(train_corpus, tmp_path, monkeypatch):
     """Each save takes 1000 s on the trainer's clock: neither metrics.jsonl nor the result
     count them, and the two report the same tokens/s (the final table prints the result)."""
-    from sage_train import loop as train_mod
-    from sage_train.checkpoints import Checkpoints
+    from sage_train.run import loop as train_mod
+    from sage_train.store.checkpoints import Checkpoints
 
     offset = [0.0]
     real_clock, real_save = train_mod._clock, Checkpoints.save
@@ -156,7 +159,7 @@ def test_tokens_per_s_excludes_a_slow_checkpoint(train_corpus, tmp_path, monkeyp
 def test_tokens_per_s_excludes_slow_h_t_records(train_corpus, tmp_path, monkeypatch):
     """Recording H_t (a host-side rewrite of damper_h.npz) takes 1000 s a row on the
     trainer's clock: the tokens/s clock does not count it."""
-    from sage_train import loop as train_mod
+    from sage_train.run import loop as train_mod
 
     offset = [0.0]
     real_clock, real_add = train_mod._clock, DamperRecorder.add
@@ -180,7 +183,7 @@ def test_tokens_per_s_excludes_slow_h_t_records(train_corpus, tmp_path, monkeypa
 def test_losses_stay_on_the_device_between_log_rows(train_corpus, tmp_path, monkeypatch):
     """One host fetch per logging interval (plus the first, compiling, step), each bringing
     every loss of its interval: the losses are those of a run that logs every step."""
-    from sage_train import loop as train_mod
+    from sage_train.run import loop as train_mod
 
     fetched: list[int] = []
     real_fetch = train_mod.fetch
@@ -235,7 +238,7 @@ def test_bfloat16_run_trains_with_float32_state(train_corpus, tmp_path):
 def test_peak_memory_is_the_highest_over_the_local_devices(monkeypatch):
     """peak_memory_bytes: the largest allocator peak over the process's local devices;
     None where no device reports memory statistics (the CPU)."""
-    from sage_train import loop as train_mod
+    from sage_train.run import loop as train_mod
 
     class Device:
         def __init__(self, stats):

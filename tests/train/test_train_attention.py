@@ -30,11 +30,10 @@ from train_helpers import config, quiet  # noqa: E402
 
 from sage_optax import placement  # noqa: E402
 from sage_optim import kernels  # noqa: E402
-from sage_train import model as model_mod  # noqa: E402
-from sage_train import rundir  # noqa: E402
 from sage_train.cli import configs, main, parse_args  # noqa: E402
-from sage_train.errors import ConfigError, RunDirError  # noqa: E402
-from sage_train.model import (  # noqa: E402
+from sage_train.job.errors import ConfigError, RunDirError  # noqa: E402
+from sage_train.model import llama as model_mod  # noqa: E402
+from sage_train.model.llama import (  # noqa: E402
     Llama,
     attention_choice,
     attention_implementation,
@@ -44,9 +43,10 @@ from sage_train.model import (  # noqa: E402
     loss_fn,
     reference_attention,
 )
-from sage_train.model_shapes import MODELS  # noqa: E402
-from sage_train.run import implementations  # noqa: E402
-from sage_train.train import train  # noqa: E402
+from sage_train.model.shapes import MODELS  # noqa: E402
+from sage_train.run.resolve import implementations  # noqa: E402
+from sage_train.run.train import train  # noqa: E402
+from sage_train.store import rundir  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -61,7 +61,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 @pytest.fixture
 def cpu_mesh(monkeypatch):
     """The trainer's mesh on the CPU devices, on any host (a GPU host's too: gpu-check)."""
-    from sage_train import sharding
+    from sage_train.model import sharding
 
     monkeypatch.setattr(sharding, "mesh_devices", lambda: jax.devices("cpu"))
 
@@ -370,7 +370,7 @@ def test_sage_kernels_off_records_jnp(train_corpus, tmp_path, monkeypatch):
 def test_attention_is_checked_on_resume(train_corpus, tmp_path, monkeypatch):
     """attention is a MATH_FIELD: a run recorded with cuDNN's attention is not continued with
     XLA's unless allowed."""
-    from sage_train import steps as train_mod
+    from sage_train.run import steps as train_mod
 
     assert {"attention", "sinkgd_kernel"} <= set(rundir.MATH_FIELDS)
     seen: list[str] = []

@@ -1,4 +1,4 @@
-"""Tests of sage_train.corpus (the offline ``installed`` corpus) and the mid-size models.
+"""Tests of sage_train.data.corpus (the offline ``installed`` corpus) and the mid-size models.
 
 Every build here reads small trees made in a temporary folder (the roots are injectable); the
 real machine's listing is read once, a few files per root, and never tokenized.
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from corpus_helpers import make_tree
 
-from sage_train import corpus, data, token_store
-from sage_train.model_shapes import MODELS
+from sage_train.data import corpus, token_store
+from sage_train.data import pipeline as data
+from sage_train.model.shapes import MODELS
 
 VOCAB = 300
 
@@ -325,7 +326,7 @@ def test_mid_models_flax_parameters_match_the_count():
     import jax
 
     from sage_optax.routing import iter_leaves
-    from sage_train.model import abstract_params
+    from sage_train.model.llama import abstract_params
 
     for name in ("20m", "60m"):
         leaves = [x for _, x in iter_leaves(abstract_params(MODELS[name]))]

@@ -1,4 +1,4 @@
-"""A cut of a corpus (sage_train.cut, ``sage-repro cut-data``): whole documents of each
+"""A cut of a corpus (sage_train.data.cut, ``sage-repro cut-data``): whole documents of each
 side within the budget, a draw independent of the corpus order, every file checked on load.
 
 The corpus is a small synthetic tree (tests/corpus_helpers.py) read as the ``installed``
@@ -15,8 +15,9 @@ import pytest
 from corpus_helpers import installed_corpus
 
 from sage_repro import sweep
-from sage_train import cut, data
-from sage_train.model_shapes import MODELS
+from sage_train.data import cut
+from sage_train.data import pipeline as data
+from sage_train.model.shapes import MODELS
 
 VOCAB = MODELS["tiny"].vocab_size
 

@@ -1,4 +1,4 @@
-"""Tests of sage_train.data: embedded corpus, local BPE, cache, token files, batches."""
+"""Tests of sage_train.data.pipeline: embedded corpus, local BPE, cache, token files, batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from sage_train import data
+from sage_train.data import pipeline as data
 
 MAX_BYTES = 300_000
 VOCAB = 512

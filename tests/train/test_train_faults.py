@@ -22,13 +22,13 @@ pytest.importorskip("orbax.checkpoint")
 
 from train_helpers import config, quiet  # noqa: E402
 
-from sage_train import data as data_lib  # noqa: E402
-from sage_train import rundir  # noqa: E402
-from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 from sage_train.cli import build_parser, main  # noqa: E402
-from sage_train.errors import ConfigError, DataError, RunDirError, RunFileError  # noqa: E402
-from sage_train.signals import INTERRUPTED, PREEMPTED, StopSignals  # noqa: E402
-from sage_train.train import TrainConfig, check_config, train  # noqa: E402
+from sage_train.data import pipeline as data_lib  # noqa: E402
+from sage_train.job.errors import ConfigError, DataError, RunDirError, RunFileError  # noqa: E402
+from sage_train.job.signals import INTERRUPTED, PREEMPTED, StopSignals  # noqa: E402
+from sage_train.run.train import TrainConfig, check_config, train  # noqa: E402
+from sage_train.store import rundir  # noqa: E402
+from sage_train.store.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 
@@ -209,7 +209,7 @@ def test_the_run_dir_is_never_part_of_the_corpus(train_corpus, tmp_path, monkeyp
 
 def test_a_token_cache_with_ids_beyond_the_vocabulary_is_named(train_corpus, tmp_path,
                                                                monkeypatch):
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     monkeypatch.setenv("SAGE_CACHE_DIR", str(tmp_path / "cache"))  # a cache of its own
     cfg = config(train_corpus, tmp_path / "run")
@@ -364,7 +364,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_last_one_resumes(tm
 
 def test_a_full_disk_while_h_t_is_written_is_one_line(train_corpus, tmp_path, monkeypatch,
                                                      capsys):
-    from sage_train import diagnostics
+    from sage_train.run import diagnostics
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")

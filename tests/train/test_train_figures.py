@@ -1,4 +1,4 @@
-"""sage_train.figures: the PCA of H_t against an independent computation, and the figures."""
+"""sage_train.store.figures: the PCA of H_t against an independent computation, and the figures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from sage_train import figures  # noqa: E402
+from sage_train.store import figures  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

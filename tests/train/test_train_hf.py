@@ -24,13 +24,13 @@ from flax import nnx  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 from train_helpers import config, quiet  # noqa: E402
 
-from sage_train import data as data_lib  # noqa: E402
-from sage_train import hf_convert  # noqa: E402
-from sage_train import steps as train_mod  # noqa: E402
-from sage_train.checkpoints import Checkpoints  # noqa: E402
 from sage_train.cli import main  # noqa: E402
-from sage_train.errors import ConfigError, DataError, RunDirError  # noqa: E402
-from sage_train.sharding import make_mesh, state_shardings  # noqa: E402
+from sage_train.data import pipeline as data_lib  # noqa: E402
+from sage_train.hf import convert as hf_convert  # noqa: E402
+from sage_train.job.errors import ConfigError, DataError, RunDirError  # noqa: E402
+from sage_train.model.sharding import make_mesh, state_shardings  # noqa: E402
+from sage_train.run import steps as train_mod  # noqa: E402
+from sage_train.store.checkpoints import Checkpoints  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache", "torch_one_thread")
 
@@ -202,7 +202,7 @@ def test_export_refusals_are_one_line_and_write_nothing(exported, tmp_path, caps
 
 
 def test_config_mismatches_reads_transformers_defaults():
-    from sage_train.model_shapes import get_model_config
+    from sage_train.model.shapes import get_model_config
 
     tiny = get_model_config("tiny")
     fields = hf_convert.hf_config_fields(tiny) | {"model_type": "llama"}
@@ -274,7 +274,7 @@ def test_an_export_replaces_the_weights_and_tokenizer_as_a_whole(exported, tmp_p
     got = hf_convert.load_weights(earlier)
     assert all(np.array_equal(got[k], weights[k]) for k in weights)
     # a run without a tokenizer exported into an earlier export: no tokenizer left behind
-    from sage_train import export
+    from sage_train.run import export
 
     monkeypatch.setattr(export, "_tokenizer_json",
                         lambda *a: (None, "none: the run was trained on token ids"))

@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("flax")
 
-from sage_train import config as config_mod  # noqa: E402
-from sage_train import run as run_mod  # noqa: E402
-from sage_train import rundir  # noqa: E402
 from sage_train.cli import build_parser, configs, main, parse_args  # noqa: E402
+from sage_train.run import config as config_mod  # noqa: E402
+from sage_train.run import resolve as run_mod  # noqa: E402
+from sage_train.store import rundir  # noqa: E402
 
 COUNTED = {f.__code__: f.__name__ for f in (
-    config_mod.check_config, config_mod.check_init_from_hf, run_mod.implementations)}
+    config_mod.check_config, run_mod.check_init_from_hf, run_mod.implementations)}
 
 
 def test_one_call_checks_each_configuration_once(train_corpus, tmp_path):

@@ -12,8 +12,8 @@ nnx = pytest.importorskip("flax.nnx")
 from sage_optax import routing_table  # noqa: E402
 from sage_optax.routing import iter_leaves  # noqa: E402
 from sage_repro.llama_shapes import llama_param_shapes  # noqa: E402
-from sage_train import hf_convert  # noqa: E402
-from sage_train.model import (  # noqa: E402
+from sage_train.hf import convert as hf_convert  # noqa: E402
+from sage_train.model.llama import (  # noqa: E402
     Llama,
     abstract_params,
     chunked_cross_entropy,
@@ -22,7 +22,7 @@ from sage_train.model import (  # noqa: E402
     reference_attention,
     stack_layers,
 )
-from sage_train.model_shapes import MODELS  # noqa: E402
+from sage_train.model.shapes import MODELS  # noqa: E402
 
 TINY = MODELS["tiny"]
 CONFIGS = {

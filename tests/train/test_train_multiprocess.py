@@ -32,11 +32,12 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
-from sage_train import data as data_lib  # noqa: E402
-from sage_train import distributed, rundir  # noqa: E402
-from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
-from sage_train.errors import ConfigError  # noqa: E402
-from sage_train.signals import PREEMPTED  # noqa: E402
+from sage_train.data import pipeline as data_lib  # noqa: E402
+from sage_train.job import distributed  # noqa: E402
+from sage_train.job.errors import ConfigError  # noqa: E402
+from sage_train.job.signals import PREEMPTED  # noqa: E402
+from sage_train.store import rundir  # noqa: E402
+from sage_train.store.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 20
@@ -236,10 +237,10 @@ def test_the_optimizer_state_across_processes_matches_one_process(jobs, sharding
     SAGE's mean over the vocabulary, SinkGD's norms and the gradient's global norm reduce
     across the two processes (under FSDP over shards that live on both).
     """
-    from sage_train.model_shapes import get_model_config
-    from sage_train.resume import abstract_state as _abstract_state
-    from sage_train.sharding import make_mesh
-    from sage_train.train import TrainConfig
+    from sage_train.model.shapes import get_model_config
+    from sage_train.model.sharding import make_mesh
+    from sage_train.run.resume import abstract_state as _abstract_state
+    from sage_train.run.train import TrainConfig
 
     cfg = TrainConfig(model="tiny", optimizer="sage-hybrid", steps=STEPS, sharding=sharding)
     like = _abstract_state(cfg, get_model_config("tiny").vocab_size, make_mesh(sharding))
@@ -530,7 +531,7 @@ def test_a_second_sigterm_always_ends_the_process():
     """A process stuck where the first SIGTERM is never polled (a collective another
     process never joins: once alive 10 minutes later) ends on the second, status 75."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom sage_train.signals import StopSignals\n"
+        [sys.executable, "-c", "import time\nfrom sage_train.job.signals import StopSignals\n"
          "with StopSignals():\n    print('ready', flush=True)\n    time.sleep(60)"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert child.stdout.readline() == "ready\n"

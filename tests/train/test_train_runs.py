@@ -23,11 +23,11 @@ pytest.importorskip("orbax.checkpoint")
 
 from train_helpers import config, quiet  # noqa: E402
 
-from sage_train import rundir  # noqa: E402
-from sage_train.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 from sage_train.cli import build_parser, main  # noqa: E402
-from sage_train.errors import CheckpointError, ConfigError, RunDirError  # noqa: E402
-from sage_train.train import TrainConfig, run_losses, train  # noqa: E402
+from sage_train.job.errors import CheckpointError, ConfigError, RunDirError  # noqa: E402
+from sage_train.run.train import TrainConfig, run_losses, train  # noqa: E402
+from sage_train.store import rundir  # noqa: E402
+from sage_train.store.checkpoints import MANIFEST, Checkpoints  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -122,8 +122,8 @@ def test_loss_chunk_reaches_the_loss_and_is_recorded(
     """--loss-chunk auto with its thresholds lowered to this run's size: the loss is chunked
     (64 tokens of 256), recorded resolved in config.json, the losses are the unchunked
     run's; a rerun with another chunk is refused."""
-    from sage_train import config as train_mod
-    from sage_train import model as model_mod
+    from sage_train.model import llama as model_mod
+    from sage_train.run import config as train_mod
 
     monkeypatch.setattr(train_mod, "LOSS_CHUNK_AUTO_BYTES", 1 << 18)
     monkeypatch.setattr(train_mod, "LOSS_CHUNK_TARGET_BYTES", 1 << 18)  # 64 x 1024 x 4 B
@@ -190,7 +190,7 @@ def test_a_change_between_the_sampled_pieces_is_refused(tmp_path):
     cfg = config(None, tmp_path / "run", data=str(data), steps=4, checkpoint_every=2,
                  eval_every=2)
     quiet(cfg, stop_after=2)
-    from sage_train import data as data_lib
+    from sage_train.data import pipeline as data_lib
 
     before = data_lib.load_data(str(data), vocab_size=1024)
     sampled, full = data_lib.fingerprint(before), data_lib.content_hash(before)
@@ -207,7 +207,7 @@ def test_a_change_between_the_sampled_pieces_is_refused(tmp_path):
 
 
 def test_the_content_hash_is_cached_by_size_and_times(tmp_path, monkeypatch):
-    from sage_train import data as data_lib
+    from sage_train.data import pipeline as data_lib
 
     path = tmp_path / "tokens.u16"
     np.arange(5000, dtype=np.uint16).tofile(path)
@@ -263,7 +263,7 @@ def test_start_up_removes_a_manifest_write_killed_before_its_rename(tmp_path):
 
 HOLD_LOCK = """
 import pathlib, sys
-from sage_train.rundir import RunLock
+from sage_train.store.rundir import RunLock
 RunLock(pathlib.Path(sys.argv[1])).acquire()
 print("locked", flush=True)
 sys.stdin.read()
@@ -355,7 +355,7 @@ import jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[3])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from orbax.checkpoint._src.path import async_path
-from sage_train.train import TrainConfig, train
+from sage_train.run.train import TrainConfig, train
 
 rename = async_path.rename
 

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from sage_train.model_shapes import LlamaConfig, get_model_config, load_model_file
+from sage_train.model.shapes import LlamaConfig, get_model_config, load_model_file
 
 SHAPE = {"name": "odd", "vocab_size": 512, "hidden_size": 48, "intermediate_size": 80,
          "num_layers": 1, "num_heads": 3, "num_kv_heads": 1, "max_position_embeddings": 64}
@@ -49,8 +49,8 @@ def test_a_bad_model_file_is_one_line(tmp_path, change, words):
 def test_the_trainer_takes_the_shape(tmp_path):
     pytest.importorskip("flax")
     from sage_train.cli import parse_args
-    from sage_train.errors import ConfigError
-    from sage_train.train import TrainConfig, check_config
+    from sage_train.job.errors import ConfigError
+    from sage_train.run.train import TrainConfig, check_config
 
     path = tmp_path / "shape.json"
     path.write_text(json.dumps(SHAPE))
@@ -80,9 +80,9 @@ def test_init_from_any_transformers_llama_then_sample(train_corpus, tmp_path, ca
     from flax import nnx
     from tokenizers import Tokenizer
 
-    from sage_train import data as data_lib
-    from sage_train import export
     from sage_train.cli import main
+    from sage_train.data import pipeline as data_lib
+    from sage_train.run import export
 
     torch.manual_seed(0)
     hf_dir = tmp_path / "llama"

@@ -27,9 +27,9 @@ import pytest
 
 pytest.importorskip("orbax.checkpoint")
 
-from sage_train import rundir  # noqa: E402
-from sage_train.checkpoints import Checkpoints  # noqa: E402
-from sage_train.signals import INTERRUPTED, PREEMPTED  # noqa: E402
+from sage_train.job.signals import INTERRUPTED, PREEMPTED  # noqa: E402
+from sage_train.store import rundir  # noqa: E402
+from sage_train.store.checkpoints import Checkpoints  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 120

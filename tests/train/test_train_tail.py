@@ -15,9 +15,9 @@ import json
 import pytest
 from train_helpers import config, quiet
 
-from sage_train.config import TrainConfig, check_config
-from sage_train.errors import ConfigError, RunDirError
-from sage_train.steps import describe_schedule, lr_schedule
+from sage_train.job.errors import ConfigError, RunDirError
+from sage_train.run.config import TrainConfig, check_config
+from sage_train.run.steps import describe_schedule, lr_schedule
 
 PEAK = 2e-3  # sage-hybrid's preset rate
 

@@ -22,13 +22,13 @@ from train_helpers import config, quiet  # noqa: E402
 
 import sage_optax  # noqa: E402
 from sage_optim.table import format_bytes  # noqa: E402
-from sage_train import loop as train_mod  # noqa: E402
-from sage_train import report, rundir  # noqa: E402
-from sage_train import steps as steps_mod  # noqa: E402
-from sage_train import train as train_api  # noqa: E402
 from sage_train.cli import configs, main, parse_args  # noqa: E402
-from sage_train.errors import ConfigError, RunDirError  # noqa: E402
-from sage_train.train import TrainConfig, check_config  # noqa: E402
+from sage_train.job.errors import ConfigError, RunDirError  # noqa: E402
+from sage_train.run import loop as train_mod  # noqa: E402
+from sage_train.run import steps as steps_mod  # noqa: E402
+from sage_train.run import train as train_api  # noqa: E402
+from sage_train.run.train import TrainConfig, check_config  # noqa: E402
+from sage_train.store import report, rundir  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("token_cache")
 

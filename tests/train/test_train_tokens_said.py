@@ -3,7 +3,7 @@ the first run on a new text trained a BPE silently and never named its cache fol
 
 from __future__ import annotations
 
-from sage_train import data as data_lib
+from sage_train.data import pipeline as data_lib
 
 
 def test_a_new_text_says_it_trains_a_tokenizer_and_where_it_caches(tmp_path, monkeypatch):

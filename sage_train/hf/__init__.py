@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints: conversion to and from the trainer's model."""

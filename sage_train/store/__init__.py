@@ -1,0 +1,1 @@
+"""What a run keeps on disk: the run directory, its reports, checkpoints and figures."""
