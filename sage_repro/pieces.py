@@ -40,7 +40,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any
 
 from sage_optim.presets import CONFIG_NAMES, get_preset
@@ -210,7 +210,7 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check_fields(obj: Mapping[str, Any], prefix: str, kind: str, known: set[str],
+def _check_fields(obj: Mapping[str, Any], prefix: str, kind: str, known: Set[str],
                   required: Sequence[str]) -> None:
     """Refuse an unknown field of ``obj``, then a missing one of ``required`` (in its order).
 

@@ -797,7 +797,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plan", type=pathlib.Path, default=None, metavar="NAME|FILE",
                    help="with --piece: a plan of pieces ('paper', 'grid' or a JSON file) "
                    "instead of the paper's")
-    s.add_argument("--model", default="small", choices=list(MODELS), help="LLaMA size")
+    s.add_argument("--model", default="small", choices=list(MODELS), metavar="NAME",
+                   help=f"LLaMA size: {', '.join(MODELS)}")
     s.add_argument("--data", default=None,
                    help="sage-train --data (a text folder or file, a token file, or a corpus "
                    "name such as installed); default: the trainer's, the standard library")
@@ -874,9 +875,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", default=None,
                    help="the corpus to cut (sage-train --data), or a pack (sage_train.data.pack: "
                    "cut whole; default: installed, with --plan the plan's pack)")
-    c.add_argument("--model", default=None, choices=list(MODELS),
-                   help="the model whose vocabulary the corpus is tokenized with (default: "
-                   "20m, with --plan the plan's)")
+    c.add_argument("--model", default=None, choices=list(MODELS), metavar="NAME",
+                   help=f"the model whose vocabulary the corpus is tokenized with "
+                   f"({', '.join(MODELS)}; default: 20m, with --plan the plan's)")
     c.add_argument("--plan", type=pathlib.Path, default=None, metavar="NAME|FILE",
                    help="cut the data of this plan of pieces ('grid': its committed pack) and "
                    "check the cut's fingerprint against the plan's")
