@@ -4,12 +4,14 @@ Runs trained together (three runs dealt to two processes: the first process trai
 in turn) give the same losses and test perplexities, to the last bit, as each run trained
 in a process of its own; each trainer process gets its share of the device's memory; a
 SIGTERM reaches every process; the option and the dry run's assumed speedup are refused in
-one line where they do nothing.
+one line where they do nothing; the GPU's measurement (:mod:`sage_repro.together_check`)
+runs on the tiny model and compares by hand.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +19,7 @@ import sys
 
 import pytest
 
-from sage_repro import sweep
+from sage_repro import sweep, together_check
 
 TINY = ["--model", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
         "--eval-every", "2", "--eval-batches", "1", "--log-every", "1",
@@ -42,15 +44,17 @@ def _runs(out):
 
 
 def test_runs_together_equal_runs_alone_to_the_last_bit(tmp_path, capsys):
-    alone, together = tmp_path / "alone", tmp_path / "together"
-    assert sweep.main(["sweep", "--out", str(alone), *TINY, "--", "--sharding", "none"]) == 0
-    capsys.readouterr()
-    assert sweep.main(["sweep", "--out", str(together), "--together", "2", *TINY,
-                       "--", "--sharding", "none"]) == 0
+    """The GPU's measurement (sage_repro.together_check) on the tiny model: three runs each in
+    a trainer process of its own, then the same three with --together 2."""
+    check = tmp_path / "check"
+    assert together_check.main([str(check), "--together", "2", "--baseline", "processes",
+                                "--shared-cache", "--", *TINY, "--", "--sharding", "none"]) == 0
     printed = capsys.readouterr().out
     assert "training in trainer process 1 of 2 at once" in printed
     assert "training in trainer process 2 of 2 at once" in printed
     assert "runs: 3 started, 0 resumed, 0 skipped" in printed
+    alone, together = check / "alone", check / "together"
+    assert not (alone / "batch-jobs-1.json").exists()  # one process per run there
     # the first process trained the first and third runs, the second the second
     lanes = [json.loads((together / f"batch-jobs-{k}.json").read_text()) for k in (1, 2)]
     assert [len(jobs) for jobs in lanes] == [2, 1]
@@ -64,10 +68,27 @@ def test_runs_together_equal_runs_alone_to_the_last_bit(tmp_path, capsys):
     for seg in together.rglob("sweep.jsonl"):
         (record,) = [json.loads(x) for x in seg.read_text().splitlines()]
         assert record["together"] == 2 and record["outcome"] == "finished"
+    result = json.loads((check / "together-check.json").read_text())
+    assert [r["identical"] for r in result["runs"]] == [True] * 3
+    assert result["speedup"] > 0 and result["alone"]["runs"] == result["together"]["runs"] == 3
+    assert "bit-identical: 3" in (check / "together-check.md").read_text()
     capsys.readouterr()
     assert sweep.main(["sweep", "--out", str(together), "--together", "2", *TINY,
                        "--", "--sharding", "none"]) == 0  # again: nothing to train
     assert "runs: 0 started, 0 resumed, 3 skipped" in capsys.readouterr().out
+
+
+def test_the_check_compares_by_hand():
+    run = {"evals": {"ppl": [10.0, 8.0]}, "losses": [[1, 3.0], [2, 2.0]]}
+    off = {"evals": {"ppl": [10.0, 8.004]}, "losses": [[1, 3.0], [2, 2.0]]}
+    short = {"evals": {"ppl": [10.0]}, "losses": [[1, 3.0], [2, 2.0]]}
+    rows = together_check.compare({"a": run, "b": run, "c": run},
+                                  {"a": run, "b": off, "c": short, "d": run})
+    assert [r["run"] for r in rows] == ["a", "b", "c"]  # only runs of both halves
+    assert [r["identical"] for r in rows] == [True, False, False]
+    assert rows[0]["max_rel_diff"] == 0.0
+    assert rows[1]["max_rel_diff"] == pytest.approx(0.004 / 8.004)
+    assert rows[2]["max_rel_diff"] == math.inf
 
 
 def test_each_process_gets_its_share_of_the_memory(tmp_path, monkeypatch):
@@ -101,9 +122,9 @@ def test_a_preemption_reaches_every_process_at_once():
         child.stdout.close()
 
 
-def _status(argv):
+def _status(argv, main=sweep.main):
     try:
-        return sweep.main(argv)
+        return main(argv)
     except SystemExit as e:  # argparse's own errors
         return e.code
 
@@ -140,3 +161,16 @@ def test_the_dry_run_says_the_speedup_is_assumed(capsys):
         return float(text.split("in all ")[1].split(" min")[0])
 
     assert minutes(faster) == pytest.approx(minutes(plain) / 2, abs=0.1)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--together", "1", "--", "--model", "tiny"], "argument --together: must be an integer >= 2"),
+    ([], "give the sweep's options after --"),
+    (["--", "--together", "3"], "--together after -- is set by the check itself"),
+    (["--", "--out=x"], "--out after -- is set by the check itself"),
+])
+def test_the_checks_refusals_are_one_line(tmp_path, capsys, args, message):
+    assert _status([str(tmp_path / "check"), *args], together_check.main) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "check").exists()
