@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import sys
 import pytest
 
 from sage_repro import sweep, together_check
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TINY = ["--model", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "16",
         "--eval-every", "2", "--eval-batches", "1", "--log-every", "1",
@@ -174,3 +177,16 @@ def test_the_checks_refusals_are_one_line(tmp_path, capsys, args, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "check").exists()
+
+
+def test_paper_piece_passes_paper_piece_together_on(tmp_path):
+    """``PAPER_PIECE_TOGETHER=N scripts/paper-piece``: the sweep gets ``--together N`` (here
+    a refused 0, which the sweep names in one line before it trains anything)."""
+    env = {**os.environ, "PYTHON": sys.executable, "PAPER_PIECE_TOGETHER": "0",
+           "PAPER_PIECE_RUNS": str(tmp_path / "runs")}
+    proc = subprocess.run([str(ROOT / "scripts" / "paper-piece"), "p1", str(tmp_path / "OUT")],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "argument --together: must be an integer >= 1, got '0'" in proc.stdout
+    assert "paper-piece: p1 exit 2" in proc.stdout
+    assert not (tmp_path / "runs").exists()
