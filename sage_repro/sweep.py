@@ -494,7 +494,8 @@ def conclude(out: pathlib.Path, protocol: Protocol, spec: RunSpec, before: repor
     """A trained run's outcome, from its exit status and stderr, recorded in ``sweep.jsonl``.
 
     ``together``: the trainer processes that shared the device with it (``--together``;
-    recorded as ``together``: its tokens/s is its share of the device).
+    recorded as ``together``, also in its environment, which the report describes: its
+    tokens/s is its share of the device).
 
     Raises:
       SweepError: the trainer refused the run (exit status 2: its one-line reason).
@@ -524,7 +525,8 @@ def conclude(out: pathlib.Path, protocol: Protocol, spec: RunSpec, before: repor
               "returncode": rc, "outcome": outcome, "reason": detail, "step": step,
               "wall_s": round(wall_s, 3),
               "max_rss_bytes": max_rss_bytes,  # Linux reports KiB: times 1024
-              "environment": info, "argv": list(cmd[1:])}
+              "environment": info if together is None else {**info, "together": together},
+              "argv": list(cmd[1:])}
     if together is not None:
         record["together"] = together
     from sage_train.store.rundir import append_line

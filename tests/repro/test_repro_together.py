@@ -71,6 +71,9 @@ def test_runs_together_equal_runs_alone_to_the_last_bit(tmp_path, capsys):
     for seg in together.rglob("sweep.jsonl"):
         (record,) = [json.loads(x) for x in seg.read_text().splitlines()]
         assert record["together"] == 2 and record["outcome"] == "finished"
+    # the report says the runs shared the device (their tokens/s is a share)
+    assert "shared by 2 trainer processes at once" in (together / "results.md").read_text()
+    assert "shared by" not in (alone / "results.md").read_text()
     result = json.loads((check / "together-check.json").read_text())
     assert [r["identical"] for r in result["runs"]] == [True] * 3
     assert result["speedup"] > 0 and result["alone"]["runs"] == result["together"]["runs"] == 3
