@@ -569,8 +569,11 @@ def estimate(protocol: sweep_spec.Protocol, piece: Piece, tflops: float,
 
 
 def dry_run(plan: PiecePlan, names: Sequence[str], tflops: float | None, overhead_s: float,
-            say: Callable[[str], None]) -> None:
-    """Print the runs of the pieces ``names`` and, with ``tflops``, each one's planned time."""
+            say: Callable[[str], None], speedup: float | None = None) -> None:
+    """Print the runs of the pieces ``names`` and, with ``tflops``, each one's planned time.
+
+    ``speedup`` (``--assume-together``): each piece's time divided by it, said to be assumed.
+    """
     p = plan.protocol
     n = get_model_config(p.model).param_count()
     train, evals = run_flops(p)
@@ -582,6 +585,10 @@ def dry_run(plan: PiecePlan, names: Sequence[str], tflops: float | None, overhea
     if tflops is not None:
         say(f"ESTIMATE, not a measurement: {tflops:g} TFLOP/s achieved, {overhead_s:g} s a run "
             f"for start-up, compilation and checkpoints, {PIECE_OVERHEAD_S:g} s a piece")
+        if speedup is not None:
+            say(f"ASSUMED, not measured: --together runs each piece {speedup:g}x faster "
+                "(--assume-together)")
+    scale = 1.0 if speedup is None else 1.0 / speedup
     total = 0.0
     for name in names:
         piece = plan.piece(name)
@@ -597,12 +604,13 @@ def dry_run(plan: PiecePlan, names: Sequence[str], tflops: float | None, overhea
                 f"{n} run{'' if n == 1 else 's'}, seed {'/'.join(map(str, piece.seeds))}, "
                 f"{what}")
         if tflops is not None:
-            seconds = estimate(p, piece, tflops, overhead_s)
+            seconds = estimate(p, piece, tflops, overhead_s) * scale
             total += seconds
             line += f": {seconds / 60:.1f} min"
         say(line)
     if tflops is not None and len(names) > 1:
-        calls = pack_calls([estimate(p, plan.piece(n), tflops, overhead_s) for n in names],
+        calls = pack_calls([estimate(p, plan.piece(n), tflops, overhead_s) * scale
+                            for n in names],
                            [[names.index(d.name) for d in depends(plan, plan.piece(n))
                              if d.name in names] for n in names])
         say(f"in all {total / 60:.1f} min of GPU time, in {len(calls)} GPU calls of at most "

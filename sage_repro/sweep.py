@@ -418,16 +418,20 @@ class Signals(StopSignals):
     SIGINT (Ctrl-C, which the terminal sends to the trainer too) stops the sweep once the
     trainer has stopped; a second one exits at once (the same SIGTERM or SIGUSR1 a second
     time too, after passing it on).  Calling the object names the first signal received.
+    ``children``: the trainer processes running at once (``--together``), each passed them
+    as ``child`` is.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.child: int | None = None
+        self.children: list[int] = []
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if signum != signal.SIGINT and self.child is not None:  # first: a second one exits
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child, signum)
+        if signum != signal.SIGINT:  # first: a second one exits
+            for pid in [*([] if self.child is None else [self.child]), *self.children]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
         super()._handle(signum, frame)
 
 
@@ -485,8 +489,13 @@ def run_one(out: pathlib.Path, protocol: Protocol, spec: RunSpec, signals: Signa
 
 def conclude(out: pathlib.Path, protocol: Protocol, spec: RunSpec, before: report.RunRecord,
              cmd: Sequence[str], info: dict[str, Any], rc: int, err: pathlib.Path,
-             offset: int, started: str, wall_s: float, max_rss_bytes: int) -> Outcome:
+             offset: int, started: str, wall_s: float, max_rss_bytes: int,
+             together: int | None = None) -> Outcome:
     """A trained run's outcome, from its exit status and stderr, recorded in ``sweep.jsonl``.
+
+    ``together``: the trainer processes that shared the device with it (``--together``;
+    recorded as ``together``, also in its environment, which the report describes: its
+    tokens/s is its share of the device).
 
     Raises:
       SweepError: the trainer refused the run (exit status 2: its one-line reason).
@@ -516,7 +525,10 @@ def conclude(out: pathlib.Path, protocol: Protocol, spec: RunSpec, before: repor
               "returncode": rc, "outcome": outcome, "reason": detail, "step": step,
               "wall_s": round(wall_s, 3),
               "max_rss_bytes": max_rss_bytes,  # Linux reports KiB: times 1024
-              "environment": info, "argv": list(cmd[1:])}
+              "environment": info if together is None else {**info, "together": together},
+              "argv": list(cmd[1:])}
+    if together is not None:
+        record["together"] = together
     from sage_train.store.rundir import append_line
 
     append_line(group / report.SEGMENTS, json.dumps(record))
@@ -630,16 +642,54 @@ def _say_outcome(where: str, result: Outcome, record: report.RunRecord,
 
 
 BATCH_JOBS = "batch-jobs.json"
-"""``--one-process``: the jobs file of :mod:`sage_repro.batch`, in the sweep's folder."""
+"""``--one-process``: the jobs file of :mod:`sage_repro.batch`, in the sweep's folder
+(``--together N``: ``batch-jobs-K.json`` for the trainer process ``K`` of ``N``)."""
+
+TOGETHER_MEMORY = 0.9
+"""``--together N``: the share of the device's memory the ``N`` trainer processes may take in
+all (each ``TOGETHER_MEMORY / N``: ``XLA_PYTHON_CLIENT_MEM_FRACTION``, unless set)."""
+
+
+def together_environment(out: pathlib.Path, lanes: int) -> dict[str, str]:
+    """The environment of each of ``lanes`` trainer processes sharing one device.
+
+    :func:`child_environment` (one persistent compilation cache for all of them), with
+    JAX's preallocation off and each process's share of the device's memory capped at
+    ``TOGETHER_MEMORY / lanes`` (``XLA_PYTHON_CLIENT_PREALLOCATE``,
+    ``XLA_PYTHON_CLIENT_MEM_FRACTION``; values already set are kept).  One process
+    (``lanes == 1``) keeps JAX's defaults.
+    """
+    env = child_environment(out)
+    if lanes > 1:
+        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{TOGETHER_MEMORY / lanes:.3f}")
+    return env
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], signals: Signals) -> list[int]:
+    """The exit statuses of ``procs``, each passed the signals the sweep receives meanwhile."""
+    signals.children = [proc.pid for proc in procs]
+    if (name := signals()) in ("SIGTERM", "SIGUSR1"):  # arrived as they started
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, getattr(signal, str(name)))
+    try:
+        return [os.waitstatus_to_exitcode(os.wait4(proc.pid, 0)[1]) for proc in procs]
+    finally:
+        signals.children = []
 
 
 def run_batch(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec],
               signals: Signals, env: Callable[[], dict[str, Any]],
-              say: Callable[[str], None]) -> list[Outcome]:
-    """Run ``specs`` in order in one trainer process (:mod:`sage_repro.batch`).
+              say: Callable[[str], None], together: int = 1) -> list[Outcome]:
+    """Run ``specs`` in one trainer process (:mod:`sage_repro.batch`), or in ``together``.
 
     The same outcomes and records as :func:`run_all` run by run, except that the peak
-    memory and resident set of a run are the process's so far.
+    memory and resident set of a run are its process's so far.  With ``together`` ``N >
+    1`` the runs still to train are dealt to ``N`` trainer processes in turn (run ``i`` to
+    process ``i mod N``), which run at once on the device (:func:`together_environment`),
+    each its runs one after another; each run's math is the same as alone (its own process,
+    program and data order), its tokens/s is its share of the device.
     """
     outcomes, pending = _batch_pending(out, protocol, specs, say)
     if not pending:
@@ -648,52 +698,58 @@ def run_batch(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec],
     if signals() is not None:
         return [*outcomes, *(Outcome("skipped", "stopped", f"not started: {signals()}")
                              for _ in pending)]
+    lanes = max(1, min(together, len(pending)))
     started = _now()
-    jobs = []
-    for where, spec, before, group, err, _ in pending:
+    jobs: list[list[dict[str, Any]]] = [[] for _ in range(lanes)]
+    for i, (where, spec, before, group, err, _) in enumerate(pending):
         argv = protocol.trainer_argv(spec, group)
+        how = ("--one-process" if lanes == 1 else
+               f"--together {together}, process {i % lanes + 1} of {lanes}")
         with open(group / "train.log", "ab") as f:
-            f.write(f"# sage-repro sweep --one-process, {started}: {shlex.join(argv)}\n"
-                    .encode())
-        say(f"{where}: {'resuming' if before.step_reached else 'training'} in the sweep's "
-            f"one trainer process (log: {group / 'train.log'})")
-        jobs.append({"argv": argv, "log": str(group / "train.log"), "err": str(err),
-                     "exit": str(group / "batch-exit.json")})
+            f.write(f"# sage-repro sweep {how}, {started}: {shlex.join(argv)}\n".encode())
+        doing = "resuming" if before.step_reached else "training"
+        say(f"{where}: {doing} in the sweep's one trainer process (log: {group / 'train.log'})"
+            if lanes == 1 else
+            f"{where}: {doing} in trainer process {i % lanes + 1} of {lanes} at once "
+            f"(log: {group / 'train.log'})")
+        jobs[i % lanes].append({"argv": argv, "log": str(group / "train.log"),
+                                "err": str(err), "exit": str(group / "batch-exit.json")})
     from sage_train.store.rundir import atomic_write_text
 
-    atomic_write_text(out / BATCH_JOBS, json.dumps(jobs, indent=1) + "\n")
-    cmd = [sys.executable, "-m", "sage_repro.batch", str(out / BATCH_JOBS)]
-    with open(out / "batch.log", "ab") as log_f:
-        proc = subprocess.Popen(cmd, stdout=log_f, stderr=subprocess.STDOUT,
-                                env=child_environment(out))
-        signals.child = proc.pid
-        if (name := signals()) in ("SIGTERM", "SIGUSR1"):
-            os.kill(proc.pid, getattr(signal, str(name)))
-        try:
-            _, status, _ = os.wait4(proc.pid, 0)
-        finally:
-            signals.child = None
-    rc = os.waitstatus_to_exitcode(status)
-    for job, (where, spec, before, group, err, offset) in zip(jobs, pending, strict=True):
+    names = ([(BATCH_JOBS, "batch.log")] if lanes == 1 else
+             [(f"batch-jobs-{k + 1}.json", f"batch-{k + 1}.log") for k in range(lanes)])
+    child_env = together_environment(out, lanes)
+    with contextlib.ExitStack() as stack:
+        procs = []
+        for lane, (jobs_name, log_name) in zip(jobs, names, strict=True):
+            atomic_write_text(out / jobs_name, json.dumps(lane, indent=1) + "\n")
+            log_f = stack.enter_context(open(out / log_name, "ab"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "sage_repro.batch", str(out / jobs_name)],
+                stdout=log_f, stderr=subprocess.STDOUT, env=child_env))
+        codes = _wait_all(procs, signals)
+    for i, (where, spec, before, group, err, offset) in enumerate(pending):
+        job = jobs[i % lanes][i // lanes]
         try:
             ended = json.loads((group / "batch-exit.json").read_text())
         except (OSError, ValueError):
-            result = _batch_not_run(out, signals, rc)
+            result = _batch_not_run(out / names[i % lanes][1], signals, codes[i % lanes])
         else:
             argv = [sys.executable, *job["argv"]]
             result = conclude(out, protocol, spec, before, argv, info,
                               int(ended["returncode"]), err, offset, started,
-                              float(ended["wall_s"]), int(ended["max_rss_bytes"]))
+                              float(ended["wall_s"]), int(ended["max_rss_bytes"]),
+                              together=lanes if lanes > 1 else None)
         outcomes.append(result)
         _say_outcome(where, result, read(out, protocol, spec), say)
     return outcomes
 
 
-def _batch_not_run(out: pathlib.Path, signals: Signals, rc: int) -> Outcome:
-    """The outcome of a batch run that the trainer process never reached."""
+def _batch_not_run(log: pathlib.Path, signals: Signals, rc: int) -> Outcome:
+    """The outcome of a batch run that its trainer process (its log ``log``) never reached."""
     detail = (f"not started: {signals()}" if signals() is not None else
               f"not run: the trainer process ended with status {rc} before it "
-              f"(log: {out / 'batch.log'})")
+              f"(log: {log})")
     return Outcome("skipped", "stopped" if signals() is not None else "failed", detail, rc)
 
 
@@ -730,13 +786,14 @@ def _batch_pending(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpe
 
 def run_all(out: pathlib.Path, protocol: Protocol, specs: Sequence[RunSpec], signals: Signals,
             env: Callable[[], dict[str, Any]], say: Callable[[str], None],
-            one_process: bool = False) -> list[Outcome]:
+            one_process: bool = False, together: int = 1) -> list[Outcome]:
     """Run ``specs`` in order, one line each; stop at the first signal.
 
-    ``one_process``: all in one trainer process (:func:`run_batch`).
+    ``one_process``: all in one trainer process (:func:`run_batch`); ``together`` ``N >
+    1``: in ``N`` trainer processes at once on the device, each its share in turn.
     """
-    if one_process:
-        return run_batch(out, protocol, specs, signals, env, say)
+    if one_process or together > 1:
+        return run_batch(out, protocol, specs, signals, env, say, together)
     outcomes = []
     for i, spec in enumerate(specs, 1):
         if signals.received is not None:
@@ -790,6 +847,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--one-process", action="store_true",
                    help="train the runs in one trainer process, one after another (Python "
                    "and JAX start once; a run's peak memory is then the process's so far)")
+    s.add_argument("--together", type=_COUNT, default=1, metavar="N",
+                   help="train the runs in N trainer processes at once on the device, each "
+                   "its share one after another (each capped at 0.9/N of the device's "
+                   "memory; a run's tokens/s is then its share); not measured faster yet: "
+                   "see docs/reproduce.md")
     s.add_argument("--piece", default=None, metavar="NAME",
                    help="train one piece of the plan of pieces (--plan; default: the paper's "
                    "on the 20m model and the cut data/paper-cut), which sets every option of "
@@ -863,6 +925,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--assume-overhead", type=_FINITE, default=None, metavar="SECONDS",
                    help="with --dry-run --piece: seconds a run spends outside its steps "
                    "(start-up, compilation, checkpoints; default 45)")
+    s.add_argument("--assume-together", type=_RATE, default=None, metavar="SPEEDUP",
+                   help="with --dry-run --piece --assume-tflops: pieces run SPEEDUP times "
+                   "faster (--together; an assumption, not a measurement)")
     c = sub.add_parser("cut-data", help="cut a fixed, fingerprinted token set from a corpus, "
                        "to train on the same tokens on every machine",
                        formatter_class=DefaultsFormatter,
@@ -1128,14 +1193,24 @@ def _report(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, trainer_args: list[str]) -> int:
     if args.piece is not None:
         return _piece(args, trainer_args)
-    for name in ("plan", "assume_overhead"):
+    for name in ("plan", "assume_overhead", "assume_together"):
         if getattr(args, name) is not None:
             raise SweepError(f"--{name.replace('_', '-')} goes with --piece")
+    _check_together(args)
     protocol, plan = protocol_and_plan(args, trainer_args)
     if args.dry_run:
         dry_run(protocol, plan, args.assume_tflops, _say)
         return 0
-    return _train(args.out or DEFAULT_OUT, protocol, plan, args.one_process)
+    return _train(args.out or DEFAULT_OUT, protocol, plan, args.one_process, args.together)
+
+
+def _check_together(args: argparse.Namespace) -> None:
+    """Refuse ``--together`` and ``--assume-together`` where they do nothing."""
+    if args.dry_run and args.together > 1:
+        raise SweepError("--together trains runs at once; the dry run trains nothing (its "
+                         "assumed speedup is --assume-together SPEEDUP)")
+    if args.assume_together is not None and (not args.dry_run or args.assume_tflops is None):
+        raise SweepError("--assume-together goes with --dry-run --assume-tflops")
 
 
 def _piece(args: argparse.Namespace, trainer_args: list[str]) -> int:
@@ -1143,12 +1218,14 @@ def _piece(args: argparse.Namespace, trainer_args: list[str]) -> int:
 
     plan = pieces.load_plan(args.plan)
     pieces.check_pinned(args, vars(build_parser().parse_args(["sweep"])))
+    _check_together(args)
     if args.dry_run:
         names = ([p.name for p in plan.pieces] if args.piece == "all" else
                  [plan.piece(args.piece).name])
         overhead = (pieces.RUN_OVERHEAD_S if args.assume_overhead is None else
                     args.assume_overhead)
-        pieces.dry_run(plan, names, args.assume_tflops, overhead, _say)
+        pieces.dry_run(plan, names, args.assume_tflops, overhead, _say,
+                       speedup=args.assume_together)
         return 0
     protocol, sweep_plan = pieces.piece_setup(plan, args.piece, trainer_args)
     if sweep_plan.lrs == ():
@@ -1156,10 +1233,11 @@ def _piece(args: argparse.Namespace, trainer_args: list[str]) -> int:
         return 0
     pieces.check_data(plan, args.piece)
     return _train(args.out or pieces.DEFAULT_RUNS / args.piece, protocol, sweep_plan,
-                  args.one_process)
+                  args.one_process, args.together)
 
 
-def _train(out: pathlib.Path, protocol: Protocol, plan: Plan, one_process: bool = False) -> int:
+def _train(out: pathlib.Path, protocol: Protocol, plan: Plan, one_process: bool = False,
+           together: int = 1) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -1178,7 +1256,7 @@ def _train(out: pathlib.Path, protocol: Protocol, plan: Plan, one_process: bool 
         grid = plan.grid()
         _say(f"sweep: {len(grid)} runs ({len(plan.configs)} configurations x "
              f"{len(plan.seeds)} seeds x their rates) in {out}")
-        outcomes += run_all(out, protocol, grid, signals, env, _say, one_process)
+        outcomes += run_all(out, protocol, grid, signals, env, _say, one_process, together)
         if (plan.best_seeds and signals.received is None
                 and not any(o.outcome == "stopped" for o in outcomes)):
             cells = sweep_cells(out, protocol, plan)
@@ -1188,7 +1266,8 @@ def _train(out: pathlib.Path, protocol: Protocol, plan: Plan, one_process: bool 
                 f"{c} {'-' if rates[c] is None else format(rates[c], 'g')}"
                 for c in plan.configs))
             _say(f"--best-seeds: {len(specs)} runs for {', '.join(chosen) or 'no configuration'}")
-            outcomes += run_all(out, protocol, specs, signals, env, _say, one_process)
+            outcomes += run_all(out, protocol, specs, signals, env, _say, one_process,
+                                together)
     summary = write_report(out, protocol, plan)
     _say(report.to_markdown(summary))
     counts = {k: sum(o.action == k for o in outcomes) for k in ("started", "resumed", "skipped")}

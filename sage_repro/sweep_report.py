@@ -617,12 +617,19 @@ def _hyperparameters(setup: Mapping[str, Any]) -> str:
 def _hardware(env: Mapping[str, Any] | None) -> dict[str, Any]:
     env = env or {}
     return {k: env.get(k) for k in ("platform", "device_kind", "device_count", "cpu",
-                                     "cpu_count")}
+                                     "cpu_count", "together")}
 
 
 def describe_hardware(env: Mapping[str, Any] | None) -> str:
-    """The hardware of a run's environment in words (``1 x NVIDIA H100 (gpu); host ...``)."""
+    """The hardware of a run's environment in words (``1 x NVIDIA H100 (gpu); host ...``).
+
+    A run trained beside others (``sage-repro sweep --together N``) says so: its tokens/s is
+    its share of the devices.
+    """
     h = _hardware(env)
+    if h["together"]:
+        return (describe_hardware({**h, "together": None}) + f", shared by {h['together']} "
+                "trainer processes at once (--together: a run's tokens/s is its share)")
     cpu = f"{h['cpu'] or 'CPU'} ({h['cpu_count']} cores)"
     if h["platform"] is None:
         return f"{cpu}; devices unknown (JAX could not be asked)"
