@@ -1,16 +1,10 @@
 """The JAX parameter router: every leaf gets a kind and its axes, from the strongest evidence.
 
-SAGE and SinkGD are not transpose-invariant, so the kind (``embedding``/``dense``/``vector``)
-and the axes this router gives a leaf *are* the math.  Evidence, strongest first
-(``docs/routing.md``, "Evidence, strongest first" and "Pytree conventions in JAX", states
-every rule): an override; the flax module that owns the leaf (``model=``, an ``nnx.Module``,
-:func:`sage_optax.linen_model`, or an adapter's library: :class:`Adapter`); logical axis
-names (:mod:`sage_optax.logical`); names and shapes, only where unambiguous (``layout=``
-declares the tree's matrices ``(in, out)`` or ``(out, in)``).  Everything else is refused
-with its remedies, most likely first.  The output head by shape is the policy shared with
-``sage_torch`` (:func:`sage_optim.decision.decide`); this module gathers the evidence.
-:func:`route_params` returns the labels, the :class:`~sage_optim.routing.Route` every
-transform takes and each leaf's :class:`~sage_optim.routing.ResolvedRoute`.
+This module gathers the evidence (``docs/routing.md``, "Evidence, strongest first" and
+"Pytree conventions in JAX", states every rule): an override; the flax module that owns the
+leaf (:mod:`sage_optax.nnx_evidence`, :mod:`sage_optax.linen_evidence`, or an
+:class:`Adapter`); logical axis names (:mod:`sage_optax.logical`); names and shapes, only
+where unambiguous.  The decision is :func:`sage_optim.decision.decide`.
 """
 
 
@@ -27,10 +21,11 @@ import jax
 import jax.numpy as jnp
 
 from sage_optax import axes as axes_lib
-from sage_optax import logical, module_layouts
+from sage_optax import logical, nnx_evidence
+from sage_optax.nnx_evidence import is_nnx_module, is_nnx_state
 from sage_optim import decision, naming
 from sage_optim import routing as core
-from sage_optim.routing import ResolvedRoute, Route, RoutingError
+from sage_optim.routing import VECTOR_OPTION, ResolvedRoute, Route, RoutingError
 
 PARAM_LAYOUTS: tuple[str, ...] = ("flax", "torch")
 """Declared layouts of a params pytree: Flax ``(in, out)`` kernels or PyTorch ``(out, in)``."""
@@ -101,165 +96,6 @@ def iter_leaves(params: Any) -> list[tuple[str, Any]]:
     return [(leaf_name_path(p), x) for p, x in with_path if not axes_lib.is_masked(x)]
 
 
-# --------------------------------------------------------------------------- module evidence
-
-
-def is_nnx_module(x: Any) -> bool:
-    """Whether ``x`` is an ``nnx.Module`` (False without Flax installed)."""
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is optional for sage_optax
-        return False
-    return isinstance(x, nnx.Module)
-
-
-def _norm_types() -> tuple[type, ...]:
-    from flax import nnx
-
-    return (nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm, nnx.BatchNorm)
-
-
-def _expected_bias_ndim(module: Any) -> int:
-    """Dims of a bias of ``module`` before any stacking (``nnx.vmap``/``nnx.scan``)."""
-    from flax import nnx
-
-    if isinstance(module, nnx.LinearGeneral):
-        return len(module.batch_axis) + len(module.out_features)
-    if isinstance(module, nnx.Einsum):
-        return len(module.bias_shape or ())
-    return 1
-
-
-def _module_param_routes(module: Any, name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Routes (or a RoutingError to raise if used) of the params of one known flax module."""
-    from flax import nnx
-
-    out: dict[str, Any] = {}
-    ev = f"module nnx.{type(module).__name__}"
-    for attr, p in params.items():
-        full = f"{name}.{attr}" if name else attr
-        shape = tuple(p.shape)
-        if attr == "bias" or (isinstance(module, _norm_types()) and attr == "scale"):
-            stacked = max(len(shape) - _expected_bias_ndim(module), 0)
-            if isinstance(module, nnx.LinearGeneral):
-                stacked += len(module.batch_axis)  # (*batch, *out): one bias per batch entry
-            out[full] = Route("vector", batch=tuple(range(stacked)), evidence=ev)
-        elif attr == "kernel" or isinstance(module, nnx.Embed):
-            route = _nnx_matrix_route(module, full, shape, ev)
-            if route is not None:
-                out[full] = route
-        # any other parameter has no known layout: left to the name rules
-    return out
-
-
-def _nnx_matrix_route(module: Any, full: str, shape: tuple[int, ...],
-                      ev: str) -> Route | RoutingError | None:
-    """The route an nnx module type gives its kernel (or table), or ``None``."""
-    from flax import nnx
-
-    if isinstance(module, nnx.Embed):
-        return Route("embedding", -1, -2, evidence=ev + " (V, d)")
-    if isinstance(module, nnx.LinearGeneral):
-        n_in, n_out = len(module.in_features), len(module.out_features)
-        fan_in = tuple(range(-n_in - n_out, -n_out))
-        return Route("dense", fan_in, tuple(range(-n_out, 0)), evidence=ev)
-    if isinstance(module, nnx.Linear):
-        return Route("dense", -2, -1, evidence=ev + " (in, out)")
-    if isinstance(module, nnx.Einsum):
-        try:
-            return module_layouts.einsum_route(module.einsum_str, len(shape), full)
-        except RoutingError as e:
-            return e
-    if isinstance(module, nnx.ConvTranspose):
-        taps = len(shape) - 2
-        conv = Route("dense", (-2, *range(-2 - taps, -2)), -1)
-        return module_layouts.conv_transpose_refusal(
-            full, shape, conv, "an nnx.ConvTranspose kernel (*taps, Cin, Cout)",
-            "input channels and taps are its fan-in, as for nnx.Conv")
-    if isinstance(module, nnx.Conv):
-        size = module.kernel_size
-        taps = len(size) if isinstance(size, tuple | list) else 1
-        # (*taps, Cin, Cout): fan-in is the input channels then the taps (the order of a
-        # PyTorch Conv weight (Cout, Cin, *taps)), fan-out the output channels.
-        fan_in = (-2, *range(-2 - taps, -2))
-        return Route("dense", fan_in, -1, evidence=ev + " (*taps, Cin, Cout)")
-    return None
-
-
-def _module_evidence_of_nnx(model: Any) -> dict[str, Route | RoutingError]:
-    from flax import nnx
-
-    known = (nnx.Embed, nnx.Linear, nnx.LinearGeneral, nnx.Einsum, nnx.Conv, nnx.ConvTranspose,
-             *_norm_types())
-    out: dict[str, Route | RoutingError] = {}
-    for path, node in nnx.iter_graph(model):
-        if not isinstance(node, known):
-            continue
-        name = ".".join(str(k) for k in path)
-        params = {
-            attr: value for attr, value in vars(node).items()
-            if isinstance(value, nnx.Param) and hasattr(value, "shape")
-        }
-        out.update(_module_param_routes(node, name, params))
-        out.update(_nnx_stacked(node, name, params))
-    return out
-
-
-def _nnx_own_shape(module: Any, attr: str) -> tuple[int, ...] | None:
-    """The shape ``module`` gives its parameter ``attr`` before any stacking, or None."""
-    from flax import nnx
-
-    def ints(x: Any) -> tuple[int, ...]:
-        return tuple(int(n) for n in (x if isinstance(x, tuple | list) else (x,)))
-
-    if isinstance(module, _norm_types()) and attr in ("scale", "bias"):
-        return ints(getattr(module, "num_features", ()))
-    if isinstance(module, nnx.Embed) and attr == "embedding":
-        return (int(module.num_embeddings), int(module.features))
-    if isinstance(module, nnx.LinearGeneral):
-        batch = ints(tuple(module.batch_axis.values()))
-        out_f = ints(module.out_features)
-        return ((*batch, *ints(module.in_features), *out_f) if attr == "kernel" else
-                (*batch, *out_f) if attr == "bias" else None)
-    if isinstance(module, nnx.Linear):
-        return ((int(module.in_features), int(module.out_features)) if attr == "kernel" else
-                (int(module.out_features),) if attr == "bias" else None)
-    if isinstance(module, nnx.Einsum):
-        own = getattr(module, f"{attr}_shape", None) if attr in ("kernel", "bias") else None
-        return ints(own) if own is not None else None
-    if isinstance(module, nnx.Conv) and attr in ("kernel", "bias"):
-        own = getattr(module, "kernel_shape", None)
-        if own is None:
-            return None
-        return ints(own) if attr == "kernel" else (int(module.out_features),)
-    return None
-
-
-def _nnx_stacked(module: Any, name: str, params: dict[str, Any]) -> dict[str, Any]:
-    """Routes of ``module``'s parameters that ``nnx.vmap``/``nnx.scan`` stacked off axis 0.
-
-    The module's attributes give each parameter's own shape; the axes the transform
-    inserted (``nnx.StateAxes({nnx.Param: 1})`` puts them anywhere) are batch axes, found
-    as in :func:`sage_optax.linen_evidence.stacked_route`.  Parameters stacked on leading
-    axes only, or of unknown own shape, keep the routes :func:`_module_param_routes` gives.
-    """
-    from sage_optax import linen_evidence
-
-    out: dict[str, Any] = {}
-    for attr, p in params.items():
-        shape, own = tuple(int(n) for n in p.shape), _nnx_own_shape(module, attr)
-        if own is None or len(own) >= len(shape) or shape[len(shape) - len(own):] == own:
-            continue
-        full = f"{name}.{attr}" if name else attr
-        inner = _module_param_routes(module, name, {attr: jax.ShapeDtypeStruct(own, p.dtype)})
-        route = inner.get(full)
-        if isinstance(route, Route):
-            placed = linen_evidence.stacked_route(full, route, own, shape, "nnx.vmap/nnx.scan")
-            if placed is not None:
-                out[full] = placed
-    return out
-
-
 # ---------------------------------------------------------------------------- the adapters
 
 
@@ -315,16 +151,11 @@ def _tree_adapters(tree: Any) -> list[Adapter]:
 def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the modules of ``model``, keyed by dotted path.
 
-    ``model`` is a flax NNX module, a model an adapter owns (:func:`adapters`: Equinox's,
-    :func:`sage_optax.adapters.equinox.routes`) or a linen
-    module with a sample input (:func:`sage_optax.linen_model`,
-    :func:`sage_optax.linen_evidence.linen_routes`).  For NNX,
-    only parameters owned by a module of known layout appear (``nnx.Embed``,
-    ``nnx.Linear``, ``nnx.LinearGeneral``, ``nnx.Einsum``, ``nnx.Conv``, the norm layers; a
-    ``nnx.ConvTranspose`` kernel maps to the error it raises if used); every other
-    parameter is left to the name rules.  The axes ``nnx.vmap``/``nnx.scan`` insert are
-    batch axes, wherever they stand (``nnx.StateAxes({nnx.Param: 1})``): each module's own
-    shape (``in_features``, ``out_features``...) says which axes are its.
+    ``model`` is a flax NNX module (:func:`sage_optax.nnx_evidence.nnx_routes`), a model an
+    adapter owns (:func:`adapters`: Equinox's, :func:`sage_optax.adapters.equinox.routes`) or
+    a linen module with a sample input (:func:`sage_optax.linen_model`,
+    :func:`sage_optax.linen_evidence.linen_routes`).  Parameters no module places are left
+    to the name rules.
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
@@ -354,7 +185,7 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
         raise TypeError(
             f"model= takes a flax NNX module, an Equinox model or "
             f"sage_optax.linen_model(module, *inputs), got a {type(model).__name__}")
-    return _module_evidence_of_nnx(model)
+    return nnx_evidence.nnx_routes(model)
 
 
 # ------------------------------------------------------------------------------ name rules
@@ -370,7 +201,6 @@ TORCH_NAMES: tuple[str, ...] = ("weight",)
 
 NO_EVIDENCE = "no layout evidence"
 """The evidence of a leaf that says nothing about its layout (element-wise fallback)."""
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,11 +228,7 @@ def _tree_facts(names: list[str], layout: str | None, have_model: bool,
     conventions: dict[str, str | None] = {}
     token = None
     if torch:  # the token table, against whose width the Conv1D names' shapes are read
-        token = decision.pick_token_table([
-            decision.TableFact(n, s[0], s[1]) for n, s in shapes.items()
-            if len(s) == 2 and naming.torch_name_reading(n) == "table"])
-        conventions = naming.convention_readings(
-            list(shapes.items()), token.width if token is not None else None)
+        token, conventions = decision.torch_name_facts(list(shapes.items()))
     return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conventions,
                       token.rows if token is not None else None)
 
@@ -481,7 +307,7 @@ def _matrix_options(shape: tuple[int, ...], first: str) -> list[tuple[Any, str]]
         options.append((Route("dense", rest, 0),
                         f"it is one matrix, axis 0 its output, axes {rest} merged as its input "
                         "(a PyTorch conv (out, in, *taps), a (d, heads, head_dim) output)"))
-    options.append(("vector", "element-wise rules are wanted"))
+    options.append(VECTOR_OPTION)
     return options
 
 
@@ -489,7 +315,7 @@ def _table_options(shape: tuple[int, ...], vocab_size: int | None) -> list[tuple
     rows = (Route("embedding", -1, -2), f"it is a table of {shape[-2]} rows (V, d)")
     cols = (Route("embedding", -2, -1), f"it is a (d, V) matrix of {shape[-1]} columns")
     options = [cols, rows] if vocab_size is not None and shape[-1] == vocab_size else [rows, cols]
-    return [*options, ("vector", "element-wise rules are wanted")]
+    return [*options, VECTOR_OPTION]
 
 
 def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | RoutingError:
@@ -626,7 +452,7 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
             [(Route("dense", -2, -1), "the module computes x @ weight (in, out)"),
              (Route("dense", -1, -2), "the module computes weight @ x (out, in)"),
              (Route("embedding", -1, -2), "it is a table (V, d)"),
-             ("vector", "element-wise rules are wanted")],
+             VECTOR_OPTION],
         )
     refusal = naming.convention_refusal(  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
         name, shape, facts.conventions,
@@ -767,7 +593,7 @@ def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
         if ndim >= 4:
             options.reverse()
         options += [(Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
-                    ("vector", "element-wise rules are wanted")]
+                    VECTOR_OPTION]
         return _refusal(
             name, shape,
             f"cannot place {name!r} of shape {shape}: a PyTorch-layout 'weight' with {ndim} "
@@ -785,7 +611,7 @@ def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
             (Route("dense", 0, (1, 2)), "it is one (in, heads, head_dim) kernel"),
             (Route("dense", (0, 1), 2), "it is one (heads, head_dim, out) kernel")]
     flax_options += [(conv, "it is a convolution (*taps, Cin, Cout)"),
-                     ("vector", "element-wise rules are wanted")]
+                     VECTOR_OPTION]
     said = ""
     if attention is not None:  # the module's name says which: that reading first
         same = [o for o in flax_options if isinstance(o[0], Route)
@@ -958,7 +784,7 @@ def route_params(
     names.update(logical.names_of(params))
     given = logical.names_of(axis_names) if axis_names is not None else {}
     names.update(given)
-    nnx_tree = _is_nnx_state(params) or (model is not None and is_nnx_module(model))
+    nnx_tree = is_nnx_state(params) or (model is not None and is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
     logical.check_matched(given, [n for n, _ in named])
@@ -1095,11 +921,3 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
             "axis_roles={name: role} gives them one)",
             leaf=route.leaf, shape=route.shape, options=route.options)
     return route, True
-
-
-def _is_nnx_state(x: Any) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is optional for sage_optax
-        return False
-    return isinstance(x, nnx.State)

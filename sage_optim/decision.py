@@ -13,10 +13,12 @@ from collections.abc import Callable, Mapping, Sequence
 from sage_optim.naming import (
     TOKEN_EMBEDDING_MARKERS,
     components,
+    convention_readings,
     in_numbered_layers,
     names_head,
     names_non_vocab_table,
     names_token_embedding,
+    torch_name_reading,
 )
 from sage_optim.routing import Route, RoutingError
 
@@ -91,6 +93,19 @@ def pick_token_table(tables: Sequence[TableFact]) -> TableFact | None:
         return tables[0]
     named = [t for t in tables if t.named_token]
     return named[0] if len(named) == 1 else None
+
+
+def torch_name_facts(weights: Sequence[tuple[str, Sequence[int]]]
+                     ) -> tuple[TableFact | None, dict[str, str | None]]:
+    """What a tree of PyTorch names says: *the* token table, and each convention's reading.
+
+    The tables are the 2-D parameters :func:`~sage_optim.naming.torch_name_reading` calls
+    one; the conventions' readings (:func:`~sage_optim.naming.convention_readings`) are made
+    against the token table's width.  Both gatherers read names without a model so.
+    """
+    token = pick_token_table([TableFact(n, int(s[0]), int(s[1])) for n, s in weights
+                              if len(s) == 2 and torch_name_reading(n) == "table"])
+    return token, convention_readings(weights, token.width if token is not None else None)
 
 
 @dataclasses.dataclass

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sage_optim.routing import AdapterRegistry, Route, RoutingError
+from sage_optim.routing import VECTOR_OPTION, AdapterRegistry, Route, RoutingError
 
 VECTOR_NAMES: frozenset[str] = frozenset({"scale", "bias", "b", "gamma", "beta"})
 """Leaf names that hold per-feature vectors, also when stacked into a matrix."""
@@ -169,7 +169,7 @@ def torch_weight_options(shape: Sequence[int], kind: str | None = None,
              "it is an nn.Embedding table (V, d) or an output head")
     options = [table, linear] if vocab is not None and int(shape[0]) == vocab else [
         linear, table]
-    return [*options[:1 if kind else 2], ("vector", "element-wise rules are wanted")]
+    return [*options[:1 if kind else 2], VECTOR_OPTION]
 
 
 def names_table_module(name: str) -> bool:

@@ -1,26 +1,12 @@
 """What both routers share: the route of one leaf, the override grammar, errors, adapters.
 
-SAGE and SinkGD are not transpose-invariant, so the router that labels every parameter
-``embedding``/``dense``/``vector`` also decides the math through the axes it gives.  The
-JAX router (:mod:`sage_optax.routing`) and the PyTorch router (:mod:`sage_torch.routing`)
-read different evidence (pytree paths and flax modules; ``nn.Module`` types and the
-transformers API) but speak one language, defined here:
-
-* :class:`Route`: a kind plus *groups* of axes: the fan-in axes, the fan-out axes and the
-  batch axes of a leaf.  A matrix with several axes is one matrix: an ``(in, heads,
-  head_dim)`` kernel has ``fan_in=(0,)`` and ``fan_out=(1, 2)`` and is an ``in x
-  (heads·head_dim)`` matrix; a convolution kernel has its input channels and taps as fan-in
-  (``(Cin·kh·kw) x Cout``).  For vocabulary matrices the vocab axis is the fan-out axis.
-* the override grammar: ``{glob: kind}``, ``{glob: Route(kind, fan_in=..., fan_out=...)}``
-  or ``{glob: (kind, {"fan_in": ..., "fan_out": ...})}``; a glob that matches no parameter
-  is an error naming the nearest paths (:func:`match_overrides`);
-* :class:`RoutingError`, raised for every leaf that cannot be placed, with a message that
-  names the path, the shape and the override that fixes it;
-* :class:`AdapterRegistry`, each gatherer's registry of adapters for other libraries.
-
-The name rules are :mod:`sage_optim.naming`, the decision (overrides, then the output
-head) :mod:`sage_optim.decision`.  Nothing here imports a framework.  The project's
-``docs/routing.md`` states the conventions.
+SAGE and SinkGD are not transpose-invariant, so the axes a router gives each parameter
+decide the math.  Both gatherers (:mod:`sage_optax.routing`, :mod:`sage_torch.routing`)
+speak the language defined here: :class:`Route` (a kind and its fan-in, fan-out and batch
+axis groups), the override grammar (:func:`match_overrides`), :class:`RoutingError` (one
+for every leaf that cannot be placed, with the override that fixes it) and
+:class:`AdapterRegistry`.  The name rules are :mod:`sage_optim.naming`, the decision
+:mod:`sage_optim.decision`; ``docs/routing.md`` states the conventions.  No framework here.
 """
 
 from __future__ import annotations
@@ -42,6 +28,13 @@ from sage_optim.presets import KINDS
 
 Axes: TypeAlias = "int | tuple[int, ...] | None"
 """One axis, a group of axes, or ``None`` (no such axis: a vector)."""
+
+Option: TypeAlias = "tuple[Any, str]"
+"""``(route, when)``: a remedy and when it is right ("it is a stack of (in, out) ...")."""
+
+VECTOR_OPTION: tuple[str, str] = ("vector", "element-wise rules are wanted")
+"""The last remedy of a refusal: the element-wise rules."""
+
 
 class RoutingError(ValueError):
     """A parameter the router cannot place, or an override that does not apply.
@@ -498,6 +491,22 @@ def override_advice(name: str, route: Route | None = None) -> str:
             "(or 'embedding' for a vocabulary matrix, 'vector' for element-wise rules)"
         )
     return f"route_overrides={{{name!r}: {route_literal(route)}}}"
+
+
+def advice_lines(name: str, options: Sequence[Option]) -> str:
+    """``  - <when>: route_overrides={name: route}`` per option, for a refusal's message."""
+    lines = []
+    for route, when in options:
+        text = when.removeprefix("it is ") if route != "vector" else "element-wise rules only"
+        lines.append(f"  - {text}: " + (override_advice(name, route)
+                                         if isinstance(route, Route)
+                                         else f"route_overrides={{{name!r}: {route!r}}}"))
+    return "\n".join(lines)
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    """``shape`` as a tuple of ints, as refusals print it: ``(768, 3072)``."""
+    return str(tuple(int(s) for s in shape))
 
 
 def route_literal(route: Any) -> str:

@@ -16,11 +16,11 @@ from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_optim.settings import KindSettings, Settings, parse_settings
 from sage_optim.table import RoutingRow, RoutingTable
 from sage_torch.common import FUSED_RULES, check_group, check_lr
-from sage_torch.grouping import ConfiguredOptimizer, update_key
+from sage_torch.grouping import ConfiguredOptimizer, accept_equivalent
 from sage_torch.nonfinite import SkipNonFinite
 from sage_torch.optimizer import RuleOptimizer, viewed
 from sage_torch.registry import rule_classes
-from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, Routing, routing, state_nbytes
+from sage_torch.routing import GROUP_ROUTE_KEYS, RoutedParam, Routing, routing
 
 OPTION_KEYS: tuple[str, ...] = ("route_overrides", "maximize", "foreach", "fused",
                                  "capturable", "cpu_threads")
@@ -291,8 +291,8 @@ def _plan(params: nn.Module | Iterable[Any] | None, name: str, lr: float | None,
     else:
         result = routing(params, route_overrides, frozen=frozen)
     if result.errors:
-        result.accept_equivalent(
-            update_key(kinds), f"unsettled, no matter: {name} gives every reading the same update")
+        accept_equivalent(
+            result, kinds, f"unsettled, no matter: {name} gives every reading the same update")
     had_params = bool(result.order)
     _leave_out_frozen(result)
     routed = result.placed()
@@ -535,3 +535,9 @@ def routing_table(name: str, params: nn.Module | Iterable[Any] | None = None, *,
             step=rates.describe_step(settings.kind(route.kind), kinds[route.kind]["lr"]),
         ))
     return RoutingTable(name, tuple(rows), 4 * len(rows))  # a float32 step counter each
+
+
+def state_nbytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the tensors in one parameter's state, without its ``step`` counter."""
+    return sum(v.numel() * v.element_size() for k, v in state.items()
+               if isinstance(v, torch.Tensor) and k != "step")

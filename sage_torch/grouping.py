@@ -11,17 +11,18 @@ under a configuration (so a reading nothing settles can be left unsettled).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from sage_optim.routing import ResolvedRoute, RoutingError
+from sage_optim.routing import ResolvedRoute, Route, RoutingError
 from sage_torch import registry
 from sage_torch.common import Projection
 from sage_torch.optimizer import ParamsT, RuleOptimizer
-from sage_torch.routing import route_group, routing
+from sage_torch.routing import Routing, route_group, routing
 
 
 def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRoute], Hashable]:
@@ -44,6 +45,50 @@ def update_key(kinds: Mapping[str, Mapping[str, Any]]) -> Callable[[ResolvedRout
         return hp, route.fan_in, route.fan_out, route.batch, route.view
 
     return key
+
+
+def accept_equivalent(result: Routing, kinds: Mapping[str, Mapping[str, Any]],
+                      why: str) -> None:
+    """Place each parameter ``result`` refused whose readings all give the same update.
+
+    A parameter whose matrix options (its remedies but ``'vector'``) all have one
+    :func:`update_key` under ``kinds`` gets the first, with the evidence ``why``.  An error
+    whose parameters are all placed is dropped.
+    """
+    key = update_key(kinds)
+    by_name = {n: p for n, p, _ in result.order}
+    kept: list[RoutingError] = []
+    for err in result.errors:
+        problems = err.problems or (err,)
+        left = []
+        for prob in problems:
+            route = None
+            if prob.leaf is not None and prob.leaf in by_name:
+                route = _same_update(prob, prob.leaf, by_name[prob.leaf], key, why)
+            if route is None or prob.leaf is None:
+                left.append(prob)
+            else:
+                result.routes[id(by_name[prob.leaf])] = route
+        if len(left) == len(problems):
+            kept.append(err)
+        else:
+            kept.extend(left)
+    result.errors = kept
+
+
+def _same_update(prob: RoutingError, name: str, p: Tensor,
+                 key: Callable[[ResolvedRoute], Hashable], why: str) -> ResolvedRoute | None:
+    candidates = [r for r, _ in prob.options
+                  if isinstance(r, Route) and r.kind != "vector" and r.has_axes]
+    if not candidates:
+        return None
+    try:
+        resolved = [r.resolve(p.shape, name) for r in candidates]
+    except RoutingError:
+        return None
+    if len({key(r) for r in resolved}) != 1:
+        return None
+    return dataclasses.replace(resolved[0], evidence=why)
 
 
 
@@ -120,8 +165,8 @@ class ConfiguredOptimizer(RuleOptimizer):
             return False
         result = routing(module, None, frozen=True)
         if result.errors:
-            result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
-                                     "reading gets the same update")
+            accept_equivalent(result, self.kinds, "unsettled, no matter: every reading "
+                              "gets the same update")
         wanted = {names[id(t)] for t in tensors}
         errors = [e for e in result.errors
                   if any(pr.leaf is None or pr.leaf in wanted for pr in (e.problems or (e,)))]
@@ -166,8 +211,8 @@ class ConfiguredOptimizer(RuleOptimizer):
         result = route_group(members, {k: param_group[k] for k in ("fan_in_dim", "fan_out_dim")
                                        if k in param_group})
         if result.errors:
-            result.accept_equivalent(update_key(self.kinds), "unsettled, no matter: every "
-                                     "reading gets the same update")
+            accept_equivalent(result, self.kinds, "unsettled, no matter: every reading "
+                              "gets the same update")
         if result.errors:
             raise self._unplaced(result.errors, param_group, index)
         routes = [(name, result.routes[id(p)]) for name, p, _ in result.order]

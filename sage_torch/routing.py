@@ -1,19 +1,10 @@
 """Route the parameters of any ``nn.Module``: a kind and the axes that decide the math.
 
-SAGE and SinkGD are not transpose-invariant, so the router decides the math through the
-axes it gives every parameter (:class:`sage_optim.routing.Route`).  Evidence, strongest
-first (``docs/routing.md``, "Evidence, strongest first", states every rule): an override;
-the model's own API (``get_input_embeddings()``/``get_output_embeddings()``) and tying;
-module types with a known layout (``torch.nn``'s here, other libraries' through adapters:
-:class:`Adapter`, one module per library in :mod:`sage_torch.adapters`); shapes and names,
-last and only where unambiguous.  The token table and the output head by shape are the
-policy shared with ``sage_optax`` (:func:`sage_optim.decision.decide`); this module gathers
-the facts.  Everything else is refused: :func:`route_params` raises **one**
-:class:`~sage_optim.routing.RoutingError` for all the parameters it cannot place, with a
-``route_overrides = {...}`` block to paste.  Without the model it takes what
-``torch.optim`` takes as ``params`` (tensors, ``(name, tensor)`` pairs, param-group dicts
-with ``kind``/``fan_in_dim``/``fan_out_dim``); names then place what they can
-(:func:`sage_optim.naming.torch_name_reading`).
+This module gathers the facts (``docs/routing.md``, "Evidence, strongest first", states every
+rule): an override; the model's API (``get_input_embeddings()``) and tying; module types,
+``torch.nn``'s here and other libraries' through :class:`Adapter`; names and shapes, only
+where unambiguous.  The decision is :func:`sage_optim.decision.decide`.  :func:`route_params`
+raises **one** :class:`~sage_optim.routing.RoutingError` for every parameter it cannot place.
 """
 
 
@@ -23,7 +14,7 @@ import dataclasses
 import glob
 import pathlib
 import sys
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -32,12 +23,18 @@ from torch import nn
 from sage_optim import decision, naming
 from sage_optim import routing as core
 from sage_optim.routing import (
+    VECTOR_OPTION,
+    Option,
     ResolvedRoute,
     Route,
     RoutingError,
+    advice_lines,
+    fmt_shape,
     match_overrides,
     override_advice,
 )
+from sage_torch import params as params_lib
+from sage_torch.params import Entry
 
 __all__ = [
     "Adapter",
@@ -48,7 +45,6 @@ __all__ = [
     "module_route",
     "register_adapter",
     "route_params",
-    "state_nbytes",
 ]
 
 GROUP_ROUTE_KEYS: tuple[str, ...] = ("kind", "fan_in_dim", "fan_out_dim")
@@ -259,17 +255,7 @@ def _api_weight(module: nn.Module | None, params: dict[int, str]) -> nn.Paramete
     return None
 
 
-def _fmt_shape(shape: Sequence[int]) -> str:
-    return str(tuple(int(s) for s in shape))
-
-
 # ------------------------------------------------------------------------------ the advice
-
-Option = tuple[Any, str]
-"""``(route, when)``: a remedy and when it is right ("it is a stack of (in, out) ...")."""
-
-_VECTOR_OPTION: Option = ("vector", "element-wise rules are wanted")
-
 
 def _names_embedding(name: str) -> bool:
     """Whether a component of ``name`` (the leaf too) says embedding (``pos_emb``, ``wte``)."""
@@ -335,18 +321,7 @@ def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool
             if (route.fan_in, route.fan_out) not in seen:
                 seen.add((route.fan_in, route.fan_out))
                 options.append((dataclasses.replace(route, kind=kind), when))
-    return [*options, _VECTOR_OPTION]
-
-
-def _advice_lines(name: str, options: Sequence[Option]) -> str:
-    """``  - <when>: route_overrides={name: route}`` per option, for the message."""
-    lines = []
-    for route, when in options:
-        text = when.removeprefix("it is ") if route != "vector" else "element-wise rules only"
-        lines.append(f"  - {text}: " + (override_advice(name, route)
-                                         if isinstance(route, Route)
-                                         else f"route_overrides={{{name!r}: {route!r}}}"))
-    return "\n".join(lines)
+    return [*options, VECTOR_OPTION]
 
 
 def _known_layouts() -> str:
@@ -367,11 +342,11 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
         options = [(conv, "input channels and taps are its fan-in, as nn.Conv reads its weight"),
                    (Route(kind or "dense", fan_in=0, fan_out=(1, *taps)),
                     "output channels and taps are its fan-out"),
-                   _VECTOR_OPTION]
+                   VECTOR_OPTION]
         why = ("a transposed convolution's weight is (in, out/groups, *taps), and which "
                "axes are its fan-in is a modelling choice; to read input channels and taps as "
                "the fan-in, as for nn.Conv: " + override_advice(name, conv))
-        return RoutingError(f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} "
+        return RoutingError(f"cannot place parameter {name!r} of shape {fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
     if module is not None and _says_experts(module) and p.dim() == 3 and kind in (
             None, "dense"):
@@ -386,9 +361,9 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
     options = _options(shape, kind=kind, table_first=embeddingish, vocab=vocab)
     what = f"routed {kind!r} by an override, but its" if kind else "its"
     return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} {where}: {what} "
+        f"cannot place parameter {name!r} of shape {fmt_shape(shape)} {where}: {what} "
         f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
-        f"e.g. if it is\n{_advice_lines(name, options)}\n"
+        f"e.g. if it is\n{advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
@@ -418,14 +393,14 @@ def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingEr
         (oi, "it is (E, out, in), one matrix per expert read as F.linear(x, W[e]) (most "
              "families: Mixtral, Qwen-MoE, DeepSeek)"),
         (io, "it is (E, in, out), read as x @ W[e] or torch.bmm(x, W) (GPT-OSS, Llama-4)"),
-        _VECTOR_OPTION]
+        VECTOR_OPTION]
     return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
+        f"cannot place parameter {name!r} of shape {fmt_shape(shape)} in module "
         f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch."
         "adapters.transformers.EXPERTS). To tell, look at its forward: F.linear(x, W[e]) "
         "means (E, out, in) (the first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, "
         "out); the expert axis is a batch axis either way. E.g. if it is\n"
-        f"{_advice_lines(name, options)}\n"
+        f"{advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
@@ -435,16 +410,6 @@ def _holds_tables(module: nn.Module | None) -> bool:
     """Whether an adapter says the children of ``module`` hold vocabulary tables."""
     return module is not None and any(
         a.holds_tables is not None and a.holds_tables(module) for a in adapters())
-
-
-# ------------------------------------------------------------------------------- the heads
-
-
-def _pick_token(tables: Sequence[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor] | None:
-    """*The* token table among ``(name, weight)`` tables (the shared policy picks it)."""
-    picked = decision.pick_token_table(
-        [decision.TableFact(n, int(t.shape[0]), int(t.shape[1])) for n, t in tables])
-    return next((t for t in tables if picked is not None and t[0] == picked.name), None)
 
 
 # ------------------------------------------------------------------------ the module router
@@ -470,74 +435,58 @@ def _match(names: Sequence[str], overrides: Mapping[str, Any] | None) -> dict[st
 
 
 class _Router:
-    """The evidence of one model, gathered once; :meth:`route` places one parameter."""
+    """The evidence of one model, gathered once; :meth:`evidence` reads one parameter."""
+
+    head_remedy = "The model has no get_output_embeddings(). Name"
 
     def __init__(self, model: nn.Module, overrides: Mapping[str, Any] | None) -> None:
         self.model = model
         self.owners = _owners(model)
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
-        self.named_params = {id(p): p for _, p in self.named}
-        all_names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
         by_name = dict(model.named_parameters(remove_duplicate=False))
-        self.overrides: dict[int, tuple[str, Route]] = {}
-        for pname, route in _match(all_names, overrides).items():
-            p = by_name[pname]
-            seen = self.overrides.get(id(p))
-            if seen is not None and seen[1] != route:
-                canonical = self.param_names[id(p)]
-                options = [(_as_option(seen[1]), f"{seen[0]}'s override is the right one"),
-                           (_as_option(route), f"{pname}'s override is the right one")]
-                raise RoutingError(
-                    f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is tied "
-                    f"({seen[0]} is {pname}: one parameter, one route), and the overrides "
-                    f"route its names differently: {seen[1]} and {route}; give one, e.g. "
-                    + override_advice(canonical, seen[1]),
-                    leaf=canonical, shape=p.shape, options=options,
-                )
-            self.overrides[id(p)] = (pname, route)
+        self.overrides = _per_param(
+            _match(list(by_name), overrides), by_name, self.param_names,
+            lambda a, b: (f"tied ({a} is {b}: one parameter, one route), and the overrides "
+                          "route its names", f"{a}'s override is the right one",
+                          f"{b}'s override is the right one"))
         api = _api_owner(model)
         has_in, in_module = _api_module(api, "get_input_embeddings")
         has_out, out_module = _api_module(api, "get_output_embeddings")
         self.api_in = _api_weight(in_module, self.param_names) if has_in else None
         self.api_out = _api_weight(out_module, self.param_names) if has_out else None
         self.out_module = out_module if self.api_out is not None else None
-        self.tables = self._tables()
         self.model_evidence: dict[int, Route | RoutingError] = {}
         for adapter in adapters():
             if adapter.model_routes is not None:
                 self.model_evidence.update(adapter.model_routes(model, self.param_names))
-        self.token = self._token_embedding()
+        self.vocab = self._vocab()
         # the head by shape only when the model has no API saying which one it is
         self.find_heads = not has_out
-        self.linears = {id(w) for _, w in self._linears()}
+        self.linears = {pid for pid, regs in self.owners.items() if pid in self.param_names
+                        and any(isinstance(o.module, nn.Linear) and o.attr == "weight"
+                                for o in regs)}  # the head candidates
+
+    def members(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        """``(name, param, None)`` of every parameter, in model order."""
+        return [(n, p, None) for n, p in self.named]
 
     # -- evidence ----------------------------------------------------------------------
 
-    def _tables(self) -> list[tuple[str, torch.Tensor]]:
-        """Every ``nn.Embedding``/``nn.EmbeddingBag`` weight, once, under its first name."""
-        tables = [(o.path, o.module.weight) for regs in self.owners.values() for o in regs
-                  if isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
-                  and o.attr == "weight"]
-        unique = {id(w): (self.param_names.get(id(w), path), w) for path, w in tables}
-        return list(unique.values())
+    def _vocab(self) -> int | None:
+        """The token table's rows: the model API's table, the only table, or the one so named.
 
-    def _linears(self) -> list[tuple[str, torch.Tensor]]:
-        """The ``nn.Linear`` weights (the head candidates), in model order."""
-        out: list[tuple[str, torch.Tensor]] = []
-        for p_id, regs in self.owners.items():
-            if p_id not in self.param_names:
-                continue
-            linear = [o for o in regs if isinstance(o.module, nn.Linear) and o.attr == "weight"]
-            if linear:
-                out.append((self.param_names[p_id], self.named_params[p_id]))
-        return out
-
-    def _token_embedding(self) -> tuple[str, torch.Tensor] | None:
-        """*The* token embedding: the model API's, the only table, or the one so named."""
+        The tables are the ``nn.Embedding``/``nn.EmbeddingBag`` weights, once each.
+        """
         if self.api_in is not None:
-            return self.param_names[id(self.api_in)], self.api_in
-        return _pick_token(self.tables)
+            return int(self.api_in.shape[0])
+        tables = {id(w): decision.TableFact(self.param_names.get(id(w), o.path),
+                                            int(w.shape[0]), int(w.shape[1]))
+                  for regs in self.owners.values() for o in regs
+                  if isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
+                  and o.attr == "weight" and (w := o.module.weight) is not None}
+        token = decision.pick_token_table(list(tables.values()))
+        return token.rows if token is not None else None
 
     def _layout(self, name: str, p: torch.Tensor) -> Route | None:
         """The route from the model API, tying and module types (no override, no shape)."""
@@ -582,11 +531,6 @@ class _Router:
         more = f" (+{len(aliases) - 2} more)" if len(aliases) > 2 else ""
         return f"tied to {', '.join(aliases[:2])}{more}"
 
-    @property
-    def vocab(self) -> int | None:
-        """The token table's row count, when the token table is known."""
-        return int(self.token[1].shape[0]) if self.token is not None else None
-
     # -- one parameter -----------------------------------------------------------------
 
     def evidence(self, name: str, p: torch.Tensor) -> decision.Evidence:
@@ -596,7 +540,7 @@ class _Router:
         for o in regs:
             if isinstance(o.module, nn.Embedding | nn.EmbeddingBag) and o.module.sparse:
                 return decision.Evidence(name, shape, RoutingError(
-                    f"parameter {name!r} of shape {_fmt_shape(p.shape)} belongs to "
+                    f"parameter {name!r} of shape {fmt_shape(p.shape)} belongs to "
                     f"{_label(o.module)}(sparse=True) at {o.path.rpartition('.')[0]!r}: it "
                     "gets sparse gradients, which no sage_torch rule takes (SAGE reduces over "
                     "the vocab axis, the others are dense). Build it with sparse=False, or "
@@ -614,6 +558,10 @@ class _Router:
             name, shape, route, api_token=p is self.api_in,
             head_candidate=id(p) in self.linears and p.requires_grad and p.dim() == 2)
 
+    def refuse_kind(self, name: str, p: torch.Tensor, kind: str) -> RoutingError:
+        """The refusal of a matrix an override gives ``kind`` but no axes."""
+        return _unknown_layout(name, p, self.owners.get(id(p), []), kind, self.vocab)
+
     def _default(self, name: str, p: torch.Tensor, regs: list[_Owner]) -> Route:
         """The route of the model's evidence, before overrides and the head by shape."""
         if p.dim() <= 1:
@@ -627,22 +575,6 @@ class _Router:
             return Route("vector", evidence="shape: one non-unit axis")
         raise _unknown_layout(name, p, regs, None, self.vocab)
 
-    def decide(self, records: Sequence[decision.Evidence]) -> dict[str, Route | RoutingError]:
-        """The shared decision (:func:`sage_optim.decision.decide`) on this model's evidence."""
-        params = {n: q for n, q in self.named}
-        overrides = {self.param_names[pid]: r for pid, (_, r) in self.overrides.items()}
-
-        def refuse(e: decision.Evidence, override: Route) -> RoutingError:
-            q = params[e.name]
-            if q.dim() < 2:
-                return _too_few_dims(e.name, q, override.kind)
-            return _unknown_layout(e.name, q, self.owners.get(id(q), []), override.kind,
-                                   self.vocab)
-
-        return decision.decide(records, overrides, refuse_override=refuse,
-                           find_heads=self.find_heads,
-                           head_remedy="The model has no get_output_embeddings(). Name")
-
 
 def _check_tied_layouts(name: str, p: torch.Tensor,
                         routes: list[tuple[_Owner, Route]]) -> None:
@@ -654,11 +586,35 @@ def _check_tied_layouts(name: str, p: torch.Tensor,
     options = [(Route(r.kind, r.fan_in, r.fan_out),
                 f"{o.path} reads it as its {r.evidence} says") for o, r in routes]
     raise RoutingError(
-        f"parameter {name!r} of shape {_fmt_shape(p.shape)} is tied between modules "
+        f"parameter {name!r} of shape {fmt_shape(p.shape)} is tied between modules "
         f"that read it with different layouts: {listed}; say which is right, e.g. "
         + override_advice(name, routes[0][1]),
-        leaf=name, shape=p.shape, options=[*options, _VECTOR_OPTION],
+        leaf=name, shape=p.shape, options=[*options, VECTOR_OPTION],
     )
+
+
+def _per_param(matched: Mapping[str, Route], tensors: Mapping[str, torch.Tensor],
+               canonical: Mapping[int, str], tied: Callable[[str, str], tuple[str, str, str]]
+               ) -> dict[int, tuple[str, Route]]:
+    """``{id(param): (name, override)}``: one route per parameter, whatever its names.
+
+    Refuses a parameter whose names the overrides route differently; ``tied(a, b)`` says
+    how the names ``a`` and ``b`` are one parameter, and when each override is right.
+    """
+    out: dict[int, tuple[str, Route]] = {}
+    for pname, route in matched.items():
+        p = tensors[pname]
+        seen = out.get(id(p))
+        if seen is not None and seen[1] != route:
+            name = canonical[id(p)]
+            how, first, second = tied(seen[0], pname)
+            raise RoutingError(
+                f"parameter {name!r} of shape {fmt_shape(p.shape)} is {how} differently: "
+                f"{seen[1]} and {route}; give one, e.g. " + override_advice(name, seen[1]),
+                leaf=name, shape=p.shape,
+                options=[(_as_option(seen[1]), first), (_as_option(route), second)])
+        out[id(p)] = (pname, route)
+    return out
 
 
 def _as_option(route: Route) -> Any:
@@ -668,7 +624,7 @@ def _as_option(route: Route) -> Any:
 
 def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
     return RoutingError(
-        f"parameter {name!r} of shape {_fmt_shape(p.shape)} is routed {kind!r} by an "
+        f"parameter {name!r} of shape {fmt_shape(p.shape)} is routed {kind!r} by an "
         f"override, but it has fewer than two dimensions; route it 'vector': "
         f"route_overrides={{{name!r}: 'vector'}}",
         leaf=name, shape=p.shape, options=[("vector", "it is a vector: element-wise rules")],
@@ -676,87 +632,6 @@ def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
 
 
 # --------------------------------------------------------------- without the model: names
-
-
-@dataclasses.dataclass
-class _Entry:
-    """One parameter given without its model: its name, tensor and param group."""
-
-    name: str
-    param: torch.Tensor
-    group: int | None = None
-    bare: bool = False  # no name given: ``params[i]``
-
-
-def _is_pair(x: Any) -> bool:
-    return (isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
-            and isinstance(x[1], torch.Tensor))
-
-
-def _group_members(group: Mapping[str, Any], index: int | None,
-                   prefix: str) -> list[_Entry]:
-    """The members of one param group (tensors or ``(name, tensor)`` pairs) as entries."""
-    params = group["params"]
-    if isinstance(params, torch.Tensor):
-        params = [params]
-    elif isinstance(params, set):
-        raise TypeError("optimizer parameters need to be organized in ordered collections, "
-                        "but the ordering of tensors in sets will change between runs; use a "
-                        "list")
-    params = list(params)
-    names = group.get("param_names")
-    if names is not None and len(list(names)) != len(params):
-        raise ValueError(f"param group {index}: {len(list(names))} param_names for "
-                         f"{len(params)} params")
-    out = []
-    for i, x in enumerate(params):
-        if _is_pair(x):
-            out.append(_Entry(x[0], x[1], index))
-        elif isinstance(x, torch.Tensor):
-            if names is not None:
-                out.append(_Entry(str(list(names)[i]), x, index))
-            else:
-                out.append(_Entry(f"{prefix}params[{i}]", x, index, bare=True))
-        else:
-            raise TypeError(f"optimizer can only optimize Tensors, but {prefix}params[{i}] "
-                            f"is a {type(x).__name__}")
-    if any(_is_pair(x) for x in params) and not all(_is_pair(x) for x in params):
-        raise ValueError("all optimizer params should be with/without names. Some param names "
-                         f"are missing (param group {index})" if index is not None else
-                         "all optimizer params should be with/without names. Some param "
-                         "names are missing")
-    return out
-
-
-def _entries(params: Any) -> tuple[list[_Entry], list[dict[str, Any]]]:
-    """What ``torch.optim`` accepts as ``params``, as entries and the groups' options."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of "
-                        "Tensors or dicts (or the nn.Module), but got a "
-                        f"{torch.typename(params)}")
-    if isinstance(params, Mapping):
-        raise TypeError("params must be an nn.Module, an iterable of tensors, of (name, "
-                        "tensor) pairs or of param-group dicts; got a mapping (for a state "
-                        "dict, pass list(state_dict.items()) or the model)")
-    items = list(params)
-    if not items:
-        raise ValueError("optimizer got an empty parameter list")
-    if not all(isinstance(x, dict) for x in items):
-        if any(isinstance(x, dict) for x in items):
-            raise TypeError("params mixes param-group dicts with tensors; give groups only")
-        return _group_members({"params": items}, None, ""), []
-    entries, options = [], []
-    for gi, group in enumerate(items):
-        if "params" not in group:
-            raise ValueError(f"param group {gi} has no 'params'")
-        if "rule" in group:
-            raise ValueError(
-                f"param group {gi} sets rule={group['rule']!r}: make_optimizer gives each "
-                "kind its configuration's rule; give kind= (and fan_in_dim=/fan_out_dim=) "
-                "instead, or add the group afterwards with opt.add_param_group")
-        entries += _group_members(group, gi, f"param_groups[{gi}].")
-        options.append({k: v for k, v in group.items() if k not in ("params", "param_names")})
-    return entries, options
 
 
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
@@ -779,47 +654,38 @@ def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
 class _NameRouter:
     """Parameters given without their model: names (if any) and shapes are the evidence."""
 
-    def __init__(self, entries: Sequence[_Entry], overrides: Mapping[str, Any] | None,
+    find_heads = True
+    head_remedy = ("Pass the model itself (make_optimizer(name, model): its modules and "
+                   "get_output_embeddings() decide), or name")
+
+    def __init__(self, entries: Sequence[Entry], overrides: Mapping[str, Any] | None,
                  groups: Sequence[Mapping[str, Any]] = ()) -> None:
         self.groups = groups
-        seen: dict[int, _Entry] = {}
+        seen: dict[int, Entry] = {}
         for e in entries:
             seen.setdefault(id(e.param), e)
         self.entries = list(seen.values())
         self.names = {e.name: e for e in self.entries}
-        all_names = {e.name: e for e in reversed(entries)}
-        self.overrides: dict[int, Route] = {}
-        for pname, route in _match([e.name for e in entries], overrides).items():
-            p = all_names[pname].param
-            canonical = seen[id(p)].name
-            before = self.overrides.get(id(p))
-            if before is not None and before != route:
-                raise RoutingError(
-                    f"parameter {canonical!r} of shape {_fmt_shape(p.shape)} is given under "
-                    f"several names (one tensor, one route), and the overrides route them "
-                    f"differently: {before} and {route}; give one, e.g. "
-                    + override_advice(canonical, before),
-                    leaf=canonical, shape=p.shape,
-                    options=[(_as_option(before), "the first override is the right one"),
-                             (_as_option(route), "the second override is the right one")])
-            self.overrides[id(p)] = route
+        self.overrides = _per_param(
+            _match([e.name for e in entries], overrides),
+            {e.name: e.param for e in reversed(entries)}, {k: e.name for k, e in seen.items()},
+            lambda a, b: ("given under several names (one tensor, one route), and the "
+                          "overrides route them", "the first override is the right one",
+                          "the second override is the right one"))
         layouts = {id(e.param): _name_evidence(e.name, e.param) for e in self.entries}
         self.layouts = layouts
-        tables = [(e.name, e.param) for e in self.entries
-                  if (r := layouts[id(e.param)]) is not None and r.kind == "embedding"]
         self.linears = {id(e.param) for e in self.entries
                         if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
                         and naming.components(e.name)[-1] == "weight"}
-        token = self.token = _pick_token(tables)
-        self.conventions = naming.convention_readings(
-            [(e.name, tuple(e.param.shape)) for e in self.entries if not e.bare],
-            int(token[1].shape[1]) if token is not None else None)
+        token, self.conventions = decision.torch_name_facts(
+            [(e.name, tuple(e.param.shape)) for e in self.entries if not e.bare])
+        self.vocab = token.rows if token is not None else None
 
-    @property
-    def vocab(self) -> int | None:
-        return int(self.token[1].shape[0]) if self.token is not None else None
+    def members(self) -> list[tuple[str, torch.Tensor, int | None]]:
+        """``(name, param, group index)`` of every parameter, once, in the order given."""
+        return [(e.name, e.param, e.group) for e in self.entries]
 
-    def _refuse(self, e: _Entry, kind: str | None,
+    def _refuse(self, e: Entry, kind: str | None,
                 axes: tuple[Any, Any] | None = None) -> RoutingError:
         p = e.param
         shape = tuple(int(s) for s in p.shape)
@@ -830,10 +696,10 @@ class _NameRouter:
                 (Route("embedding", fan_in=axes[0], fan_out=axes[1]),
                  "it is a vocabulary matrix (a token table or an output head)")]
             return RoutingError(
-                f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: its param "
+                f"cannot place parameter {e.name!r} of shape {fmt_shape(shape)}: its param "
                 f"group gives fan_in_dim={axes[0]!r}, fan_out_dim={axes[1]!r} but no kind; add "
                 "kind='dense' or kind='embedding' to the group, or route it, e.g. if it is\n"
-                + _advice_lines(e.name, options),
+                + advice_lines(e.name, options),
                 leaf=e.name, shape=shape, options=options)
         parts = naming.components(e.name)
         refusal = self._refuse_convention(e, kind)
@@ -859,14 +725,18 @@ class _NameRouter:
         what = f"routed {kind!r}, but " if kind else ""
         names = " or model.named_parameters()" if e.bare else ""
         return RoutingError(
-            f"cannot place parameter {e.name!r} of shape {_fmt_shape(shape)}: {what}{why}. "
+            f"cannot place parameter {e.name!r} of shape {fmt_shape(shape)}: {what}{why}. "
             f"Pass the model itself (make_optimizer(name, model): its module types decide){names}, "
             "or route it in route_overrides (per parameter), "
-            f"e.g. if it is\n{_advice_lines(e.name, options)}\n"
+            f"e.g. if it is\n{advice_lines(e.name, options)}\n"
             "(Route is sage_optim.routing.Route, also sage_torch.Route)",
             leaf=e.name, shape=shape, options=options)
 
-    def _refuse_convention(self, e: _Entry, kind: str | None) -> RoutingError | None:
+    def refuse_kind(self, name: str, p: torch.Tensor, kind: str) -> RoutingError:
+        """The refusal of a matrix an override gives ``kind`` but no axes."""
+        return self._refuse(self.names[name], kind)
+
+    def _refuse_convention(self, e: Entry, kind: str | None) -> RoutingError | None:
         """The refusal of a weight with a GPT-2 ``Conv1D`` name (both readings), or None."""
         return None if e.bare else naming.convention_refusal(
             e.name, e.param.shape, self.conventions,
@@ -874,9 +744,9 @@ class _NameRouter:
             "route it in route_overrides (Route is sage_optim.routing.Route, also "
             "sage_torch.Route)", kind)
 
-    def evidence(self, e: _Entry) -> decision.Evidence:
+    def evidence(self, name: str, p: torch.Tensor) -> decision.Evidence:
         """What the names, shapes and param group say of one entry (or why they cannot)."""
-        p = e.param
+        e = self.names[name]
         group = self.groups[e.group] if e.group is not None else {}
         try:
             route: Route | RoutingError = self._default(e, group)
@@ -891,7 +761,7 @@ class _NameRouter:
             given_kind=group.get("kind"),
             head_candidate=id(p) in self.linears and p.requires_grad and p.dim() == 2)
 
-    def _default(self, e: _Entry, group: Mapping[str, Any]) -> Route:
+    def _default(self, e: Entry, group: Mapping[str, Any]) -> Route:
         """The route of the names, shapes and group, before overrides and the head."""
         p = e.param
         layout = self.layouts[id(p)]
@@ -915,14 +785,14 @@ class _NameRouter:
             return Route("vector", evidence="shape: one non-unit axis")
         raise self._refuse(e, None)
 
-    def _group_kind_route(self, e: _Entry, kind: str, fan_in: Any, fan_out: Any,
+    def _group_kind_route(self, e: Entry, kind: str, fan_in: Any, fan_out: Any,
                           layout: Route | None) -> Route:
         """The route of a member of a param group that gives ``kind`` (and maybe axes)."""
         name, p = e.name, e.param
         if kind == "vector":
             return Route("vector", evidence="param group kind")
         if p.dim() < 2:
-            raise ValueError(f"parameter {name!r} of shape {_fmt_shape(p.shape)} is in a "
+            raise ValueError(f"parameter {name!r} of shape {fmt_shape(p.shape)} is in a "
                              f"param group of kind {kind!r}, but has fewer than two dims; "
                              "put it in a 'vector' group")
         if fan_in is not None:
@@ -936,22 +806,6 @@ class _NameRouter:
         return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
                      "(out, in)")
 
-    def decide(self, records: Sequence[decision.Evidence]) -> dict[str, Route | RoutingError]:
-        """The shared decision (:func:`sage_optim.decision.decide`) on these names."""
-        overrides = {e.name: self.overrides[id(e.param)] for e in self.entries
-                     if id(e.param) in self.overrides}
-
-        def refuse(ev: decision.Evidence, override: Route) -> RoutingError:
-            e = self.names[ev.name]
-            if e.param.dim() < 2:
-                return _too_few_dims(e.name, e.param, override.kind)
-            return self._refuse(e, override.kind)
-
-        return decision.decide(
-            records, overrides, refuse_override=refuse,
-            head_remedy="Pass the model itself (make_optimizer(name, model): its modules and "
-                        "get_output_embeddings() decide), or name")
-
 
 # ------------------------------------------------------------------------------- routing
 
@@ -961,8 +815,8 @@ class Routing:
     """The routes of every trainable parameter, and the errors of those not placed.
 
     What :func:`route_params` computes before it raises; :func:`sage_torch.make_optimizer`
-    first lets :meth:`accept_equivalent` place the parameters whose every reading gets the
-    same update under its configuration.
+    first lets :func:`sage_torch.grouping.accept_equivalent` place the parameters whose
+    every reading gets the same update under its configuration.
 
     Attributes:
       order: ``(name, param, group index or None)`` of every trainable parameter, in order.
@@ -988,56 +842,27 @@ class Routing:
         return [RoutedParam(n, p, self.routes[id(p)])  # type: ignore[arg-type]
                 for n, p, _ in self.order]
 
-    def accept_equivalent(self, key: Callable[[ResolvedRoute], Hashable], why: str) -> None:
-        """Place each refused parameter whose readings all give the same update.
 
-        ``key(route)`` says what update a route gets (its rule and hyperparameters, and its
-        axes where the rule reads them); a parameter whose matrix options (its remedies but
-        ``'vector'``) all have one key gets the first, with the evidence ``why``.  An error
-        whose parameters are all placed is dropped.
-        """
-        by_name = {n: (n, p) for n, p, _ in self.order}
-        kept: list[RoutingError] = []
-        for err in self.errors:
-            problems = err.problems or (err,)
-            left = []
-            for prob in problems:
-                route = None
-                if prob.leaf is not None and prob.leaf in by_name:
-                    name, p = by_name[prob.leaf]
-                    route = _same_update(prob, name, p, key, why)
-                if route is None or prob.leaf is None:
-                    left.append(prob)
-                else:
-                    self.routes[id(by_name[prob.leaf][1])] = route
-            if len(left) == len(problems):
-                kept.append(err)
-            else:
-                kept.extend(left)
-        self.errors = kept
+def _decide(router: _Router | _NameRouter, records: Sequence[decision.Evidence]
+            ) -> dict[str, Route | RoutingError]:
+    """The shared decision (:func:`sage_optim.decision.decide`) on a gatherer's evidence."""
+    params = {n: p for n, p, _ in router.members()}
+    overrides = {n: router.overrides[id(p)][1] for n, p in params.items()
+                 if id(p) in router.overrides}
+
+    def refuse(e: decision.Evidence, override: Route) -> RoutingError:
+        q = params[e.name]
+        if q.dim() < 2:
+            return _too_few_dims(e.name, q, override.kind)
+        return router.refuse_kind(e.name, q, override.kind)
+
+    return decision.decide(records, overrides, refuse_override=refuse,
+                           find_heads=router.find_heads, head_remedy=router.head_remedy)
 
 
-def _same_update(prob: RoutingError, name: str, p: torch.Tensor,
-                 key: Callable[[ResolvedRoute], Hashable], why: str) -> ResolvedRoute | None:
-    candidates = [r for r, _ in prob.options
-                  if isinstance(r, Route) and r.kind != "vector" and r.has_axes]
-    if not candidates:
-        return None
-    try:
-        resolved = [r.resolve(p.shape, name) for r in candidates]
-    except RoutingError:
-        return None
-    if len({key(r) for r in resolved}) != 1:
-        return None
-    return dataclasses.replace(resolved[0], evidence=why)
-
-
-def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
-             evidence: Callable[[str, torch.Tensor], decision.Evidence],
-             decide: Callable[[list[decision.Evidence]], dict[str, Route | RoutingError]],
-             skip_frozen: bool = True) -> tuple[list[tuple[str, torch.Tensor, int | None]],
-                                                dict[int, ResolvedRoute], list[RoutingError]]:
-    """Route every (trainable) parameter of ``named``, collecting the errors.
+def _collect(router: _Router | _NameRouter, skip_frozen: bool,
+             groups: list[dict[str, Any]] | None = None, fix: str | None = None) -> Routing:
+    """Route every (trainable) parameter the router holds, collecting the errors.
 
     The evidence of every parameter, frozen ones too (a frozen token table still says which
     matrix is the head), goes into one decision; only the trainable ones (all, unless
@@ -1045,17 +870,17 @@ def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
     """
     order = []
     records = []
-    for name, p, group in named:
+    for name, p, group in router.members():
         if not (p.is_floating_point() or p.is_complex()):  # complex: the rules judge
             raise RoutingError(
-                f"cannot place parameter {name!r} of shape {_fmt_shape(p.shape)}: dtype "
+                f"cannot place parameter {name!r} of shape {fmt_shape(p.shape)}: dtype "
                 f"{p.dtype} is neither floating point nor complex, so no optimizer can train "
                 "it; register it as a buffer"
             )
-        records.append(evidence(name, p))
+        records.append(router.evidence(name, p))
         if not skip_frozen or p.requires_grad:
             order.append((name, p, group))
-    decided = decide(records)
+    decided = _decide(router, records)
     routes: dict[int, ResolvedRoute] = {}
     errors: list[RoutingError] = []
     seen_errors: set[int] = set()
@@ -1070,7 +895,7 @@ def _collect(named: Sequence[tuple[str, torch.Tensor, int | None]],
         if id(route) not in seen_errors:  # an ambiguous head: one error, several params
             seen_errors.add(id(route))
             errors.append(route)
-    return order, routes, errors
+    return Routing(order, routes, errors, groups, fix)
 
 
 def route_group(members: Sequence[tuple[str, torch.Tensor, bool]],
@@ -1081,11 +906,8 @@ def route_group(members: Sequence[tuple[str, torch.Tensor, bool]],
     (``param_groups[3].params[0]``), so that only the shape is evidence.  ``group``'s
     ``kind``/``fan_in_dim``/``fan_out_dim`` place them as in :func:`route_params`.
     """
-    router = _NameRouter([_Entry(n, p, 0, bare) for n, p, bare in members], None, [group])
-    order, routes, errors = _collect(
-        [(e.name, e.param, e.group) for e in router.entries],
-        lambda name, p: router.evidence(router.names[name]), router.decide, skip_frozen=False)
-    return Routing(order, routes, errors, [dict(group)])
+    router = _NameRouter([Entry(n, p, 0, bare) for n, p, bare in members], None, [group])
+    return _collect(router, False, [dict(group)])
 
 
 def routing(params: Any, overrides: Mapping[str, Any] | None = None, *,
@@ -1102,20 +924,11 @@ def routing(params: Any, overrides: Mapping[str, Any] | None = None, *,
       TypeError, ValueError: ``params`` of a form ``torch.optim`` does not take either.
     """
     if isinstance(params, nn.Module):
-        router = _Router(params, overrides)
-        order, routes, errors = _collect([(n, p, None) for n, p in router.named],
-                                         router.evidence, router.decide,
-                                         skip_frozen=not frozen)
-        return Routing(order, routes, errors)
-    entries, groups = _entries(params)
-    names = _NameRouter(entries, overrides, groups)
-    order, routes, errors = _collect(
-        [(e.name, e.param, e.group) for e in names.entries],
-        lambda name, p: names.evidence(names.names[name]), names.decide,
-        skip_frozen=not frozen)
-    return Routing(order, routes, errors, groups or None,
-                   fix="pass the model itself, make_optimizer(name, model), so its module "
-                   "types decide")
+        return _collect(_Router(params, overrides), not frozen)
+    given, groups = params_lib.entries(params)
+    return _collect(_NameRouter(given, overrides, groups), not frozen, groups or None,
+                    "pass the model itself, make_optimizer(name, model), so its module types "
+                    "decide")
 
 
 def route_params(model: nn.Module | Iterable[Any],
@@ -1156,9 +969,3 @@ def route_params(model: nn.Module | Iterable[Any],
       fan-out axes).
     """
     return routing(model, overrides).placed()
-
-
-def state_nbytes(state: Mapping[str, Any]) -> int:
-    """Bytes of the tensors in one parameter's state, without its ``step`` counter."""
-    return sum(v.numel() * v.element_size() for k, v in state.items()
-               if isinstance(v, torch.Tensor) and k != "step")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sage_optim.naming import NAME_CONVENTIONS, NameConvention, components
-from sage_optim.routing import Route, RoutingError, override_advice
+from sage_optim.routing import VECTOR_OPTION, Route, RoutingError, override_advice
 
 CONV1D_NAMES: frozenset[str] = frozenset({"c_attn", "q_attn", "c_fc", "c_proj"})
 """Module names whose ``weight`` no name can read: transformers' ``Conv1D`` in GPT-2 and its
@@ -79,7 +79,7 @@ def conv1d_refusal(name: str, shape: Sequence[int], reading: str | None, remedy:
         f"alone cannot tell. {remedy}; the shapes of this model's weights with these names, "
         f"against the token table's width, {says}: "
         + "; ".join(f"{override_advice(name, r)} if {w}" for r, w in options),
-        leaf=name, shape=shape, options=[*options, ("vector", "element-wise rules are wanted")])
+        leaf=name, shape=shape, options=[*options, VECTOR_OPTION])
 
 
 CONVENTION = NAME_CONVENTIONS.register(NameConvention(

@@ -21,13 +21,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from sage_optim.routing import Route, RoutingError
+from sage_optim.routing import VECTOR_OPTION, Option, Route, RoutingError, advice_lines, fmt_shape
 from sage_torch.routing import (
-    _VECTOR_OPTION,
     Adapter,
-    Option,
-    _advice_lines,
-    _fmt_shape,
     loaded_class,
     register_adapter,
 )
@@ -102,13 +98,13 @@ def _merged_factors(name: str, p: torch.Tensor, what: str) -> RoutingError:
     options: list[Option] = [
         ("dense", "one (out, in) matrix over all experts' factors is acceptable (as nn.Linear "
                   "reads it; SinkGD's and SAGE's normalisations then mix the experts)"),
-        _VECTOR_OPTION]
+        VECTOR_OPTION]
     return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)}: it is {what}. peft "
+        f"cannot place parameter {name!r} of shape {fmt_shape(shape)}: it is {what}. peft "
         "reshapes it per expert, so its expert axis is merged with the rank axis and no "
         "route gives each expert's factor its own normalisation. To train it as one (out, in) "
         f"matrix, as nn.Linear reads it: route_overrides={{{name!r}: 'dense'}}; or, if "
-        f"it is\n{_advice_lines(name, options)}",
+        f"it is\n{advice_lines(name, options)}",
         leaf=name, shape=shape, options=options,
     )
 

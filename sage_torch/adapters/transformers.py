@@ -39,13 +39,9 @@ from types import MappingProxyType
 import torch
 from torch import nn
 
-from sage_optim.routing import Route, RoutingError
+from sage_optim.routing import VECTOR_OPTION, Option, Route, RoutingError, advice_lines, fmt_shape
 from sage_torch.routing import (
-    _VECTOR_OPTION,
     Adapter,
-    Option,
-    _advice_lines,
-    _fmt_shape,
     _label,
     loaded_class,
     register_adapter,
@@ -598,13 +594,13 @@ def _flattened_experts(name: str, p: torch.Tensor, module: nn.Module,
         (as_read, f"one matrix over all experts is acceptable, read as the forward reads each "
                   f"expert ({reads}; SinkGD's and SAGE's normalisations then mix the experts)"),
         (other, "it is the transposed reading (not what the forward does)"),
-        _VECTOR_OPTION]
+        VECTOR_OPTION]
     return RoutingError(
-        f"cannot place parameter {name!r} of shape {_fmt_shape(shape)} in module "
+        f"cannot place parameter {name!r} of shape {fmt_shape(shape)} in module "
         f"{_label(module)}: it holds every expert's matrix "
         f"stacked along axis 0 and its forward views it per expert ({reads}), so no route "
         "gives each expert its own normalisation. E.g. if\n"
-        f"{_advice_lines(name, options)}\n"
+        f"{advice_lines(name, options)}\n"
         "(Route is sage_optim.routing.Route, also sage_torch.Route)",
         leaf=name, shape=shape, options=options,
     )
