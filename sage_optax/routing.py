@@ -409,13 +409,7 @@ def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: s
 
 def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts, remedy: str,
                           attention: Route | None) -> Route | RoutingError | None:
-    """What a conventional leaf name says when no layout is declared (each name its own).
-
-    A 2-D ``embedding``/``embeddings`` is a ``(V, d)`` table, a 2-D ``kernel``/``w`` an
-    ``(in, out)`` matrix, a 2-D ``weight`` what PyTorch's names say
-    (:func:`_torch_weight_route`); any of them with more axes is refused.  ``None`` for
-    other names.
-    """
+    """What a conventional leaf name says with no declared layout (``docs/routing.md``)."""
     leaf, ndim = naming.components(name)[-1], len(shape)
     if leaf in TABLE_NAMES and ndim == 2:
         return Route("embedding", -1, -2, evidence=f"name {leaf!r} ({TABLE_NAMES[leaf]} "
@@ -431,12 +425,10 @@ def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts, 
 
 def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
                         remedy: str) -> Route | RoutingError:
-    """A 2-D ``weight`` with no declared layout: PyTorch's ``(out, in)``, as its name says.
+    """A 2-D ``weight`` with no declared layout: PyTorch's ``(out, in)``, or refused.
 
-    Refused in a Flax/Haiku tree (whose matrices are ``(in, out)``), for GPT-2's ``Conv1D``
-    names (a :class:`~sage_optim.naming.NameConvention`) and for the names
-    :data:`sage_optim.naming.TORCH_WEIGHT_WHY` lists; a table name
-    makes a ``(V, d)`` table.
+    Refused in a Flax/Haiku tree, for a :class:`~sage_optim.naming.NameConvention`'s names
+    and for those :data:`sage_optim.naming.TORCH_WEIGHT_WHY` lists (``docs/routing.md``).
     """
     reading = naming.torch_name_reading(name)
     if facts.flax:
@@ -478,11 +470,7 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
 
 def _flax_layout_route(name: str, shape: tuple[int, ...], remedy: str,
                        attention: Route | None) -> Route | RoutingError | None:
-    """What a conventional leaf name says under ``layout="flax"``: matrices ``(in, out)``.
-
-    A 2-D ``embedding``/``embeddings`` is a table, a 2-D ``kernel``/``w``/``weight`` an
-    ``(in, out)`` matrix; any of them with other axes is refused.  ``None`` for other names.
-    """
+    """What a conventional leaf name says under ``layout="flax"`` (``docs/routing.md``)."""
     leaf, ndim = naming.components(name)[-1], len(shape)
     if leaf in ("embedding", "embeddings") and ndim == 2:
         return Route("embedding", -1, -2, evidence="name 'embedding' (Flax Embed (V, d))")
@@ -495,11 +483,7 @@ def _flax_layout_route(name: str, shape: tuple[int, ...], remedy: str,
 
 def _torch_layout_route(name: str, shape: tuple[int, ...],
                         remedy: str) -> Route | RoutingError | None:
-    """What a ``weight`` says under ``layout="torch"``: ``(out, in)``, or a table by its name.
-
-    A 2-D ``weight`` named like a table is ``(V, d)``, any other 2-D one ``(out, in)``; one
-    with more axes is refused.  ``None`` for other names.
-    """
+    """What a ``weight`` says under ``layout="torch"`` (``docs/routing.md``)."""
     leaf, ndim = naming.components(name)[-1], len(shape)
     if leaf != "weight":
         return None
@@ -545,9 +529,7 @@ def _embedding_name_route(name: str, shape: tuple[int, ...],
 def _shape_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | RoutingError:
     """A matrix whose name says nothing: the declared layout, else the tree's convention.
 
-    More than two axes are refused (stacked layers, a multi-axis kernel or a convolution),
-    with the tree's convention first; a 2-D matrix follows ``layout=``, is refused in a
-    PyTorch-named tree, and is JAX's ``x @ W`` ``(in, out)`` otherwise.
+    ``docs/routing.md`` ("Pytree conventions in JAX") states the rules.
     """
     ndim, layout = len(shape), facts.layout
     torch_like = layout == "torch" or (layout is None and facts.torch)

@@ -635,11 +635,9 @@ def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
 
 
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
-    """The route PyTorch's names give a matrix (``weight`` (out, in), tables (V, d)), or None.
+    """The route PyTorch's names give a matrix, or None where they cannot say (refused).
 
-    The reading is :func:`sage_optim.naming.torch_name_reading`, shared with
-    ``sage_optax``'s converted state dicts; ``None`` where the names cannot say (a GPT-2
-    ``Conv1D`` name, embedding and projection in one name, indices only): refused.
+    The reading is :func:`sage_optim.naming.torch_name_reading`, as in ``sage_optax``.
     """
     if p.dim() != 2:
         return None
