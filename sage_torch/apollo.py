@@ -274,11 +274,7 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
             params, grads, exp_avgs, exp_avg_sqs, limiter_norms, state_steps)),
             plans=[plans[i] for i in single], names=[names[i] for i in single],
             proj_seeds=[seeds[i] for i in single], **kw)
-    buckets: dict[tuple[Any, ...], list[int]] = {}
-    skip = set(single)
-    for i, (p, plan) in enumerate(zip(params, plans, strict=True)):
-        if i not in skip:
-            buckets.setdefault((tuple(p.shape), p.dtype, plan[:3]), []).append(i)
+    buckets = _buckets(params, plans, set(single))
     b1, b2, gamma = beta1, beta2, limiter_gamma
     for (shape, _, (fi, fo, comp)), idx in buckets.items():
         w = wide(grads[idx[0]].dtype)
@@ -320,28 +316,33 @@ def _multi_tensor_apollo(params: list[Tensor], grads: list[Tensor], exp_avgs: li
         new_lim = (norm_u * factor).reshape(len(idx), *lims[0].shape)
         torch._foreach_copy_(lims, list(new_lim.unbind(0)))
         us = list(u.unbind(0))
-        _step_and_decay([params[i] for i in idx], us, ts, w, lr=lr, b1=b1, b2=b2,
-                        weight_decay=weight_decay)
+        ps = [params[i] for i in idx]
+        by_size: dict[float, list[int]] = {}  # one foreach kernel per step size (usually one)
+        for k, t in enumerate(ts):
+            size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
+            by_size.setdefault(size, []).append(k)
+        for size, ks in by_size.items():
+            torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=-size)
+        if weight_decay != 0.0:
+            if w == ps[0].dtype:
+                torch._foreach_mul_(ps, 1 - lr * weight_decay)
+            else:  # a CPU foreach kernel rounds the scalar to bfloat16: one mul_ each
+                for q in ps:
+                    q.mul_(1 - lr * weight_decay)
 
 
-def _step_and_decay(ps: list[Tensor], us: list[Tensor], ts: list[float], w: torch.dtype, *,
-                    lr: float, b1: float, b2: float, weight_decay: float) -> None:
-    """:func:`_multi_tensor_apollo`'s last part: ``ps -= size·us`` (bias-corrected), then decay.
+def _buckets(params: list[Tensor], plans: list[Plan], skip: set[int]
+             ) -> dict[tuple[Any, ...], list[int]]:
+    """The stacks of :func:`_multi_tensor_apollo`: positions not in ``skip`` by shape and plan.
 
-    One foreach kernel per step size (usually one); ``w`` is the working precision.
+    Only this bookkeeping leaves that function: the step's floats stay in its own frame
+    (passed to a helper, ``torch.compile`` specializes on them and compiles every step).
     """
-    by_size: dict[float, list[int]] = {}
-    for k, t in enumerate(ts):
-        size = lr * math.sqrt(_one_minus_pow(b2, t)) / _one_minus_pow(b1, t)
-        by_size.setdefault(size, []).append(k)
-    for size, ks in by_size.items():
-        torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=-size)
-    if weight_decay != 0.0:
-        if w == ps[0].dtype:
-            torch._foreach_mul_(ps, 1 - lr * weight_decay)
-        else:  # a CPU foreach kernel rounds the scalar to bfloat16: one mul_ each
-            for q in ps:
-                q.mul_(1 - lr * weight_decay)
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, (p, plan) in enumerate(zip(params, plans, strict=True)):
+        if i not in skip:
+            buckets.setdefault((tuple(p.shape), p.dtype, plan[:3]), []).append(i)
+    return buckets
 
 
 @shared_docs
