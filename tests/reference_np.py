@@ -409,6 +409,15 @@ class LionRef:
 # ---------------------------------------------------------------------------
 
 
+def sinkhorn_ref_stack(G, fan_in_axis, fan_out_axis, normalization="unit"):
+    """:func:`sinkhorn_ref` of every matrix of ``G`` (its last two axes; leading axes batch)."""
+    G = np.asarray(G, np.float64)
+    flat = G.reshape(-1, *G.shape[-2:])
+    out = [sinkhorn_ref(m, normalization=normalization, fan_in_axis=fan_in_axis,
+                        fan_out_axis=fan_out_axis) for m in flat]
+    return np.stack(out).reshape(G.shape)
+
+
 def apollo_scaling_factor(R, R_tilde, scale_type, uncompressed_axis):
     """APOLLO gradient scaling factor s (docs/algorithms.md, "APOLLO, as the apollo
     configuration uses it").
