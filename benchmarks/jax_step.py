@@ -43,7 +43,9 @@ figures that decide whether ``auto`` takes the kernel.  ``--compare-range-pass
 sinkgd-hybrid`` times the named configurations twice, as ``"<name>"`` and ``"<name> [range
 pass]"``, the latter with SinkGD finding each matrix's range scale on the CPU too (the
 computation :func:`sage_optax.sinkgd.checked_sinkhorn_scales` falls back to): the A/B of
-that pass in one process.
+that pass in one process.  ``--compare-groupings sage-hybrid`` times the named configurations
+also as ``"<name> [grouping leaf]"`` and ``"<name> [grouping sequence]"`` (``--groupings``):
+SinkGD's CPU grouping (``sage_optax.sinkgd.CPU_GROUPING``) while each is traced.
 
 ``--temp-only`` compiles each step from the shapes alone (nothing is allocated, nothing
 timed) and prints its compiled temporary memory: deterministic, and cheap enough for a
@@ -151,13 +153,26 @@ RANGE_PASS = "range pass"
 """The tag of an entry whose SinkGD finds each matrix's range scale on the CPU too."""
 
 
+GROUPING = "grouping "
+"""The tag of an entry whose SinkGD groups its matrices on the CPU another way
+(``"sage-hybrid [grouping leaf]"``: ``sage_optax.sinkgd.CPU_GROUPING`` while it is traced)."""
+
+
 def split_entry(entry: str) -> tuple[str, str]:
     """``(configuration, kernel)`` of a table entry: ``"sinkgd-pure [jnp]"``, ``"sinkgd-hybrid
-    [range pass]"`` or a plain name."""
+    [range pass]"``, ``"sage-hybrid [grouping leaf]"`` or a plain name."""
     if entry.endswith("]") and " [" in entry:
         name, kernel = entry[:-1].split(" [")
-        return name, KERNEL["default"] if kernel == RANGE_PASS else kernel.split(" ")[0]
+        if kernel == RANGE_PASS or kernel.startswith(GROUPING):
+            return name, KERNEL["default"]
+        return name, kernel.split(" ")[0]
     return entry, KERNEL["default"]
+
+
+def grouping_of(entry: str) -> str | None:
+    """The CPU grouping a ``"<name> [grouping G]"`` entry is traced with (else ``None``)."""
+    tag = f" [{GROUPING}"
+    return entry[:-1].split(tag)[1] if entry.endswith("]") and tag in entry else None
 
 
 def stream_bytes(entry: str) -> int | None:
@@ -170,7 +185,17 @@ def stream_bytes(entry: str) -> int | None:
 @contextlib.contextmanager
 def traced_as(entry: str) -> Any:
     """Trace ``entry``'s step in this context: for a ``[range pass]`` entry, SinkGD's CPU path
-    is the range-scaled computation (what ``checked_sinkhorn_scales`` falls back to)."""
+    is the range-scaled computation (what ``checked_sinkhorn_scales`` falls back to); for a
+    ``[grouping G]`` entry, SinkGD's ``grouping="auto"`` is ``G`` on the CPU."""
+    grouping = grouping_of(entry)
+    if grouping is not None:
+        default_grouping = sinkhorn.CPU_GROUPING
+        sinkhorn.CPU_GROUPING = grouping
+        try:
+            yield
+        finally:
+            sinkhorn.CPU_GROUPING = default_grouping
+        return
     batch = stream_bytes(entry)
     if batch is not None:
         default = sinkhorn.STREAM_GROUP_BYTES
@@ -445,6 +470,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "default pallas jnp)")
     ap.add_argument("--compare-range-pass", nargs="*", default=[], metavar="CONFIG",
                     help="time these configurations also with SinkGD's range pass on the CPU")
+    ap.add_argument("--compare-groupings", nargs="*", default=[], metavar="CONFIG",
+                    help="time these configurations also with each of --groupings as SinkGD's "
+                    "grouping on the CPU")
+    ap.add_argument("--groupings", nargs="+", default=["leaf", "sequence"],
+                    choices=("leaf", "stack", "sequence"), metavar="GROUPING",
+                    help="the CPU groupings --compare-groupings times (default leaf sequence)")
     ap.add_argument("--temp-only", action="store_true",
                     help="only compile each step from the shapes (nothing allocated) and print "
                     "its compiled temporary memory: deterministic, no timing")
@@ -518,6 +549,8 @@ def _entries(args: argparse.Namespace) -> list[str]:
         entries += [f"{n} [{k}]" for k in args.kernels] if both else [n]
         if n in args.compare_range_pass:
             entries.append(f"{n} [{RANGE_PASS}]")
+        if n in args.compare_groupings:
+            entries += [f"{n} [{GROUPING}{g}]" for g in args.groupings]
     return entries
 
 

@@ -61,12 +61,36 @@ from sage_optim.routing import ResolvedRoute
 
 _DEFAULTS = RULE_DEFAULTS["sinkgd"]
 
-GROUPINGS: tuple[str, ...] = ("auto", "leaf", "stack")
+GROUPINGS: tuple[str, ...] = ("auto", "leaf", "stack", "sequence")
 """How :func:`scale_by_sinkhorn` runs the matrices of a tree: ``"leaf"`` one computation
 per leaf, ``"stack"`` one batched computation per group of leaves sharing a shape, dtype and
-axes (stacked in chunks of at most ``group_bytes``), ``"auto"`` stacking for arrays on an
-accelerator (where each matrix's ~25 small kernels cost more in launches than in bytes) and
-one leaf at a time for arrays on the CPU (decided by placement, as the implementation)."""
+axes (stacked in chunks of at most ``group_bytes``), ``"sequence"`` one loop per such group
+that computes its leaves one after another (:func:`sequenced_sinkhorn_scales`: no copy of
+the gradients, one leaf's ``K`` alive at a time, the loop's body compiled once per group;
+the ``K`` computations, the others per leaf), ``"auto"`` :func:`resolved_grouping`: a
+sequence for arrays on the CPU and stacks for arrays on an accelerator (where each
+matrix's ~25 small kernels cost more in launches than in bytes), decided by placement, as
+the implementation.  Every choice computes the same numbers (each matrix gets exactly
+its own iteration)."""
+
+CPU_GROUPING: str = "sequence"
+"""What ``grouping="auto"`` is for arrays on the CPU.  ``"sequence"``: on this project's
+CPU it compiled the 270M model's update several times faster than one computation per
+leaf and ran it faster (each layer's ``K`` stays in the last-level cache),
+``benchmarks/RESULTS.md`` (issue 41)."""
+
+
+def resolved_grouping(grouping: str, platform: str) -> str:
+    """``"leaf"``, ``"stack"`` or ``"sequence"``: what ``grouping`` is on ``platform``.
+
+    ``platform`` is where the arrays are (``"cpu"``, ``"cuda"``, ...); ``"auto"`` is
+    :data:`CPU_GROUPING` on the CPU and ``"stack"`` elsewhere.
+    """
+    validation.check_choice("grouping", grouping, GROUPINGS)
+    if grouping != "auto":
+        return grouping
+    return CPU_GROUPING if platform == "cpu" else "stack"
+
 
 GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
 """Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
@@ -165,8 +189,8 @@ def sinkhorn_scales(
     """
     wide = jnp.promote_types(g.dtype, jnp.float32)
     g = g.astype(wide) if g.dtype != wide else g
-    m = range_scale(g, axes)
-    c, r, _ = _iterate(_squares([g / m], after), m, axes, num_iters, eps, normalization)
+    m, k = _range_squares(g, axes, after)
+    c, r, _ = _iterate(k, m, axes, num_iters, eps, normalization)
     return c, r
 
 
@@ -291,6 +315,96 @@ def range_scaled_scales(
     if len(gs) == 1:
         return sinkhorn_scales(gs[0], axes, num_iters, eps, normalization, after)
     return stacked_sinkhorn_scales(gs, axes, num_iters, eps, normalization, after)
+
+
+def sequenced_sinkhorn_scales(
+    gs: list[jax.Array],
+    axes: ResolvedRoute,
+    num_iters: Any = 5,
+    eps: Any = 1e-8,
+    normalization: str = "unit",
+    after: jax.Array | None = None,
+    checked: bool = True,
+) -> tuple[jax.Array, jax.Array]:
+    """The scales of several leaves of one shape, dtype and axes, one leaf after another.
+
+    Returns ``(c, r)`` stacked along a new leading axis: ``c[k]``, ``r[k]`` are the scales
+    of ``gs[k]`` by the computation of one leaf alone (:func:`checked_sinkhorn_scales` with
+    ``checked``, else :func:`range_scaled_scales`), the same operations in the same order.
+    One ``lax.scan`` runs the leaves in turn, so its body (the ``2L`` products and their
+    checks) is compiled once for the group instead of once per leaf, and only one leaf's
+    ``K`` is alive at a time: a layer's ``K`` then stays in the CPU's last-level cache for
+    its products, undisturbed by the other leaves' work.  The body picks leaf ``k`` with a
+    ``lax.switch`` whose branches form that leaf's ``K`` (and, without ``checked``, its
+    range scale) from the leaf itself: no copy of the gradients is made (the range
+    check's fallback, taken only where a sum left float32's range, copies its leaf).
+    """
+    wide = jnp.promote_types(gs[0].dtype, jnp.float32)
+
+    def widened(g: jax.Array) -> jax.Array:
+        return g.astype(wide) if g.dtype != wide else g
+
+    def pick(k: jax.Array, make: Any) -> Any:  # make(leaf k), formed inside its branch
+        return jax.lax.switch(k, [functools.partial(make, g) for g in gs])
+
+    def body(prev: jax.Array, k: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        if checked:
+            c, r = _checked_attempts(lambda make: pick(k, lambda g: make(widened(g))), gs[0],
+                                     axes, num_iters, eps, normalization, prev)
+        else:
+            m, k2 = pick(k, lambda g: _range_squares(widened(g), axes, prev))
+            c, r, _ = _iterate(k2, m, axes, num_iters, eps, normalization)
+        # the next leaf's K waits for these scales (through _squares' dependency)
+        return jnp.min(r, initial=jnp.inf), (c, r)
+
+    start = jnp.asarray(jnp.inf, wide) if after is None else after.astype(wide)
+    _, (c, r) = jax.lax.scan(body, start, jnp.arange(len(gs)))
+    return c, r
+
+
+def _checked_attempts(
+    leaf: Any,
+    like: jax.Array,
+    axes: ResolvedRoute,
+    num_iters: Any,
+    eps: Any,
+    normalization: str,
+    after: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`checked_sinkhorn_scales`' scales of one leaf with one copy of the iteration.
+
+    ``leaf(make)`` is ``make`` of the (widened) leaf; ``like`` an array of its shape.  At
+    most two attempts of the checked iteration: the first on ``K = G²`` (``m = 1``: the
+    checked path's operations, its numbers), the second, only where a sum left the range,
+    on ``K = (G/m)²`` with the range scale ``m`` (the range-scaled computation, its squares
+    floored as the first's).  One loop instead of two (the checked one and its fallback)
+    is what the sequence compiles once per group.
+    """
+    wide = jnp.promote_types(like.dtype, jnp.float32)
+    shape = tuple(like.shape)
+    one = jnp.ones(tuple(1 if a in (*axes.fan_in, *axes.fan_out) else n
+                         for a, n in enumerate(shape)), wide)
+
+    def attempt(state: tuple[Any, ...]) -> tuple[Any, ...]:
+        tries = state[0]
+        m = jax.lax.cond(tries == 0, lambda: one,
+                         lambda: leaf(lambda g: range_scale(g, axes)))
+        c, r, ok = _iterate(leaf(lambda g: _squares([g / m], after, floor=True)), m, axes,
+                            num_iters, eps, normalization, check=True)
+        return tries + 1, c, r, ok
+
+    zeros = (jnp.zeros(tuple(n for a, n in enumerate(shape) if a not in axes.fan_out), wide),
+             jnp.zeros(tuple(n for a, n in enumerate(shape) if a not in axes.fan_in), wide))
+    _, c, r, _ = jax.lax.while_loop(lambda s: (s[0] < 2) & ~s[3], attempt,
+                                    (jnp.asarray(0), *zeros, jnp.asarray(False)))
+    return c, r
+
+
+def _range_squares(g: jax.Array, axes: ResolvedRoute, after: jax.Array | None
+                   ) -> tuple[jax.Array, jax.Array]:
+    """``(m, K = (G/m)²)`` of one leaf: :func:`sinkhorn_scales`' range scale and ``K``."""
+    m = range_scale(g, axes)
+    return m, _squares([g / m], after)
 
 
 def streamed_sinkhorn_scales(
@@ -821,7 +935,7 @@ def _sinkhorn_all(
     interpret: bool,
     checked: bool,
     streamed: bool,
-    stack: bool,
+    grouping: str,
     blocked: bool,
     group_bytes: int,
     num_iters: Any,
@@ -834,10 +948,12 @@ def _sinkhorn_all(
     ``on_kernel``: the Pallas kernel computes the scales of the leaves it supports
     (compiled, or in Pallas's interpreter with ``interpret``); ``checked``: the other
     leaves' scales come from :func:`checked_sinkhorn_scales` (no range pass); ``streamed``:
-    from :func:`streamed_sinkhorn_scales` (no ``K``); ``stack``: same-shape matrices are
-    stacked in groups of at most ``group_bytes``; ``blocked``: the leaves that
-    :func:`blocked_layout` takes get :func:`blocked_sinkhorn_scales` (no ``K``, no ``X``:
-    the CPU's default), before the other choices.
+    from :func:`streamed_sinkhorn_scales` (no ``K``); ``grouping``: ``"leaf"``, ``"stack"``
+    (same-shape matrices stacked in groups of at most ``group_bytes``) or ``"sequence"``
+    (same-shape matrices one after another in one loop, :func:`sequenced_sinkhorn_scales`:
+    the ``K`` paths; the others per leaf); ``blocked``: the leaves that
+    :func:`blocked_layout` takes get :func:`blocked_sinkhorn_scales` (no ``K``, no ``X``),
+    before the other choices.
     """
     pallas: Any = None
     if on_kernel:
@@ -846,22 +962,26 @@ def _sinkhorn_all(
     by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in items]
     on_kernel_items = [m for m, k in zip(items, by_kernel, strict=True) if k]
     on_jnp = [m for m, k in zip(items, by_kernel, strict=True) if not k]
+    stack = grouping == "stack"
     kernel_bytes = min(group_bytes, pallas.KERNEL_GROUP_BYTES) if on_kernel_items else 0
-    batches = [(b, True) for b in _batches(on_kernel_items, kernel_bytes if stack else 0)]
-    batches += [(b, False) for b in _batches(on_jnp, group_bytes if stack else 0)]
+    batches = [(b, "kernel") for b in _batches(on_kernel_items, kernel_bytes if stack else 0)]
+    batches += _jnp_batches(on_jnp, grouping, group_bytes, streamed, blocked)
     out: list[Any] = [None] * len(gs)
     after = None
-    for batch, kernel_batch in batches:
+    for batch, how in batches:
         # Order the batches: this batch's K = G² (the kernel path: its stacked gradients)
         # is formed only once the previous one's scales are done, so one is alive at a
         # time (the compiled temporary memory is the largest batch's, not the sum of all).
         group, resolved = [g for _, g, _ in batch], batch[0][2]
-        if kernel_batch:
+        if how == "kernel":
             c, r = pallas.pallas_scales(group, resolved, num_iters, eps, normalization,
                                         after, interpret=interpret)
-        elif blocked and blocked_layout(group[0], resolved) is not None:
+        elif how == "blocked":
             c, r = blocked_sinkhorn_scales(group, resolved, num_iters, eps, normalization,
                                            after)
+        elif how == "sequence":
+            c, r = sequenced_sinkhorn_scales(group, resolved, num_iters, eps, normalization,
+                                             after, checked=checked)
         else:
             scales = (checked_sinkhorn_scales if checked else
                       streamed_sinkhorn_scales if streamed else range_scaled_scales)
@@ -874,6 +994,27 @@ def _sinkhorn_all(
                 out[k] = apply_scales(g, resolved, c[j], r[j]).astype(g.dtype)
         after = jnp.min(r, initial=jnp.inf)  # defined for (n, 0) too
     return out
+
+
+def _jnp_batches(items: list[Any], grouping: str, group_bytes: int, streamed: bool,
+                 blocked: bool) -> list[tuple[list[Any], str]]:
+    """:func:`_sinkhorn_all`'s batches of the matrices off the kernel, each with its path.
+
+    ``"blocked"`` for the leaves :func:`blocked_layout` takes (with ``blocked``), one each;
+    then ``"sequence"`` groups of every other leaf's shape with ``grouping="sequence"``
+    (the ``K`` paths; streamed leaves one each), or the ``"stack"``/per-leaf batches.
+    """
+    by_blocks = [m for m in items if blocked and blocked_layout(m[1], m[2]) is not None]
+    rest = [m for m in items if not any(m is b for b in by_blocks)]
+    batches = [(b, "blocked") for b in _batches(by_blocks, 0)]
+    if grouping == "sequence" and not streamed:  # one loop per shape, however large
+        return batches + [(b, "sequence" if len(b) > 1 else "jnp")
+                          for b in _batches(rest, _UNLIMITED)]
+    return batches + [(b, "jnp") for b in _batches(rest, group_bytes if grouping == "stack"
+                                                   else 0)]
+
+
+_UNLIMITED = 2**62  # a group size no group reaches
 
 
 def scale_by_sinkhorn(
@@ -897,9 +1038,9 @@ def scale_by_sinkhorn(
         through unchanged) or a callable of the params.
       grouping: :data:`GROUPINGS`; every choice computes the same numbers (each matrix
         of a stacked group gets exactly its own iteration).
-      group_bytes: largest stacked group, in bytes of gradients (``"stack"``/``"auto"``;
-        ``None``: :data:`GROUP_BYTES`): the batched computation holds a copy of the group
-        and its ``K``.  The kernel path caps it at
+      group_bytes: largest stacked group, in bytes of gradients (``"stack"``, and
+        ``"auto"`` off the CPU; ``None``: :data:`GROUP_BYTES`): the batched computation
+        holds a copy of the group and its ``K``.  The kernel path caps it at
         :data:`~sage_optax.sinkgd_pallas.KERNEL_GROUP_BYTES` (32 MiB: a chunk's ``2L``
         passes stay in an H100's L2).  A layout option, so a Python int: under
         ``optax.inject_hyperparams`` leave it out (or name it in ``static_args``).
@@ -968,7 +1109,6 @@ def scale_by_sinkhorn(
             return jax.tree_util.tree_unflatten(treedef, out), state
         if impl == "pallas" and not kernels.kernels_enabled():
             kernels.warn_overridden('impl="pallas"')
-        stack_off_cpu = grouping != "leaf"  # "auto" stacks on an accelerator
         # The path follows where the arrays are (sage_optax.placement): the CUDA branch runs
         # the compiled kernel (impl="auto": on a single GPU only), the CPU branch the jnp
         # path (impl="pallas": the interpreted kernel); under jit only the branch of the
@@ -987,18 +1127,16 @@ def scale_by_sinkhorn(
                 # must agree across processes (a multi-process job keeps the range pass)
                 _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True,
                 jax.process_count() == 1 and not stream_cpu, stream_cpu,
-                grouping == "stack", blocked, batch_bytes(stream_cpu), num_iters, eps,
-                normalization),
+                resolved_grouping(grouping, "cpu"), blocked, batch_bytes(stream_cpu),
+                num_iters, eps, normalization),
             "cuda": functools.partial(
                 _sinkhorn_all, matrices, use_kernel(impl, "cuda", *cuda), False, False,
-                stream_cuda, stack_off_cpu, impl == "blocked", batch_bytes(stream_cuda),
-                num_iters, eps,
-                normalization),
+                stream_cuda, resolved_grouping(grouping, "cuda"), impl == "blocked",
+                batch_bytes(stream_cuda), num_iters, eps, normalization),
             "other": functools.partial(
                 _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True, False,
-                stream_other, stack_off_cpu, impl == "blocked", batch_bytes(stream_other),
-                num_iters, eps,
-                normalization),
+                stream_other, resolved_grouping(grouping, "other"), impl == "blocked",
+                batch_bytes(stream_other), num_iters, eps, normalization),
         }
         results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
         for (i, _, _), x in zip(matrices, results, strict=True):

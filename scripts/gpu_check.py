@@ -13,8 +13,9 @@ and brings back what it measured even when it is cut short.  Its parts run in or
       against AdamW);
   (d) the kernel comparisons that decide the defaults (Pallas against jnp SinkGD, fused
       against foreach torch, cuDNN against XLA attention);
-  (e) the rest (the other layouts and dtypes, the rest of the test suite, parity, the op
-      count, the trainer at 64 x 1024 with full rematerialisation), as long as time is left.
+  (e) the rest (the other layouts and dtypes, the cold compile time of the train step and
+      the update, the rest of the test suite, parity, the op count, the trainer at 64 x 1024
+      with full rematerialisation), as long as time is left.
 
 Each part has a share of the budget; time a part leaves unused passes to the parts after it,
 and (e) has whatever is left.  A step that runs past its share is interrupted (SIGINT, so
@@ -270,6 +271,11 @@ def plan(smoke: bool = False) -> list[Part]:
                   "--layout", "stacked", *reps, "--schedule", "pairwise", "--bw-mib",
                   "64" if smoke else "1024", "--configs", "sage-hybrid"), 40,
                  needs=("jax", "optax"), gpu=jax_gpu, env=jax_bench_env),
+            Step(f"JAX {big}: cold compile of the train step and of the update, sage-hybrid "
+                 "against optax.adamw",
+                 ("{py}", "benchmarks/compile_time.py", "--model", big, "--repeats", "1",
+                  "--batch-size", batch[0], "--seq-len", batch[1]), 60,
+                 needs=("jax", "optax", "flax"), gpu=jax_gpu, env=jax_bench_env),
             Step(f"torch {big} bfloat16: the configurations with a fused rule",
                  (*torch_step, "--dtype", "bfloat16", *reps, "--configs", "sage-hybrid",
                   "lion-hybrid", "sinkgd-hybrid"), 40, needs=("torch",), gpu=torch_gpu),

@@ -37,13 +37,14 @@ def test_stacked_groups_give_the_per_leaf_numbers(dtype, rtol, normalization):
         grads = dense_tree(dtype)
         params = jax.tree.map(jnp.zeros_like, grads)
         out = {}
-        for grouping in ("leaf", "stack"):
+        for grouping in ("leaf", "stack", "sequence"):
             tx = sage_optax.sinkgd(1e-2, normalization=normalization, grouping=grouping)
             updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
             out[grouping] = updates
         for path in grads:
-            np.testing.assert_allclose(out["stack"][path], out["leaf"][path], rtol=rtol,
-                                       atol=0, err_msg=path)
+            for grouping in ("stack", "sequence"):
+                np.testing.assert_allclose(out[grouping][path], out["leaf"][path], rtol=rtol,
+                                           atol=0, err_msg=f"{grouping} {path}")
 
 
 def test_stacked_layers_and_axis_groups_are_grouped_too():
@@ -93,20 +94,21 @@ def test_stacking_adds_no_copy_of_the_gradients():
     assert temp <= 1.25 * chunk, f"compiled temporary {temp / 2**20:.2f} MiB"
 
 
-def test_auto_is_per_leaf_on_cpu_arrays():
-    """On CPU arrays ``auto`` is the per-leaf program, on any host (placement decides)."""
+def test_auto_is_a_sequence_on_cpu_arrays():
+    """On CPU arrays ``auto`` is the sequence program, on any host (placement decides)."""
     from sage_optax import placement
 
     grads = jax.device_put(dense_tree(jnp.float32), jax.devices("cpu")[0])
     texts, outs = {}, {}
-    for grouping in ("auto", "leaf"):
+    for grouping in ("auto", "sequence"):
         tx = sage_optax.scale_by_sinkhorn(grouping=grouping)
         texts[grouping] = jax.jit(tx.update).trace(grads, optax.EmptyState()).lower(
             lowering_platforms=("cpu",)).as_text()
         outs[grouping], _ = jax.jit(tx.update)(grads, optax.EmptyState())
     if placement.cuda_device_count() == 0:  # else the GPU's branch is traced (not lowered)
-        assert texts["auto"] == texts["leaf"]
-    for a, b in zip(jax.tree.leaves(outs["auto"]), jax.tree.leaves(outs["leaf"]), strict=True):
+        assert texts["auto"] == texts["sequence"]
+    for a, b in zip(jax.tree.leaves(outs["auto"]), jax.tree.leaves(outs["sequence"]),
+                    strict=True):
         np.testing.assert_array_equal(a, b)
 
 

@@ -200,26 +200,29 @@ def test_under_vmap_and_scan():
         np.testing.assert_array_equal(np.asarray(xs[i]), _scaled_x(g))
 
 
-def test_only_the_cpu_branch_skips_the_range_pass(monkeypatch):
+@pytest.mark.parametrize(("grouping", "traced", "expected"), [
+    ("leaf", "checked_sinkhorn_scales", [1, 1, 1]),  # the CPU branch's three leaves
+    ("sequence", "_checked_attempts", [1]),  # its one loop body for the three
+])
+def test_only_the_cpu_branch_skips_the_range_pass(monkeypatch, grouping, traced, expected):
     """The fallback is a ``lax.cond``, whose predicate a GPU must send to the host before
     the step goes on, so the CUDA branch keeps the range pass: on a host that traces both
-    branches (an emulated GPU host), the checked path is traced once per batch, by the
-    CPU branch."""
+    branches (an emulated GPU host), the checked path is traced by the CPU branch only."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax, "device_count", lambda backend=None: 1)
     assert placement.cuda_device_count() == 1
     calls = []
-    checked = sinkhorn.checked_sinkhorn_scales
+    checked = getattr(sinkhorn, traced)
 
-    def counting(gs, *args, **kwargs):
-        calls.append(len(gs))
-        return checked(gs, *args, **kwargs)
+    def counting(first, *args, **kwargs):
+        calls.append(len(first) if isinstance(first, list) else 1)
+        return checked(first, *args, **kwargs)
 
-    monkeypatch.setattr(sinkhorn, "checked_sinkhorn_scales", counting)
+    monkeypatch.setattr(sinkhorn, traced, counting)
     grads = {f"w{i}": jnp.asarray(_matrix(seed=i)) for i in range(3)}
-    tx = sage_optax.scale_by_sinkhorn(axes=FLAX)
+    tx = sage_optax.scale_by_sinkhorn(axes=FLAX, grouping=grouping)
     jax.make_jaxpr(tx.update)(grads, tx.init(grads))
-    assert calls == [1, 1, 1]  # the CPU branch's three leaves; none from the CUDA branch
+    assert calls == expected  # none from the CUDA branch
 
 
 def test_eager_updates_compile_the_checked_path_once():

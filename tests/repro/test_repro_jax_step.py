@@ -92,3 +92,20 @@ def test_processes_must_be_positive():
         assert e.code == 2
     else:
         raise AssertionError("--processes 0 was accepted")
+
+
+def test_a_grouping_entry_is_traced_with_its_cpu_grouping():
+    """``--compare-groupings``: ``"<name> [grouping G]"`` runs the default kernel with SinkGD's
+    CPU grouping G while it is traced, and the library's default afterwards."""
+    bench = _load()
+    sinkgd_mod = bench.sinkhorn
+    entry = "sage-hybrid [grouping leaf]"
+    assert bench.split_entry(entry) == ("sage-hybrid", bench.KERNEL["default"])
+    assert bench.grouping_of(entry) == "leaf" and bench.grouping_of("sage-hybrid [jnp]") is None
+    default = sinkgd_mod.CPU_GROUPING
+    with bench.traced_as(entry):
+        assert sinkgd_mod.CPU_GROUPING == "leaf"
+    assert sinkgd_mod.CPU_GROUPING == default
+    args = bench.parse_args(["--configs", "sage-hybrid", "--compare-groupings", "sage-hybrid"])
+    assert bench._entries(args) == ["sage-hybrid", "sage-hybrid [grouping leaf]",
+                                    "sage-hybrid [grouping sequence]"]
