@@ -574,6 +574,8 @@ def _fallback(decided: dict[str, Route | RoutingError], shapes: Mapping[str, tup
               strict: bool, warn: bool) -> None:
     """Warn about (or, ``strict``, refuse) the leaves that got the element-wise fallback."""
     plain = [n for n, r in decided.items() if isinstance(r, Route) and r.evidence == NO_EVIDENCE]
+    if not plain or not (strict or warn):
+        return
     refusals = {n: _refusal(
         n, shapes[n],
         f"cannot place {n!r} of shape {shapes[n]}: it has no name (only a position in "
@@ -582,7 +584,7 @@ def _fallback(decided: dict[str, Route | RoutingError], shapes: Mapping[str, tup
         _matrix_options(shapes[n], "in_out")) for n in plain}
     if strict:
         decided.update(refusals)
-    elif warn and plain:
+    else:
         listed = ", ".join(f"{n!r} {shapes[n]}" for n in plain)
         warnings.warn(
             f"{len(plain)} parameter(s) with no layout evidence (no name, only a position in a "

@@ -82,10 +82,8 @@ def in_numbered_layers(name: str) -> bool:
 
 def names_non_vocab_table(name: str) -> bool:
     """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
-    for part in components(name)[:-1]:
-        if "position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
-            return True
-    return False
+    return any("position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part))
+               for part in components(name)[:-1])
 
 
 PROJECTION_WORDS: frozenset[str] = frozenset({
@@ -120,13 +118,11 @@ def names_table(name: str) -> bool | None:
 def torch_name_reading(name: str) -> str | None:
     """What PyTorch's names say of a 2-D parameter, in both frameworks.
 
-    ``"table"`` (an ``nn.Embedding`` ``(V, d)``: a module or leaf name that says embedding,
-    or a :data:`TABLE_MODULE_NAMES` module), ``"linear"`` (an ``nn.Linear`` ``weight``
-    ``(out, in)``; where a component says both embedding and projection, a head name
-    (GPT-NeoX's ``embed_out``) reads as a linear, which the head policy may make the head),
-    or why the names cannot say: ``"convention"`` (a registered :class:`NameConvention`),
-    ``"ambiguous"`` (embedding and projection in one component), ``"unnamed"`` (no word
-    besides indices: ``0.weight`` of an ``nn.Sequential``).  ``None``: not a PyTorch name.
+    ``"table"`` (an ``nn.Embedding`` ``(V, d)``), ``"linear"`` (an ``nn.Linear`` ``weight``
+    ``(out, in)``), or why the names cannot say: ``"convention"`` (a registered
+    :class:`NameConvention`), ``"ambiguous"`` (embedding and projection in one component),
+    ``"unnamed"`` (no word besides indices).  ``None``: not a PyTorch name.
+    ``docs/routing.md`` ("Evidence, strongest first") states the rules.
     """
     parts = components(name)
     leaf = parts[-1]
@@ -160,9 +156,8 @@ def torch_weight_options(shape: Sequence[int], kind: str | None = None,
                          vocab: int | None = None) -> list[tuple[Any, str]]:
     """The remedies of a 2-D PyTorch ``weight`` the names cannot place, in both frameworks.
 
-    An ``nn.Linear`` ``(out, in)`` first, unless its rows are the token table's ``vocab``
-    (then a table or a head first); ``kind`` (an override's or a group's) keeps its reading
-    only.  ``'vector'`` last.
+    An ``nn.Linear`` first, unless its rows are the token table's ``vocab``; ``kind`` (an
+    override's or a group's) keeps that first reading only.
     """
     linear = (Route(kind or "dense", fan_in=1, fan_out=0), "it is an nn.Linear weight (out, in)")
     table = (Route(kind or "embedding", fan_in=1, fan_out=0),

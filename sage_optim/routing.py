@@ -42,9 +42,8 @@ class RoutingError(ValueError):
     """A parameter the router cannot place, or an override that does not apply.
 
     The message names the parameter's path and shape and the override that fixes it.  Both
-    frameworks raise this one type (``sage_optax.RoutingError is sage_torch.RoutingError``),
-    and both raise *one* error for all the parameters they cannot place
-    (:meth:`combine`), ending with a ``route_overrides = {...}`` block that can be pasted.
+    frameworks raise this one type, *one* error for all the parameters they cannot place
+    (:meth:`combine`; ``docs/routing.md``, "One error for everything the router cannot place").
 
     Attributes:
       leaf: the parameter's name, when the error is about one parameter.
@@ -72,13 +71,7 @@ class RoutingError(ValueError):
 
     @property
     def overrides(self) -> dict[str, Any]:
-        """The suggested ``route_overrides``: the first remedy of every parameter named.
-
-        The same dict the message's paste block prints: one glob per layer role where the
-        parameters of several layers take the same remedy (``'blocks_*.attn.query.kernel'``),
-        so the overrides do not depend on the layer count; check it against the model's
-        forward code before training with it.
-        """
+        """The suggested ``route_overrides``: the dict the paste block prints."""
         return {pattern: rows[0].options[0][0]
                 for pattern, rows in override_patterns(self.problems, self.names).items()}
 
@@ -91,12 +84,9 @@ class RoutingError(ValueError):
                 names: Sequence[str] | None = None) -> RoutingError:
         """One error for every parameter in ``errors``, with one paste block for all.
 
-        With several refusals, the message's first line is the fix (at most
-        :data:`HEADLINE_LIMIT` characters): ``fix`` where the caller knows one (pass the
-        model), else the paste block; the details follow, one bullet per layer role (the
-        parameters of other layers with the same remedy are counted, not repeated), then the
-        ``route_overrides = {...}`` block.  One refusal keeps its own message, which gives
-        its remedy first, then the block.
+        The first line is the fix (at most :data:`HEADLINE_LIMIT` characters), then one
+        bullet per layer role, then the block (``docs/routing.md``, "One error for
+        everything the router cannot place"); one refusal keeps its own message.
 
         Args:
           errors: the per-parameter refusals.
@@ -181,13 +171,10 @@ class Route:
         is neither fan-in nor fan-out (for a vector: none).
       evidence: what placed the leaf (``"override"``, ``"module nn.Linear"``, ...), shown by
         the routing tables.
-      view: ``None`` (the default), or the shape the leaf is viewed as before the math, a
-        row-major reshape with as many elements (``p.view(view)``): the axes then count in
-        the view.  For weights whose forward reshapes them: DBRX stores its experts as one
-        ``(E·n, d)`` weight and reads ``w.view(E, n, d)[e]``, so
-        ``Route("dense", fan_in=2, fan_out=1, batch=0, view=(E, n, d))`` treats each
-        expert's ``(n, d)`` matrix by itself.  ``sage_torch`` applies it (the state has the
-        view's shape); ``sage_optax`` refuses it, naming the leaf.
+      view: ``None``, or the shape the leaf is viewed as before the math (a row-major
+        reshape, ``p.view(view)``): the axes then count in the view.  ``sage_torch``
+        applies it, ``sage_optax`` refuses it (``docs/routing.md``, "Mixture-of-experts
+        models (PyTorch)").
 
     ``Route("dense", fan_in=0, fan_out=1)`` is GPT-2's ``Conv1D`` ``(in, out)``;
     ``Route("dense", fan_in=(1, 2, 3), fan_out=0)`` a ``Conv2d`` weight ``(out, in, kh, kw)``.
@@ -491,11 +478,8 @@ def override_patterns(problems: Sequence[RoutingError], names: Sequence[str] | N
                       ) -> dict[str, list[RoutingError]]:
     """The refused parameters with a remedy, grouped under one glob per layer role.
 
-    Parameters whose names differ only in their numbers (``blocks_0.attn.query.kernel``,
-    ``blocks_5.attn.query.kernel``) and whose first remedy is the same share one glob, with
-    ``*`` where their numbers differ (``blocks_*.attn.query.kernel``).  A glob that would
-    also match a parameter outside its group (of ``names``, every parameter of the tree)
-    is not used: its parameters are listed one by one.  In the order of ``problems``.
+    Names that differ only in their numbers, with the same first remedy, share a glob with
+    ``*`` for the numbers; a glob that would match another of ``names`` is not used.
     """
     by_role: dict[tuple[Any, ...], list[RoutingError]] = {}
     for p in problems:
@@ -522,9 +506,8 @@ def override_patterns(problems: Sequence[RoutingError], names: Sequence[str] | N
 def paste_block(problems: Sequence[RoutingError], names: Sequence[str] | None = None) -> str:
     """The ``route_overrides = {...}`` block of a routing error (``""`` if nothing to paste).
 
-    One line per layer role (:func:`override_patterns`): its first remedy, and as a comment
-    when that remedy is right and what the others are.  It is Python: ``Route`` is
-    ``sage_optim.routing.Route`` (also ``sage_optax.Route`` and ``sage_torch.Route``).
+    One line per layer role (:func:`override_patterns`): its first remedy, the others and
+    when each is right in a comment.
     """
     groups = override_patterns(problems, names)
     if not groups:
@@ -551,10 +534,8 @@ A = TypeVar("A", bound=_Named)
 class AdapterRegistry(Generic[A]):
     """The adapters of one framework's gatherer: ``<package>/adapters/<library>.py``.
 
-    Each adapter module registers itself (:meth:`register`); :meth:`all` imports the
-    module of every library imported so far (a model cannot hold a module of a library
-    that is not imported; ``eager``: every module).  ``registered`` maps an adapter's
-    ``name`` to it.
+    Each adapter module registers itself (:meth:`register`) in ``registered`` (by name);
+    :meth:`all` imports those of the libraries imported so far (``eager``: every one).
     """
 
     def __init__(self, kind: type[A], package: str, directory: pathlib.Path,

@@ -234,8 +234,7 @@ def _api_tables(model: nn.Module, params: Mapping[int, str]) -> tuple[bool, Any,
 
 def _names_embedding(name: str) -> bool:
     """Whether a component of ``name`` (the leaf too) says embedding (``pos_emb``, ``wte``)."""
-    return naming.names_token_embedding(name) or any(
-        naming.says_embedding(part) for part in naming.components(name))
+    return any(naming.says_embedding(part) for part in naming.components(name))
 
 
 def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
