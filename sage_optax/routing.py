@@ -249,12 +249,7 @@ def _sibling(name: str, leaf: str, facts: _TreeFacts) -> tuple[int, ...] | None:
 
 
 def _attention_reading(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | None:
-    """The attention reading of a multi-axis ``kernel``/``bias`` its module name says, or None.
-
-    ``docs/routing.md`` ("Pytree conventions in JAX") states it; a sibling that says
-    otherwise (a 3-D kernel whose bias is ``(L, F)``: stacked ``Dense`` layers) cancels it.
-    It orders the remedies of a refusal; it never places a leaf.
-    """
+    """The attention reading its module name says (orders a refusal's remedies)."""
     parts = naming.components(name)
     if len(parts) < 2 or parts[-2] not in ATTENTION_IN | ATTENTION_OUT:
         return None
@@ -263,7 +258,7 @@ def _attention_reading(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> 
         bias = _sibling(name, "bias", facts)
         own = shape[-2:] if into else shape[-1:]
         if ndim == 3 and bias is not None and bias == (shape[0], shape[-1]) and bias != own:
-            return None
+            return None  # a bias (L, F): stacked Dense layers, not attention
         return Route("dense", fan_in=-3, fan_out=(-2, -1)) if into else Route(
             "dense", fan_in=(-3, -2), fan_out=-1)
     kernel = _sibling(name, "kernel", facts) if leaf == "bias" and ndim >= 2 and into else None
@@ -328,10 +323,7 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
 
 def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: str,
                          attention: Route | None) -> RoutingError:
-    """A vector name (``bias``, ``scale``...) on two or more axes: stacked, or one vector.
-
-    The attention bias first where the module's name and its kernel's shape say one.
-    """
+    """A vector name (``bias``, ``scale``) on two or more axes, refused."""
     ndim = len(shape)
     stacked = Route("vector", batch=tuple(range(ndim - 1)))
     if attention is not None:
@@ -374,11 +366,7 @@ def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
 
 def _torch_weight_route(name: str, shape: tuple[int, ...],
                         facts: _TreeFacts) -> Route | RoutingError:
-    """A 2-D ``weight`` with no declared layout: PyTorch's ``(out, in)``, or refused.
-
-    Refused in a Flax/Haiku tree, for a :class:`~sage_optim.naming.NameConvention`'s names
-    and for those :data:`sage_optim.naming.TORCH_WEIGHT_WHY` lists (``docs/routing.md``).
-    """
+    """A 2-D ``weight`` with no declared layout: ``(out, in)``, or refused."""
     reading = naming.torch_name_reading(name)
     if facts.flax:
         return _refusal(
@@ -443,11 +431,7 @@ _LAYOUT_RULES = {None: _default_layout_route, "flax": _flax_layout_route,
 
 def _embedding_name_route(name: str, shape: tuple[int, ...],
                           facts: _TreeFacts) -> Route | RoutingError:
-    """A leaf whose path names an embedding: ``vocab_size`` on one axis makes it a table.
-
-    Refused, with the table readings (2-D) or the matrix ones first, where ``vocab_size``
-    is unknown or matches neither or both of the last two axes.
-    """
+    """A leaf whose path names an embedding: ``vocab_size`` on one axis decides."""
     ndim = len(shape)
     hits = [a for a in (-2, -1) if shape[a] == facts.vocab_size]
     if len(hits) == 1:
@@ -499,10 +483,7 @@ def _shape_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route 
 
 def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
                         remedy: str, attention: Route | None = None) -> RoutingError:
-    """A conventional matrix name (kernel, w, weight, embedding) with more than two axes.
-
-    ``attention``: the reading the module's name says (:func:`_attention_reading`), first.
-    """
+    """A conventional matrix name (kernel, w, weight) with more than two axes."""
     ndim = len(shape)
     if leaf == "weight":  # PyTorch/Equinox: (out, in, *taps) convolutions, or stacks
         conv, stack = Route("dense", tuple(range(1, ndim)), 0), Route("dense", -1, -2)
@@ -734,11 +715,7 @@ def _leaf_evidence(name: str, x: Any, evidence: Mapping[str, Route | RoutingErro
 def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | RoutingError],
               names: Mapping[str, logical.Names], roles: Mapping[str, str | None],
               facts: _TreeFacts) -> tuple[Route | RoutingError, bool]:
-    """A floating leaf's route from its module, its axis names, then its leaf name.
-
-    Also whether it may be the output head by shape: not when its names place every axis
-    (they would have said ``vocab``).
-    """
+    """A floating leaf's route (module, axis names, name), and whether it may be the head."""
     by_names = logical.route_from_names(name, shape, names[name], roles, torch_order=(
         facts.layout == "torch")) if name in names else None
     if name in evidence and not (isinstance(evidence[name], RoutingError)
@@ -767,7 +744,7 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
                     by_names, evidence=f"{route.evidence}, its output {by_names.evidence}"
                     " (a head)"), True
         return route, True
-    if by_names is not None:
+    if by_names is not None:  # a head only if some axis has no role (else it says vocab)
         placed = all(isinstance(n, str) and roles.get(n) is not None for n in names[name])
         return by_names, not placed
     route = _name_route(name, shape, facts)

@@ -207,13 +207,8 @@ def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
 
 
 def _api_tables(model: nn.Module, params: Mapping[int, str]) -> tuple[bool, Any, Any, Any]:
-    """What the model's API says: ``(has_output_api, input weight, output weight, module)``.
-
-    Asked of the outermost module with ``get_input_embeddings`` (a wrapper such as
-    ``DistributedDataParallel`` holds the transformers model).  A method that is missing or
-    raises ``NotImplementedError`` is no API; a weight counts if it is a 2-D parameter of
-    the model; the output module is kept only with its weight.
-    """
+    """``(has get_output_embeddings, input weight, output weight, output module)``."""
+    # the outermost module with the API: a wrapper (DistributedDataParallel) holds the model
     api = next((m for _, m in model.named_modules()
                 if callable(getattr(m, "get_input_embeddings", None))), model)
     found: list[tuple[bool, Any, Any]] = []
@@ -239,12 +234,7 @@ def _names_embedding(name: str) -> bool:
 
 def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
              vocab: int | None = None, torch_weight: bool = False) -> list[Option]:
-    """The remedies for a matrix whose layout is unknown, most likely first.
-
-    ``kind``: only routes of that kind (an override gave it).  ``table_first``: the name or
-    the module says embedding.  ``vocab``: the token table's row count; the reading whose
-    vocab axis has that size comes first.  ``torch_weight``: PyTorch named it ``weight``.
-    """
+    """The remedies for a matrix of unknown layout, most likely first (``kind``: only it)."""
     shape = tuple(int(s) for s in shape)
     big = [a for a, n in enumerate(shape) if n != 1]
     if len(big) == 2 or len(shape) == 2:
@@ -354,12 +344,8 @@ def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingEr
 
 
 def _match(names: Sequence[str], overrides: Mapping[str, Any] | None) -> dict[str, Route]:
-    """:func:`~sage_optim.routing.match_overrides`, a glob equal to a name taken literally.
-
-    ``"params[3]"`` then matches the parameter ``params[3]`` (as a glob, ``[3]`` would be a
-    character class); every other glob is kept as written.
-    """
-    known = set(names)
+    """:func:`~sage_optim.routing.match_overrides`; a glob equal to a name is literal."""
+    known = set(names)  # "params[3]" names a parameter: as a glob, [3] is a character class
     return core.match_overrides(names, {
         glob.escape(k) if k in known else k: v for k, v in (overrides or {}).items()})
 
@@ -502,11 +488,7 @@ def _check_tied_layouts(name: str, p: torch.Tensor,
 def _per_param(matched: Mapping[str, Route], tensors: Mapping[str, torch.Tensor],
                canonical: Mapping[int, str], tied: Callable[[str, str], tuple[str, str, str]]
                ) -> dict[int, tuple[str, Route]]:
-    """``{id(param): (name, override)}``: one route per parameter, whatever its names.
-
-    Refuses a parameter whose names the overrides route differently; ``tied(a, b)`` says
-    how the names ``a`` and ``b`` are one parameter, and when each override is right.
-    """
+    """``{id(param): (name, override)}``, refusing a parameter its names route apart."""
     out: dict[int, tuple[str, Route]] = {}
     for pname, route in matched.items():
         p = tensors[pname]
@@ -541,10 +523,7 @@ def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
 
 
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
-    """The route PyTorch's names give a matrix (:func:`~sage_optim.naming.torch_name_reading`).
-
-    ``None`` where they cannot say (refused).
-    """
+    """The route PyTorch's names give a matrix, or ``None`` (refused)."""
     reading = naming.torch_name_reading(name) if p.dim() == 2 else None
     if reading == "table":
         return Route("embedding", fan_in=1, fan_out=0, evidence="name: table (V, d)")
@@ -755,12 +734,7 @@ def _decide(router: _Router | _NameRouter, records: Sequence[decision.Evidence]
 
 def _collect(router: _Router | _NameRouter, skip_frozen: bool,
              groups: list[dict[str, Any]] | None = None, fix: str | None = None) -> Routing:
-    """Route every (trainable) parameter the router holds, collecting the errors.
-
-    The evidence of every parameter, frozen ones too (a frozen token table still says which
-    matrix is the head), goes into one decision; only the trainable ones (all, unless
-    ``skip_frozen``) are placed or refused.
-    """
+    """Route every parameter (frozen ones are evidence), collecting the errors."""
     order, records = [], []
     for name, p, group in router.members():
         if not (p.is_floating_point() or p.is_complex()):  # complex: the rules judge
