@@ -25,22 +25,18 @@ TOKEN_EMBEDDING_MARKERS: tuple[str, ...] = (
     "embed_tokens", "word_embeddings", "token_embedding", "token_embeddings", "embedder",
     "input_embedding",
 )
-"""Path components that name the *token* embedding among several tables (GPT-2 ``wte``,
-Meta LLaMA ``tok_embeddings``, Hugging Face ``embed_tokens``/``word_embeddings``, Gemma
-``embedder``).  A component equal to ``embed`` or ``embedding`` counts too."""
+"""Path components that name the *token* embedding among several tables (``embed`` and
+``embedding`` count too; ``docs/routing.md``, "Heads")."""
 
 HEAD_MARKERS: tuple[str, ...] = (
     "lm_head", "head", "output", "unembed", "embed_out", "decoder")
-"""Path components that name an output head (``decoder``: BERT's and RoBERTa's
-``predictions.decoder``/``lm_head.decoder``; a decoder *stack*'s matrices lie inside
-numbered layers, which a head never does).  A name alone never makes a head: the leaf must
-also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
+"""Path components that name an output head (BERT's ``predictions.decoder``; a decoder
+*stack* lies inside numbered layers); a name alone never makes a head (``docs/routing.md``,
+"Heads")."""
 
 TABLE_MODULE_NAMES: frozenset[str] = frozenset({"wpe", "shared", "relative_attention_bias"})
 """Module names whose 2-D ``weight`` is an ``nn.Embedding`` table ``(V, d)`` in every family
-that uses them, although no word of the name says embedding: GPT-2's position table ``wpe``,
-the token table ``shared`` of T5 and BART (and their relatives), T5's bucket table
-``relative_attention_bias`` ``(buckets, heads)``."""
+that uses them (GPT-2's ``wpe``, T5's and BART's ``shared``, T5's bucket table)."""
 
 NON_VOCAB_WORDS: frozenset[str] = frozenset({
     "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",

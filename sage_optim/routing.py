@@ -176,9 +176,8 @@ class Route:
         applies it, ``sage_optax`` refuses it (``docs/routing.md``, "Mixture-of-experts
         models (PyTorch)").
 
-    ``Route("dense", fan_in=0, fan_out=1)`` is GPT-2's ``Conv1D`` ``(in, out)``;
-    ``Route("dense", fan_in=(1, 2, 3), fan_out=0)`` a ``Conv2d`` weight ``(out, in, kh, kw)``.
-    Axes may be negative.  Integers are stored as one-axis groups.
+    Axes may be negative; integers are stored as one-axis groups (``docs/routing.md``,
+    "Kinds and axes", lists the common layouts).
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
@@ -279,12 +278,8 @@ def _norm_axes(group: tuple[int, ...] | None, shape: tuple[int, ...], name: str,
 class ResolvedRoute:
     """A :class:`Route` checked against a shape: non-negative axis groups.
 
-    What every transform works with: ``fan_in`` and ``fan_out`` are tuples of axes (empty
-    for a vector), ``batch`` the axes treated independently (stacked layers).  A transform
-    given a :class:`Route` resolves it against each leaf's shape; one given a
-    ``ResolvedRoute`` (what :func:`sage_optax.route_params` returns) checks the shape.
-    ``shape`` is the leaf's; with a ``view`` (:class:`Route`) the axes count in the view
-    (:attr:`axes_shape`).
+    What every transform works with: ``fan_in``, ``fan_out`` and ``batch`` are tuples of
+    axes (empty for a vector), counted in :attr:`axes_shape`; ``shape`` is the leaf's.
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
