@@ -62,12 +62,9 @@ class ParamRouting(NamedTuple):
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
 
     labels: Any
@@ -138,16 +135,6 @@ def model_adapter(x: Any) -> Adapter | None:
     return next((a for a in adapters() if a.owns(x)), None)
 
 
-def _tree_adapters(tree: Any) -> list[Adapter]:
-    """The adapters owning a module held in ``tree`` (a filtered model keeps its modules)."""
-    found = []
-    for adapter in adapters():
-        if adapter.owns(tree) or any(adapter.owns(x) for x in jax.tree.leaves(
-                tree, is_leaf=adapter.owns)):
-            found.append(adapter)
-    return found
-
-
 def module_routes(model: Any) -> dict[str, Route | RoutingError]:
     """Per-parameter routes read from the modules of ``model``, keyed by dotted path.
 
@@ -159,12 +146,9 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
     adapter = model_adapter(model)
     if adapter is not None:
@@ -173,19 +157,19 @@ def module_routes(model: Any) -> dict[str, Route | RoutingError]:
 
     if isinstance(model, linen_evidence.LinenModel):
         return linen_evidence.linen_routes(model)
-    if not is_nnx_module(model):
-        linen = sys.modules.get("flax.linen")
-        if linen is not None and isinstance(model, linen.Module):
-            raise TypeError(
-                "model= got a flax linen module, whose submodules exist only while it runs "
-                "(bound or not); pass it with a sample input, "
-                "model=sage_optax.linen_model(module, *inputs) (jax.ShapeDtypeStruct inputs "
-                "will do), so that its module types decide, or give the multi-axis leaves "
-                "their axes in route_overrides")
+    if is_nnx_module(model):
+        return nnx_evidence.nnx_routes(model)
+    linen = sys.modules.get("flax.linen")
+    if linen is not None and isinstance(model, linen.Module):
         raise TypeError(
-            f"model= takes a flax NNX module, an Equinox model or "
-            f"sage_optax.linen_model(module, *inputs), got a {type(model).__name__}")
-    return nnx_evidence.nnx_routes(model)
+            "model= got a flax linen module, whose submodules exist only while it runs "
+            "(bound or not); pass it with a sample input, "
+            "model=sage_optax.linen_model(module, *inputs) (jax.ShapeDtypeStruct inputs "
+            "will do), so that its module types decide, or give the multi-axis leaves "
+            "their axes in route_overrides")
+    raise TypeError(
+        f"model= takes a flax NNX module, an Equinox model or "
+        f"sage_optax.linen_model(module, *inputs), got a {type(model).__name__}")
 
 
 # ------------------------------------------------------------------------------ name rules
@@ -202,6 +186,21 @@ TORCH_NAMES: tuple[str, ...] = ("weight",)
 NO_EVIDENCE = "no layout evidence"
 """The evidence of a leaf that says nothing about its layout (element-wise fallback)."""
 
+_NO_MODULES: dict[str, tuple[str, str | None]] = {
+    "model": ("The model's modules do not settle it (a module type this router does not "
+              "read, e.g. a linen module inside nnx.bridge.ToNNX); give it", None),
+    "nnx": ("Pass the model (make_optimizer(..., model=model), route_params(model)) so that "
+            "its module types decide, or give it",
+            "pass model=model to make_optimizer so that its module types decide"),
+    "flax": ("A plain params tree has no module evidence: for a linen model pass "  # or Haiku
+             "model=sage_optax.linen_model(module, *inputs) so that its module types "
+             "decide, or give it",
+             "pass model=sage_optax.linen_model(module, *inputs) to make_optimizer"),
+    "plain": ("A plain params tree has no module evidence: give it", None),  # a state dict
+}
+"""By the module evidence a tree could get: a name-rule refusal's first remedy, and the fix
+of the combined refusal's first line (``None``: the paste block)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class _TreeFacts:
@@ -210,26 +209,27 @@ class _TreeFacts:
     layout: str | None  # the declared layout, or None (the names decide)
     flax: bool  # a Flax/Haiku tree: a model was given, or leaves named kernel/w/embedding
     torch: bool  # a PyTorch-convention tree: leaves named weight, and not a Flax tree
-    have_model: bool  # module evidence was given (model= / an nnx.Module / Equinox)
+    source: str  # the module evidence it could get: a key of _NO_MODULES
     vocab_size: int | None
-    nnx_tree: bool = False  # an nnx.State: model= would read its modules
-    shapes: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    conventions: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
-    torch_vocab: int | None = None  # rows of the token table that PyTorch's names say
+    shapes: Mapping[str, tuple[int, ...]]
+    conventions: Mapping[str, str | None]
+    torch_vocab: int | None  # rows of the token table that PyTorch's names say
+
+    @property
+    def remedy(self) -> str:
+        """The first remedy of a name-rule refusal."""
+        return _NO_MODULES[self.source][0]
 
 
-def _tree_facts(names: list[str], layout: str | None, have_model: bool,
-                vocab_size: int | None, nnx_tree: bool,
-                shapes: Mapping[str, tuple[int, ...]] | None = None) -> _TreeFacts:
+def _tree_facts(layout: str | None, have_model: bool, vocab_size: int | None, nnx_tree: bool,
+                shapes: Mapping[str, tuple[int, ...]], names: list[str]) -> _TreeFacts:
     leaves = {naming.components(n)[-1] for n in names}
     flax = nnx_tree or bool(leaves & (set(FLAX_NAMES) | set(TABLE_NAMES)))
     torch = not flax and bool(leaves & set(TORCH_NAMES))
-    shapes = dict(shapes or {})
-    conventions: dict[str, str | None] = {}
-    token = None
-    if torch:  # the token table, against whose width the Conv1D names' shapes are read
-        token, conventions = decision.torch_name_facts(list(shapes.items()))
-    return _TreeFacts(layout, flax, torch, have_model, vocab_size, nnx_tree, shapes, conventions,
+    # the token table, against whose width the Conv1D names' shapes are read
+    token, conventions = decision.torch_name_facts(list(shapes.items())) if torch else (None, {})
+    source = ("model" if have_model else "nnx" if nnx_tree else "flax" if flax else "plain")
+    return _TreeFacts(layout, flax, torch, source, vocab_size, shapes, conventions,
                       token.rows if token is not None else None)
 
 
@@ -249,38 +249,22 @@ def _sibling(name: str, leaf: str, facts: _TreeFacts) -> tuple[int, ...] | None:
 
 
 def _attention_reading(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | None:
-    """The attention reading of a multi-axis ``kernel``/``bias`` that its module name says.
-
-    A ``kernel`` of a ``query``/``key``/``value`` module is ``(..., in, heads, head_dim)``
-    (fan-in ``-3``, fan-out ``(-2, -1)``, as ``nnx.LinearGeneral`` reads it), one of an
-    ``out`` module ``(..., heads, head_dim, out)``; the ``bias`` of ``query``/``key``/
-    ``value`` is one ``(heads, head_dim)`` vector per leading index.  ``None`` when the name
-    says no such module, or a sibling says otherwise: a 3-D kernel whose bias is ``(L, F)``
-    = its first and last axes is stacked ``Dense`` layers, not attention.  This orders the
-    remedies of a refusal; it never places a leaf.
-    """
+    """The attention reading its module name says (orders a refusal's remedies)."""
     parts = naming.components(name)
     if len(parts) < 2 or parts[-2] not in ATTENTION_IN | ATTENTION_OUT:
         return None
-    leaf, ndim = parts[-1], len(shape)
+    leaf, ndim, into = parts[-1], len(shape), parts[-2] in ATTENTION_IN
     if leaf == "kernel" and ndim >= 3:
         bias = _sibling(name, "bias", facts)
-        own = shape[-2:] if parts[-2] in ATTENTION_IN else shape[-1:]
+        own = shape[-2:] if into else shape[-1:]
         if ndim == 3 and bias is not None and bias == (shape[0], shape[-1]) and bias != own:
-            return None
-        if parts[-2] in ATTENTION_IN:
-            return Route("dense", fan_in=-3, fan_out=(-2, -1))
-        return Route("dense", fan_in=(-3, -2), fan_out=-1)
-    if leaf == "bias" and ndim >= 2 and parts[-2] in ATTENTION_IN:
-        kernel = _sibling(name, "kernel", facts)
-        if kernel is not None and len(kernel) == ndim + 1 and kernel[-2:] == shape[-2:]:
-            return Route("vector", batch=tuple(range(ndim - 2)))
+            return None  # a bias (L, F): stacked Dense layers, not attention
+        return Route("dense", fan_in=-3, fan_out=(-2, -1)) if into else Route(
+            "dense", fan_in=(-3, -2), fan_out=-1)
+    kernel = _sibling(name, "kernel", facts) if leaf == "bias" and ndim >= 2 and into else None
+    if kernel is not None and len(kernel) == ndim + 1 and kernel[-2:] == shape[-2:]:
+        return Route("vector", batch=tuple(range(ndim - 2)))
     return None
-
-
-def _unnamed(name: str) -> bool:
-    """Whether a path has no name at all: only positions in lists and tuples (or the root)."""
-    return name == "<root>" or all(part.isdigit() for part in name.split("."))
 
 
 def _refusal(name: str, shape: tuple[int, ...], message: str,
@@ -291,24 +275,19 @@ def _refusal(name: str, shape: tuple[int, ...], message: str,
 def _matrix_options(shape: tuple[int, ...], first: str) -> list[tuple[Any, str]]:
     """Remedies for a matrix of unknown layout; ``first`` is ``"in_out"`` or ``"out_in"``."""
     ndim = len(shape)
-    in_out = (Route("dense", -2, -1), "it is used as x @ W, W (in, out)")
-    out_in = (Route("dense", -1, -2), "it is used as F.linear(x, W), W (out, in)")
-    if ndim > 2:
-        in_out = (in_out[0], "it is a stack of (in, out) matrices over the leading axes")
-        out_in = (out_in[0], "it is a stack of (out, in) matrices over the leading axes")
+    what = ("a stack of (in, out) matrices over the leading axes", "a stack of (out, in) "
+            "matrices over the leading axes") if ndim > 2 else (
+            "used as x @ W, W (in, out)", "used as F.linear(x, W), W (out, in)")
+    in_out, out_in = (Route("dense", -2, -1), f"it is {what[0]}"), (
+        Route("dense", -1, -2), f"it is {what[1]}")
     options: list[tuple[Any, str]] = [in_out, out_in] if first == "in_out" else [out_in, in_out]
-    if ndim == 2:
-        options.append((Route("embedding", -1, -2), "it is a table of rows (V, d)"))
-    else:
-        rest = tuple(range(1, ndim))
-        options.append((Route("dense", 0, rest),
-                        f"it is one matrix, axis 0 its input, axes {rest} merged as its output "
-                        "(an (in, heads, head_dim) projection)"))
-        options.append((Route("dense", rest, 0),
-                        f"it is one matrix, axis 0 its output, axes {rest} merged as its input "
-                        "(a PyTorch conv (out, in, *taps), a (d, heads, head_dim) output)"))
-    options.append(VECTOR_OPTION)
-    return options
+    rest = tuple(range(1, ndim))
+    options += [(Route("embedding", -1, -2), "it is a table of rows (V, d)")] if ndim == 2 else [
+        (Route("dense", 0, rest), f"it is one matrix, axis 0 its input, axes {rest} merged as "
+         "its output (an (in, heads, head_dim) projection)"),
+        (Route("dense", rest, 0), f"it is one matrix, axis 0 its output, axes {rest} merged as "
+         "its input (a PyTorch conv (out, in, *taps), a (d, heads, head_dim) output)")]
+    return [*options, VECTOR_OPTION]
 
 
 def _table_options(shape: tuple[int, ...], vocab_size: int | None) -> list[tuple[Any, str]]:
@@ -327,18 +306,12 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
         return Route("vector", evidence=f"shape: {ndim}-D")
     if sum(n > 1 for n in shape) <= 1:
         return Route("vector", evidence="shape: one non-unit axis")
-    remedy = _remedy(facts)
     attention = _attention_reading(name, shape, facts)
     if leaf in naming.VECTOR_NAMES or leaf == "offset":
-        return _vector_name_refusal(name, shape, leaf, remedy, attention)
-    if _unnamed(name) and ndim > 2:
-        return Route("vector", evidence=NO_EVIDENCE)  # the caller warns (or refuses: strict)
-    if facts.layout is None:
-        route = _default_layout_route(name, shape, facts, remedy, attention)
-    elif facts.layout == "flax":
-        route = _flax_layout_route(name, shape, remedy, attention)
-    else:
-        route = _torch_layout_route(name, shape, remedy)
+        return _vector_name_refusal(name, shape, leaf, facts.remedy, attention)
+    if ndim > 2 and (name == "<root>" or all(part.isdigit() for part in name.split("."))):
+        return Route("vector", evidence=NO_EVIDENCE)  # no name: the caller warns (or refuses)
+    route = _LAYOUT_RULES[facts.layout](name, shape, facts, attention)
     if route is not None:
         return route
     if ndim == 2 and (leaf in naming.TOKEN_EMBEDDING_MARKERS or leaf in ("embed", "embedding")):
@@ -348,39 +321,9 @@ def _name_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route |
     return _shape_route(name, shape, facts)
 
 
-def _remedy(facts: _TreeFacts) -> str:
-    """The first remedy of a name-rule refusal: the module evidence this tree could get."""
-    if facts.have_model:
-        return ("The model's modules do not settle it (a module type this router does not "
-                "read, e.g. a linen module inside nnx.bridge.ToNNX); give it")
-    if facts.nnx_tree:
-        return ("Pass the model (make_optimizer(..., model=model), route_params(model)) so "
-                "that its module types decide, or give it")
-    if facts.flax:  # a linen (or Haiku) tree: the linen module and an input decide
-        return ("A plain params tree has no module evidence: for a linen model pass "
-                "model=sage_optax.linen_model(module, *inputs) so that its module types "
-                "decide, or give it")
-    return "A plain params tree has no module evidence: give it"  # a state dict: no model
-
-
-def _fix(facts: _TreeFacts) -> str | None:
-    """The first line's fix of a routing refusal: the module evidence this tree could get."""
-    if facts.have_model:
-        return None
-    if facts.nnx_tree:
-        return "pass model=model to make_optimizer so that its module types decide"
-    if facts.flax:
-        return "pass model=sage_optax.linen_model(module, *inputs) to make_optimizer"
-    return None
-
-
 def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: str,
                          attention: Route | None) -> RoutingError:
-    """The refusal of a vector name (``bias``, ``scale``...) on a leaf of two or more axes.
-
-    Stacked layers' vectors or one multi-axis vector; the attention bias first where the
-    module's name and its kernel's shape say one (:func:`_attention_reading`).
-    """
+    """A vector name (``bias``, ``scale``) on two or more axes, refused."""
     ndim = len(shape)
     stacked = Route("vector", batch=tuple(range(ndim - 1)))
     if attention is not None:
@@ -394,8 +337,7 @@ def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: s
             + core.override_advice(name, attention) + " for the attention bias, "
             + core.override_advice(name, stacked) + " for stacked layers",
             [(attention, f"it is {per_head} (DenseGeneral, nn.MultiHeadDotProductAttention)"),
-             (stacked, "it is stacked layers' vectors (L, ..., d)")],
-        )
+             (stacked, "it is stacked layers' vectors (L, ..., d)")])
     return _refusal(
         name, shape,
         f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with {ndim} axes "
@@ -403,11 +345,10 @@ def _vector_name_refusal(name: str, shape: tuple[int, ...], leaf: str, remedy: s
         f"{remedy}: " + core.override_advice(name, stacked) + " for stacked layers, "
         + core.override_advice(name, Route("vector")) + " for one vector",
         [(stacked, "it is stacked layers' vectors (L, ..., d)"),
-         ("vector", "it is one multi-axis vector")],
-    )
+         ("vector", "it is one multi-axis vector")])
 
 
-def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts, remedy: str,
+def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
                           attention: Route | None) -> Route | RoutingError | None:
     """What a conventional leaf name says with no declared layout (``docs/routing.md``)."""
     leaf, ndim = naming.components(name)[-1], len(shape)
@@ -417,35 +358,28 @@ def _default_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts, 
     if leaf in FLAX_NAMES and ndim == 2 and not naming.names_table(name):
         return Route("dense", -2, -1, evidence=f"name {leaf!r} ({FLAX_NAMES[leaf]} (in, out))")
     if leaf in TORCH_NAMES and ndim == 2:
-        return _torch_weight_route(name, shape, facts, remedy)
+        return _torch_weight_route(name, shape, facts)
     if leaf in (*FLAX_NAMES, *TABLE_NAMES, *TORCH_NAMES) and ndim > 2:
-        return _convention_refusal(name, shape, leaf, remedy, attention)
+        return _convention_refusal(name, shape, leaf, facts.remedy, attention)
     return None
 
 
-def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
-                        remedy: str) -> Route | RoutingError:
-    """A 2-D ``weight`` with no declared layout: PyTorch's ``(out, in)``, or refused.
-
-    Refused in a Flax/Haiku tree, for a :class:`~sage_optim.naming.NameConvention`'s names
-    and for those :data:`sage_optim.naming.TORCH_WEIGHT_WHY` lists (``docs/routing.md``).
-    """
+def _torch_weight_route(name: str, shape: tuple[int, ...],
+                        facts: _TreeFacts) -> Route | RoutingError:
+    """A 2-D ``weight`` with no declared layout: ``(out, in)``, or refused."""
     reading = naming.torch_name_reading(name)
     if facts.flax:
         return _refusal(
             name, shape,
             f"cannot tell the layout of {name!r} of shape {shape}: 'weight' is PyTorch's "
             "name for an (out, in) matrix, but this is a Flax/Haiku tree, whose "
-            f"matrices are (in, out). {remedy}: "
+            f"matrices are (in, out). {facts.remedy}: "
             + core.override_advice(name, Route("dense", -2, -1))
             + " if the module computes x @ weight, or "
-            + core.override_advice(name, Route("dense", -1, -2))
-            + " for weight @ x",
+            + core.override_advice(name, Route("dense", -1, -2)) + " for weight @ x",
             [(Route("dense", -2, -1), "the module computes x @ weight (in, out)"),
              (Route("dense", -1, -2), "the module computes weight @ x (out, in)"),
-             (Route("embedding", -1, -2), "it is a table (V, d)"),
-             VECTOR_OPTION],
-        )
+             (Route("embedding", -1, -2), "it is a table (V, d)"), VECTOR_OPTION])
     refusal = naming.convention_refusal(  # GPT-2's Conv1D (in, out) or nanoGPT's Linear
         name, shape, facts.conventions,
         "Route the model in PyTorch with sage_torch (its modules decide), or "
@@ -453,22 +387,18 @@ def _torch_weight_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
     if refusal is not None:
         return refusal
     if reading == "table":
-        return Route("embedding", -1, -2,
-                     evidence="name (PyTorch/Equinox table (V, d))")
+        return Route("embedding", -1, -2, evidence="name (PyTorch/Equinox table (V, d))")
     if reading in naming.TORCH_WEIGHT_WHY:
         options = naming.torch_weight_options(shape, None, facts.torch_vocab)
         return _refusal(
             name, shape,
-            f"cannot place {name!r} of shape {shape}: "
-            f"{naming.TORCH_WEIGHT_WHY[reading]}; give it: "
-            + "; ".join(f"{core.override_advice(name, r)} if {w}"
-                        for r, w in options),
-            options,
-        )
+            f"cannot place {name!r} of shape {shape}: {naming.TORCH_WEIGHT_WHY[reading]}; "
+            "give it: " + "; ".join(f"{core.override_advice(name, r)} if {w}"
+                                    for r, w in options), options)
     return Route("dense", -1, -2, evidence="name 'weight' (PyTorch/Equinox (out, in))")
 
 
-def _flax_layout_route(name: str, shape: tuple[int, ...], remedy: str,
+def _flax_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
                        attention: Route | None) -> Route | RoutingError | None:
     """What a conventional leaf name says under ``layout="flax"`` (``docs/routing.md``)."""
     leaf, ndim = naming.components(name)[-1], len(shape)
@@ -477,31 +407,31 @@ def _flax_layout_route(name: str, shape: tuple[int, ...], remedy: str,
     if leaf in ("kernel", "w", "weight") and ndim == 2:
         return Route("dense", -2, -1, evidence=f"name {leaf!r}, layout flax (in, out)")
     if leaf in ("kernel", "w", "weight", "embedding", "embeddings"):
-        return _convention_refusal(name, shape, "kernel", remedy, attention)
+        return _convention_refusal(name, shape, "kernel", facts.remedy, attention)
     return None
 
 
-def _torch_layout_route(name: str, shape: tuple[int, ...],
-                        remedy: str) -> Route | RoutingError | None:
+def _torch_layout_route(name: str, shape: tuple[int, ...], facts: _TreeFacts,
+                        attention: Route | None) -> Route | RoutingError | None:
     """What a ``weight`` says under ``layout="torch"`` (``docs/routing.md``)."""
-    leaf, ndim = naming.components(name)[-1], len(shape)
-    if leaf != "weight":
+    if naming.components(name)[-1] != "weight":
         return None
-    if ndim == 2 and (naming.names_token_embedding(name) or naming.names_table(name)
-                      or naming.names_table_module(name)):
+    if len(shape) > 2:
+        return _convention_refusal(name, shape, "weight", facts.remedy)
+    if (naming.names_token_embedding(name) or naming.names_table(name)
+            or naming.names_table_module(name)):
         return Route("embedding", -1, -2, evidence="name (token table (V, d))")
-    if ndim == 2:
-        return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
-    return _convention_refusal(name, shape, "weight", remedy)
+    return Route("dense", -1, -2, evidence="name 'weight' (torch (out, in))")
+
+
+_LAYOUT_RULES = {None: _default_layout_route, "flax": _flax_layout_route,
+                 "torch": _torch_layout_route}
+"""What a conventional leaf name says, by the declared layout (``None``: the names decide)."""
 
 
 def _embedding_name_route(name: str, shape: tuple[int, ...],
                           facts: _TreeFacts) -> Route | RoutingError:
-    """A leaf whose path names an embedding: ``vocab_size`` on one axis makes it a table.
-
-    Refused, with the table readings (2-D) or the matrix ones first, where ``vocab_size``
-    is unknown or matches neither or both of the last two axes.
-    """
+    """A leaf whose path names an embedding: ``vocab_size`` on one axis decides."""
     ndim = len(shape)
     hits = [a for a in (-2, -1) if shape[a] == facts.vocab_size]
     if len(hits) == 1:
@@ -522,28 +452,22 @@ def _embedding_name_route(name: str, shape: tuple[int, ...],
         + core.override_advice(name, Route("embedding", -1, -2))
         + f" for a table of rows (rows, d), or 'vector' for element-wise rules{token}",
         _table_options(shape, facts.vocab_size) if ndim == 2
-        else _matrix_options(shape, "in_out"),
-    )
+        else _matrix_options(shape, "in_out"))
 
 
 def _shape_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route | RoutingError:
-    """A matrix whose name says nothing: the declared layout, else the tree's convention.
-
-    ``docs/routing.md`` ("Pytree conventions in JAX") states the rules.
-    """
+    """A matrix whose name says nothing: the declared layout, else the tree's convention."""
     ndim, layout = len(shape), facts.layout
-    torch_like = layout == "torch" or (layout is None and facts.torch)
     if ndim > 2:
-        first = "out_in" if torch_like else "in_out"
+        options = _matrix_options(shape, "out_in" if layout == "torch" or (
+            layout is None and facts.torch) else "in_out")
         return _refusal(
             name, shape,
             f"cannot tell the layout of {name!r} of shape {shape}: a matrix with {ndim} axes "
             "may be stacked layers, a multi-axis kernel or a convolution; give its axes, e.g. "
-            + core.override_advice(name, _matrix_options(shape, first)[0][0])
+            + core.override_advice(name, options[0][0])
             + " for stacked layers, or Route('dense', fan_in=(...), fan_out=(...)) for one "
-            "matrix with merged axes",
-            _matrix_options(shape, first),
-        )
+            "matrix with merged axes", options)
     if layout == "torch":
         return Route("dense", -1, -2, evidence="layout torch: (out, in)")
     if layout == "flax":
@@ -553,61 +477,45 @@ def _shape_route(name: str, shape: tuple[int, ...], facts: _TreeFacts) -> Route 
             name, shape,
             f"cannot place {name!r} of shape {shape}: this tree follows PyTorch's names "
             "('weight' (out, in)), and this matrix's name says nothing of its layout; give it",
-            _matrix_options(shape, "out_in"),
-        )
+            _matrix_options(shape, "out_in"))
     return Route("dense", -2, -1, evidence="JAX convention x @ W (in, out)")
 
 
 def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
                         remedy: str, attention: Route | None = None) -> RoutingError:
-    """A conventional matrix name (kernel, w, weight, embedding) with more than two axes.
-
-    ``attention``: the attention reading that the module's name says
-    (:func:`_attention_reading`), offered first.
-    """
+    """A conventional matrix name (kernel, w, weight) with more than two axes."""
     ndim = len(shape)
     if leaf == "weight":  # PyTorch/Equinox: (out, in, *taps) convolutions, or stacks
-        conv = Route("dense", tuple(range(1, ndim)), 0)
-        stack = Route("dense", -1, -2)
+        conv, stack = Route("dense", tuple(range(1, ndim)), 0), Route("dense", -1, -2)
         options: list[tuple[Any, str]] = [
             (stack, "it is a stack of (out, in) matrices over the leading axes"),
-            (conv, "it is a convolution (out, in, *taps)")]
-        if ndim >= 4:
-            options.reverse()
-        options += [(Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
-                    VECTOR_OPTION]
+            (conv, "it is a convolution (out, in, *taps)")][::-1 if ndim >= 4 else 1]
         return _refusal(
             name, shape,
             f"cannot place {name!r} of shape {shape}: a PyTorch-layout 'weight' with {ndim} "
             f"dims may be a convolution (out, in, *taps) or stacked layers. {remedy}: "
             + core.override_advice(name, conv) + " for a convolution, "
             + core.override_advice(name, stack) + " for stacked layers",
-            options,
-        )
-    stack = Route("dense", -2, -1)
-    conv = Route("dense", (-2, *range(-ndim, -2)), -1)
-    flax_options: list[tuple[Any, str]] = [
-        (stack, "it is stacked layers (L, ..., in, out) (nnx.vmap, nnx.scan)")]
-    if ndim == 3:
-        flax_options += [
-            (Route("dense", 0, (1, 2)), "it is one (in, heads, head_dim) kernel"),
-            (Route("dense", (0, 1), 2), "it is one (heads, head_dim, out) kernel")]
-    flax_options += [(conv, "it is a convolution (*taps, Cin, Cout)"),
-                     VECTOR_OPTION]
+            [*options, (Route("dense", -2, -1), "it is a stack of (in, out) matrices"),
+             VECTOR_OPTION])
+    stack, conv = Route("dense", -2, -1), Route("dense", (-2, *range(-ndim, -2)), -1)
+    options = [(stack, "it is stacked layers (L, ..., in, out) (nnx.vmap, nnx.scan)")] + (
+        [(Route("dense", 0, (1, 2)), "it is one (in, heads, head_dim) kernel"),
+         (Route("dense", (0, 1), 2), "it is one (heads, head_dim, out) kernel")]
+        if ndim == 3 else []) + [(conv, "it is a convolution (*taps, Cin, Cout)"), VECTOR_OPTION]
     said = ""
     if attention is not None:  # the module's name says which: that reading first
-        same = [o for o in flax_options if isinstance(o[0], Route)
+        same = [o for o in options if isinstance(o[0], Route)
                 and o[0].resolve(shape, name) == attention.resolve(shape, name)]
-        flax_options = [o for o in flax_options if o not in same]
         what = ("an attention input projection (in, heads, head_dim)"
                 if attention.fan_in == (-3,) else
                 "an attention output projection (heads, head_dim, out)")
         first = same[0][0] if same else attention
-        flax_options.insert(0, (first, f"it is {what}, as its module's name says "
-                                       "(DenseGeneral, nn.MultiHeadDotProductAttention)"
-                                + (" per leading index" if ndim > 3 else "")))
-        said = (f" Its module's name says {what}: "
-                + core.override_advice(name, first) + ".")
+        options = [(first, f"it is {what}, as its module's name says (DenseGeneral, "
+                    "nn.MultiHeadDotProductAttention)" + (" per leading index" if ndim > 3
+                                                          else "")),
+                   *(o for o in options if o not in same)]
+        said = f" Its module's name says {what}: " + core.override_advice(name, first) + "."
     return _refusal(
         name, shape,
         f"cannot tell the layout of {name!r} of shape {shape}: a {leaf!r} with "
@@ -615,19 +523,10 @@ def _convention_refusal(name: str, shape: tuple[int, ...], leaf: str,
         "(nnx.LinearGeneral, nnx.MultiHeadAttention, nnx.Einsum) or a convolution "
         f"(*taps, Cin, Cout).{said} {remedy}: "
         + core.override_advice(name, stack) + " for stacked layers, "
-        + core.override_advice(name, conv) + " for a convolution",
-        flax_options,
-    )
+        + core.override_advice(name, conv) + " for a convolution", options)
 
 
 # ------------------------------------------------------------------------------- the router
-
-
-@dataclasses.dataclass
-class _Leaf:
-    name: str
-    shape: tuple[int, ...]
-    route: Route | RoutingError
 
 
 def _override_refusal(e: decision.Evidence, override: Route) -> RoutingError:
@@ -638,9 +537,7 @@ def _override_refusal(e: decision.Evidence, override: Route) -> RoutingError:
     return _refusal(
         e.name, e.shape,
         f"override makes {e.name!r} of shape {e.shape} {override.kind!r}, but its axes are not "
-        f"known; give them: {core.override_advice(e.name)}",
-        options,
-    )
+        f"known; give them: {core.override_advice(e.name)}", options)
 
 
 class NoLayoutEvidenceWarning(UserWarning):
@@ -648,44 +545,36 @@ class NoLayoutEvidenceWarning(UserWarning):
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
 
 
-def _fallback(leaves: list[_Leaf], strict: bool, warn: bool) -> None:
+def _fallback(decided: dict[str, Route | RoutingError], shapes: Mapping[str, tuple[int, ...]],
+              strict: bool, warn: bool) -> None:
     """Warn about (or, ``strict``, refuse) the leaves that got the element-wise fallback."""
-    plain = [x for x in leaves if isinstance(x.route, Route) and x.route.evidence == NO_EVIDENCE]
-    if not plain:
+    plain = [n for n, r in decided.items() if isinstance(r, Route) and r.evidence == NO_EVIDENCE]
+    if not plain or not (strict or warn):
         return
+    refusals = {n: _refusal(
+        n, shapes[n],
+        f"cannot place {n!r} of shape {shapes[n]}: it has no name (only a position in "
+        "a list or tuple), no module and no override, so nothing says which axes are "
+        "its fan-in and fan-out (strict=True refuses the element-wise fallback)",
+        _matrix_options(shapes[n], "in_out")) for n in plain}
     if strict:
-        for x in plain:
-            x.route = _refusal(
-                x.name, x.shape,
-                f"cannot place {x.name!r} of shape {x.shape}: it has no name (only a position in "
-                "a list or tuple), no module and no override, so nothing says which axes are "
-                "its fan-in and fan-out (strict=True refuses the element-wise fallback)",
-                _matrix_options(x.shape, "in_out"),
-            )
-        return
-    if warn:
-        listed = ", ".join(f"{x.name!r} {x.shape}" for x in plain)
-        block = core.paste_block(
-            [_refusal(x.name, x.shape, "", _matrix_options(x.shape, "in_out")) for x in plain])
+        decided.update(refusals)
+    else:
+        listed = ", ".join(f"{n!r} {shapes[n]}" for n in plain)
         warnings.warn(
             f"{len(plain)} parameter(s) with no layout evidence (no name, only a position in a "
             f"list or tuple; no module; no override) get the configuration's element-wise "
             f"('vector') rule: {listed}. For a matrix rule give their axes (strict=True "
-            "refuses instead).\n" + block,
+            "refuses instead).\n" + core.paste_block(list(refusals.values())),
             NoLayoutEvidenceWarning,
             stacklevel=4,
         )
-
-
 def route_params(
     params: Any,
     overrides: Mapping[str, Any] | None = None,
@@ -745,12 +634,9 @@ def route_params(
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
     if layout == "auto":
         layout = None
@@ -761,12 +647,18 @@ def route_params(
         from flax import nnx
 
         model, params = params, nnx.state(params, nnx.Param)
-    evidence = _module_evidence(params, model, module_evidence)
-    names = logical.names_of(model) if model is not None and is_nnx_module(model) else {}
+    evidence = dict(module_evidence or {})  # what the modules say, and an adapter reads
+    if model is not None:
+        evidence.update(module_routes(model))
+    for adapter in adapters():  # a filtered model keeps its modules
+        if adapter.owns(params) or any(adapter.owns(x) for x in jax.tree.leaves(
+                params, is_leaf=adapter.owns)):
+            evidence.update(adapter.routes(params))
+    nnx_model = model is not None and is_nnx_module(model)
+    names = logical.names_of(model) if nnx_model else {}
     names.update(logical.names_of(params))
     given = logical.names_of(axis_names) if axis_names is not None else {}
     names.update(given)
-    nnx_tree = is_nnx_state(params) or (model is not None and is_nnx_module(model))
     with_path, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=axes_lib.is_masked)
     named = [(leaf_name_path(p), x) for p, x in with_path]
     logical.check_matched(given, [n for n, _ in named])
@@ -777,31 +669,24 @@ def route_params(
         axes_lib.refuse_view(override, name)
     shapes = {n: tuple(int(s) for s in x.shape) for n, x in named
               if not axes_lib.is_masked(x) and hasattr(x, "shape")}
-    facts = _tree_facts([n for n, _ in named], layout, bool(evidence) or model is not None,
-                        vocab_size, nnx_tree, shapes)
+    facts = _tree_facts(layout, bool(evidence) or model is not None, vocab_size,
+                        is_nnx_state(params) or nnx_model, shapes, [n for n, _ in named])
     records = [_leaf_evidence(name, x, evidence, names, roles, facts)
                for name, x in named if not axes_lib.is_masked(x)]
     decided = decision.decide(records, override_of, refuse_override=_override_refusal,
-                          vocab_size=vocab_size)
-    leaves = [_Leaf(e.name, e.shape, decided[e.name]) for e in records]
-    _fallback(leaves, strict, warn)
-    errors = list({id(x.route): x.route for x in leaves
-                   if isinstance(x.route, RoutingError)}.values())  # a head error: once
+                              vocab_size=vocab_size)
+    _fallback(decided, shapes, strict, warn)
+    errors = list({id(r): r for r in decided.values()
+                   if isinstance(r, RoutingError)}.values())  # a head error: once
     if errors:
-        raise RoutingError.combine(errors, fix=_fix(facts), names=[e.name for e in records])
-    return _routing_tree(named, treedef, leaves)
-
-
-def _module_evidence(params: Any, model: Any,
-                     given: Mapping[str, Route | RoutingError] | None
-                     ) -> dict[str, Route | RoutingError]:
-    """The routes the modules say: ``given``, ``model``'s, and those an adapter reads."""
-    evidence = dict(given or {})
-    if model is not None:
-        evidence.update(module_routes(model))
-    for adapter in _tree_adapters(params):
-        evidence.update(adapter.routes(params))
-    return evidence
+        raise RoutingError.combine(errors, fix=_NO_MODULES[facts.source][1],
+                                   names=[e.name for e in records])
+    resolved = {n: (r, r.resolve(shapes[n], n)) for n, r in decided.items()
+                if isinstance(r, Route)}
+    rows = [(x, x, x) if axes_lib.is_masked(x) else (resolved[n][1].kind, *resolved[n])
+            for n, x in named]
+    return ParamRouting(*(jax.tree_util.tree_unflatten(treedef, [r[i] for r in rows])
+                          for i in range(3)))
 
 
 def _leaf_evidence(name: str, x: Any, evidence: Mapping[str, Route | RoutingError],
@@ -812,60 +697,27 @@ def _leaf_evidence(name: str, x: Any, evidence: Mapping[str, Route | RoutingErro
         raise RoutingError(
             f"parameter {name!r} is a {type(x).__name__}, not an array; route only the "
             "arrays to train (eqx.filter(model, eqx.is_inexact_array), "
-            "nnx.state(model, nnx.Param))"
-        )
+            "nnx.state(model, nnx.Param))")
     shape = tuple(int(s) for s in x.shape)
-    floating = jnp.issubdtype(x.dtype, jnp.floating)
-    head_candidate = True
-    if not floating:
-        route: Route | RoutingError = RoutingError(
+    by_names = name not in evidence and naming.components(name)[-1] in TORCH_NAMES
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return decision.Evidence(name, shape, RoutingError(
             f"cannot place parameter {name!r} of shape {shape}: dtype {jnp.dtype(x.dtype)} "
             "is not floating point, so no optimizer can train it; filter it out of the "
             "params (e.g. nnx.Optimizer(..., wrt=nnx.Param), eqx.filter(model, "
-            "eqx.is_inexact_array)) or mask it"
-        )
-    else:
-        route, head_candidate = _gathered(name, shape, evidence, names, roles, facts)
-    return decision.Evidence(
-        name, shape, route, head_candidate=head_candidate, final=not floating,
-        by_names=name not in evidence and naming.components(name)[-1] in TORCH_NAMES)
-
-
-def _routing_tree(named: list[tuple[str, Any]], treedef: Any,
-                  leaves: list[_Leaf]) -> ParamRouting:
-    """The labels, axes and resolved routes as pytrees (masked leaves kept as they are)."""
-    resolved: dict[str, tuple[Route, ResolvedRoute]] = {}
-    for x in leaves:
-        assert isinstance(x.route, Route)
-        resolved[x.name] = x.route, x.route.resolve(x.shape, x.name)
-    labels, leaf_axes, routes = [], [], []
-    for name, x in named:
-        if axes_lib.is_masked(x):
-            labels.append(x)
-            leaf_axes.append(x)
-            routes.append(x)
-            continue
-        route, r = resolved[name]
-        labels.append(r.kind)
-        leaf_axes.append(route)
-        routes.append(r)
-    unflat = jax.tree_util.tree_unflatten
-    return ParamRouting(unflat(treedef, labels), unflat(treedef, leaf_axes),
-                        unflat(treedef, routes))
+            "eqx.is_inexact_array)) or mask it"), head_candidate=True, final=True,
+            by_names=by_names)
+    route, head_candidate = _gathered(name, shape, evidence, names, roles, facts)
+    return decision.Evidence(name, shape, route, head_candidate=head_candidate,
+                             by_names=by_names)
 
 
 def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | RoutingError],
               names: Mapping[str, logical.Names], roles: Mapping[str, str | None],
               facts: _TreeFacts) -> tuple[Route | RoutingError, bool]:
-    """A floating leaf's route from its module, its axis names, then its leaf name.
-
-    Also whether it may be the output head by shape: not when its names place every axis
-    (they would have said ``vocab``).
-    """
-    by_names = None
-    if name in names:
-        by_names = logical.route_from_names(name, shape, names[name], roles,
-                                            torch_order=facts.layout == "torch")
+    """A floating leaf's route (module, axis names, name), and whether it may be the head."""
+    by_names = logical.route_from_names(name, shape, names[name], roles, torch_order=(
+        facts.layout == "torch")) if name in names else None
     if name in evidence and not (isinstance(evidence[name], RoutingError)
                                  and isinstance(by_names, Route)):
         route = evidence[name]
@@ -892,7 +744,7 @@ def _gathered(name: str, shape: tuple[int, ...], evidence: Mapping[str, Route | 
                     by_names, evidence=f"{route.evidence}, its output {by_names.evidence}"
                     " (a head)"), True
         return route, True
-    if by_names is not None:
+    if by_names is not None:  # a head only if some axis has no role (else it says vocab)
         placed = all(isinstance(n, str) and roles.get(n) is not None for n in names[name])
         return by_names, not placed
     route = _name_route(name, shape, facts)

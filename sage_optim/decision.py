@@ -69,15 +69,18 @@ class MatrixFact:
 
     def sizes(self) -> tuple[int, int] | None:
         """``(fan-in size, fan-out size)``, or ``None`` if the reading is not one axis each."""
-        if len(self.shape) != 2 or self.route.fan_in is None or self.route.fan_out is None:
-            return None
-        if len(self.route.fan_in) != 1 or len(self.route.fan_out) != 1:
-            return None
-        return self.shape[self.route.fan_in[0]], self.shape[self.route.fan_out[0]]
+        return _sizes(self.shape, self.route)
 
     def reading(self, kind: str) -> Route:
         """The axes of this matrix under ``kind`` (the remedies of a refusal)."""
         return Route(kind, self.route.fan_in, self.route.fan_out, self.route.batch)
+
+
+def _sizes(shape: tuple[int, ...], route: Route) -> tuple[int, int] | None:
+    """``(fan-in size, fan-out size)`` of a 2-D ``route`` of one axis each, else ``None``."""
+    if len(shape) != 2 or len(route.fan_in or ()) != 1 or len(route.fan_out or ()) != 1:
+        return None
+    return shape[route.fan_in[0]], shape[route.fan_out[0]]
 
 
 def pick_token_table(tables: Sequence[TableFact]) -> TableFact | None:
@@ -129,43 +132,23 @@ def find_head(matrices: Sequence[MatrixFact], tables: Sequence[TableFact],
 
     A candidate is a matrix whose ``(fan-in, fan-out)`` sizes are ``(d, V)`` of *the*
     token table ``token`` when it is known, else of any table (with no table at all, any
-    matrix whose fan-out is ``vocab_size``).  A candidate is *vocabulary-like* unless every
-    table it fits is named as positions, token types or segments; inside numbered layers it
-    is a layer's matrix.  Then:
-
-    * the user routed a candidate ``embedding``: no head is looked for;
-    * one candidate, vocabulary-like, outside numbered layers, and (when only names say
-      what it is) with a head name (``lm_head``, ``head``, ``output``...): the head;
-    * several, of which exactly one is vocabulary-like with a head name outside numbered
-      layers: that one is the head, the others stay dense;
-    * anything else: every candidate is refused by one error; the likeliest head (the last
-      vocabulary-like candidate outside numbered layers: heads come after the layers) gets
-      ``embedding`` first, the others ``dense`` first.
-
-    ``remedy`` starts the error's advice ("Pass the model itself (...), or name"); the head
-    is named after it.
+    matrix whose fan-out is ``vocab_size``); ``docs/routing.md`` ("Heads") states which
+    candidate is the head and when all are refused by one error, whose advice starts with
+    ``remedy`` ("Pass the model itself (...), or name").
     """
     decision = HeadDecision()
     fits = _head_fits(matrices, _head_targets(tables, token, vocab_size), token)
     if not fits or any(m.head_override for m, _, _ in fits):
         return decision
-
-    def evidence(sources: list[str], named: bool) -> str:
-        return f"head: shape of {_sources(sources)}{' + name' if named else ''}"
-
     vocabularies = [f for f in fits if f[2] and not in_numbered_layers(f[0].name)]
     named = [f for f in vocabularies if names_head(f[0].name)]
-    if len(fits) == 1 and vocabularies and (named or not fits[0][0].by_names):
-        m, sources, _ = fits[0]
-        decision.found[m.name] = evidence(sources, bool(named))
-        return decision
-    if len(fits) > 1 and len(named) == 1:
-        m, sources, _ = named[0]
-        decision.found[m.name] = evidence(sources, True)
+    one = len(fits) == 1 and vocabularies and (named or not fits[0][0].by_names)
+    if one or (len(fits) > 1 and len(named) == 1):
+        m, sources, _ = fits[0] if one else named[0]
+        decision.found[m.name] = f"head: shape of {_sources(sources)}{' + name' if named else ''}"
         return decision
     error = _head_refusal(fits, vocabularies[-1][0] if vocabularies else None, token, remedy)
-    for m, _, _ in fits:
-        decision.refused[m.name] = error
+    decision.refused.update({m.name: error for m, _, _ in fits})
     return decision
 
 
@@ -350,29 +333,21 @@ def decide(evidence: Sequence[Evidence], overrides: Mapping[str, Route], *,
             out[e.name] = routed if routed is not None else refuse_override(e, override)
     if not find_heads:
         return out
-    tables = []
-    for e in evidence:
-        r = out[e.name]
-        if (e.name in overrides or e.given_kind is not None or not isinstance(r, Route)
-                or r.kind != "embedding" or len(e.shape) != 2 or r.fan_in is None
-                or r.fan_out is None or len(r.fan_in) != 1 or len(r.fan_out) != 1):
-            continue
-        tables.append(TableFact(e.name, e.shape[r.fan_out[0]], e.shape[r.fan_in[0]],
-                                api=e.api_token))
+    placed = {e.name for e in evidence if e.name in overrides or e.given_kind is not None}
+    tables = [TableFact(e.name, sizes[1], sizes[0], api=e.api_token) for e in evidence
+              if e.name not in placed and isinstance(r := out[e.name], Route)
+              and r.kind == "embedding" and (sizes := _sizes(e.shape, r)) is not None]
     matrices = []
     for e in evidence:
         named_head = (overrides[e.name].kind if e.name in overrides else e.given_kind
                       ) == "embedding"
-        placed = e.name in overrides or e.given_kind is not None
-        if (not e.head_candidate or not isinstance(e.route, Route)
-                or e.route.kind != "dense" or len(e.shape) != 2 or (placed and not named_head)):
-            continue
-        matrices.append(MatrixFact(e.name, e.shape, e.route, by_names=e.by_names,
-                                   head_override=named_head))
+        if (e.head_candidate and isinstance(e.route, Route) and e.route.kind == "dense"
+                and len(e.shape) == 2 and (named_head or e.name not in placed)):
+            matrices.append(MatrixFact(e.name, e.shape, e.route, by_names=e.by_names,
+                                       head_override=named_head))
     decision = find_head(matrices, tables, pick_token_table(tables), vocab_size=vocab_size,
                          remedy=head_remedy)
-    for name, error in decision.refused.items():
-        out[name] = error
+    out.update(decision.refused)
     for name, found in decision.found.items():
         r = out[name]
         assert isinstance(r, Route)

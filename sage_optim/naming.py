@@ -25,22 +25,18 @@ TOKEN_EMBEDDING_MARKERS: tuple[str, ...] = (
     "embed_tokens", "word_embeddings", "token_embedding", "token_embeddings", "embedder",
     "input_embedding",
 )
-"""Path components that name the *token* embedding among several tables (GPT-2 ``wte``,
-Meta LLaMA ``tok_embeddings``, Hugging Face ``embed_tokens``/``word_embeddings``, Gemma
-``embedder``).  A component equal to ``embed`` or ``embedding`` counts too."""
+"""Path components that name the *token* embedding among several tables (``embed`` and
+``embedding`` count too; ``docs/routing.md``, "Heads")."""
 
 HEAD_MARKERS: tuple[str, ...] = (
     "lm_head", "head", "output", "unembed", "embed_out", "decoder")
-"""Path components that name an output head (``decoder``: BERT's and RoBERTa's
-``predictions.decoder``/``lm_head.decoder``; a decoder *stack*'s matrices lie inside
-numbered layers, which a head never does).  A name alone never makes a head: the leaf must
-also have the shape of the token embedding, ``(d, V)`` or ``(V, d)``."""
+"""Path components that name an output head (BERT's ``predictions.decoder``; a decoder
+*stack* lies inside numbered layers); a name alone never makes a head (``docs/routing.md``,
+"Heads")."""
 
 TABLE_MODULE_NAMES: frozenset[str] = frozenset({"wpe", "shared", "relative_attention_bias"})
 """Module names whose 2-D ``weight`` is an ``nn.Embedding`` table ``(V, d)`` in every family
-that uses them, although no word of the name says embedding: GPT-2's position table ``wpe``,
-the token table ``shared`` of T5 and BART (and their relatives), T5's bucket table
-``relative_attention_bias`` ``(buckets, heads)``."""
+that uses them (GPT-2's ``wpe``, T5's and BART's ``shared``, T5's bucket table)."""
 
 NON_VOCAB_WORDS: frozenset[str] = frozenset({
     "pos", "position", "positions", "positional", "wpe", "type", "types", "segment",
@@ -82,10 +78,8 @@ def in_numbered_layers(name: str) -> bool:
 
 def names_non_vocab_table(name: str) -> bool:
     """Whether ``name`` marks a table as positions, token types or segments (not a vocabulary)."""
-    for part in components(name)[:-1]:
-        if "position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part)):
-            return True
-    return False
+    return any("position" in part or any(w in NON_VOCAB_WORDS for w in re.split(r"[^a-z]+", part))
+               for part in components(name)[:-1])
 
 
 PROJECTION_WORDS: frozenset[str] = frozenset({
@@ -120,13 +114,11 @@ def names_table(name: str) -> bool | None:
 def torch_name_reading(name: str) -> str | None:
     """What PyTorch's names say of a 2-D parameter, in both frameworks.
 
-    ``"table"`` (an ``nn.Embedding`` ``(V, d)``: a module or leaf name that says embedding,
-    or a :data:`TABLE_MODULE_NAMES` module), ``"linear"`` (an ``nn.Linear`` ``weight``
-    ``(out, in)``; where a component says both embedding and projection, a head name
-    (GPT-NeoX's ``embed_out``) reads as a linear, which the head policy may make the head),
-    or why the names cannot say: ``"convention"`` (a registered :class:`NameConvention`),
-    ``"ambiguous"`` (embedding and projection in one component), ``"unnamed"`` (no word
-    besides indices: ``0.weight`` of an ``nn.Sequential``).  ``None``: not a PyTorch name.
+    ``"table"`` (an ``nn.Embedding`` ``(V, d)``), ``"linear"`` (an ``nn.Linear`` ``weight``
+    ``(out, in)``), or why the names cannot say: ``"convention"`` (a registered
+    :class:`NameConvention`), ``"ambiguous"`` (embedding and projection in one component),
+    ``"unnamed"`` (no word besides indices).  ``None``: not a PyTorch name.
+    ``docs/routing.md`` ("Evidence, strongest first") states the rules.
     """
     parts = components(name)
     leaf = parts[-1]
@@ -160,9 +152,8 @@ def torch_weight_options(shape: Sequence[int], kind: str | None = None,
                          vocab: int | None = None) -> list[tuple[Any, str]]:
     """The remedies of a 2-D PyTorch ``weight`` the names cannot place, in both frameworks.
 
-    An ``nn.Linear`` ``(out, in)`` first, unless its rows are the token table's ``vocab``
-    (then a table or a head first); ``kind`` (an override's or a group's) keeps its reading
-    only.  ``'vector'`` last.
+    An ``nn.Linear`` first, unless its rows are the token table's ``vocab``; ``kind`` (an
+    override's or a group's) keeps that first reading only.
     """
     linear = (Route(kind or "dense", fan_in=1, fan_out=0), "it is an nn.Linear weight (out, in)")
     table = (Route(kind or "embedding", fan_in=1, fan_out=0),

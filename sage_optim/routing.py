@@ -2,11 +2,10 @@
 
 SAGE and SinkGD are not transpose-invariant, so the axes a router gives each parameter
 decide the math.  Both gatherers (:mod:`sage_optax.routing`, :mod:`sage_torch.routing`)
-speak the language defined here: :class:`Route` (a kind and its fan-in, fan-out and batch
-axis groups), the override grammar (:func:`match_overrides`), :class:`RoutingError` (one
-for every leaf that cannot be placed, with the override that fixes it) and
-:class:`AdapterRegistry`.  The name rules are :mod:`sage_optim.naming`, the decision
-:mod:`sage_optim.decision`; ``docs/routing.md`` states the conventions.  No framework here.
+speak the language defined here: :class:`Route`, the override grammar
+(:func:`match_overrides`), :class:`RoutingError` and :class:`AdapterRegistry`.  The name
+rules are :mod:`sage_optim.naming`, the decision :mod:`sage_optim.decision`;
+``docs/routing.md`` states the conventions.  No framework here.
 """
 
 from __future__ import annotations
@@ -35,14 +34,16 @@ Option: TypeAlias = "tuple[Any, str]"
 VECTOR_OPTION: tuple[str, str] = ("vector", "element-wise rules are wanted")
 """The last remedy of a refusal: the element-wise rules."""
 
+ROUTE_IS = "(Route is sage_optim.routing.Route, also sage_torch.Route)"
+"""The last line of a ``sage_torch`` refusal that lists its remedies."""
+
 
 class RoutingError(ValueError):
     """A parameter the router cannot place, or an override that does not apply.
 
     The message names the parameter's path and shape and the override that fixes it.  Both
-    frameworks raise this one type (``sage_optax.RoutingError is sage_torch.RoutingError``),
-    and both raise *one* error for all the parameters they cannot place
-    (:meth:`combine`), ending with a ``route_overrides = {...}`` block that can be pasted.
+    frameworks raise this one type, *one* error for all the parameters they cannot place
+    (:meth:`combine`; ``docs/routing.md``, "One error for everything the router cannot place").
 
     Attributes:
       leaf: the parameter's name, when the error is about one parameter.
@@ -54,12 +55,9 @@ class RoutingError(ValueError):
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
 
     def __init__(self, message: str, *, leaf: str | None = None,
@@ -73,13 +71,7 @@ class RoutingError(ValueError):
 
     @property
     def overrides(self) -> dict[str, Any]:
-        """The suggested ``route_overrides``: the first remedy of every parameter named.
-
-        The same dict the message's paste block prints: one glob per layer role where the
-        parameters of several layers take the same remedy (``'blocks_*.attn.query.kernel'``),
-        so the overrides do not depend on the layer count; check it against the model's
-        forward code before training with it.
-        """
+        """The suggested ``route_overrides``: the dict the paste block prints."""
         return {pattern: rows[0].options[0][0]
                 for pattern, rows in override_patterns(self.problems, self.names).items()}
 
@@ -92,36 +84,27 @@ class RoutingError(ValueError):
                 names: Sequence[str] | None = None) -> RoutingError:
         """One error for every parameter in ``errors``, with one paste block for all.
 
-        With several refusals, the message's first line is the fix (at most
-        :data:`HEADLINE_LIMIT` characters): ``fix`` where the caller knows one (pass the
-        model), else the paste block; the details follow, one bullet per layer role (the
-        parameters of other layers with the same remedy are counted, not repeated), then the
-        ``route_overrides = {...}`` block.  One refusal keeps its own message, which gives
-        its remedy first, then the block.
+        The first line is the fix (at most :data:`HEADLINE_LIMIT` characters), then one
+        bullet per layer role, then the block (``docs/routing.md``, "One error for
+        everything the router cannot place"); one refusal keeps its own message.
 
         Args:
           errors: the per-parameter refusals.
           fix: the caller's first remedy, e.g. ``"pass model=model to make_optimizer"``.
           names: every parameter name of the tree, to check the block's globs against.
         """
-        errors = list(errors)
         problems = tuple(p for e in errors for p in (e.problems or (e,)))
         known = None if names is None else tuple(names)
         groups = override_patterns(problems, known)
-        grouped = {id(rows[0]): (pattern, len(rows) - 1) for pattern, rows in groups.items()}
-        in_group = {id(r) for rows in groups.values() for r in rows[1:]}
-        details = []
-        for e in errors:
-            if id(e) in in_group:
-                continue
-            text = str(e).replace("\n", "\n  ")
-            if id(e) in grouped and grouped[id(e)][1]:
-                pattern, more = grouped[id(e)]
-                text += f" (the same for {more} more parameter{'s' if more > 1 else ''} " \
-                        f"matching {pattern!r})"
-            details.append(text)
+        more = {id(rows[0]): (p, len(rows) - 1) for p, rows in groups.items() if len(rows) > 1}
+        repeated = {id(r) for rows in groups.values() for r in rows[1:]}
+        details = [str(e).replace("\n", "\n  ") + (
+            f" (the same for {more[id(e)][1]} more parameter{'s' if more[id(e)][1] > 1 else ''}"
+            f" matching {more[id(e)][0]!r})" if id(e) in more else "")
+            for e in errors if id(e) not in repeated]
         block = paste_block(problems, known)
         count = f"cannot place {len(errors)} parameter{'s' if len(errors) != 1 else ''}"
+        lines = [f"{count}:", *("* " + d for d in details)]
         if len(errors) == 1:  # one refusal: its own message says the remedy first
             lines = [str(errors[0])]
         elif block:
@@ -130,12 +113,9 @@ class RoutingError(ValueError):
             if not fix or len(headline) > HEADLINE_LIMIT:
                 headline = (f"Fix: {paste} into make_optimizer, checked against the model's "
                             f"forward code; {count}, details below")
-            lines = [headline, *("* " + d for d in details)]
-        else:
-            lines = [f"{count}:", *("* " + d for d in details)]
+            lines[0] = headline
         out = cls("\n".join(lines + ([block] if block else [])))
-        out.problems = problems
-        out.names = known
+        out.problems, out.names = problems, known
         return out
 
 
@@ -169,8 +149,7 @@ def as_view(value: Any) -> tuple[int, ...]:
     try:
         view = tuple(value)
     except TypeError:
-        raise RoutingError(f"a route's view must be a tuple of positive ints (a shape), got "
-                           f"{value!r}") from None
+        view = ()
     if not view or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                            for n in view):
         raise RoutingError(f"a route's view must be a tuple of positive ints (a shape), got "
@@ -192,26 +171,19 @@ class Route:
         is neither fan-in nor fan-out (for a vector: none).
       evidence: what placed the leaf (``"override"``, ``"module nn.Linear"``, ...), shown by
         the routing tables.
-      view: ``None`` (the default), or the shape the leaf is viewed as before the math, a
-        row-major reshape with as many elements (``p.view(view)``): the axes then count in
-        the view.  For weights whose forward reshapes them: DBRX stores its experts as one
-        ``(E·n, d)`` weight and reads ``w.view(E, n, d)[e]``, so
-        ``Route("dense", fan_in=2, fan_out=1, batch=0, view=(E, n, d))`` treats each
-        expert's ``(n, d)`` matrix by itself.  ``sage_torch`` applies it (the state has the
-        view's shape); ``sage_optax`` refuses it, naming the leaf.
+      view: ``None``, or the shape the leaf is viewed as before the math (a row-major
+        reshape, ``p.view(view)``): the axes then count in the view.  ``sage_torch``
+        applies it, ``sage_optax`` refuses it (``docs/routing.md``, "Mixture-of-experts
+        models (PyTorch)").
 
-    ``Route("dense", fan_in=0, fan_out=1)`` is GPT-2's ``Conv1D`` ``(in, out)``;
-    ``Route("dense", fan_in=(1, 2, 3), fan_out=0)`` a ``Conv2d`` weight ``(out, in, kh, kw)``.
-    Axes may be negative.  Integers are stored as one-axis groups.
+    Axes may be negative; integers are stored as one-axis groups (``docs/routing.md``,
+    "Kinds and axes", lists the common layouts).
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
 
     kind: str
@@ -230,8 +202,6 @@ class Route:
         object.__setattr__(self, "fan_out", as_axis_group(self.fan_out, "fan_out"))
         if self.batch is not None and self.batch != ():
             object.__setattr__(self, "batch", as_axis_group(self.batch, "batch"))
-        elif self.batch == ():
-            object.__setattr__(self, "batch", ())
         if (self.fan_in is None) != (self.fan_out is None):
             raise RoutingError(
                 f"a route sets both fan_in and fan_out or neither, got fan_in={self.fan_in}, "
@@ -254,86 +224,68 @@ class Route:
         """
         leaf_shape = tuple(int(s) for s in shape)
         shape = self._viewed(leaf_shape, name)
-        ndim = len(shape)
         self._check_matrix(shape, name)
         fan_in = _norm_axes(self.fan_in, shape, name, "fan_in")
         fan_out = _norm_axes(self.fan_out, shape, name, "fan_out")
         taken = fan_in + fan_out
+        where = f"parameter {name!r} of shape {shape}"
         if len(set(taken)) != len(taken):
-            raise RoutingError(
-                f"parameter {name!r} of shape {shape}: an axis is listed twice in "
-                f"fan_in={self.fan_in}, fan_out={self.fan_out}"
-            )
-        rest = tuple(a for a in range(ndim) if a not in taken)
-        if self.batch is None:
-            batch = rest if self.kind != "vector" else ()
-        else:
+            raise RoutingError(f"{where}: an axis is listed twice in "
+                               f"fan_in={self.fan_in}, fan_out={self.fan_out}")
+        rest = tuple(a for a in range(len(shape)) if a not in taken)
+        batch = rest if self.kind != "vector" else ()
+        if self.batch is not None:
             batch = _norm_axes(self.batch, shape, name, "batch")
             if self.kind != "vector" and sorted(batch) != list(rest):
                 raise RoutingError(
-                    f"parameter {name!r} of shape {shape}: batch axes {self.batch} must be "
-                    f"exactly the axes other than fan_in={self.fan_in} and fan_out={self.fan_out}"
-                )
+                    f"{where}: batch axes {self.batch} must be exactly the axes other than "
+                    f"fan_in={self.fan_in} and fan_out={self.fan_out}")
         return ResolvedRoute(self.kind, fan_in, fan_out, batch, leaf_shape, self.evidence,
                              view=self.view)
 
     def _viewed(self, shape: tuple[int, ...], name: str) -> tuple[int, ...]:
         """``shape``, or the view the route reads it as (checked to hold as many elements)."""
-        if self.view is None:
-            return shape
-        if math.prod(self.view) != math.prod(shape):
+        if self.view is not None and math.prod(self.view) != math.prod(shape):
             raise RoutingError(
                 f"parameter {name!r} of shape {shape}: its route views it as {self.view}, "
                 f"which has {math.prod(self.view)} elements, not {math.prod(shape)}")
-        return tuple(self.view)
+        return shape if self.view is None else tuple(self.view)
 
     def _check_matrix(self, shape: tuple[int, ...], name: str) -> None:
         """Refuse a matrix route without axes, or on fewer than two dimensions."""
         if self.kind != "vector" and not self.has_axes:
             raise RoutingError(
                 f"parameter {name!r} of shape {shape} is routed {self.kind!r} without axes; "
-                f"give them, e.g. Route({self.kind!r}, fan_in=..., fan_out=...)"
-            )
+                f"give them, e.g. Route({self.kind!r}, fan_in=..., fan_out=...)")
         if self.kind != "vector" and len(shape) < 2:
             raise RoutingError(
                 f"parameter {name!r} of shape {shape} is routed {self.kind!r}, but it has fewer "
-                "than two dimensions; route it 'vector'"
-            )
+                "than two dimensions; route it 'vector'")
 
 
 def _norm_axes(group: tuple[int, ...] | None, shape: tuple[int, ...], name: str,
                what: str) -> tuple[int, ...]:
     """``group``'s axes made non-negative for ``shape`` (an axis out of range is refused)."""
     ndim = len(shape)
-    out = []
     for a in group or ():
         if not -ndim <= a < ndim:
-            raise RoutingError(
-                f"parameter {name!r} of shape {shape}: {what} axis {a} is out of range"
-            )
-        out.append(a % ndim)
-    return tuple(out)
+            raise RoutingError(f"parameter {name!r} of shape {shape}: {what} axis {a} is out "
+                               "of range")
+    return tuple(a % ndim for a in group or ())
 
 
 @dataclasses.dataclass(frozen=True)
 class ResolvedRoute:
     """A :class:`Route` checked against a shape: non-negative axis groups.
 
-    What every transform works with: ``fan_in`` and ``fan_out`` are tuples of axes (empty
-    for a vector), ``batch`` the axes treated independently (stacked layers).  A transform
-    given a :class:`Route` resolves it against each leaf's shape; one given a
-    ``ResolvedRoute`` (what :func:`sage_optax.route_params` returns) checks the shape.
-    ``shape`` is the leaf's; with a ``view`` (:class:`Route`) the axes count in the view
-    (:attr:`axes_shape`).
+    What every transform works with: ``fan_in``, ``fan_out`` and ``batch`` are tuples of
+    axes (empty for a vector), counted in :attr:`axes_shape`; ``shape`` is the leaf's.
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
 
     kind: str
@@ -414,10 +366,7 @@ def format_axes(group: Sequence[int], shape: Sequence[int]) -> str:
     axes = ",".join(str(a) for a in group)
     if len(sizes) == 1:
         return f"{axes} ({sizes[0]})"
-    total = 1
-    for s in sizes:
-        total *= s
-    return f"{axes} ({'x'.join(map(str, sizes))}={total})"
+    return f"{axes} ({'x'.join(map(str, sizes))}={math.prod(sizes)})"
 
 
 def parse_override(pattern: str, value: Any) -> Route:
@@ -441,13 +390,11 @@ def parse_override(pattern: str, value: Any) -> Route:
             if unknown:
                 raise RoutingError(
                     f"override {pattern!r}: unknown axis key(s) {sorted(unknown)}; use fan_in, "
-                    "fan_out and batch"
-                )
+                    "fan_out and batch")
             return Route(kind, **rest[0])
     raise RoutingError(
         f"override {pattern!r} -> {value!r}: give a kind {KINDS}, a Route(kind, fan_in=..., "
-        "fan_out=...) or (kind, {'fan_in': ..., 'fan_out': ...})"
-    )
+        "fan_out=...) or (kind, {'fan_in': ..., 'fan_out': ...})")
 
 
 def match_overrides(
@@ -459,23 +406,18 @@ def match_overrides(
       RoutingError: a glob that matches no name (the message lists the nearest names), or
         an override value that is not a valid route.
     """
-    if not overrides:
-        return {}
-    parsed = {pattern: parse_override(pattern, value) for pattern, value in overrides.items()}
+    parsed = {pattern: parse_override(pattern, value) for pattern, value in
+              (overrides or {}).items()}
     out: dict[str, Route] = {}
     used: set[str] = set()
     for name in names:
-        for pattern, route in parsed.items():
-            if fnmatch.fnmatchcase(name, pattern):
-                out[name] = route
-                used.add(pattern)
-                break
-    unused = [p for p in parsed if p not in used]
-    if unused:
-        hints = []
-        for pattern in unused:
-            near = difflib.get_close_matches(pattern, list(names), n=3, cutoff=0.4)
-            hints.append(f"{pattern!r} (nearest: {', '.join(near) if near else 'none'})")
+        pattern = next((p for p in parsed if fnmatch.fnmatchcase(name, p)), None)
+        if pattern is not None:
+            out[name] = parsed[pattern]
+            used.add(pattern)
+    hints = [f"{p!r} (nearest: {', '.join(near) or 'none'})" for p in parsed if p not in used
+             for near in [difflib.get_close_matches(p, list(names), n=3, cutoff=0.4)]]
+    if hints:
         raise RoutingError(
             "route override(s) match no parameter: " + "; ".join(hints)
             + ". Patterns are fnmatch globs over dotted names, e.g. 'layers.*.attn.q_proj.weight'"
@@ -495,13 +437,9 @@ def override_advice(name: str, route: Route | None = None) -> str:
 
 def advice_lines(name: str, options: Sequence[Option]) -> str:
     """``  - <when>: route_overrides={name: route}`` per option, for a refusal's message."""
-    lines = []
-    for route, when in options:
-        text = when.removeprefix("it is ") if route != "vector" else "element-wise rules only"
-        lines.append(f"  - {text}: " + (override_advice(name, route)
-                                         if isinstance(route, Route)
-                                         else f"route_overrides={{{name!r}: {route!r}}}"))
-    return "\n".join(lines)
+    return "\n".join(
+        f"  - {when.removeprefix('it is ') if route != 'vector' else 'element-wise rules only'}"
+        f": route_overrides={{{name!r}: {route_literal(route)}}}" for route, when in options)
 
 
 def fmt_shape(shape: Sequence[int]) -> str:
@@ -515,11 +453,9 @@ def route_literal(route: Any) -> str:
         return repr(route)
     if route.kind == "vector" and not route.batch:
         return "'vector'"
-    args = [repr(route.kind)]
-    for key in ("fan_in", "fan_out"):
-        group = getattr(route, key)
-        if group is not None:
-            args.append(f"{key}={group[0] if len(group) == 1 else group}")
+    args = [repr(route.kind)] + [
+        f"{key}={group[0] if len(group) == 1 else group}"
+        for key in ("fan_in", "fan_out") if (group := getattr(route, key)) is not None]
     if route.batch:
         args.append(f"batch={route.batch}")
     if getattr(route, "view", None) is not None:
@@ -537,18 +473,14 @@ def override_patterns(problems: Sequence[RoutingError], names: Sequence[str] | N
                       ) -> dict[str, list[RoutingError]]:
     """The refused parameters with a remedy, grouped under one glob per layer role.
 
-    Parameters whose names differ only in their numbers (``blocks_0.attn.query.kernel``,
-    ``blocks_5.attn.query.kernel``) and whose first remedy is the same share one glob, with
-    ``*`` where their numbers differ (``blocks_*.attn.query.kernel``).  A glob that would
-    also match a parameter outside its group (of ``names``, every parameter of the tree)
-    is not used: its parameters are listed one by one.  In the order of ``problems``.
+    Names that differ only in their numbers, with the same first remedy, share a glob with
+    ``*`` for the numbers; a glob that would match another of ``names`` is not used.
     """
-    rows = [p for p in problems if p.leaf is not None and p.options]
     by_role: dict[tuple[Any, ...], list[RoutingError]] = {}
-    for p in rows:
-        leaf = str(p.leaf)
-        key = (tuple(_DIGITS.split(leaf)), route_literal(p.options[0][0]))
-        by_role.setdefault(key, []).append(p)
+    for p in problems:
+        if p.leaf is not None and p.options:
+            key = (tuple(_DIGITS.split(p.leaf)), route_literal(p.options[0][0]))
+            by_role.setdefault(key, []).append(p)
     out: dict[str, list[RoutingError]] = {}
     for (parts, _), members in by_role.items():
         numbers = [_DIGITS.findall(str(m.leaf)) for m in members]
@@ -560,8 +492,7 @@ def override_patterns(problems: Sequence[RoutingError], names: Sequence[str] | N
         stray = names is not None and any(
             fnmatch.fnmatchcase(n, pattern) and n not in leaves for n in names)
         if len(members) == 1 or stray or any(c in pattern for c in "?["):
-            for m in members:
-                out[str(m.leaf)] = [m]
+            out.update({str(m.leaf): [m] for m in members})
         else:
             out[pattern] = members
     return out
@@ -570,9 +501,8 @@ def override_patterns(problems: Sequence[RoutingError], names: Sequence[str] | N
 def paste_block(problems: Sequence[RoutingError], names: Sequence[str] | None = None) -> str:
     """The ``route_overrides = {...}`` block of a routing error (``""`` if nothing to paste).
 
-    One line per layer role (:func:`override_patterns`): its first remedy, and as a comment
-    when that remedy is right and what the others are.  It is Python: ``Route`` is
-    ``sage_optim.routing.Route`` (also ``sage_optax.Route`` and ``sage_torch.Route``).
+    One line per layer role (:func:`override_patterns`): its first remedy, the others and
+    when each is right in a comment.
     """
     groups = override_patterns(problems, names)
     if not groups:
@@ -583,8 +513,7 @@ def paste_block(problems: Sequence[RoutingError], names: Sequence[str] | None = 
         (first, when), *rest = members[0].options
         note = f"if {when}" + "".join(f"; or {route_literal(r)} if {w}" for r, w in rest)
         lines.append(f"    {pattern!r}: {route_literal(first)},  # {note}")
-    lines.append("}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "}"])
 
 
 # ------------------------------------------------------------------------- the adapters
@@ -600,10 +529,8 @@ A = TypeVar("A", bound=_Named)
 class AdapterRegistry(Generic[A]):
     """The adapters of one framework's gatherer: ``<package>/adapters/<library>.py``.
 
-    Each adapter module registers itself (:meth:`register`); :meth:`all` imports the
-    module of every library imported so far (a model cannot hold a module of a library
-    that is not imported; ``eager``: every module).  ``registered`` maps an adapter's
-    ``name`` to it.
+    Each adapter module registers itself (:meth:`register`) in ``registered`` (by name);
+    :meth:`all` imports those of the libraries imported so far (``eager``: every one).
     """
 
     def __init__(self, kind: type[A], package: str, directory: pathlib.Path,

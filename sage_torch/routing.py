@@ -23,6 +23,7 @@ from torch import nn
 from sage_optim import decision, naming
 from sage_optim import routing as core
 from sage_optim.routing import (
+    ROUTE_IS,
     VECTOR_OPTION,
     Option,
     ResolvedRoute,
@@ -30,7 +31,6 @@ from sage_optim.routing import (
     RoutingError,
     advice_lines,
     fmt_shape,
-    match_overrides,
     override_advice,
 )
 from sage_torch import params as params_lib
@@ -62,12 +62,9 @@ class RoutedParam(NamedTuple):
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
 
     name: str
@@ -77,11 +74,7 @@ class RoutedParam(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Owner:
-    """One registration of a parameter: ``module.<attr>`` reached through ``path``.
-
-    ``parent`` is the module holding ``module`` (as its child ``slot``), for containers
-    such as peft's ``lora_embedding_A`` ``nn.ParameterDict``.
-    """
+    """``module.<attr>`` reached through ``path``; ``parent.<slot>`` is ``module``."""
 
     path: str
     module: nn.Module
@@ -97,7 +90,7 @@ def _label(module: nn.Module) -> str:
 
 
 _MHA_WEIGHTS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight")
-
+_TABLES = (nn.Embedding, nn.EmbeddingBag)
 
 # ---------------------------------------------------------------------------- the adapters
 
@@ -151,6 +144,12 @@ adapters = _REGISTRY.all
 imported so far (each registers itself)."""
 
 
+def _first(field: str, *args: Any) -> Any:
+    """The first answer that is not ``None`` of the adapters' ``field`` (``None`` if none)."""
+    return next((r for a in adapters() if (f := getattr(a, field)) is not None
+                 and (r := f(*args)) is not None), None)
+
+
 def loaded_class(module_name: str, cls_name: str) -> type | None:
     """``module_name.cls_name`` if that module is imported, else ``None`` (no import)."""
     cls = getattr(sys.modules.get(module_name), cls_name, None)
@@ -164,22 +163,16 @@ def module_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | N
     a ``ConvTranspose``, a bias).  The evidence is ``"module <type>"``.  The adapters
     (:func:`adapters`) are asked first, then ``torch.nn``'s own types.
     """
-    for adapter in adapters():
-        route = adapter.route(module, attr, param) if adapter.route is not None else None
-        if route is not None:
-            return route
-    return _torch_nn_route(module, attr, param)
+    return _first("route", module, attr, param) or _torch_nn_route(module, attr, param)
 
 
 def _torch_nn_route(module: nn.Module, attr: str, param: torch.Tensor) -> Route | None:
     """The layout of a ``torch.nn`` module's parameter, or ``None``."""
-    if attr != "weight" and not (isinstance(module, nn.MultiheadAttention)
-                                 and attr in _MHA_WEIGHTS):
-        return None
-    if param.dim() < 2:
+    if param.dim() < 2 or (attr != "weight" and not (
+            isinstance(module, nn.MultiheadAttention) and attr in _MHA_WEIGHTS)):
         return None
     evidence = f"module {_label(module)}"
-    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+    if isinstance(module, _TABLES):
         return Route("embedding", fan_in=1, fan_out=0, evidence=evidence)
     if isinstance(module, nn.Linear | nn.MultiheadAttention):
         return Route("dense", fan_in=1, fan_out=0, evidence=evidence)
@@ -193,12 +186,7 @@ def _owner_route(owner: _Owner, param: torch.Tensor) -> Route | None:
     route = module_route(owner.module, owner.attr, param)
     if route is not None or owner.parent is None:
         return route
-    for adapter in adapters():
-        if adapter.child_route is not None:
-            route = adapter.child_route(owner.parent, owner.slot, param)
-            if route is not None:
-                return route
-    return None
+    return _first("child_route", owner.parent, owner.slot, param)
 
 
 def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
@@ -218,59 +206,35 @@ def _owners(model: nn.Module) -> dict[int, list[_Owner]]:
     return owners
 
 
-def _api_owner(model: nn.Module) -> nn.Module:
-    """The outermost module with the embeddings API.
-
-    ``model`` itself, or the transformers model inside a wrapper (``DistributedDataParallel``,
-    a training module).
-    """
-    for _, module in model.named_modules():
-        if callable(getattr(module, "get_input_embeddings", None)):
-            return module
-    return model
-
-
-def _api_module(model: nn.Module, method: str) -> tuple[bool, nn.Module | None]:
-    """``(has_api, module)`` for ``model.get_input_embeddings``/``get_output_embeddings``.
-
-    ``has_api`` is false when the method is missing or raises ``NotImplementedError``;
-    ``module`` is ``None`` when the model says it has none (``None``, or no weight).
-    """
-    fn = getattr(model, method, None)
-    if not callable(fn):
-        return False, None
-    try:
-        module = fn()
-    except (NotImplementedError, AttributeError, TypeError):
-        return False, None
-    if not isinstance(module, nn.Module):
-        return True, None
-    return True, module
-
-
-def _api_weight(module: nn.Module | None, params: dict[int, str]) -> nn.Parameter | None:
-    weight = getattr(module, "weight", None) if module is not None else None
-    if isinstance(weight, nn.Parameter) and id(weight) in params and weight.dim() == 2:
-        return weight
-    return None
+def _api_tables(model: nn.Module, params: Mapping[int, str]) -> tuple[bool, Any, Any, Any]:
+    """``(has get_output_embeddings, input weight, output weight, output module)``."""
+    # the outermost module with the API: a wrapper (DistributedDataParallel) holds the model
+    api = next((m for _, m in model.named_modules()
+                if callable(getattr(m, "get_input_embeddings", None))), model)
+    found: list[tuple[bool, Any, Any]] = []
+    for method in ("get_input_embeddings", "get_output_embeddings"):
+        fn = getattr(api, method, None)
+        try:
+            module = fn() if callable(fn) else None
+        except (NotImplementedError, AttributeError, TypeError):
+            fn = module = None
+        weight = getattr(module, "weight", None) if isinstance(module, nn.Module) else None
+        ok = isinstance(weight, nn.Parameter) and id(weight) in params and weight.dim() == 2
+        found.append((callable(fn), weight if ok else None, module))
+    (_, api_in, _), (has_out, api_out, out_module) = found
+    return has_out, api_in, api_out, out_module if api_out is not None else None
 
 
 # ------------------------------------------------------------------------------ the advice
 
 def _names_embedding(name: str) -> bool:
     """Whether a component of ``name`` (the leaf too) says embedding (``pos_emb``, ``wte``)."""
-    return naming.names_token_embedding(name) or any(
-        naming.says_embedding(part) for part in naming.components(name))
+    return any(naming.says_embedding(part) for part in naming.components(name))
 
 
 def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool = False,
              vocab: int | None = None, torch_weight: bool = False) -> list[Option]:
-    """The remedies for a matrix whose layout is unknown, most likely first.
-
-    ``kind``: only routes of that kind (an override gave it).  ``table_first``: the name or
-    the module says embedding.  ``vocab``: the token table's row count; the reading whose
-    vocab axis has that size comes first.  ``torch_weight``: PyTorch named it ``weight``.
-    """
+    """The remedies for a matrix of unknown layout, most likely first (``kind``: only it)."""
     shape = tuple(int(s) for s in shape)
     big = [a for a, n in enumerate(shape) if n != 1]
     if len(big) == 2 or len(shape) == 2:
@@ -304,30 +268,18 @@ def _options(shape: Sequence[int], *, kind: str | None = None, table_first: bool
         out_first = (Route("dense", fan_in=rest, fan_out=0),
                      f"it is one matrix, axis 0 its output and axes {rest} merged as its "
                      "input (a conv weight (out, in, *taps), einsum 'ibnd,hnd->ibh')")
-        if torch_weight and len(shape) >= 4:
-            options = [out_first, stack_oi, stack_io, in_first]
-        elif torch_weight:
-            options = [stack_oi, out_first, stack_io, in_first]
-        else:
-            options = [stack_io, stack_oi, in_first, out_first]
+        options = ([out_first, stack_oi] if len(shape) >= 4 else [stack_oi, out_first]) + [
+            stack_io, in_first] if torch_weight else [stack_io, stack_oi, in_first, out_first]
         if table_first:
             options.insert(0, (Route("embedding", fan_in=-1, fan_out=-2),
                                "it is a stack of (V, d) tables over the leading axes"))
-    if kind is not None:  # the readings of that kind first, then the others' axes
-        ordered = [o for o in options if o[0].kind == kind]
-        ordered += [o for o in options if o[0].kind != kind]
-        options, seen = [], set()
-        for route, when in ordered:
-            if (route.fan_in, route.fan_out) not in seen:
-                seen.add((route.fan_in, route.fan_out))
-                options.append((dataclasses.replace(route, kind=kind), when))
+    if kind is not None:  # the readings of that kind first, then the others' axes (once)
+        seen: dict[Any, Option] = {}
+        for route, when in sorted(options, key=lambda o: o[0].kind != kind):
+            seen.setdefault((route.fan_in, route.fan_out),
+                            (dataclasses.replace(route, kind=kind), when))
+        options = list(seen.values())
     return [*options, VECTOR_OPTION]
-
-
-def _known_layouts() -> str:
-    known = ", ".join(a.known for a in adapters() if a.known)
-    return "known: nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d/2d/3d" + (
-        f", {known})" if known else ")")
 
 
 def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str | None,
@@ -348,90 +300,54 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
                "the fan-in, as for nn.Conv: " + override_advice(name, conv))
         return RoutingError(f"cannot place parameter {name!r} of shape {fmt_shape(shape)} "
                             f"{where}: {why}", leaf=name, shape=shape, options=options)
-    if module is not None and _says_experts(module) and p.dim() == 3 and kind in (
-            None, "dense"):
+    if (module is not None and "expert" in type(module).__name__.lower()  # MixtralExperts
+            and p.dim() == 3 and kind in (None, "dense")):
         return _unknown_experts(name, p, module)
-    refusal = _adapter_refusal(name, p, module, owners[0].attr, kind) if (
-        module is not None) else None
+    refusal = _first("refuse", name, p, module, owners[0].attr, kind) if owners else None
     if refusal is not None:
         return refusal
     embeddingish = _names_embedding(name) or any(
-        isinstance(o.module, nn.Embedding | nn.EmbeddingBag) or _holds_tables(o.parent)
-        for o in owners)
+        isinstance(o.module, _TABLES) or o.parent is not None and any(
+            a.holds_tables(o.parent) for a in adapters() if a.holds_tables) for o in owners)
     options = _options(shape, kind=kind, table_first=embeddingish, vocab=vocab)
     what = f"routed {kind!r} by an override, but its" if kind else "its"
+    known = ", ".join(a.known for a in adapters() if a.known)
     return RoutingError(
         f"cannot place parameter {name!r} of shape {fmt_shape(shape)} {where}: {what} "
-        f"layout is unknown ({_known_layouts()}). Say which axes are fan-in and fan-out, "
-        f"e.g. if it is\n{advice_lines(name, options)}\n"
-        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+        "layout is unknown (known: nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d/2d/3d"
+        f"{', ' + known if known else ''})). Say which axes are fan-in and fan-out, e.g. if it "
+        f"is\n{advice_lines(name, options)}\n{ROUTE_IS}",
         leaf=name, shape=shape, options=options,
     )
-
-
-def _adapter_refusal(name: str, p: torch.Tensor, module: nn.Module, attr: str,
-                     kind: str | None) -> RoutingError | None:
-    """The first adapter's refusal of a parameter of unknown layout of ``module``, or None."""
-    for adapter in adapters():
-        refusal = adapter.refuse(name, p, module, attr, kind) if adapter.refuse else None
-        if refusal is not None:
-            return refusal
-    return None
-
-
-def _says_experts(module: nn.Module) -> bool:
-    """Whether the class name of ``module`` says it holds experts (``MixtralExperts``)."""
-    return "expert" in type(module).__name__.lower()
 
 
 def _unknown_experts(name: str, p: torch.Tensor, module: nn.Module) -> RoutingError:
     """The error for a 3-D tensor of an experts module that no adapter knows."""
-    shape = tuple(int(s) for s in p.shape)
-    oi = Route("dense", fan_in=2, fan_out=1, batch=0)
-    io = Route("dense", fan_in=1, fan_out=2, batch=0)
     options: list[Option] = [
-        (oi, "it is (E, out, in), one matrix per expert read as F.linear(x, W[e]) (most "
-             "families: Mixtral, Qwen-MoE, DeepSeek)"),
-        (io, "it is (E, in, out), read as x @ W[e] or torch.bmm(x, W) (GPT-OSS, Llama-4)"),
+        (Route("dense", fan_in=2, fan_out=1, batch=0), "it is (E, out, in), one matrix per "
+         "expert read as F.linear(x, W[e]) (most families: Mixtral, Qwen-MoE, DeepSeek)"),
+        (Route("dense", fan_in=1, fan_out=2, batch=0),
+         "it is (E, in, out), read as x @ W[e] or torch.bmm(x, W) (GPT-OSS, Llama-4)"),
         VECTOR_OPTION]
     return RoutingError(
-        f"cannot place parameter {name!r} of shape {fmt_shape(shape)} in module "
+        f"cannot place parameter {name!r} of shape {fmt_shape(p.shape)} in module "
         f"{_label(module)}: an experts module whose layout is unknown (not in sage_torch."
         "adapters.transformers.EXPERTS). To tell, look at its forward: F.linear(x, W[e]) "
         "means (E, out, in) (the first remedy), x @ W[e] or torch.bmm(x, W) means (E, in, "
-        "out); the expert axis is a batch axis either way. E.g. if it is\n"
-        f"{advice_lines(name, options)}\n"
-        "(Route is sage_optim.routing.Route, also sage_torch.Route)",
-        leaf=name, shape=shape, options=options,
+        f"out); the expert axis is a batch axis either way. E.g. if it is\n"
+        f"{advice_lines(name, options)}\n{ROUTE_IS}",
+        leaf=name, shape=p.shape, options=options,
     )
-
-
-def _holds_tables(module: nn.Module | None) -> bool:
-    """Whether an adapter says the children of ``module`` hold vocabulary tables."""
-    return module is not None and any(
-        a.holds_tables is not None and a.holds_tables(module) for a in adapters())
 
 
 # ------------------------------------------------------------------------ the module router
 
 
-def _literal_overrides(names: Sequence[str],
-                       overrides: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``overrides`` with each glob that equals a parameter's name made literal.
-
-    ``"params[3]"`` then matches the parameter ``params[3]`` (as a glob, ``[3]`` would be a
-    character class); every other glob is kept as written.
-    """
-    if not overrides:
-        return None
-    known = set(names)
-    return {glob.escape(k) if k in known and glob.escape(k) != k else k: v
-            for k, v in overrides.items()}
-
-
 def _match(names: Sequence[str], overrides: Mapping[str, Any] | None) -> dict[str, Route]:
-    """:func:`~sage_optim.routing.match_overrides` with literal names (see above)."""
-    return match_overrides(names, _literal_overrides(names, overrides))
+    """:func:`~sage_optim.routing.match_overrides`; a glob equal to a name is literal."""
+    known = set(names)  # "params[3]" names a parameter: as a glob, [3] is a character class
+    return core.match_overrides(names, {
+        glob.escape(k) if k in known else k: v for k, v in (overrides or {}).items()})
 
 
 class _Router:
@@ -440,7 +356,6 @@ class _Router:
     head_remedy = "The model has no get_output_embeddings(). Name"
 
     def __init__(self, model: nn.Module, overrides: Mapping[str, Any] | None) -> None:
-        self.model = model
         self.owners = _owners(model)
         self.named = list(model.named_parameters())
         self.param_names = {id(p): n for n, p in self.named}
@@ -450,19 +365,14 @@ class _Router:
             lambda a, b: (f"tied ({a} is {b}: one parameter, one route), and the overrides "
                           "route its names", f"{a}'s override is the right one",
                           f"{b}'s override is the right one"))
-        api = _api_owner(model)
-        has_in, in_module = _api_module(api, "get_input_embeddings")
-        has_out, out_module = _api_module(api, "get_output_embeddings")
-        self.api_in = _api_weight(in_module, self.param_names) if has_in else None
-        self.api_out = _api_weight(out_module, self.param_names) if has_out else None
-        self.out_module = out_module if self.api_out is not None else None
+        has_out, self.api_in, self.api_out, self.out_module = _api_tables(
+            model, self.param_names)
         self.model_evidence: dict[int, Route | RoutingError] = {}
         for adapter in adapters():
             if adapter.model_routes is not None:
                 self.model_evidence.update(adapter.model_routes(model, self.param_names))
         self.vocab = self._vocab()
-        # the head by shape only when the model has no API saying which one it is
-        self.find_heads = not has_out
+        self.find_heads = not has_out  # the head by shape only when the API names none
         self.linears = {pid for pid, regs in self.owners.items() if pid in self.param_names
                         and any(isinstance(o.module, nn.Linear) and o.attr == "weight"
                                 for o in regs)}  # the head candidates
@@ -471,19 +381,14 @@ class _Router:
         """``(name, param, None)`` of every parameter, in model order."""
         return [(n, p, None) for n, p in self.named]
 
-    # -- evidence ----------------------------------------------------------------------
-
     def _vocab(self) -> int | None:
-        """The token table's rows: the model API's table, the only table, or the one so named.
-
-        The tables are the ``nn.Embedding``/``nn.EmbeddingBag`` weights, once each.
-        """
+        """The token table's rows: the API's table, else of the ``nn.Embedding`` weights."""
         if self.api_in is not None:
             return int(self.api_in.shape[0])
         tables = {id(w): decision.TableFact(self.param_names.get(id(w), o.path),
                                             int(w.shape[0]), int(w.shape[1]))
                   for regs in self.owners.values() for o in regs
-                  if isinstance(o.module, nn.Embedding | nn.EmbeddingBag)
+                  if isinstance(o.module, _TABLES)
                   and o.attr == "weight" and (w := o.module.weight) is not None}
         token = decision.pick_token_table(list(tables.values()))
         return token.rows if token is not None else None
@@ -491,65 +396,52 @@ class _Router:
     def _layout(self, name: str, p: torch.Tensor) -> Route | None:
         """The route from the model API, tying and module types (no override, no shape)."""
         regs = self.owners.get(id(p), [])
-        api = None
-        if self.api_in is not None and p is self.api_in:
-            api = "model API: input embeddings"
-        elif self.api_out is not None and p is self.api_out:
-            api = "model API: output embeddings"
+        api = ("model API: input embeddings" if p is self.api_in else
+               "model API: output embeddings" if p is self.api_out else None)
         routes = [(o, r) for o in regs if (r := _owner_route(o, p)) is not None]
         _check_tied_layouts(name, p, routes)
         tied = self._tied(name, regs)
-        if api is not None:
-            if not routes or routes[0][1].kind == "vector":
-                return None  # an API module of unknown layout: asked for below
-            evidence = api + (f", {tied}" if tied else "")
-            return Route("embedding", routes[0][1].fan_in, routes[0][1].fan_out,
-                         evidence=evidence)
-        if not routes:
-            return None
-        embedding = [(o, r) for o, r in routes if r.kind == "embedding"]
-        own = next((r for o, r in routes if o.path == name), None)
-        kind = "embedding" if embedding else routes[0][1].kind
-        if embedding and all(o.path != name for o, _ in embedding):
-            evidence = f"tied to {embedding[0][0].path}"  # a table through another name
-        elif own is not None:
-            evidence = own.evidence + (f", {tied}" if tied else "")
-        else:  # reached through another registration: say through which
-            source = (embedding or routes)[0][0].path
-            evidence = f"tied to {source}"
+        tied = f", {tied}" if tied else ""
+        if not routes or (api is not None and routes[0][1].kind == "vector"):
+            return None  # an API module of unknown layout: asked for below
         first = routes[0][1]
-        return Route(kind, first.fan_in, first.fan_out, evidence=evidence, view=first.view)
+        if api is not None:
+            return Route("embedding", first.fan_in, first.fan_out, evidence=api + tied)
+        embedding = [o for o, r in routes if r.kind == "embedding"]
+        own = next((r for o, r in routes if o.path == name), None)
+        if own is None or (embedding and all(o.path != name for o in embedding)):
+            # a table through another name, or reached through another registration
+            evidence = f"tied to {(embedding or [o for o, _ in routes])[0].path}"
+        else:
+            evidence = own.evidence + tied
+        return Route("embedding" if embedding else first.kind, first.fan_in, first.fan_out,
+                     evidence=evidence, view=first.view)
 
     def _tied(self, name: str, regs: list[_Owner]) -> str:
         """``tied to a, b (+n more)``: the other names of a tied parameter, or ``""``."""
-        aliases = [o.path for o in regs if o.path != name]
         # the output head first (a T5 table has four names): the alias that matters
-        aliases.sort(key=lambda a: not any(o.path == a and o.module is self.out_module
-                                            for o in regs))
-        if not aliases:
-            return ""
+        aliases = sorted((o.path for o in regs if o.path != name), key=lambda a: not any(
+            o.path == a and o.module is self.out_module for o in regs))
         more = f" (+{len(aliases) - 2} more)" if len(aliases) > 2 else ""
-        return f"tied to {', '.join(aliases[:2])}{more}"
-
-    # -- one parameter -----------------------------------------------------------------
+        return f"tied to {', '.join(aliases[:2])}{more}" if aliases else ""
 
     def evidence(self, name: str, p: torch.Tensor) -> decision.Evidence:
         """What the model says of one trainable parameter (its route, or why it cannot)."""
         regs = self.owners.get(id(p), [])
         shape = tuple(int(n) for n in p.shape)
         for o in regs:
-            if isinstance(o.module, nn.Embedding | nn.EmbeddingBag) and o.module.sparse:
+            if isinstance(o.module, _TABLES) and o.module.sparse:
+                where = o.path.rpartition(".")[0]
                 return decision.Evidence(name, shape, RoutingError(
                     f"parameter {name!r} of shape {fmt_shape(p.shape)} belongs to "
-                    f"{_label(o.module)}(sparse=True) at {o.path.rpartition('.')[0]!r}: it "
-                    "gets sparse gradients, which no sage_torch rule takes (SAGE reduces over "
-                    "the vocab axis, the others are dense). Build it with sparse=False, or "
-                    f"set model.get_submodule({o.path.rpartition('.')[0]!r}).sparse = False",
-                    leaf=name, shape=p.shape,
-                ), final=True)
+                    f"{_label(o.module)}(sparse=True) at {where!r}: it gets sparse gradients, "
+                    "which no sage_torch rule takes (SAGE reduces over the vocab axis, the "
+                    "others are dense). Build it with sparse=False, or set "
+                    f"model.get_submodule({where!r}).sparse = False",
+                    leaf=name, shape=p.shape), final=True)
         if id(p) in self.model_evidence:  # the model's own evidence (an adapter's)
             return decision.Evidence(name, shape, self.model_evidence[id(p)],
-                                 layout=self._layout(name, p))
+                                     layout=self._layout(name, p))
         try:
             route: Route | RoutingError = self._default(name, p, regs)
         except RoutingError as err:
@@ -596,11 +488,7 @@ def _check_tied_layouts(name: str, p: torch.Tensor,
 def _per_param(matched: Mapping[str, Route], tensors: Mapping[str, torch.Tensor],
                canonical: Mapping[int, str], tied: Callable[[str, str], tuple[str, str, str]]
                ) -> dict[int, tuple[str, Route]]:
-    """``{id(param): (name, override)}``: one route per parameter, whatever its names.
-
-    Refuses a parameter whose names the overrides route differently; ``tied(a, b)`` says
-    how the names ``a`` and ``b`` are one parameter, and when each override is right.
-    """
+    """``{id(param): (name, override)}``, refusing a parameter its names route apart."""
     out: dict[int, tuple[str, Route]] = {}
     for pname, route in matched.items():
         p = tensors[pname]
@@ -635,18 +523,17 @@ def _too_few_dims(name: str, p: torch.Tensor, kind: str) -> RoutingError:
 
 
 def _name_evidence(name: str, p: torch.Tensor) -> Route | None:
-    """The route PyTorch's names give a matrix, or None where they cannot say (refused).
-
-    The reading is :func:`sage_optim.naming.torch_name_reading`, as in ``sage_optax``.
-    """
-    if p.dim() != 2:
-        return None
-    reading = naming.torch_name_reading(name)
+    """The route PyTorch's names give a matrix, or ``None`` (refused)."""
+    reading = naming.torch_name_reading(name) if p.dim() == 2 else None
     if reading == "table":
         return Route("embedding", fan_in=1, fan_out=0, evidence="name: table (V, d)")
     if reading == "linear":
         return Route("dense", fan_in=1, fan_out=0, evidence="name 'weight': torch (out, in)")
     return None
+
+
+_NAMES_SAY = ("its name does not say its layout (PyTorch's names: a 2-D 'weight' is (out, in), "
+              "a 2-D 'weight' under an 'emb' name a table (V, d))")
 
 
 class _NameRouter:
@@ -670,10 +557,9 @@ class _NameRouter:
             lambda a, b: ("given under several names (one tensor, one route), and the "
                           "overrides route them", "the first override is the right one",
                           "the second override is the right one"))
-        layouts = {id(e.param): _name_evidence(e.name, e.param) for e in self.entries}
-        self.layouts = layouts
+        self.layouts = {id(e.param): _name_evidence(e.name, e.param) for e in self.entries}
         self.linears = {id(e.param) for e in self.entries
-                        if (r := layouts[id(e.param)]) is not None and r.kind == "dense"
+                        if (r := self.layouts[id(e.param)]) is not None and r.kind == "dense"
                         and naming.components(e.name)[-1] == "weight"}
         token, self.conventions = decision.torch_name_facts(
             [(e.name, tuple(e.param.shape)) for e in self.entries if not e.bare])
@@ -685,8 +571,7 @@ class _NameRouter:
 
     def _refuse(self, e: Entry, kind: str | None,
                 axes: tuple[Any, Any] | None = None) -> RoutingError:
-        p = e.param
-        shape = tuple(int(s) for s in p.shape)
+        shape = tuple(int(s) for s in e.param.shape)
         if axes is not None:  # the group gives the axes, not the kind
             options: list[Option] = [
                 (Route("dense", fan_in=axes[0], fan_out=axes[1]),
@@ -699,35 +584,29 @@ class _NameRouter:
                 "kind='dense' or kind='embedding' to the group, or route it, e.g. if it is\n"
                 + advice_lines(e.name, options),
                 leaf=e.name, shape=shape, options=options)
-        parts = naming.components(e.name)
         refusal = self._refuse_convention(e, kind)
         if refusal is not None:
             return refusal
+        weight = naming.components(e.name)[-1] == "weight" and not e.bare
         options = _options(shape, kind=kind, table_first=_names_embedding(e.name),
-                           vocab=self.vocab, torch_weight=parts[-1] == "weight" and not e.bare)
-        if parts[-1] == "weight" and p.dim() == 2 and not e.bare:  # (out, in) or (V, d)
-            options = naming.torch_weight_options(shape, kind, self.vocab)
+                           vocab=self.vocab, torch_weight=weight)
         if e.bare:
             why = ("a bare tensor (no name, no module), so nothing says which axes are its "
                    "fan-in and fan-out, nor whether it is a vocabulary matrix")
-        elif parts[-1] == "weight" and p.dim() == 2:
+        elif weight and len(shape) == 2:  # (out, in) or (V, d)
+            options = naming.torch_weight_options(shape, kind, self.vocab)
             why = naming.TORCH_WEIGHT_WHY.get(naming.torch_name_reading(e.name) or "",
                                             naming.TORCH_WEIGHT_WHY["unnamed"])
         else:
-            why = (f"its name does not say its layout (PyTorch's names: a 2-D 'weight' is "
-                   f"(out, in), a 2-D 'weight' under an 'emb' name a table (V, d)); a "
-                   f"{p.dim()}-D parameter may be stacked layers, a multi-axis projection or "
-                   "a convolution" if p.dim() > 2 else
-                   "its name does not say its layout (PyTorch's names: a 2-D 'weight' is "
-                   "(out, in), a 2-D 'weight' under an 'emb' name a table (V, d))")
+            why = _NAMES_SAY + (f"; a {len(shape)}-D parameter may be stacked layers, a "
+                                "multi-axis projection or a convolution" if len(shape) > 2 else "")
         what = f"routed {kind!r}, but " if kind else ""
         names = " or model.named_parameters()" if e.bare else ""
         return RoutingError(
             f"cannot place parameter {e.name!r} of shape {fmt_shape(shape)}: {what}{why}. "
             f"Pass the model itself (make_optimizer(name, model): its module types decide){names}, "
             "or route it in route_overrides (per parameter), "
-            f"e.g. if it is\n{advice_lines(e.name, options)}\n"
-            "(Route is sage_optim.routing.Route, also sage_torch.Route)",
+            f"e.g. if it is\n{advice_lines(e.name, options)}\n{ROUTE_IS}",
             leaf=e.name, shape=shape, options=options)
 
     def refuse_kind(self, name: str, p: torch.Tensor, kind: str) -> RoutingError:
@@ -739,8 +618,7 @@ class _NameRouter:
         return None if e.bare else naming.convention_refusal(
             e.name, e.param.shape, self.conventions,
             "Pass the model itself (make_optimizer(name, model): its modules decide), or "
-            "route it in route_overrides (Route is sage_optim.routing.Route, also "
-            "sage_torch.Route)", kind)
+            f"route it in route_overrides {ROUTE_IS}", kind)
 
     def evidence(self, name: str, p: torch.Tensor) -> decision.Evidence:
         """What the names, shapes and param group say of one entry (or why they cannot)."""
@@ -761,9 +639,7 @@ class _NameRouter:
 
     def _default(self, e: Entry, group: Mapping[str, Any]) -> Route:
         """The route of the names, shapes and group, before overrides and the head."""
-        p = e.param
-        layout = self.layouts[id(p)]
-        kind = group.get("kind")
+        p, layout, kind = e.param, self.layouts[id(e.param)], group.get("kind")
         fan_in, fan_out = group.get("fan_in_dim"), group.get("fan_out_dim")
         if (fan_in is None) != (fan_out is None):
             raise ValueError(f"param group {e.group} gives only one of fan_in_dim "
@@ -773,10 +649,10 @@ class _NameRouter:
         if p.dim() <= 1:
             return Route("vector", evidence=f"shape: {p.dim()}-D")
         if fan_in is not None:
-            if layout is not None:
-                return Route(layout.kind, fan_in, fan_out,
-                             evidence=f"param group axes, kind {layout.evidence}")
-            raise self._refuse(e, None, (fan_in, fan_out))
+            if layout is None:
+                raise self._refuse(e, None, (fan_in, fan_out))
+            return Route(layout.kind, fan_in, fan_out,
+                         evidence=f"param group axes, kind {layout.evidence}")
         if layout is not None:
             return layout
         if sum(n != 1 for n in p.shape) <= 1:
@@ -786,12 +662,11 @@ class _NameRouter:
     def _group_kind_route(self, e: Entry, kind: str, fan_in: Any, fan_out: Any,
                           layout: Route | None) -> Route:
         """The route of a member of a param group that gives ``kind`` (and maybe axes)."""
-        name, p = e.name, e.param
         if kind == "vector":
             return Route("vector", evidence="param group kind")
-        if p.dim() < 2:
-            raise ValueError(f"parameter {name!r} of shape {fmt_shape(p.shape)} is in a "
-                             f"param group of kind {kind!r}, but has fewer than two dims; "
+        if e.param.dim() < 2:
+            raise ValueError(f"parameter {e.name!r} of shape {fmt_shape(e.param.shape)} is in "
+                             f"a param group of kind {kind!r}, but has fewer than two dims; "
                              "put it in a 'vector' group")
         if fan_in is not None:
             return Route(kind, fan_in, fan_out, evidence="param group kind and axes")
@@ -801,8 +676,7 @@ class _NameRouter:
         refusal = self._refuse_convention(e, kind)
         if refusal is not None:
             raise refusal
-        return Route(kind, -1, -2, evidence="param group kind, torch's default axes "
-                     "(out, in)")
+        return Route(kind, -1, -2, evidence="param group kind, torch's default axes (out, in)")
 
 
 # ------------------------------------------------------------------------------- routing
@@ -860,40 +734,30 @@ def _decide(router: _Router | _NameRouter, records: Sequence[decision.Evidence]
 
 def _collect(router: _Router | _NameRouter, skip_frozen: bool,
              groups: list[dict[str, Any]] | None = None, fix: str | None = None) -> Routing:
-    """Route every (trainable) parameter the router holds, collecting the errors.
-
-    The evidence of every parameter, frozen ones too (a frozen token table still says which
-    matrix is the head), goes into one decision; only the trainable ones (all, unless
-    ``skip_frozen``) are placed or refused.
-    """
-    order = []
-    records = []
+    """Route every parameter (frozen ones are evidence), collecting the errors."""
+    order, records = [], []
     for name, p, group in router.members():
         if not (p.is_floating_point() or p.is_complex()):  # complex: the rules judge
             raise RoutingError(
                 f"cannot place parameter {name!r} of shape {fmt_shape(p.shape)}: dtype "
                 f"{p.dtype} is neither floating point nor complex, so no optimizer can train "
-                "it; register it as a buffer"
-            )
+                "it; register it as a buffer")
         records.append(router.evidence(name, p))
         if not skip_frozen or p.requires_grad:
             order.append((name, p, group))
     decided = _decide(router, records)
     routes: dict[int, ResolvedRoute] = {}
-    errors: list[RoutingError] = []
-    seen_errors: set[int] = set()
+    errors: dict[int, RoutingError] = {}  # an ambiguous head: one error, several params
     for name, p, _ in order:
         route = decided[name]
-        if isinstance(route, Route):
-            try:
+        try:
+            if isinstance(route, Route):
                 routes[id(p)] = route.resolve(p.shape, name)
                 continue
-            except RoutingError as err:
-                route = err
-        if id(route) not in seen_errors:  # an ambiguous head: one error, several params
-            seen_errors.add(id(route))
-            errors.append(route)
-    return Routing(order, routes, errors, groups, fix)
+        except RoutingError as err:
+            route = err
+        errors.setdefault(id(route), route)
+    return Routing(order, routes, list(errors.values()), groups, fix)
 
 
 def route_group(members: Sequence[tuple[str, torch.Tensor, bool]],
@@ -959,11 +823,8 @@ def route_params(model: nn.Module | Iterable[Any],
 
     References:
       Lee and Kim, `SAGE: Sign-Adaptive Gradient for Memory-Efficient LLM Optimization
-      <https://arxiv.org/abs/2604.07663>`_, 2026
-      (the embedding layer dilemma: vocabulary matrices need their own rule).
-
+      <https://arxiv.org/abs/2604.07663>`_, 2026 (vocabulary matrices need their own rule);
       Scetbon et al., `Gradient Multi-Normalization for Stateless and Scalable LLM Training
-      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along the fan-in and
-      fan-out axes).
+      <https://arxiv.org/abs/2502.06742>`_, 2025 (SinkGD's norms run along fan-in, fan-out).
     """
     return routing(model, overrides).placed()
