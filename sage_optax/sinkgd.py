@@ -335,9 +335,10 @@ def sequenced_sinkhorn_scales(
     checks) is compiled once for the group instead of once per leaf, and only one leaf's
     ``K`` is alive at a time: a layer's ``K`` then stays in the CPU's last-level cache for
     its products, undisturbed by the other leaves' work.  The body picks leaf ``k`` with a
-    ``lax.switch`` whose branches form that leaf's ``K`` (and, without ``checked``, its
-    range scale) from the leaf itself: no copy of the gradients is made (the range
-    check's fallback, taken only where a sum left float32's range, copies its leaf).
+    ``lax.switch`` whose branches form that leaf's ``K`` (and its range scale, where it is
+    needed) from the leaf itself: no copy of the gradients is made.  With ``checked`` the
+    range check's fallback is a second attempt of the same loop (:func:`_checked_attempts`),
+    so the program holds one copy of the iteration, not two.
     """
     wide = jnp.promote_types(gs[0].dtype, jnp.float32)
 
