@@ -315,7 +315,7 @@ def _unknown_layout(name: str, p: torch.Tensor, owners: list[_Owner], kind: str 
     return RoutingError(
         f"cannot place parameter {name!r} of shape {fmt_shape(shape)} {where}: {what} "
         "layout is unknown (known: nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d/2d/3d"
-        f"{', ' + known if known else ''})). Say which axes are fan-in and fan-out, e.g. if it "
+        f"{', ' + known if known else ''}). Say which axes are fan-in and fan-out, e.g. if it "
         f"is\n{advice_lines(name, options)}\n{ROUTE_IS}",
         leaf=name, shape=shape, options=options,
     )

@@ -265,6 +265,8 @@ def test_custom_matrix_error_names_it_and_its_x_at_w_advice_is_the_linear_math()
         make_optimizer("sage-hybrid", model)
     message = str(info.value)
     assert "'w' of shape (8, 12)" in message and "layout is unknown" in message, message
+    headline = message.split("\n")[0]  # the list of known layouts closes once
+    assert headline.count("(") == headline.count(")"), headline
     advice = advice_for(message, "used as x @ W")
     assert advice == {"w": Route("dense", fan_in=0, fan_out=1)}
     x = torch.randn(5, 8, dtype=torch.float64)
