@@ -382,9 +382,10 @@ def _checked_attempts(
     is what the sequence compiles once per group.
     """
     wide = jnp.promote_types(like.dtype, jnp.float32)
-    shape = tuple(like.shape)
-    one = jnp.ones(tuple(1 if a in (*axes.fan_in, *axes.fan_out) else n
-                         for a, n in enumerate(shape)), wide)
+    # shaped (and, on an explicit-axes mesh, sharded) like range_scale's m and the scales;
+    # only their types are read from ``like``, not its values
+    one = jnp.ones_like(jnp.max(like, axis=(*axes.fan_in, *axes.fan_out), keepdims=True),
+                        dtype=wide)
 
     def attempt(state: tuple[Any, ...]) -> tuple[Any, ...]:
         tries = state[0]
@@ -394,8 +395,8 @@ def _checked_attempts(
                             num_iters, eps, normalization, check=True)
         return tries + 1, c, r, ok
 
-    zeros = (jnp.zeros(tuple(n for a, n in enumerate(shape) if a not in axes.fan_out), wide),
-             jnp.zeros(tuple(n for a, n in enumerate(shape) if a not in axes.fan_in), wide))
+    zeros = (jnp.zeros_like(jnp.sum(like, axis=axes.fan_out), dtype=wide),
+             jnp.zeros_like(jnp.sum(like, axis=axes.fan_in), dtype=wide))
     _, c, r, _ = jax.lax.while_loop(lambda s: (s[0] < 2) & ~s[3], attempt,
                                     (jnp.asarray(0), *zeros, jnp.asarray(False)))
     return c, r
@@ -834,15 +835,17 @@ def _check_matrix(path: str, spec: Any, x: Any) -> ResolvedRoute | None:
 def _batches(matrices: list[Any], group_bytes: int) -> list[list[Any]]:
     """The matrices in computation order: one each, or stacked groups (``group_bytes > 0``).
 
-    A group is the matrices sharing shape, dtype and axes, split into chunks of at most
-    ``group_bytes``; groups come in the order of their first matrix.
+    A group is the matrices sharing shape, dtype, axes and (on a mesh with explicit axes)
+    sharding, split into chunks of at most ``group_bytes``; groups come in the order of
+    their first matrix.
     """
     if group_bytes <= 0:
         return [[m] for m in matrices]
     groups: dict[Any, list[Any]] = {}
     for m in matrices:
         _, g, resolved = m
-        groups.setdefault((tuple(g.shape), jnp.dtype(g.dtype), resolved), []).append(m)
+        key = (tuple(g.shape), jnp.dtype(g.dtype), resolved, axes_lib.sharding_of(g))
+        groups.setdefault(key, []).append(m)
     batches = []
     for members in groups.values():
         g = members[0][1]

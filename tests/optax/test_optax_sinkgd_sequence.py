@@ -171,3 +171,27 @@ def test_auto_is_a_sequence_on_cpu_arrays_and_a_stack_elsewhere():
     assert sinkgd_mod.resolved_grouping("leaf", "cpu") == "leaf"
     with pytest.raises(ValueError, match="grouping"):
         sinkgd_mod.resolved_grouping("batch", "cpu")
+
+
+@pytest.mark.parametrize("grouping", ["sequence", "stack"])
+def test_same_shape_leaves_sharded_differently_on_an_explicit_mesh(grouping):
+    """On a mesh with explicit axes a leaf's sharding is part of its type: leaves of one
+    shape sharded differently are other groups (a `switch` or a stack of them is a type
+    error), leaves sharded alike one group; every update keeps its leaf's sharding."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices("cpu")[:8])
+    specs = {"a": P("d", None), "b": P(None, "d"), "c": P("d", None), "d": P()}
+    grads = {k: _matrix(seed=60 + i, shape=(16, 8)) for i, k in enumerate(specs)}
+    leaf = _x(grads, "leaf")
+    with jax.set_mesh(mesh):
+        sharded = {k: jax.device_put(jnp.asarray(v), NamedSharding(mesh, specs[k]))
+                   for k, v in grads.items()}
+        tx = sage_optax.scale_by_sinkhorn(axes=FLAX, grouping=grouping)
+        out, _ = jax.jit(tx.update)(sharded, optax.EmptyState())
+    for path, spec in specs.items():
+        assert out[path].sharding.is_equivalent_to(NamedSharding(mesh, spec), 2), path
+        np.testing.assert_allclose(np.asarray(out[path]), leaf[path], rtol=1e-6, atol=0,
+                                   err_msg=path)
