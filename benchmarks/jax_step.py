@@ -182,38 +182,36 @@ def stream_bytes(entry: str) -> int | None:
     return int(float(entry.split(" [stream ")[1].split(" ")[0]) * MIB)
 
 
+def _swap_of(entry: str) -> tuple[str, Any] | None:
+    """The attribute of ``sage_optax.sinkgd`` that ``entry``'s tag sets, and its value."""
+    grouping = grouping_of(entry)
+    if grouping is not None:
+        return "CPU_GROUPING", grouping
+    batch = stream_bytes(entry)
+    if batch is not None:
+        return "STREAM_GROUP_BYTES", batch
+    if entry.endswith(f" [{RANGE_PASS}]"):
+        return "checked_sinkhorn_scales", sinkhorn.range_scaled_scales
+    return None
+
+
 @contextlib.contextmanager
 def traced_as(entry: str) -> Any:
     """Trace ``entry``'s step in this context: for a ``[range pass]`` entry, SinkGD's CPU path
     is the range-scaled computation (what ``checked_sinkhorn_scales`` falls back to); for a
-    ``[grouping G]`` entry, SinkGD's ``grouping="auto"`` is ``G`` on the CPU."""
-    grouping = grouping_of(entry)
-    if grouping is not None:
-        default_grouping = sinkhorn.CPU_GROUPING
-        sinkhorn.CPU_GROUPING = grouping
-        try:
-            yield
-        finally:
-            sinkhorn.CPU_GROUPING = default_grouping
-        return
-    batch = stream_bytes(entry)
-    if batch is not None:
-        default = sinkhorn.STREAM_GROUP_BYTES
-        sinkhorn.STREAM_GROUP_BYTES = batch
-        try:
-            yield
-        finally:
-            sinkhorn.STREAM_GROUP_BYTES = default
-        return
-    if not entry.endswith(f" [{RANGE_PASS}]"):
+    ``[grouping G]`` entry, SinkGD's ``grouping="auto"`` is ``G`` on the CPU; for a
+    ``[stream N MiB]`` entry, the streamed batches are at most N MiB."""
+    swap = _swap_of(entry)
+    if swap is None:
         yield
         return
-    checked = sinkhorn.checked_sinkhorn_scales
-    sinkhorn.checked_sinkhorn_scales = sinkhorn.range_scaled_scales
+    name, value = swap
+    default = getattr(sinkhorn, name)
+    setattr(sinkhorn, name, value)
     try:
         yield
     finally:
-        sinkhorn.checked_sinkhorn_scales = checked
+        setattr(sinkhorn, name, default)
 
 
 def labels_of(shapes: Any) -> dict[str, str]:
