@@ -340,6 +340,23 @@ def sequenced_sinkhorn_scales(
     range check's fallback is a second attempt of the same loop (:func:`_checked_attempts`),
     so the program holds one copy of the iteration, not two.
     """
+    # One compiled program per shape and options, also when called eagerly (each call
+    # would otherwise trace and compile a new loop, as checked_sinkhorn_scales says).
+    if isinstance(num_iters, (int, np.integer)) and not isinstance(num_iters, bool):
+        return _sequenced_static(gs, axes, int(num_iters), eps, normalization, after, checked)
+    return _sequenced_traced(gs, axes, num_iters, eps, normalization, after, checked)
+
+
+def _sequenced_scales(
+    gs: list[jax.Array],
+    axes: ResolvedRoute,
+    num_iters: Any,
+    eps: Any,
+    normalization: str,
+    after: jax.Array | None,
+    checked: bool,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`sequenced_sinkhorn_scales`' computation (compiled once per shape and options)."""
     wide = jnp.promote_types(gs[0].dtype, jnp.float32)
 
     def widened(g: jax.Array) -> jax.Array:
@@ -400,6 +417,12 @@ def _checked_attempts(
     _, c, r, _ = jax.lax.while_loop(lambda s: (s[0] < 2) & ~s[3], attempt,
                                     (jnp.asarray(0), *zeros, jnp.asarray(False)))
     return c, r
+
+
+_sequenced_static = jax.jit(_sequenced_scales,
+                            static_argnames=("axes", "num_iters", "normalization", "checked"))
+_sequenced_traced = jax.jit(_sequenced_scales,
+                            static_argnames=("axes", "normalization", "checked"))
 
 
 def _range_squares(g: jax.Array, axes: ResolvedRoute, after: jax.Array | None

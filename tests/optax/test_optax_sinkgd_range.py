@@ -202,7 +202,7 @@ def test_under_vmap_and_scan():
 
 @pytest.mark.parametrize(("grouping", "traced", "expected"), [
     ("leaf", "checked_sinkhorn_scales", [1, 1, 1]),  # the CPU branch's three leaves
-    ("sequence", "_checked_attempts", [1]),  # its one loop body for the three
+    ("sequence", "sequenced_sinkhorn_scales", [3]),  # its one loop over the three
 ])
 def test_only_the_cpu_branch_skips_the_range_pass(monkeypatch, grouping, traced, expected):
     """The fallback is a ``lax.cond``, whose predicate a GPU must send to the host before
@@ -214,9 +214,10 @@ def test_only_the_cpu_branch_skips_the_range_pass(monkeypatch, grouping, traced,
     calls = []
     checked = getattr(sinkhorn, traced)
 
-    def counting(first, *args, **kwargs):
-        calls.append(len(first) if isinstance(first, list) else 1)
-        return checked(first, *args, **kwargs)
+    def counting(gs, *args, **kwargs):
+        if kwargs.get("checked", True):  # the CUDA branch's sequence runs unchecked
+            calls.append(len(gs))
+        return checked(gs, *args, **kwargs)
 
     monkeypatch.setattr(sinkhorn, traced, counting)
     grads = {f"w{i}": jnp.asarray(_matrix(seed=i)) for i in range(3)}

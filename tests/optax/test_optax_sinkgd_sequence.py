@@ -138,6 +138,19 @@ def test_eager_and_jitted_updates_agree():
         np.testing.assert_allclose(eager[path], jitted[path], rtol=1e-6, atol=0)
 
 
+def test_eager_updates_compile_the_sequence_once():
+    """Called eagerly, a new loop would be traced and compiled at every update (and
+    XLA:CPU keeps every compiled kernel mapped); fresh transformations of one shape share
+    one compiled program."""
+    grads = {f"w{i}": _matrix(seed=70 + i, shape=(7, 11)) for i in range(3)}
+    grads = jax.device_put(jax.tree.map(jnp.asarray, grads), CPU)
+    before = sinkgd_mod._sequenced_static._cache_size()
+    for _ in range(3):
+        tx = sage_optax.scale_by_sinkhorn(axes=FLAX, grouping="sequence")
+        tx.update(grads, optax.EmptyState())
+    assert sinkgd_mod._sequenced_static._cache_size() - before <= 1
+
+
 def _compiled(n, grouping, shape=(32, 48)):
     tree = {f"l{i}": jax.ShapeDtypeStruct(shape, jnp.float32) for i in range(n)}
     tx = sage_optax.scale_by_sinkhorn(grouping=grouping)
