@@ -21,6 +21,7 @@ seconds do.  The table gives the medians over the rounds and each configuration'
     python benchmarks/compile_time.py [--model 270m] [--configs sage-hybrid sinkgd-pure]
                                       [--what train update] [--repeats 3]
                                       [--cpu-grouping leaf|stack|sequence]
+                                      [--cpu-native on|off]
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-grouping", choices=("leaf", "stack", "sequence"),
                         default=None, help="what SinkGD's grouping='auto' is on the CPU "
                         "for this run (default: the library's CPU_GROUPING)")
+    parser.add_argument("--cpu-native", choices=("on", "off"), default=None,
+                        help="whether SinkGD's impl='auto' takes the native kernel on the "
+                        "CPU for this run (default: the library's CPU_NATIVE; off: XLA's "
+                        "path, grouped by --cpu-grouping)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
@@ -154,8 +159,11 @@ def main(argv: list[str] | None = None) -> None:
     jax.config.update("jax_enable_compilation_cache", False)  # every compile cold
     if args.cpu_grouping is not None:
         _sinkgd.CPU_GROUPING = args.cpu_grouping
+    if args.cpu_native is not None:
+        _sinkgd.CPU_NATIVE = args.cpu_native == "on"
     print(f"jax {jax.__version__}, optax {optax.__version__}, devices {jax.devices()}, "
-          f"model {args.model}, SinkGD grouping on the CPU: {_sinkgd.CPU_GROUPING}")
+          f"model {args.model}, SinkGD on the CPU: "
+          f"{_sinkgd.resolved_impl('auto', 'cpu', 1)} (grouping {_sinkgd.CPU_GROUPING})")
     for what in args.what:
         report(what, measure(args, what))
 

@@ -45,7 +45,10 @@ pass]"``, the latter with SinkGD finding each matrix's range scale on the CPU to
 computation :func:`sage_optax.sinkgd.checked_sinkhorn_scales` falls back to): the A/B of
 that pass in one process.  ``--compare-groupings sage-hybrid`` times the named configurations
 also as ``"<name> [grouping leaf]"`` and ``"<name> [grouping sequence]"`` (``--groupings``):
-SinkGD's CPU grouping (``sage_optax.sinkgd.CPU_GROUPING``) while each is traced.
+SinkGD's CPU grouping (``sage_optax.sinkgd.CPU_GROUPING``) while each is traced.  Both
+tags are variants of XLA's CPU path: their entries run ``impl="jnp"`` (not the native
+kernel that ``auto`` takes on the CPU).  ``--compare-kernels sage-hybrid --kernels jnp
+native`` times the native kernel against XLA's path.
 
 ``--temp-only`` compiles each step from the shapes alone (nothing is allocated, nothing
 timed) and prints its compiled temporary memory: deterministic, and cheap enough for a
@@ -160,11 +163,12 @@ GROUPING = "grouping "
 
 def split_entry(entry: str) -> tuple[str, str]:
     """``(configuration, kernel)`` of a table entry: ``"sinkgd-pure [jnp]"``, ``"sinkgd-hybrid
-    [range pass]"``, ``"sage-hybrid [grouping leaf]"`` or a plain name."""
+    [range pass]"``, ``"sage-hybrid [grouping leaf]"`` or a plain name.  A range-pass or
+    grouping entry is a variant of XLA's CPU path: its kernel is ``"jnp"``."""
     if entry.endswith("]") and " [" in entry:
         name, kernel = entry[:-1].split(" [")
         if kernel == RANGE_PASS or kernel.startswith(GROUPING):
-            return name, KERNEL["default"]
+            return name, "jnp"
         return name, kernel.split(" ")[0]
     return entry, KERNEL["default"]
 

@@ -28,6 +28,7 @@ dimension numbers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, TypeAlias
 
@@ -284,6 +285,28 @@ def stacked_route(axes: ResolvedRoute, n: int) -> ResolvedRoute:
 
     return ResolvedRoute(axes.kind, shift(axes.fan_in), shift(axes.fan_out),
                          (0, *shift(axes.batch)), (n, *axes.shape), axes.evidence)
+
+
+def matrix_view(axes: ResolvedRoute) -> tuple[int, int, int, bool] | None:
+    """``(B, R, C, rows_are_fan_in)`` if the leaf reshapes freely to ``(B, R, C)``, else None.
+
+    The batch axes must lead, followed by one axis group (the rows) and then the other (the
+    columns), each group contiguous; ``rows_are_fan_in`` says which group is the fan-in one
+    (``True`` for a Flax kernel ``(in, out)``, ``False`` for a torch weight ``(out, in)``).
+    """
+    nb, ni, no = len(axes.batch), len(axes.fan_in), len(axes.fan_out)
+    if not ni or not no or sorted(axes.batch) != list(range(nb)):
+        return None
+
+    def contiguous(group: tuple[int, ...], start: int) -> bool:
+        return sorted(group) == list(range(start, start + len(group)))
+
+    b = math.prod(axes.shape[a] for a in axes.batch)
+    if contiguous(axes.fan_in, nb) and contiguous(axes.fan_out, nb + ni):
+        return b, axes.fan_in_size, axes.fan_out_size, True
+    if contiguous(axes.fan_out, nb) and contiguous(axes.fan_in, nb + no):
+        return b, axes.fan_out_size, axes.fan_in_size, False
+    return None
 
 
 def sharding_of(x: jax.Array) -> Any:

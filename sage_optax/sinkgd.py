@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -96,7 +97,7 @@ GROUP_BYTES: int = hyperparams.SINKHORN_GROUP_BYTES
 """Default size limit of one stacked group: its copy of the gradients and its ``K`` (shared
 with :mod:`sage_torch`: :data:`sage_optim.hyperparams.SINKHORN_GROUP_BYTES`)."""
 
-IMPLS: tuple[str, ...] = ("auto", "pallas", "jnp", "stream", "blocked")
+IMPLS: tuple[str, ...] = ("auto", "pallas", "jnp", "stream", "blocked", "native")
 """Which code computes the scales in :func:`scale_by_sinkhorn`: ``"jnp"`` this module (the
 reference), ``"pallas"`` the Pallas kernel of :mod:`sage_optax.sinkgd_pallas` (compiled
 with Triton for arrays on a CUDA GPU, run by Pallas's interpreter for arrays elsewhere),
@@ -104,13 +105,16 @@ with Triton for arrays on a CUDA GPU, run by Pallas's interpreter for arrays els
 ``G`` itself, in batches of at most :data:`STREAM_GROUP_BYTES` so that a GPU's L2 holds a
 batch across its passes), ``"blocked"`` this module by blocks of rows
 (:func:`blocked_sinkhorn_scales`: neither ``K`` nor a copy of ``G``, for the layouts of
-:func:`blocked_layout`; the others as ``"jnp"``), ``"auto"`` the kernel or the streamed
-computation on a single GPU where ``scripts/gpu-check`` has validated it
-(:func:`use_kernel`, :func:`use_stream`) and ``"jnp"`` everywhere else (the CPU: the ``K``
-path, :data:`CPU_BLOCKED`).  Leaves the kernel does not support
+:func:`blocked_layout`; the others as ``"jnp"``), ``"native"`` the compiled CPU kernel of
+:mod:`sage_optax.sinkgd_native` for arrays on the CPU (one XLA FFI call per leaf, no ``K``;
+elsewhere as ``"auto"``), ``"auto"`` the kernel or the streamed computation on a single GPU
+where ``scripts/gpu-check`` has validated it (:func:`use_kernel`, :func:`use_stream`), the
+native kernel on a single CPU device where it compiles (:func:`use_native`,
+:data:`CPU_NATIVE`) and ``"jnp"`` everywhere else.  Leaves a kernel does not support
 (:func:`sage_optax.sinkgd_pallas.supports`: float64, other layouts, zero-size, explicit
-sharding) use this module whatever the choice; ``SAGE_KERNELS=off`` in the
-environment makes every choice this module."""
+sharding; the native kernel's: :func:`sage_optax.sinkgd_native.supports`) use this module
+whatever the choice; ``SAGE_KERNELS=off`` in the environment makes every choice this
+module."""
 
 STREAM_GROUP_BYTES: int = 24 * 2**20
 """Default size limit of one stacked batch of the streamed computation (``impl="stream"``,
@@ -122,6 +126,13 @@ CPU_BLOCKED: bool = False
 on ``K = G²`` with the range checks (:func:`checked_sinkhorn_scales`).  Off: on this
 project's CPU the ``K`` path was faster (XLA:CPU's matrix-vector products over a whole
 ``K`` against a loop of block products; ``benchmarks/RESULTS.md``, issue 41)."""
+CPU_NATIVE: bool = True
+"""Whether ``impl="auto"`` computes the scales of arrays on the CPU with the compiled kernel
+(:mod:`sage_optax.sinkgd_native`) where it compiles, in a one-process job on one CPU device
+(:func:`use_native`).  On: on this project's CPU it ran the 270M model's update a little
+faster than XLA's ``K`` path, and it compiled several times faster
+(``benchmarks/RESULTS.md``, issue 41)."""
+
 _KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
 
 
@@ -934,9 +945,31 @@ def use_stream(impl: str, platform: str, device_count: int,
             and kernels.validated("sinkgd-stream", device_kind))
 
 
+def use_native(impl: str, platform: str, device_count: int = 1) -> bool:
+    """Whether ``impl`` computes the scales of arrays on ``platform`` with the native kernel.
+
+    Only on the CPU: ``impl="native"`` always (refused when the kernel cannot be built:
+    :func:`sage_optax.sinkgd_native.native_scales`), ``"auto"`` where :data:`CPU_NATIVE`,
+    in a one-process job on one CPU device (``device_count``; as the GPU kernels, never on
+    several: a job's numbers then do not depend on how its devices are split between
+    processes), and where the kernel compiled and loaded
+    (:func:`sage_optax.sinkgd_native.status`, which builds it on first use).
+    ``SAGE_KERNELS=off`` turns both off.
+    """
+    if platform != "cpu" or impl not in ("native", "auto") or not kernels.kernels_enabled():
+        return False
+    if impl == "native":
+        return True
+    if not CPU_NATIVE or device_count != 1 or jax.process_count() != 1:
+        return False
+    from sage_optax import sinkgd_native  # builds the kernel on first use
+
+    return sinkgd_native.status().ready
+
+
 def resolved_impl(impl: str, platform: str, device_count: int,
                     device_kind: str | None = None) -> str:
-    """``"pallas"``, ``"stream"``, ``"blocked"`` or ``"jnp"``: what computes SinkGD's scales.
+    """``"pallas"``, ``"stream"``, ``"blocked"``, ``"native"`` or ``"jnp"``: SinkGD's scales.
 
     For a record of a run (``sage-train`` writes it into ``config.json``); the update itself
     decides per compiled program, by where its arrays are (:mod:`sage_optax.placement`).
@@ -951,6 +984,8 @@ def resolved_impl(impl: str, platform: str, device_count: int,
         return "pallas"
     if use_stream(impl, platform, device_count, device_kind):
         return "stream"
+    if use_native(impl, platform, device_count):
+        return "native"
     if impl == "blocked" or (impl == "auto" and platform == "cpu" and CPU_BLOCKED):
         return "blocked"
     return "jnp"
@@ -969,6 +1004,7 @@ def _sinkhorn_all(
     eps: Any,
     normalization: str,
     gs: list[jax.Array],
+    native: bool = False,
 ) -> list[jax.Array]:
     """``X`` of every matrix ``gs[k]`` (axes ``matrices[k][2]``), in the order of ``gs``.
 
@@ -980,18 +1016,25 @@ def _sinkhorn_all(
     (same-shape matrices one after another in one loop, :func:`sequenced_sinkhorn_scales`:
     the ``K`` paths; the others per leaf); ``blocked``: the leaves that
     :func:`blocked_layout` takes get :func:`blocked_sinkhorn_scales` (no ``K``, no ``X``),
-    before the other choices.
+    before the other choices; ``native``: the leaves the native CPU kernel supports get
+    :func:`sage_optax.sinkgd_native.native_scales` (one call each), before all of them.
     """
     pallas: Any = None
     if on_kernel:
         from sage_optax import sinkgd_pallas as pallas  # imports Pallas only when used
+    if native:
+        from sage_optax import sinkgd_native
     items = [(k, g, res) for k, ((_, _, res), g) in enumerate(zip(matrices, gs, strict=True))]
+    by_native = [native and sinkgd_native.supports(g, res) for _, g, res in items]
+    on_native = [m for m, n in zip(items, by_native, strict=True) if n]
+    items = [m for m, n in zip(items, by_native, strict=True) if not n]
     by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in items]
     on_kernel_items = [m for m, k in zip(items, by_kernel, strict=True) if k]
     on_jnp = [m for m, k in zip(items, by_kernel, strict=True) if not k]
     stack = grouping == "stack"
     kernel_bytes = min(group_bytes, pallas.KERNEL_GROUP_BYTES) if on_kernel_items else 0
-    batches = [(b, "kernel") for b in _batches(on_kernel_items, kernel_bytes if stack else 0)]
+    batches = [([m], "native") for m in on_native]
+    batches += [(b, "kernel") for b in _batches(on_kernel_items, kernel_bytes if stack else 0)]
     batches += _jnp_batches(on_jnp, grouping, group_bytes, streamed, blocked)
     out: list[Any] = [None] * len(gs)
     after = None
@@ -1000,7 +1043,10 @@ def _sinkhorn_all(
         # is formed only once the previous one's scales are done, so one is alive at a
         # time (the compiled temporary memory is the largest batch's, not the sum of all).
         group, resolved = [g for _, g, _ in batch], batch[0][2]
-        if how == "kernel":
+        if how == "native":
+            c, r = sinkgd_native.native_scales(group[0], resolved, num_iters, eps,
+                                               normalization)
+        elif how == "kernel":
             c, r = pallas.pallas_scales(group, resolved, num_iters, eps, normalization,
                                         after, interpret=interpret)
         elif how == "blocked":
@@ -1044,6 +1090,51 @@ def _jnp_batches(items: list[Any], grouping: str, group_bytes: int, streamed: bo
 _UNLIMITED = 2**62  # a group size no group reaches
 
 
+def _branches(matrices: list[tuple[int, Any, ResolvedRoute]], impl: str, grouping: str,
+              group_bytes: int, default_bytes: bool, num_iters: Any, eps: Any,
+              normalization: str) -> dict[str, Callable[[list[jax.Array]], list[jax.Array]]]:
+    """:func:`scale_by_sinkhorn`'s computation of every matrix, per platform of its arrays.
+
+    The path follows where the arrays are (:mod:`sage_optax.placement`): the CUDA branch runs
+    the compiled kernel (``impl="auto"``: on a single GPU only), the CPU branch the native
+    kernel or the jnp path (``impl="pallas"``: the interpreted kernel); under jit only the
+    branch of the platform the program is compiled for is lowered.  ``default_bytes``: no
+    ``group_bytes`` was given (the streamed path then has its own default).
+    """
+    cuda = (placement.cuda_device_count(), placement.cuda_device_kind())
+    off_cpu = "auto" if impl == "native" else impl  # the native kernel is the CPU's
+    stream_cpu = use_stream(impl, "cpu", 1)
+    stream_cuda = use_stream(off_cpu, "cuda", *cuda)
+    stream_other = use_stream(off_cpu, "other", 1)
+    blocked = impl == "blocked" or (impl == "auto" and CPU_BLOCKED)
+
+    def batch_bytes(streamed: bool) -> int:  # the streamed path's own default
+        return STREAM_GROUP_BYTES if streamed and default_bytes else group_bytes
+
+    def cpu(gs: list[jax.Array]) -> list[jax.Array]:
+        # decided when the CPU's branch is traced: the native kernel is built (on first use)
+        # only for a program that runs on the CPU; the checked path's lax.cond only in a
+        # one-process job (its predicate must agree across processes)
+        return _sinkhorn_all(
+            matrices, use_kernel(impl, "cpu", 1), True,
+            jax.process_count() == 1 and not stream_cpu, stream_cpu,
+            resolved_grouping(grouping, "cpu"), blocked, batch_bytes(stream_cpu),
+            num_iters, eps, normalization, gs,
+            native=use_native(impl, "cpu", jax.device_count("cpu")))
+
+    return {
+        "cpu": cpu,
+        "cuda": functools.partial(
+            _sinkhorn_all, matrices, use_kernel(off_cpu, "cuda", *cuda), False, False,
+            stream_cuda, resolved_grouping(grouping, "cuda"), impl == "blocked",
+            batch_bytes(stream_cuda), num_iters, eps, normalization),
+        "other": functools.partial(
+            _sinkhorn_all, matrices, use_kernel(off_cpu, "other", 1), True, False,
+            stream_other, resolved_grouping(grouping, "other"), impl == "blocked",
+            batch_bytes(stream_other), num_iters, eps, normalization),
+    }
+
+
 def scale_by_sinkhorn(
     num_iters: int = _DEFAULTS["num_iters"],
     eps: float = _DEFAULTS["eps"],
@@ -1075,8 +1166,10 @@ def scale_by_sinkhorn(
         ``"pallas"`` runs the Pallas kernel (compiled on CUDA arrays), ``"auto"`` only on a
         single GPU where ``scripts/gpu-check`` has validated it (none yet: slower on an
         H100) and the jnp path
-        elsewhere; ``"stream"`` and ``"blocked"`` compute without ``K`` (every platform).
-        All compute the same math (float32 within rounding, not bit for bit).
+        elsewhere; ``"stream"`` and ``"blocked"`` compute without ``K`` (every platform);
+        ``"native"`` runs the compiled CPU kernel on CPU arrays (:func:`use_native`:
+        ``"auto"`` takes it there where it builds), ``"auto"`` elsewhere.  All compute the
+        same math (float32 within rounding, not bit for bit).
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.  A leaf with fewer than two
@@ -1134,37 +1227,10 @@ def scale_by_sinkhorn(
                     matrices.append((i, g, resolved))
         if not matrices:
             return jax.tree_util.tree_unflatten(treedef, out), state
-        if impl == "pallas" and not kernels.kernels_enabled():
-            kernels.warn_overridden('impl="pallas"')
-        # The path follows where the arrays are (sage_optax.placement): the CUDA branch runs
-        # the compiled kernel (impl="auto": on a single GPU only), the CPU branch the jnp
-        # path (impl="pallas": the interpreted kernel); under jit only the branch of the
-        # platform the program is compiled for is lowered.
-        cuda = (placement.cuda_device_count(), placement.cuda_device_kind())
-        stream_cpu, stream_cuda = use_stream(impl, "cpu", 1), use_stream(impl, "cuda", *cuda)
-        stream_other = use_stream(impl, "other", 1)
-        blocked = impl == "blocked" or (impl == "auto" and CPU_BLOCKED)
-
-        def batch_bytes(streamed: bool) -> int:  # the streamed path's own default
-            return STREAM_GROUP_BYTES if streamed and explicit_bytes is None else group_bytes
-
-        branches = {
-            "cpu": functools.partial(
-                # the checked path's lax.cond only in a one-process job: its predicate
-                # must agree across processes (a multi-process job keeps the range pass)
-                _sinkhorn_all, matrices, use_kernel(impl, "cpu", 1), True,
-                jax.process_count() == 1 and not stream_cpu, stream_cpu,
-                resolved_grouping(grouping, "cpu"), blocked, batch_bytes(stream_cpu),
-                num_iters, eps, normalization),
-            "cuda": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(impl, "cuda", *cuda), False, False,
-                stream_cuda, resolved_grouping(grouping, "cuda"), impl == "blocked",
-                batch_bytes(stream_cuda), num_iters, eps, normalization),
-            "other": functools.partial(
-                _sinkhorn_all, matrices, use_kernel(impl, "other", 1), True, False,
-                stream_other, resolved_grouping(grouping, "other"), impl == "blocked",
-                batch_bytes(stream_other), num_iters, eps, normalization),
-        }
+        if impl in ("pallas", "native") and not kernels.kernels_enabled():
+            kernels.warn_overridden(f'impl="{impl}"')
+        branches = _branches(matrices, impl, grouping, group_bytes, explicit_bytes is None,
+                             num_iters, eps, normalization)
         results = placement.by_platform(([g for _, g, _ in matrices],), **branches)
         for (i, _, _), x in zip(matrices, results, strict=True):
             out[i] = x

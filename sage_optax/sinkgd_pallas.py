@@ -43,7 +43,6 @@ Pallas's interpreter on any backend (how the CPU tests check the kernel's math).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
@@ -53,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from sage_optax import axes as axes_lib
+from sage_optax.axes import matrix_view
 from sage_optax.numerics import pow2_sqrt_floor, range_scale
 from sage_optim.routing import ResolvedRoute
 
@@ -73,28 +73,6 @@ _NUM_STAGES = 3
 def _pow2_at_least(n: int) -> int:
     """The smallest power of two ``>= n``, at least 16 (no degenerate 1-wide Triton tiles)."""
     return 1 << (max(n, 16) - 1).bit_length()
-
-
-def matrix_view(axes: ResolvedRoute) -> tuple[int, int, int, bool] | None:
-    """``(B, R, C, rows_are_fan_in)`` if the leaf reshapes freely to ``(B, R, C)``, else None.
-
-    The batch axes must lead, followed by one axis group (the rows) and then the other (the
-    columns), each group contiguous; ``rows_are_fan_in`` says which group is the fan-in one
-    (``True`` for a Flax kernel ``(in, out)``, ``False`` for a torch weight ``(out, in)``).
-    """
-    nb, ni, no = len(axes.batch), len(axes.fan_in), len(axes.fan_out)
-    if not ni or not no or sorted(axes.batch) != list(range(nb)):
-        return None
-
-    def contiguous(group: tuple[int, ...], start: int) -> bool:
-        return sorted(group) == list(range(start, start + len(group)))
-
-    b = math.prod(axes.shape[a] for a in axes.batch)
-    if contiguous(axes.fan_in, nb) and contiguous(axes.fan_out, nb + ni):
-        return b, axes.fan_in_size, axes.fan_out_size, True
-    if contiguous(axes.fan_out, nb) and contiguous(axes.fan_in, nb + no):
-        return b, axes.fan_out_size, axes.fan_in_size, False
-    return None
 
 
 def supports(g: Any, axes: ResolvedRoute) -> bool:

@@ -285,10 +285,11 @@ class TrainConfig:
         step=True)
     sinkgd_kernel: str = _setting(
         "auto", "how SinkGD computes its scales (configurations with SinkGD): pallas (the "
-        "Pallas kernel; interpreted off a GPU), jnp, auto (pallas on a single GPU where "
-        "scripts/gpu-check has validated it, else jnp: jnp everywhere today: the kernel was "
-        "slower on an H100); SAGE_KERNELS=off in the environment forces jnp (and xla "
-        "attention); recorded like --attention", choices=SINKGD_IMPLS,
+        "Pallas kernel; interpreted off a GPU), jnp, stream, blocked, native (the compiled "
+        "CPU kernel, for arrays on the CPU), auto (on a GPU the kernel or the streamed "
+        "computation where scripts/gpu-check has validated it, else jnp; on the CPU native "
+        "where it builds, else jnp); SAGE_KERNELS=off in the environment forces jnp (and "
+        "xla attention); recorded like --attention", choices=SINKGD_IMPLS,
         step=True)
     weight_decay: float | None = _setting(
         None, "decoupled weight decay of every rule, >= 0 (default: the configuration's, "

@@ -16,6 +16,7 @@ import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from sage_optax import placement, resolved_sinkgd_impl
@@ -96,9 +97,11 @@ def implementations(cfg: TrainConfig, mesh: Any = None) -> Implementations:
         return Implementations(platform, n, attention, attention_why, None,
                                f"{cfg.optimizer} runs no SinkGD")
     try:
-        # the update decides with the process's CUDA devices (it cannot see the mesh when
-        # traced): a --sharding none run on a host with several GPUs keeps the jnp path
-        count = placement.cuda_device_count() if platform in ("cuda", "gpu") else n
+        # the update decides with the process's CUDA (CPU) devices (it cannot see the mesh
+        # when traced): a --sharding none run on a host with several GPUs keeps the jnp path,
+        # and so does one in a process of several CPU devices (the native kernel's rule)
+        count = (placement.cuda_device_count() if platform in ("cuda", "gpu")
+                 else jax.device_count("cpu") if platform == "cpu" else n)
         kernel = resolved_sinkgd_impl(cfg.sinkgd_kernel, platform, count, kind)
         enabled = kernels.kernels_enabled()
     except ValueError as e:  # an invalid SAGE_KERNELS (the message names it)

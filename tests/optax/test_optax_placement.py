@@ -22,7 +22,7 @@ import optax
 import pytest
 
 import sage_optax
-from sage_optax import Route, placement
+from sage_optax import Route, placement, sinkgd_native
 from sage_optim import kernels
 from sage_optim.presets import CONFIG_NAMES
 from tests import helpers
@@ -198,11 +198,19 @@ def test_resolved_impl(monkeypatch):
     assert sinkhorn.resolved_impl("auto", "cuda", 1, h100) == "pallas"
     assert sinkhorn.resolved_impl("auto", "cuda", 1, None) == "jnp"
     assert sinkhorn.resolved_impl("auto", "cuda", 2, h100) == "jnp"
+    native = sinkhorn.CPU_NATIVE and sinkgd_native.status().ready
+    assert sinkhorn.resolved_impl("auto", "cpu", 1, h100) == ("native" if native else "jnp")
+    assert sinkhorn.resolved_impl("auto", "cpu", 8) == "jnp"  # one device only
+    assert sinkhorn.resolved_impl("native", "cpu", 1) == "native"
+    assert sinkhorn.resolved_impl("native", "cpu", 8) == "native"
+    assert sinkhorn.resolved_impl("native", "cuda", 1, h100) == "jnp"  # a CPU kernel
+    monkeypatch.setattr(sinkhorn, "CPU_NATIVE", False)
     assert sinkhorn.resolved_impl("auto", "cpu", 1, h100) == "jnp"
     assert sinkhorn.resolved_impl("pallas", "cpu", 8) == "pallas"
     assert sinkhorn.resolved_impl("jnp", "cuda", 1, h100) == "jnp"
     monkeypatch.setenv(kernels.ENV_VAR, "off")
     assert sinkhorn.resolved_impl("pallas", "cuda", 1, h100) == "jnp"
+    assert sinkhorn.resolved_impl("native", "cpu", 1) == "jnp"
     with pytest.raises(ValueError, match="impl must be one of"):
         sinkhorn.resolved_impl("triton", "cuda", 1)
     with pytest.raises(ValueError, match="unknown GPU path 'pallas'"):

@@ -226,8 +226,9 @@ def test_auto_uses_the_kernel_on_one_validated_gpu_only(monkeypatch):
     assert not use_kernel("jnp", "gpu", 1, h100)
 
 
-def test_auto_is_jnp_on_cpu_arrays():
-    """On CPU arrays ``auto`` runs the jnp path, on any host (placement, not the backend).
+def test_auto_is_jnp_on_cpu_arrays(monkeypatch):
+    """On CPU arrays ``auto`` runs the jnp path, on any host (placement, not the backend),
+    where the native CPU kernel is off (``test_optax_sinkgd_native.py`` tests it on).
 
     Without a CUDA device in the process the program is the very one of ``impl="jnp"``
     (the kernel's branch is not even traced); on a GPU host it is traced but not lowered
@@ -236,6 +237,7 @@ def test_auto_is_jnp_on_cpu_arrays():
     """
     from sage_optax import placement
 
+    monkeypatch.setattr(sinkhorn, "CPU_NATIVE", False)
     cpu = jax.devices("cpu")[0]
     grads = jax.device_put(_tree(), cpu)
     axes = {"a": FLAX, "b": FLAX, "t": TORCH, "odd": Route("dense", 0, 2), "skip": None}

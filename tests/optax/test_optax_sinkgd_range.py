@@ -26,6 +26,13 @@ FLAX = Route("dense", -2, -1)  # (in, out), leading axes stacked
 CPU = jax.devices("cpu")[0]
 
 
+@pytest.fixture(autouse=True)
+def _jnp_path(monkeypatch):
+    """These tests are of XLA's CPU path: ``auto``'s where the native kernel is not built
+    (``tests/optax/test_optax_sinkgd_native.py`` tests the kernel)."""
+    monkeypatch.setattr(sinkhorn, "CPU_NATIVE", False)
+
+
 def _matrix(shape=(12, 7), seed=0):
     """Columns spread over e^±3 in size, one exactly-zero row (kept zero by SinkGD)."""
     rng = np.random.default_rng(seed)

@@ -21,6 +21,13 @@ import sage_optax
 
 sinkgd_mod = importlib.import_module("sage_optax.sinkgd")  # the module (the attribute: the alias)
 
+
+@pytest.fixture(autouse=True)
+def _jnp_path(monkeypatch):
+    """These tests are of XLA's CPU path: ``auto``'s where the native kernel is not built
+    (``tests/optax/test_optax_sinkgd_native.py`` tests the kernel)."""
+    monkeypatch.setattr(sinkgd_mod, "CPU_NATIVE", False)
+
 CPU = jax.devices("cpu")[0]
 FLAX = sage_optax.Route("dense", -2, -1)
 

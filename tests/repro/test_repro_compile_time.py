@@ -24,14 +24,16 @@ def test_the_table_has_every_configuration_against_adamw(capsys, monkeypatch):
     bench = _load()
     sinkgd_mod = bench._sinkgd
     monkeypatch.setattr(sinkgd_mod, "CPU_GROUPING", sinkgd_mod.CPU_GROUPING)  # restored after
+    monkeypatch.setattr(sinkgd_mod, "CPU_NATIVE", sinkgd_mod.CPU_NATIVE)
     cache = jax.config.jax_enable_compilation_cache
     try:
         bench.main(["--model", "tiny", "--configs", "sinkgd-hybrid", "--what", "update",
-                    "--repeats", "1", "--cpu-grouping", "leaf"])
+                    "--repeats", "1", "--cpu-grouping", "leaf", "--cpu-native", "off"])
     finally:
         jax.config.update("jax_enable_compilation_cache", cache)
     out = capsys.readouterr().out
-    assert sinkgd_mod.CPU_GROUPING == "leaf"  # the option reached the library
+    assert sinkgd_mod.CPU_GROUPING == "leaf"  # the options reached the library
+    assert not sinkgd_mod.CPU_NATIVE and "SinkGD on the CPU: jnp (grouping leaf)" in out
     rows = re.findall(r"^\| (optax\.adamw \(baseline\)|sinkgd-hybrid) \|(.*)\|$", out, re.M)
     assert [name for name, _ in rows] == ["optax.adamw (baseline)", "sinkgd-hybrid"]
     cells = [float(c.strip().rstrip("x")) for c in rows[0][1].split("|")]

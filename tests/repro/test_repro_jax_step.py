@@ -38,11 +38,12 @@ def _primitives(jaxpr):
     return names
 
 
-def test_a_range_pass_entry_traces_the_range_scaled_computation():
+def test_a_range_pass_entry_traces_the_range_scaled_computation(monkeypatch):
     """The plain entry's SinkGD is the checked path (its fallback is a ``cond``); the
     ``[range pass]`` entry's finds ``max|G|`` (a ``reduce_max``) and has no ``cond``; both
     give the same update, and the substitution ends with the context."""
     js = _load()
+    monkeypatch.setattr(importlib.import_module("sage_optax.sinkgd"), "CPU_NATIVE", False)
     params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((16, 8)),
                                jnp.float32)}
     tx = sage_optax.scale_by_sinkhorn()
@@ -61,7 +62,7 @@ def test_a_range_pass_entry_traces_the_range_scaled_computation():
         ranged = jax.jit(tx.update)(params, state)[0]["w"]
     checked = jax.jit(sage_optax.scale_by_sinkhorn().update)(params, state)[0]["w"]
     np.testing.assert_array_equal(ranged, checked)
-    assert js.split_entry(f"sinkgd-hybrid [{js.RANGE_PASS}]") == ("sinkgd-hybrid", "auto")
+    assert js.split_entry(f"sinkgd-hybrid [{js.RANGE_PASS}]") == ("sinkgd-hybrid", "jnp")
 
 
 def test_processes_report_each_ratio_and_their_median():
@@ -95,12 +96,12 @@ def test_processes_must_be_positive():
 
 
 def test_a_grouping_entry_is_traced_with_its_cpu_grouping():
-    """``--compare-groupings``: ``"<name> [grouping G]"`` runs the default kernel with SinkGD's
-    CPU grouping G while it is traced, and the library's default afterwards."""
+    """``--compare-groupings``: ``"<name> [grouping G]"`` runs XLA's CPU path (``"jnp"``)
+    with SinkGD's CPU grouping G while it is traced, and the library's default afterwards."""
     bench = _load()
     sinkgd_mod = bench.sinkhorn
     entry = "sage-hybrid [grouping leaf]"
-    assert bench.split_entry(entry) == ("sage-hybrid", bench.KERNEL["default"])
+    assert bench.split_entry(entry) == ("sage-hybrid", "jnp")
     assert bench.grouping_of(entry) == "leaf" and bench.grouping_of("sage-hybrid [jnp]") is None
     default = sinkgd_mod.CPU_GROUPING
     with bench.traced_as(entry):
