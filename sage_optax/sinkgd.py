@@ -108,9 +108,10 @@ batch across its passes), ``"blocked"`` this module by blocks of rows
 :func:`blocked_layout`; the others as ``"jnp"``), ``"native"`` the compiled CPU kernel of
 :mod:`sage_optax.sinkgd_native` for arrays on the CPU (one XLA FFI call per leaf, no ``K``;
 elsewhere as ``"auto"``), ``"auto"`` the kernel or the streamed computation on a single GPU
-where ``scripts/gpu-check`` has validated it (:func:`use_kernel`, :func:`use_stream`), the
-native kernel on a single CPU device where it compiles (:func:`use_native`,
-:data:`CPU_NATIVE`) and ``"jnp"`` everywhere else.  Leaves a kernel does not support
+where ``scripts/gpu-check`` has validated it (:func:`use_kernel`, :func:`use_stream`), on
+a single CPU device the native kernel for leaves of at least :data:`CPU_NATIVE_BYTES` where
+it compiles (:func:`use_native`, :data:`CPU_NATIVE`), and ``"jnp"`` everywhere else.
+Leaves a kernel does not support
 (:func:`sage_optax.sinkgd_pallas.supports`: float64, other layouts, zero-size, explicit
 sharding; the native kernel's: :func:`sage_optax.sinkgd_native.supports`) use this module
 whatever the choice; ``SAGE_KERNELS=off`` in the environment makes every choice this
@@ -127,11 +128,19 @@ on ``K = G²`` with the range checks (:func:`checked_sinkhorn_scales`).  Off: on
 project's CPU the ``K`` path was faster (XLA:CPU's matrix-vector products over a whole
 ``K`` against a loop of block products; ``benchmarks/RESULTS.md``, issue 41)."""
 CPU_NATIVE: bool = True
-"""Whether ``impl="auto"`` computes the scales of arrays on the CPU with the compiled kernel
-(:mod:`sage_optax.sinkgd_native`) where it compiles, in a one-process job on one CPU device
-(:func:`use_native`).  On: on this project's CPU it ran the 270M model's update a little
-faster than XLA's ``K`` path, and it compiled several times faster
-(``benchmarks/RESULTS.md``, issue 41)."""
+"""Whether ``impl="auto"`` computes the scales of large leaves on the CPU with the compiled
+kernel (:mod:`sage_optax.sinkgd_native`; those of at least :data:`CPU_NATIVE_BYTES`), where it
+compiles, in a one-process job on one CPU device (:func:`use_native`)."""
+
+CPU_NATIVE_BYTES: int = 16 * 2**20
+"""The smallest leaf (bytes of its matrices in float32: the ``K`` the jnp path forms) whose
+scales ``impl="auto"`` computes with the native kernel on the CPU.  Below it the jnp path's
+``K`` stays in the last-level cache across its ``2L`` products and was faster on this
+project's CPU (16 MiB of L3: a 1024 x 2816 matrix, 11 MiB, 2.1 against 3.3 ms); above it
+``K`` does not, and the kernel, which reads ``G`` once per iteration, was faster (1536 x
+4096, 24 MiB: 7.7 against 9.7 ms; 2048 x 5632: 14.4 against 20.6 ms; the 270M model's
+501 MiB embedding under sinkgd-pure: the update 1.39x ``optax.adamw``'s time against 1.88x,
+its temporaries 1.4 against 503 MiB; ``benchmarks/RESULTS.md``, issue 41)."""
 
 _KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
 
@@ -969,7 +978,10 @@ def use_native(impl: str, platform: str, device_count: int = 1) -> bool:
 
 def resolved_impl(impl: str, platform: str, device_count: int,
                     device_kind: str | None = None) -> str:
-    """``"pallas"``, ``"stream"``, ``"blocked"``, ``"native"`` or ``"jnp"``: SinkGD's scales.
+    """``"pallas"``, ``"stream"``, ``"blocked"``, ``"native"``, ``"jnp+native"`` or ``"jnp"``.
+
+    What computes SinkGD's scales; ``"jnp+native"``: the jnp path, and the native kernel for
+    leaves of at least :data:`CPU_NATIVE_BYTES` (``impl="auto"`` on one CPU device).
 
     For a record of a run (``sage-train`` writes it into ``config.json``); the update itself
     decides per compiled program, by where its arrays are (:mod:`sage_optax.placement`).
@@ -985,7 +997,7 @@ def resolved_impl(impl: str, platform: str, device_count: int,
     if use_stream(impl, platform, device_count, device_kind):
         return "stream"
     if use_native(impl, platform, device_count):
-        return "native"
+        return "native" if impl == "native" else "jnp+native"
     if impl == "blocked" or (impl == "auto" and platform == "cpu" and CPU_BLOCKED):
         return "blocked"
     return "jnp"
@@ -1004,7 +1016,7 @@ def _sinkhorn_all(
     eps: Any,
     normalization: str,
     gs: list[jax.Array],
-    native: bool = False,
+    native: int | None = None,
 ) -> list[jax.Array]:
     """``X`` of every matrix ``gs[k]`` (axes ``matrices[k][2]``), in the order of ``gs``.
 
@@ -1016,16 +1028,18 @@ def _sinkhorn_all(
     (same-shape matrices one after another in one loop, :func:`sequenced_sinkhorn_scales`:
     the ``K`` paths; the others per leaf); ``blocked``: the leaves that
     :func:`blocked_layout` takes get :func:`blocked_sinkhorn_scales` (no ``K``, no ``X``),
-    before the other choices; ``native``: the leaves the native CPU kernel supports get
-    :func:`sage_optax.sinkgd_native.native_scales` (one call each), before all of them.
+    before the other choices; ``native``: the leaves the native CPU kernel supports and of at
+    least this many bytes in float32 get :func:`sage_optax.sinkgd_native.native_scales`
+    (one call each), before all of them (``None``: none).
     """
     pallas: Any = None
     if on_kernel:
         from sage_optax import sinkgd_pallas as pallas  # imports Pallas only when used
-    if native:
+    if native is not None:
         from sage_optax import sinkgd_native
     items = [(k, g, res) for k, ((_, _, res), g) in enumerate(zip(matrices, gs, strict=True))]
-    by_native = [native and sinkgd_native.supports(g, res) for _, g, res in items]
+    by_native = [native is not None and 4 * math.prod(g.shape) >= native
+                 and sinkgd_native.supports(g, res) for _, g, res in items]
     on_native = [m for m, n in zip(items, by_native, strict=True) if n]
     items = [m for m, n in zip(items, by_native, strict=True) if not n]
     by_kernel = [pallas is not None and pallas.supports(g, res) for _, g, res in items]
@@ -1119,8 +1133,9 @@ def _branches(matrices: list[tuple[int, Any, ResolvedRoute]], impl: str, groupin
             matrices, use_kernel(impl, "cpu", 1), True,
             jax.process_count() == 1 and not stream_cpu, stream_cpu,
             resolved_grouping(grouping, "cpu"), blocked, batch_bytes(stream_cpu),
-            num_iters, eps, normalization, gs,
-            native=use_native(impl, "cpu", jax.device_count("cpu")))
+            num_iters, eps, normalization, gs, native=(
+                None if not use_native(impl, "cpu", jax.device_count("cpu"))
+                else 0 if impl == "native" else CPU_NATIVE_BYTES))
 
     return {
         "cpu": cpu,

@@ -287,8 +287,9 @@ class TrainConfig:
         "auto", "how SinkGD computes its scales (configurations with SinkGD): pallas (the "
         "Pallas kernel; interpreted off a GPU), jnp, stream, blocked, native (the compiled "
         "CPU kernel, for arrays on the CPU), auto (on a GPU the kernel or the streamed "
-        "computation where scripts/gpu-check has validated it, else jnp; on the CPU native "
-        "where it builds, else jnp); SAGE_KERNELS=off in the environment forces jnp (and "
+        "computation where scripts/gpu-check has validated it, else jnp; on one CPU device "
+        "jnp and native for leaves of 16 MiB or more, where it builds: recorded as "
+        "jnp+native); SAGE_KERNELS=off in the environment forces jnp (and "
         "xla attention); recorded like --attention", choices=SINKGD_IMPLS,
         step=True)
     weight_decay: float | None = _setting(

@@ -199,7 +199,8 @@ def test_resolved_impl(monkeypatch):
     assert sinkhorn.resolved_impl("auto", "cuda", 1, None) == "jnp"
     assert sinkhorn.resolved_impl("auto", "cuda", 2, h100) == "jnp"
     native = sinkhorn.CPU_NATIVE and sinkgd_native.status().ready
-    assert sinkhorn.resolved_impl("auto", "cpu", 1, h100) == ("native" if native else "jnp")
+    assert sinkhorn.resolved_impl("auto", "cpu", 1, h100) == ("jnp+native" if native
+                                                               else "jnp")
     assert sinkhorn.resolved_impl("auto", "cpu", 8) == "jnp"  # one device only
     assert sinkhorn.resolved_impl("native", "cpu", 1) == "native"
     assert sinkhorn.resolved_impl("native", "cpu", 8) == "native"

@@ -209,15 +209,32 @@ def _one_cpu_device(monkeypatch):
                         lambda backend=None: 1 if backend == "cpu" else count(backend))
 
 
+def _calls(impl, shapes):
+    """How many leaves of ``shapes`` the update lowered from them computes by the kernel."""
+    tree = {f"l{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+    return _lowered(impl, tree).count(f'@{sinkgd_native.TARGET}(')
+
+
 @needs_kernel
-def test_auto_takes_the_kernel_on_one_cpu_device_and_sage_kernels_off_turns_it_off(
-        monkeypatch):
-    grads = jax.device_put({"w": jnp.ones((8, 4))}, CPU)
+def test_auto_takes_the_kernel_for_large_leaves_on_one_cpu_device(monkeypatch):
+    """From :data:`CPU_NATIVE_BYTES` of float32 on (16 MiB: a leaf whose ``K`` would not stay
+    in this project's CPU's cache), in a process of one CPU device; ``"native"`` for all."""
+    at, below = (1024, 4096), (1024, 4095)  # 16 MiB and just under
+    assert 4 * 1024 * 4096 == sinkhorn.CPU_NATIVE_BYTES
     if jax.device_count("cpu") > 1:  # several devices: auto keeps XLA's path
-        assert sinkgd_native.TARGET not in _lowered("auto", grads)
+        assert _calls("auto", [at]) == 0
     _one_cpu_device(monkeypatch)
-    assert sinkhorn.CPU_NATIVE and sinkgd_native.TARGET in _lowered("auto", grads)
-    assert sinkgd_native.TARGET not in _lowered("jnp", grads)
+    assert _calls("auto", [at, below, (8, 4)]) == 1
+    assert _calls("auto", [(2, 1024, 2048)]) == 1  # a stack: its K is the whole leaf's
+    assert _calls("native", [at, below, (8, 4)]) == 3
+    assert _calls("jnp", [at]) == 0
+    assert sinkhorn.resolved_impl("auto", "cpu", 1) == "jnp+native"
+
+
+@needs_kernel
+def test_sage_kernels_off_turns_the_kernel_off(monkeypatch):
+    grads = jax.device_put({"w": jnp.ones((8, 4))}, CPU)
+    assert sinkgd_native.TARGET in _lowered("native", grads)
     monkeypatch.setenv("SAGE_KERNELS", "off")
     assert not kernels_enabled()
     assert sinkgd_native.TARGET not in _lowered("auto", grads)
@@ -231,6 +248,7 @@ def test_without_a_compiler_auto_keeps_xla_and_native_refuses(monkeypatch):
     reason = "no C++ compiler found ($CXX, c++, g++ or clang++)"
     monkeypatch.setattr(sinkgd_native, "status", lambda: sinkgd_native.Status(False, reason))
     _one_cpu_device(monkeypatch)
+    monkeypatch.setattr(sinkhorn, "CPU_NATIVE_BYTES", 0)  # every leaf would take it
     grads = jax.device_put({"w": jnp.asarray(_grads()["wide"])}, CPU)
     assert _lowered("auto", grads) == _lowered("jnp", grads)
     assert sinkhorn.resolved_impl("auto", "cpu", 1) == "jnp"
