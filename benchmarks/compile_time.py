@@ -21,7 +21,7 @@ seconds do.  The table gives the medians over the rounds and each configuration'
     python benchmarks/compile_time.py [--model 270m] [--configs sage-hybrid sinkgd-pure]
                                       [--what train update] [--repeats 3]
                                       [--cpu-grouping leaf|stack|sequence]
-                                      [--cpu-native on|off]
+                                      [--cpu-native on|off] [--impl native]
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ def _timed(lower: Callable[[], Any]) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, time.process_time() - cpu0
 
 
-def train_step_seconds(name: str, model: str, batch_size: int, seq_len: int
-                       ) -> tuple[float, float, float]:
+def train_step_seconds(name: str, model: str, batch_size: int, seq_len: int,
+                       impl: str = "auto") -> tuple[float, float, float]:
     """The cold compile of ``sage-train``'s train step with optimizer ``name``."""
-    cfg = TrainConfig(model=model, optimizer=name, batch_size=batch_size, seq_len=seq_len)
+    cfg = TrainConfig(model=model, optimizer=name, batch_size=batch_size, seq_len=seq_len,
+                      sinkgd_kernel=impl)
     vocab = get_model_config(model).vocab_size
 
     def lower() -> Any:
@@ -77,13 +78,13 @@ def train_step_seconds(name: str, model: str, batch_size: int, seq_len: int
     return _timed(lower)
 
 
-def update_seconds(name: str, model: str) -> tuple[float, float, float]:
+def update_seconds(name: str, model: str, impl: str = "auto") -> tuple[float, float, float]:
     """The cold compile of the donated update of optimizer ``name`` (per-layer float32)."""
     shapes = llama_param_shapes(get_model_config(model), jnp.float32, stacked=False)
 
     def lower() -> Any:
         tx = (optax.adamw(1e-4, b1=0.9, b2=0.99, weight_decay=0.01) if name == BASELINE
-              else sage_optax.make_optimizer(name))
+              else sage_optax.make_optimizer(name, impl=impl))
 
         def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
             u, s2 = tx.update(g, s, p)
@@ -102,9 +103,10 @@ def measure(args: argparse.Namespace, what: str) -> dict[str, list[tuple[float, 
     for r in range(args.repeats):
         for name in names:
             if what == "train":
-                t = train_step_seconds(name, args.model, args.batch_size, args.seq_len)
+                t = train_step_seconds(name, args.model, args.batch_size, args.seq_len,
+                                       args.impl)
             else:
-                t = update_seconds(name, args.model)
+                t = update_seconds(name, args.model, args.impl)
             runs[name].append(t)
             print(f"  round {r + 1}, {what} {name}: trace+lower {t[0]:.2f} s, compile "
                   f"{t[1]:.2f} s, CPU {t[2]:.2f} s", flush=True)
@@ -144,6 +146,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpu-grouping", choices=("leaf", "stack", "sequence"),
                         default=None, help="what SinkGD's grouping='auto' is on the CPU "
                         "for this run (default: the library's CPU_GROUPING)")
+    parser.add_argument("--impl", choices=_sinkgd.IMPLS, default="auto",
+                        help="SinkGD's impl for every configuration (default auto)")
     parser.add_argument("--cpu-native", choices=("on", "off"), default=None,
                         help="whether SinkGD's impl='auto' takes the native kernel on the "
                         "CPU for this run (default: the library's CPU_NATIVE; off: XLA's "
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         _sinkgd.CPU_NATIVE = args.cpu_native == "on"
     print(f"jax {jax.__version__}, optax {optax.__version__}, devices {jax.devices()}, "
           f"model {args.model}, SinkGD on the CPU: "
-          f"{_sinkgd.resolved_impl('auto', 'cpu', 1)} (grouping {_sinkgd.CPU_GROUPING})")
+          f"{_sinkgd.resolved_impl(args.impl, 'cpu', 1)} (grouping {_sinkgd.CPU_GROUPING})")
     for what in args.what:
         report(what, measure(args, what))
 
