@@ -7,8 +7,11 @@ and not counted; the figure is the median over ``--rounds``):
   of 1024 x 2816, 13 of 2816 x 1024), ``sage_optax.sinkgd(impl=...)`` against
   ``optax.adamw``, jitted and donated: time per update, the ratio to AdamW's, the compiled
   temporaries and the cold lower + compile seconds.
-- ``jax``: one matrix's scales, ``checked_sinkhorn_scales`` (``K``) against
-  ``blocked_sinkhorn_scales`` at each ``--blocks`` exponent.
+- ``jax``: the scales of ``--count`` matrices of one shape in one jitted program,
+  ``checked_sinkhorn_scales`` per matrix (``K``) against ``blocked_sinkhorn_scales`` at each
+  ``--blocks`` exponent, and with ``--sequence`` ``sequenced_sinkhorn_scales`` (the ``K``
+  path the CPU's ``auto`` runs), with ``--native`` the native kernel
+  (``sage_optax.sinkgd_native``).
 - ``torch``: one matrix's scales, ``sage_torch.sinkgd.sinkhorn_scales`` with ``K`` whole
   (``BLOCK_ELEMENTS = None``, the default) against blocks of ``2**b`` elements.
 
@@ -16,6 +19,8 @@ Usage (from the checkout, ``PYTHONPATH=$PWD``)::
 
     python benchmarks/sinkgd_scales.py matrices --impls jnp blocked --rounds 7
     python benchmarks/sinkgd_scales.py jax --shape 1024x2816 --blocks 16 18 19 --rounds 11
+    python benchmarks/sinkgd_scales.py jax --shape 1024x2816 --count 26 --blocks \
+        --sequence --native --rounds 7
     python benchmarks/sinkgd_scales.py torch --shape 2816x1024 --blocks 16 18 19 --rounds 9
 """
 
@@ -99,15 +104,29 @@ def _jax(args: argparse.Namespace) -> None:
 
     sinkgd = importlib.import_module("sage_optax.sinkgd")  # the module, not the alias
     shape = _shape(args.shape)
-    g = jnp.asarray(np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
+    rng = np.random.default_rng(0)
+    gs = [jnp.asarray(rng.standard_normal(shape, dtype=np.float32)) for _ in range(args.count)]
     res = Route("dense", -2, -1).resolve(shape, "w")
-    fns = {"K": jax.jit(lambda g: sinkgd.checked_sinkhorn_scales([g], res, 5, 1e-8, "unit"))}
+
+    def each(scales: Callable[..., object]) -> Callable[..., object]:
+        return jax.jit(lambda gs: [scales(g) for g in gs])
+
+    fns = {"K": each(lambda g: sinkgd.checked_sinkhorn_scales([g], res, 5, 1e-8, "unit"))}
     for b in args.blocks:
-        fns[f"blocks 2^{b}"] = jax.jit(lambda g, b=b: sinkgd.blocked_sinkhorn_scales(
+        fns[f"blocks 2^{b}"] = each(lambda g, b=b: sinkgd.blocked_sinkhorn_scales(
             [g], res, 5, 1e-8, "unit", block=2**b))
-    medians = interleaved({k: (lambda f=f: jax.block_until_ready(f(g))) for k, f in fns.items()},
+    if args.sequence:
+        fns["sequence"] = jax.jit(lambda gs: sinkgd.sequenced_sinkhorn_scales(
+            gs, res, 5, 1e-8, "unit") if len(gs) > 1 else
+            sinkgd.checked_sinkhorn_scales(gs, res, 5, 1e-8, "unit"))
+    if args.native:
+        from sage_optax import sinkgd_native
+
+        fns["native"] = each(lambda g: sinkgd_native.native_scales(g, res, 5, 1e-8, "unit"))
+    medians = interleaved({k: (lambda f=f: jax.block_until_ready(f(gs))) for k, f in fns.items()},
                           args.rounds)
-    _print(shape, medians)
+    print(f"{args.count} matrices of {shape[0]} x {shape[1]} in one program; per matrix:")
+    _print(shape, {k: t / args.count for k, t in medians.items()})
 
 
 def _torch(args: argparse.Namespace) -> None:
@@ -151,8 +170,11 @@ def main() -> None:
     p.add_argument("--impls", nargs="+", default=["jnp", "blocked"],
                    help="matrices: SinkGD's impl= values to time against optax.adamw")
     p.add_argument("--shape", default="1024x2816", help="jax, torch: ROWSxCOLS")
-    p.add_argument("--blocks", nargs="+", type=int, default=[16, 18, 19],
+    p.add_argument("--blocks", nargs="*", type=int, default=[16, 18, 19],
                    help="jax, torch: block sizes as exponents of two (elements)")
+    p.add_argument("--count", type=int, default=1, help="jax: matrices in one program")
+    p.add_argument("--sequence", action="store_true", help="jax: also the CPU's K sequence")
+    p.add_argument("--native", action="store_true", help="jax: also the native kernel")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch: torch.set_num_threads")
     args = p.parse_args()
