@@ -309,6 +309,21 @@ def matrix_view(axes: ResolvedRoute) -> tuple[int, int, int, bool] | None:
     return None
 
 
+def kernel_takes(g: Any, axes: ResolvedRoute, dtypes: tuple[Any, ...]) -> bool:
+    """Whether a SinkGD kernel (Pallas, native) can take leaf ``g``.
+
+    It needs a non-empty free :func:`matrix_view`, a dtype among ``dtypes``, and no sharding
+    over an explicit-axes mesh (the kernel would need the leaf whole on each device; XLA's
+    path partitions).
+    """
+    view = matrix_view(axes)
+    if view is None or min(view[:3]) == 0:
+        return False
+    if not any(jnp.dtype(g.dtype) == jnp.dtype(d) for d in dtypes):
+        return False
+    return isinstance(g, jax.ShapeDtypeStruct) or sharding_of(g) is None
+
+
 def sharding_of(x: jax.Array) -> Any:
     """``x``'s sharding when the mesh has explicit axes (a dot needs it there), else None."""
     sharding = jax.typeof(x).sharding

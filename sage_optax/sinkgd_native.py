@@ -147,12 +147,7 @@ def status() -> Status:
 
 def supports(g: Any, axes: ResolvedRoute) -> bool:
     """Whether the kernel can compute the scales of leaf ``g`` (see the module docstring)."""
-    view = matrix_view(axes)
-    if view is None or min(view[:3]) == 0:
-        return False
-    if not any(jnp.dtype(g.dtype) == jnp.dtype(d) for d in SUPPORTED_DTYPES):
-        return False
-    return isinstance(g, jax.ShapeDtypeStruct) or axes_lib.sharding_of(g) is None
+    return axes_lib.kernel_takes(g, axes, SUPPORTED_DTYPES)
 
 
 def native_scales(
