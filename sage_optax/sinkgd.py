@@ -127,6 +127,7 @@ CPU_BLOCKED: bool = False
 on ``K = G²`` with the range checks (:func:`checked_sinkhorn_scales`).  Off: on this
 project's CPU the ``K`` path was faster (XLA:CPU's matrix-vector products over a whole
 ``K`` against a loop of block products; ``benchmarks/RESULTS.md``, issue 41)."""
+
 CPU_NATIVE: bool = True
 """Whether ``impl="auto"`` computes the scales of large leaves on the CPU with the compiled
 kernel (:mod:`sage_optax.sinkgd_native`; those of at least :data:`CPU_NATIVE_BYTES`), where it
@@ -139,8 +140,8 @@ scales ``impl="auto"`` computes with the native kernel on the CPU.  Below it the
 project's CPU (16 MiB of L3: a 1024 x 2816 matrix, 11 MiB, 2.1 against 3.3 ms); above it
 ``K`` does not, and the kernel, which reads ``G`` once per iteration, was faster (1536 x
 4096, 24 MiB: 7.7 against 9.7 ms; 2048 x 5632: 14.4 against 20.6 ms; the 270M model's
-501 MiB embedding under sinkgd-pure: the update 1.39x ``optax.adamw``'s time against 1.88x,
-its temporaries 1.4 against 503 MiB; ``benchmarks/RESULTS.md``, issue 41)."""
+501 MiB embedding under sinkgd-pure: the update 1.35x ``optax.adamw``'s time against 2.16x,
+its temporaries 11.6 against 503 MiB; ``benchmarks/RESULTS.md``, issue 41)."""
 
 _KERNEL = axes_lib.KERNEL  # a Flax kernel (in, out), leading axes stacked
 
@@ -1182,9 +1183,10 @@ def scale_by_sinkhorn(
         single GPU where ``scripts/gpu-check`` has validated it (none yet: slower on an
         H100) and the jnp path
         elsewhere; ``"stream"`` and ``"blocked"`` compute without ``K`` (every platform);
-        ``"native"`` runs the compiled CPU kernel on CPU arrays (:func:`use_native`:
-        ``"auto"`` takes it there where it builds), ``"auto"`` elsewhere.  All compute the
-        same math (float32 within rounding, not bit for bit).
+        ``"native"`` runs the compiled CPU kernel on CPU arrays, ``"auto"`` elsewhere
+        (:func:`use_native`: ``"auto"`` takes it on one CPU device for leaves of at least
+        :data:`CPU_NATIVE_BYTES`, where it builds).  All compute the same math (float32
+        within rounding, not bit for bit).
 
     Returns:
       An ``optax.GradientTransformation`` with empty state.  A leaf with fewer than two
