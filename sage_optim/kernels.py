@@ -2,11 +2,13 @@
 
 sage-optim has hand-written kernels in both frameworks: :mod:`sage_optax`'s Pallas kernel for
 SinkGD's scales (``impl="auto"|"pallas"``) and :mod:`sage_torch`'s Triton kernels
-(``fused=True``).  When a kernel fails on a user's GPU (a driver, a Triton or a jaxlib the
-project has not run on), ``SAGE_KERNELS=off`` in the environment turns all of them off
-without a code change: every update then takes the framework's reference path (jnp, foreach
-or single-tensor), which computes the same math.  An explicit request for a kernel
-(``impl="pallas"``, ``fused=True``) is overridden too, with a one-time warning that says so.
+(``fused=True``); the switch also covers :mod:`sage_optax`'s compiled CPU kernel for SinkGD's
+scales (``impl="auto"|"native"``, :mod:`sage_optax.sinkgd_native`).  When a kernel fails on
+a user's GPU (a driver, a Triton or a jaxlib the project has not run on),
+``SAGE_KERNELS=off`` in the environment turns all of them off without a code change: every
+update then takes the framework's reference path (jnp, foreach or single-tensor), which
+computes the same math.  An explicit request for a kernel (``impl="pallas"``,
+``fused=True``) is overridden too, with a one-time warning that says so.
 
 Defaults: a GPU path becomes a default (``impl="auto"``, ``--attention auto``, torch's
 choice with neither ``foreach`` nor ``fused``) only once ``scripts/gpu-check`` on that GPU has
