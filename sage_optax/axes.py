@@ -309,6 +309,16 @@ def matrix_view(axes: ResolvedRoute) -> tuple[int, int, int, bool] | None:
     return None
 
 
+def scale_shapes(axes: ResolvedRoute) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a leaf's SinkGD scales ``(c, r)``.
+
+    ``c``: the leaf's shape without its fan-out axes; ``r``: without its fan-in axes.
+    """
+    c = tuple(n for a, n in enumerate(axes.shape) if a not in axes.fan_out)
+    r = tuple(n for a, n in enumerate(axes.shape) if a not in axes.fan_in)
+    return c, r
+
+
 def kernel_takes(g: Any, axes: ResolvedRoute, dtypes: tuple[Any, ...]) -> bool:
     """Whether a SinkGD kernel (Pallas, native) can take leaf ``g``.
 

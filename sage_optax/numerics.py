@@ -11,8 +11,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sage_optim.routing import ResolvedRoute
+
+
+def norm_target(normalization: str, size: int) -> float:
+    """SinkGD's norm target ``t`` of an axis group of ``size`` entries, as a Python float.
+
+    ``1`` for ``"unit"``; for ``"sqrt"``, ``sqrt(size)`` rounded to float32 (as the jnp path
+    computes it).
+    """
+    return 1.0 if normalization == "unit" else float(np.sqrt(np.float32(size)))
 
 
 def pow2_floor(amax: jax.Array) -> jax.Array:

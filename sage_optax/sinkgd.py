@@ -581,9 +581,7 @@ def blocked_sinkhorn_scales(
     # X = c·(G/m)·r = (c·2^-a)·G·(r·2^-b) with 2^a·2^b = m, as _iterate
     half = pow2_sqrt_floor(m)
     c, r = c / half, r / (m / half)
-    shape = tuple(g.shape)
-    c_shape = tuple(n for a, n in enumerate(shape) if a not in axes.fan_out)
-    r_shape = tuple(n for a, n in enumerate(shape) if a not in axes.fan_in)
+    c_shape, r_shape = axes_lib.scale_shapes(axes)
     return c.reshape(c_shape), r.reshape(r_shape)
 
 

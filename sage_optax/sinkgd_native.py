@@ -53,6 +53,7 @@ import numpy as np
 
 from sage_optax import axes as axes_lib
 from sage_optax.axes import matrix_view
+from sage_optax.numerics import norm_target
 from sage_optim.routing import ResolvedRoute
 
 SOURCE: Path = Path(__file__).parent / "native" / "sinkhorn_cpu.cc"
@@ -175,18 +176,14 @@ def native_scales(
     view = matrix_view(axes)
     assert view is not None, axes
     batch, n_rows, n_cols, rows_are_fan_in = view
-
-    def target(size: int) -> Any:
-        return 1.0 if normalization == "unit" else np.sqrt(np.float32(size))
-
     params = jnp.stack([jnp.asarray(x, jnp.float32) for x in (
-        eps, target(axes.fan_in_size), target(axes.fan_out_size))])
+        eps, norm_target(normalization, axes.fan_in_size),
+        norm_target(normalization, axes.fan_out_size))])
     out = (jax.ShapeDtypeStruct((batch, n_rows), jnp.float32),
            jax.ShapeDtypeStruct((batch, n_cols), jnp.float32))
     row_s, col_s = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(
         g.reshape(batch, n_rows, n_cols), params, jnp.asarray(num_iters, jnp.int32),
         rows_in=np.int32(rows_are_fan_in))
     c, r = (row_s, col_s) if rows_are_fan_in else (col_s, row_s)
-    keep_c = [d for a, d in enumerate(axes.shape) if a not in axes.fan_out]
-    keep_r = [d for a, d in enumerate(axes.shape) if a not in axes.fan_in]
-    return c.reshape(keep_c), r.reshape(keep_r)
+    c_shape, r_shape = axes_lib.scale_shapes(axes)
+    return c.reshape(c_shape), r.reshape(r_shape)

@@ -47,13 +47,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from sage_optax import axes as axes_lib
 from sage_optax.axes import matrix_view
-from sage_optax.numerics import pow2_sqrt_floor, range_scale
+from sage_optax.numerics import norm_target, pow2_sqrt_floor, range_scale
 from sage_optim.routing import ResolvedRoute
 
 KERNEL_GROUP_BYTES: int = 32 * 2**20
@@ -178,11 +177,6 @@ def _view_scales(
     return jax.lax.fori_loop(0, num_iters, body, (c, r))
 
 
-def _target(normalization: str, size: int) -> float:
-    """``t`` as the jnp path computes it in float32 (``1`` or ``sqrt(size)``)."""
-    return 1.0 if normalization == "unit" else float(np.sqrt(np.float32(size)))
-
-
 def pallas_scales(
     gs: list[jax.Array],
     axes: ResolvedRoute,
@@ -223,11 +217,11 @@ def pallas_scales(
     m_b = m.reshape(batch)
     c, r = _view_scales(
         g.reshape(batch, n_rows, n_cols), m_b, rows_are_fan_in, num_iters, eps,
-        _target(normalization, axes.fan_in_size), _target(normalization, axes.fan_out_size),
+        norm_target(normalization, axes.fan_in_size),
+        norm_target(normalization, axes.fan_out_size),
         interpret,
     )
     half = pow2_sqrt_floor(m_b)
     c, r = c / half[:, None], r / (m_b / half)[:, None]
-    keep_c = [d for a, d in enumerate(axes.shape) if a not in axes.fan_out]
-    keep_r = [d for a, d in enumerate(axes.shape) if a not in axes.fan_in]
-    return c.reshape(keep_c), r.reshape(keep_r)
+    c_shape, r_shape = axes_lib.scale_shapes(axes)
+    return c.reshape(c_shape), r.reshape(r_shape)
